@@ -1,0 +1,54 @@
+"""The attention backend interface and the host-side description of a batch it turns into tensors.
+
+A step's tokens are laid out flat, decodes (one new token each) first, then prefill chunks.
+Each sequence brings `num_context_tokens` tokens already in the paged cache and `query_len`
+new ones whose K/V this step writes through the slot mapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """One sequence of a step: how many new tokens, how much context before them, its blocks."""
+
+    query_len: int
+    num_context_tokens: int
+    block_table: list[int]
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_context_tokens + self.query_len
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """All sequences of a step in batch order (decodes first); plain data, no tensors."""
+
+    sequences: list[SequenceLayout]
+    num_decodes: int
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(sequence.query_len for sequence in self.sequences)
+
+
+class AttentionBackend(Protocol):
+    """Turns a BatchLayout into backend metadata once a step, then runs every layer with it."""
+
+    def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> Any: ...
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: Any,
+    ) -> torch.Tensor: ...  # [T, num_heads, head_dim]

@@ -1,0 +1,171 @@
+"""Paged attention on PyTorch's fused scaled-dot-product kernels (flash-style, no score matrix).
+
+- Prefill with no cached context attends to its own fresh K/V (causal): no cache read.
+- Prefill on top of cached context (a prefix-cache hit or an earlier chunk) runs two fused
+  calls, one over the cached context (no mask) and one causal over the new tokens, and merges
+  them with their log-sum-exps, so no [query, context] mask is ever built.
+- Decodes are batched: their contexts are gathered through the block tables, padded to the
+  longest, and masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from firsttoken.attention.backend import BatchLayout, SequenceLayout
+
+
+@dataclass
+class PrefillSpan:
+    """One prefill chunk: rows [query_start, query_start + query_len) of the batch."""
+
+    query_start: int
+    query_len: int
+    num_context_tokens: int
+    context_block_ids: torch.Tensor | None  # long [ceil(num_context_tokens / block_size)]
+
+
+@dataclass
+class SDPAMetadata:
+    slot_mapping: torch.Tensor  # long [T]
+    num_decodes: int
+    decode_block_table: torch.Tensor | None  # long [num_decodes, max_blocks]
+    decode_key_mask: torch.Tensor | None  # bool [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillSpan]
+
+
+class SDPABackend:
+    """Attention through torch's fused SDPA kernels over the paged KV cache."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> SDPAMetadata:
+        decodes = layout.sequences[: layout.num_decodes]
+        decode_block_table = decode_key_mask = None
+        if decodes:
+            decode_block_table, decode_key_mask = _decode_tables(decodes, layout.block_size, self.device)
+        prefills = []
+        query_start = layout.num_decodes
+        for sequence in layout.sequences[layout.num_decodes :]:
+            context_block_ids = None
+            if sequence.num_context_tokens:
+                num_context_blocks = -(-sequence.num_context_tokens // layout.block_size)
+                context_block_ids = torch.tensor(
+                    sequence.block_table[:num_context_blocks], dtype=torch.long, device=self.device
+                )
+            prefills.append(
+                PrefillSpan(query_start, sequence.query_len, sequence.num_context_tokens, context_block_ids)
+            )
+            query_start += sequence.query_len
+        return SDPAMetadata(
+            slot_mapping=slot_mapping,
+            num_decodes=layout.num_decodes,
+            decode_block_table=decode_block_table,
+            decode_key_mask=decode_key_mask,
+            prefills=prefills,
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: SDPAMetadata,
+    ) -> torch.Tensor:
+        write_kv(kv_cache, key, value, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        if metadata.num_decodes:
+            output[: metadata.num_decodes] = _decode_attention(
+                query[: metadata.num_decodes], kv_cache, metadata
+            )
+        for span in metadata.prefills:
+            rows = slice(span.query_start, span.query_start + span.query_len)
+            output[rows] = _prefill_attention(query[rows], key[rows], value[rows], kv_cache, span)
+        return output
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's K/V at their slots (block_id * block_size + offset)."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [num_tokens, num_kv_heads, head_dim] of one sequence's first `num_tokens` tokens."""
+    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    keys = kv_cache[0].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:num_tokens]
+    values = kv_cache[1].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:num_tokens]
+    return keys, values
+
+
+def _decode_tables(
+    decodes: list[SequenceLayout], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block table [B, max_blocks] (padded with block 0) and key mask [B, 1, 1, max_blocks * bs]."""
+    blocks_per_sequence = [-(-sequence.seq_len // block_size) for sequence in decodes]
+    max_blocks = max(blocks_per_sequence)
+    table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
+    for row, (sequence, num_blocks) in enumerate(zip(decodes, blocks_per_sequence)):
+        table[row, :num_blocks] = torch.tensor(sequence.block_table[:num_blocks], dtype=torch.long)
+    seq_lens = torch.tensor([sequence.seq_len for sequence in decodes], dtype=torch.long)
+    key_positions = torch.arange(max_blocks * block_size)
+    mask = (key_positions[None, :] < seq_lens[:, None])[:, None, None, :]
+    return table.to(device), mask.to(device)
+
+
+def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:
+    num_decodes, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[-2]
+    group = num_heads // num_kv_heads
+    table = metadata.decode_block_table
+    # [B, max_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D]
+    keys = kv_cache[0][table].flatten(1, 2).transpose(1, 2)
+    values = kv_cache[1][table].flatten(1, 2).transpose(1, 2)
+    # One new token per sequence, so the query heads sharing a KV head fold into its rows.
+    grouped_query = query.view(num_decodes, num_kv_heads, group, head_dim)
+    output = F.scaled_dot_product_attention(grouped_query, keys, values, attn_mask=metadata.decode_key_mask)
+    return output.reshape(num_decodes, num_heads, head_dim)
+
+
+def _prefill_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
+) -> torch.Tensor:
+    # [n, heads, D] -> [1, heads, n, D]
+    query_t = query.transpose(0, 1).unsqueeze(0)
+    key_t = key.transpose(0, 1).unsqueeze(0)
+    value_t = value.transpose(0, 1).unsqueeze(0)
+    if not span.num_context_tokens:
+        output = F.scaled_dot_product_attention(query_t, key_t, value_t, is_causal=True, enable_gqa=True)
+        return output.squeeze(0).transpose(0, 1)
+    context_keys, context_values = gather_context(kv_cache, span.context_block_ids, span.num_context_tokens)
+    context_output, context_lse = _flash_with_lse(
+        query_t, context_keys.transpose(0, 1).unsqueeze(0), context_values.transpose(0, 1).unsqueeze(0), causal=False
+    )
+    new_output, new_lse = _flash_with_lse(query_t, key_t, value_t, causal=True)
+    merged = merge_attention_states(context_output, context_lse, new_output, new_lse)
+    return merged.squeeze(0).transpose(0, 1)
+
+
+def _flash_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, heads, n, D] output and its [1, heads, n] log-sum-exp of the scaled scores."""
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal)
+    return output, lse
+
+
+def merge_attention_states(
+    output_a: torch.Tensor, lse_a: torch.Tensor, output_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Softmax over the union of two key sets, from each set's normalized output and LSE."""
+    lse_max = torch.maximum(lse_a, lse_b)
+    weight_a = torch.exp(lse_a - lse_max).unsqueeze(-1)
+    weight_b = torch.exp(lse_b - lse_max).unsqueeze(-1)
+    merged = (output_a.float() * weight_a + output_b.float() * weight_b) / (weight_a + weight_b)
+    return merged.to(output_a.dtype)

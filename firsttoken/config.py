@@ -1,0 +1,247 @@
+"""Engine configuration: one frozen dataclass per subsystem, composed into EngineConfig.
+
+Every field carries a one-line help text (with its unit) in its metadata; the CLI and the
+server build their flags from these, so a new field is a new flag everywhere at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda", "npu")
+
+
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
+
+def _require(condition: bool, field_name: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to run, in which dtype, on which device."""
+
+    model: str | None = field(
+        default=None,
+        metadata=_help("GGUF file or Hugging Face folder; default: the embedded SmolLM2-135M-Instruct"),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_help("compute dtype: auto | float32 | bfloat16 | float16", choices=DTYPES),
+    )
+    device: str = field(
+        default="auto", metadata=_help("device: auto | cpu | cuda | npu", choices=DEVICES)
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_help("longest context (prompt + output) in tokens; default: the model's own"),
+    )
+    seed: int = field(default=0, metadata=_help("seed of the sampler for requests without a seed"))
+    num_threads: int | None = field(
+        default=None, metadata=_help("CPU threads for compute; default: the physical cores")
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.device in DEVICES, "device", f"must be one of {DEVICES}, got {self.device!r}")
+        _require(
+            self.max_model_len is None or self.max_model_len >= 1,
+            "max_model_len",
+            f"must be >= 1, got {self.max_model_len}",
+        )
+        _require(
+            self.num_threads is None or self.num_threads >= 1,
+            "num_threads",
+            f"must be >= 1, got {self.num_threads}",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Shape and size of the paged KV cache."""
+
+    block_size: int = field(default=16, metadata=_help("tokens per KV block"))
+    kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata=_help("bytes for the KV cache; default: kv_cache_memory_fraction of free memory"),
+    )
+    kv_cache_memory_fraction: float = field(
+        default=0.1,
+        metadata=_help("fraction of free RAM / device memory for the KV cache, in (0, 0.95]"),
+    )
+
+    def __post_init__(self) -> None:
+        _require(
+            1 <= self.block_size <= 1024,
+            "block_size",
+            f"must be in [1, 1024], got {self.block_size}",
+        )
+        _require(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            "kv_cache_memory_bytes",
+            f"must be > 0, got {self.kv_cache_memory_bytes}",
+        )
+        _require(
+            0 < self.kv_cache_memory_fraction <= 0.95,
+            "kv_cache_memory_fraction",
+            f"must be in (0, 0.95], got {self.kv_cache_memory_fraction}",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of continuous batching."""
+
+    max_num_seqs: int = field(default=64, metadata=_help("requests running at once"))
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=_help("tokens one engine step may compute (prefill and decode)")
+    )
+    max_waiting_requests: int | None = field(
+        default=None, metadata=_help("requests allowed to wait; more are refused; default: no limit")
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            f"must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _require(
+            self.max_waiting_requests is None or self.max_waiting_requests >= 1,
+            "max_waiting_requests",
+            f"must be >= 1, got {self.max_waiting_requests}",
+        )
+
+
+@dataclass(frozen=True)
+class ChunkedPrefillConfig:
+    """How a long prompt is split over steps so that it never blocks other requests."""
+
+    enable: bool = field(default=True, metadata=_help("split long prefills into chunks"))
+    chunk_size: Union[int, Literal["auto"]] = field(
+        default="auto",
+        metadata=_help("prefill tokens per step: an int, or auto (chosen from load and a cost model)"),
+    )
+    itl_target_ms: float = field(
+        default=100.0,
+        metadata=_help("inter-token latency a step should stay under while decodes run, in ms"),
+    )
+    min_chunk_size: int = field(
+        default=32, metadata=_help("smallest prefill budget auto picks while decodes run, in tokens")
+    )
+    max_prefill_only_steps: int = field(
+        default=4,
+        metadata=_help("consecutive steps that may leave waiting decodes out (decode never starves)"),
+    )
+    aging_steps: int = field(
+        default=32,
+        metadata=_help("steps after which a waiting prefill goes before shorter ones (no starvation)"),
+    )
+
+    def __post_init__(self) -> None:
+        _require(
+            self.chunk_size == "auto" or (isinstance(self.chunk_size, int) and self.chunk_size >= 1),
+            "chunk_size",
+            f"must be 'auto' or an int >= 1, got {self.chunk_size!r}",
+        )
+        _require(self.itl_target_ms > 0, "itl_target_ms", f"must be > 0, got {self.itl_target_ms}")
+        _require(
+            self.min_chunk_size >= 1, "min_chunk_size", f"must be >= 1, got {self.min_chunk_size}"
+        )
+        _require(
+            self.max_prefill_only_steps >= 1,
+            "max_prefill_only_steps",
+            f"must be >= 1, got {self.max_prefill_only_steps}",
+        )
+        _require(self.aging_steps >= 1, "aging_steps", f"must be >= 1, got {self.aging_steps}")
+
+
+@dataclass(frozen=True)
+class PromptCacheConfig:
+    """Cross-request reuse of the KV of shared prefixes."""
+
+    enable: bool = field(default=True, metadata=_help("reuse the KV of prefixes seen before"))
+    persist_dir: str | None = field(
+        default=None,
+        metadata=_help("folder where pinned prefixes' KV is saved and restored across restarts"),
+    )
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Which attention implementation runs."""
+
+    backend: str = field(
+        default="auto", metadata=_help("attention backend: auto | sdpa", choices=("auto", "sdpa"))
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.backend in ("auto", "sdpa"), "backend", f"unknown backend {self.backend!r}")
+
+
+SUBCONFIGS: dict[str, type] = {
+    "model_config": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "chunked_prefill": ChunkedPrefillConfig,
+    "prompt_cache": PromptCacheConfig,
+    "attention": AttentionConfig,
+}
+
+# Flat keyword names that would be ambiguous across subsystems get a prefix.
+_FLAT_ALIASES: dict[tuple[str, str], str] = {
+    ("chunked_prefill", "enable"): "enable_chunked_prefill",
+    ("prompt_cache", "enable"): "enable_prompt_cache",
+    ("prompt_cache", "persist_dir"): "prompt_cache_dir",
+    ("attention", "backend"): "attention_backend",
+}
+
+
+def flat_name(section: str, field_name: str) -> str:
+    """The keyword / CLI name of one config field."""
+    return _FLAT_ALIASES.get((section, field_name), field_name)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start, one frozen record per subsystem."""
+
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    chunked_prefill: ChunkedPrefillConfig = field(default_factory=ChunkedPrefillConfig)
+    prompt_cache: PromptCacheConfig = field(default_factory=PromptCacheConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keywords (`block_size=32`) and/or whole sections (`cache=CacheConfig()`).
+
+        Unknown keywords raise a ValueError naming them, so a typo is never silently ignored.
+        """
+        sections: dict[str, Any] = {}
+        for section in SUBCONFIGS:
+            if section in kwargs and kwargs[section] is not None:
+                sections[section] = kwargs.pop(section)
+        per_section: dict[str, dict[str, Any]] = {section: {} for section in SUBCONFIGS}
+        for section, section_cls in SUBCONFIGS.items():
+            for config_field in dataclasses.fields(section_cls):
+                name = flat_name(section, config_field.name)
+                if name in kwargs:
+                    per_section[section][config_field.name] = kwargs.pop(name)
+        if kwargs:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
+        built: dict[str, Any] = {}
+        for section, section_cls in SUBCONFIGS.items():
+            base = sections.get(section, section_cls())
+            if not isinstance(base, section_cls):
+                raise ValueError(f"{section}: expected {section_cls.__name__}, got {type(base).__name__}")
+            built[section] = dataclasses.replace(base, **per_section[section])
+        return cls(**built)

@@ -1,0 +1,69 @@
+"""The boundary between scheduler and model runner: plain data, no tensors, no Request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from firsttoken.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How to pick the token after a scheduled chunk, and which output token it will be."""
+
+    sampling_params: SamplingParams
+    output_index: int  # 0 for the first generated token; makes seeded sampling reproducible
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's work in a step: compute KV for `token_ids` at positions from `start_position`."""
+
+    req_id: str
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    sample: SampleSpec | None  # None while a prompt's chunk does not reach its last token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything the runner needs for one step."""
+
+    chunks: list[ScheduledChunk]
+    token_budget: int
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """A sampled token, with its log-probability and the top alternatives when asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """What one step produced: a token for each chunk that samples."""
+
+    sampled: dict[str, SampledToken]

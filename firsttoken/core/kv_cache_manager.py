@@ -1,0 +1,166 @@
+"""KVCacheManager: which blocks each request holds, prefix-cache lookups and pinned prefixes.
+
+It hands out block ids and never touches tensors. Allocation failure is `False`/`None`, never
+a partial allocation: a request either gets every block it asked for or nothing changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from firsttoken.core.block_pool import BlockPool, KVBlock
+from firsttoken.core.hashing import BlockHash
+from firsttoken.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups in tokens, over the engine's life (vLLM's queries / hits)."""
+
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class KVCacheManager:
+    """Maps requests to blocks; owns the block pool, the per-request block lists and the pins."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.stats = PrefixCacheStats()
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._num_registered_blocks: dict[str, int] = {}
+        self._pins: dict[str, list[KVBlock]] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return [block.block_id for block in self._blocks.get(req_id, ())]
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """The longest run of cached blocks that starts the request's tokens.
+
+        The last token is always left to compute, since its logits give the next token.
+        """
+        if not self.enable_caching:
+            return []
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def admit(self, request: Request, cached_prefix: list[KVBlock], num_new_tokens: int) -> bool:
+        """Give a request its cached prefix plus blocks for `num_new_tokens` more tokens."""
+        num_prefix_tokens = len(cached_prefix) * self.block_size
+        num_new_blocks = num_blocks_for(num_prefix_tokens + num_new_tokens, self.block_size) - len(cached_prefix)
+        num_revived = sum(1 for block in cached_prefix if block.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.pool.num_free_blocks:
+            return False
+        self.pool.touch(cached_prefix)
+        new_blocks = self.pool.allocate(num_new_blocks)
+        assert new_blocks is not None  # checked above
+        self._blocks[request.req_id] = list(cached_prefix) + new_blocks
+        self._num_registered_blocks[request.req_id] = len(cached_prefix)
+        if self.enable_caching:
+            self.stats.num_query_tokens += request.num_tokens
+            self.stats.num_hit_tokens += num_prefix_tokens
+        return True
+
+    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
+        """Make room for `num_new_tokens` more tokens of an admitted request."""
+        blocks = self._blocks[request.req_id]
+        num_needed = num_blocks_for(request.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
+        if num_needed <= 0:
+            return True
+        new_blocks = self.pool.allocate(num_needed)
+        if new_blocks is None:
+            return False
+        blocks.extend(new_blocks)
+        return True
+
+    def register_computed_blocks(self, request: Request) -> None:
+        """Index the request's blocks that are now full of computed KV under their prefix hash."""
+        if not self.enable_caching:
+            return
+        blocks = self._blocks[request.req_id]
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        for index in range(self._num_registered_blocks[request.req_id], num_full):
+            self.pool.cache(blocks[index], request.block_hashes[index])
+        self._num_registered_blocks[request.req_id] = max(num_full, self._num_registered_blocks[request.req_id])
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its tail is evicted before its head."""
+        blocks = self._blocks.pop(request.req_id, [])
+        self._num_registered_blocks.pop(request.req_id, None)
+        self.pool.release(reversed(blocks))
+
+    def holds(self, req_id: str) -> bool:
+        return req_id in self._blocks
+
+    def pin(self, pin_id: str, block_hashes: list[BlockHash]) -> int:
+        """Keep the cached blocks of a prefix resident until unpinned; returns pinned tokens."""
+        if pin_id in self._pins:
+            raise ValueError(f"prefix {pin_id!r} is already pinned")
+        blocks = []
+        for block_hash in block_hashes:
+            block = self.pool.cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        self.pool.touch(blocks)
+        self._pins[pin_id] = blocks
+        return len(blocks) * self.block_size
+
+    def unpin(self, pin_id: str) -> None:
+        blocks = self._pins.pop(pin_id, None)
+        if blocks is None:
+            raise ValueError(f"no pinned prefix {pin_id!r}")
+        self.pool.release(reversed(blocks))
+
+    @property
+    def pin_ids(self) -> list[str]:
+        return list(self._pins)
+
+    def pinned_block_ids(self, pin_id: str) -> list[int]:
+        return [block.block_id for block in self._pins[pin_id]]
+
+    def pinned_block_hashes(self, pin_id: str) -> list[BlockHash]:
+        return [block.block_hash for block in self._pins[pin_id] if block.block_hash is not None]
+
+    def adopt_pinned_blocks(self, pin_id: str, block_hashes: list[BlockHash]) -> list[int] | None:
+        """Allocate, index and pin blocks for a prefix whose KV the caller is about to write
+        (restoring a persisted prefix); None if the pool lacks room or caching is off."""
+        if not self.enable_caching or pin_id in self._pins:
+            return None
+        blocks = self.pool.allocate(len(block_hashes))
+        if blocks is None:
+            return None
+        for block, block_hash in zip(blocks, block_hashes):
+            self.pool.cache(block, block_hash)
+        self._pins[pin_id] = blocks
+        return [block.block_id for block in blocks]
+
+    def reset_prefix_cache(self) -> None:
+        """Unpin everything and forget every cached prefix."""
+        for pin_id in list(self._pins):
+            self.unpin(pin_id)
+        self.pool.reset_prefix_cache()

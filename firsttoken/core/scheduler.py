@@ -1,0 +1,333 @@
+"""Scheduler: continuous batching over one counter per request.
+
+Each step serves every running decode first, then fills the rest of the token budget with
+prefill chunks in policy order (priority, aging, fewest remaining tokens). When KV blocks run
+out, the most recently admitted request is preempted: its blocks are freed and it is
+recomputed later from its tokens, so every request eventually finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
+from firsttoken.core.batch import ModelOutput, SampledToken, SampleSpec, ScheduledChunk, SchedulerOutput
+from firsttoken.core.hashing import BlockHash, extend_block_hashes
+from firsttoken.core.kv_cache_manager import KVCacheManager, num_blocks_for
+from firsttoken.core.policy import StepCostModel, StepLoad, adaptive_prefill_budget, prefill_order_key
+from firsttoken.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting_requests`; the caller should retry later."""
+
+
+@dataclass
+class SchedulerStats:
+    """Counters over the engine's life."""
+
+    num_preemptions: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_steps: int = 0
+    last_prefill_budget: int = 0
+
+
+@dataclass
+class RequestProgress:
+    """What one step did to one request."""
+
+    request: Request
+    sampled: SampledToken | None
+
+
+class Scheduler:
+    """Owns the waiting and running queues and every live Request."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        chunked_prefill: ChunkedPrefillConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        hash_root: BlockHash,
+    ) -> None:
+        if config.max_num_batched_tokens < config.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens: must be >= max_num_seqs ({config.max_num_seqs}) so that "
+                f"every running decode fits in a step, got {config.max_num_batched_tokens}"
+            )
+        self.config = config
+        self.chunked_prefill = chunked_prefill
+        self.kv = kv_manager
+        self.block_size = kv_manager.block_size
+        self.max_model_len = max_model_len
+        self.hash_root = hash_root
+        self.cost_model: StepCostModel | None = None
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_index = 0
+        self.stats = SchedulerStats()
+
+    # -- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.validate_capacity(request.num_prompt_tokens, request.max_total_tokens - request.num_prompt_tokens)
+        if request.req_id in self.requests:
+            raise ValueError(f"request_id: {request.req_id!r} is already in use")
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} requests)")
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, self.hash_root)
+        request.enqueued_step = self.step_index
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def validate_capacity(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError if a request of this size could never run, whatever the load."""
+        if num_prompt_tokens < 1:
+            raise ValueError("prompt: must hold at least one token")
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is "
+                f"{total}, longer than max_model_len ({self.max_model_len})"
+            )
+        needed = num_blocks_for(total, self.block_size)
+        if needed > self.kv.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt plus max_tokens needs {needed} KV blocks, but the KV cache "
+                f"holds {self.kv.num_blocks}; raise kv_cache_memory_bytes or lower max_tokens"
+            )
+
+    def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
+        """End a request now (stop string, abort): its blocks go back to the pool."""
+        request = self.requests.pop(req_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        request.timestamps.finished = time.perf_counter()
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_index += 1
+        scheduled: dict[str, int] = {}
+        preempted: list[str] = []
+        self._schedule_decodes(scheduled, preempted)
+        prefill_budget = self._prefill_budget(num_decodes=len(scheduled))
+        token_budget = min(self.config.max_num_batched_tokens, len(scheduled) + prefill_budget)
+        self._schedule_prefills(scheduled, preempted, token_budget - len(scheduled))
+        self.stats.last_prefill_budget = prefill_budget
+        return SchedulerOutput(
+            chunks=self._build_chunks(scheduled), token_budget=token_budget, preempted_req_ids=preempted
+        )
+
+    def _schedule_decodes(self, scheduled: dict[str, int], preempted: list[str]) -> None:
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING or request.num_uncomputed_tokens != 1:
+                continue
+            if self._allocate_or_preempt(request, 1, scheduled, preempted):
+                scheduled[request.req_id] = 1
+
+    def _prefill_budget(self, num_decodes: int) -> int:
+        max_chunk = self.config.max_num_batched_tokens
+        chunk_size = self.chunked_prefill.chunk_size
+        if not self.chunked_prefill.enable:
+            return max_chunk
+        if chunk_size != "auto":
+            return min(chunk_size, max_chunk)
+        if self.cost_model is None:
+            return max_chunk
+        candidates = self._prefill_candidates()
+        load = StepLoad(
+            num_decodes=num_decodes,
+            decode_context_tokens=sum(r.num_computed_tokens for r in self.running if r.num_uncomputed_tokens == 1),
+            num_prefill_candidates=len(candidates),
+            head_prefill_context_tokens=candidates[0].num_computed_tokens if candidates else 0,
+        )
+        budget = adaptive_prefill_budget(
+            load,
+            self.cost_model,
+            self.chunked_prefill.itl_target_ms / 1000,
+            min(self.chunked_prefill.min_chunk_size, max_chunk),
+            max_chunk,
+        )
+        logger.debug("step %d: prefill budget %d for %s", self.step_index, budget, load)
+        return budget
+
+    def _prefill_candidates(self) -> list[Request]:
+        partial = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        candidates = partial + self.waiting
+        candidates.sort(key=lambda r: prefill_order_key(r, self.step_index, self.chunked_prefill.aging_steps))
+        return candidates
+
+    def _schedule_prefills(self, scheduled: dict[str, int], preempted: list[str], budget: int) -> None:
+        is_first_prefill = True
+        for request in self._prefill_candidates():
+            if budget <= 0:
+                break
+            if request.req_id in scheduled or request.req_id not in self.requests:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                num_new = self._chunk_len(request.num_uncomputed_tokens, budget, is_first_prefill)
+                if num_new == 0 or not self._allocate_or_preempt(request, num_new, scheduled, preempted):
+                    continue
+            else:
+                if preempted or len(self.running) >= self.config.max_num_seqs:
+                    continue
+                num_new = self._admit(request, budget, is_first_prefill)
+                if num_new is None:
+                    break  # out of blocks: later requests must not jump a stuck large one
+                if num_new == 0:
+                    continue
+            scheduled[request.req_id] = num_new
+            budget -= num_new
+            is_first_prefill = False
+
+    def _chunk_len(self, num_remaining: int, budget: int, is_first_prefill: bool) -> int:
+        if self.chunked_prefill.enable:
+            return min(num_remaining, budget)
+        # Without chunking a prompt runs whole; one larger than the budget runs alone.
+        return num_remaining if num_remaining <= budget or is_first_prefill else 0
+
+    def _admit(self, request: Request, budget: int, is_first_prefill: bool) -> int | None:
+        """Move a waiting request to running with its cached prefix; the tokens it computes this
+        step, 0 if it does not fit the budget, None if the KV cache is out of blocks."""
+        cached_prefix = self.kv.find_cached_prefix(request)
+        num_cached_tokens = len(cached_prefix) * self.block_size
+        num_new = self._chunk_len(request.num_tokens - num_cached_tokens, budget, is_first_prefill)
+        if num_new == 0:
+            return 0
+        if not self.kv.admit(request, cached_prefix, num_new):
+            return None
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached_tokens
+        if request.timestamps.first_scheduled is None:
+            request.num_cached_tokens = num_cached_tokens
+            request.timestamps.first_scheduled = time.perf_counter()
+        return num_new
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, scheduled: dict[str, int], preempted: list[str]
+    ) -> bool:
+        """Room for `num_new` tokens, preempting the newest running requests if needed;
+        False if `request` itself had to be preempted."""
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            scheduled.pop(victim.req_id, None)
+            preempted.append(victim.req_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.insert(0, request)
+        self.stats.num_preemptions += 1
+        logger.debug("preempted %s (%d tokens)", request.req_id, request.num_tokens)
+
+    def _build_chunks(self, scheduled: dict[str, int]) -> list[ScheduledChunk]:
+        chunks = []
+        for req_id, num_new in scheduled.items():
+            request = self.requests[req_id]
+            start = request.num_computed_tokens
+            end = start + num_new
+            sample = None
+            if end == request.num_tokens:
+                sample = SampleSpec(request.sampling_params, request.num_output_tokens)
+            chunks.append(
+                ScheduledChunk(
+                    req_id=req_id,
+                    token_ids=request.token_ids[start:end],
+                    start_position=start,
+                    block_table=self.kv.block_ids(req_id),
+                    sample=sample,
+                )
+            )
+            if _is_decode(request, num_new):
+                self.stats.num_decode_tokens += num_new
+            else:
+                self.stats.num_prefill_tokens += num_new
+                request.num_prefill_tokens_computed += num_new
+            request.num_computed_tokens = end
+        self.stats.num_steps += 1
+        return chunks
+
+    # -- results ---------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, model_output: ModelOutput) -> list[RequestProgress]:
+        """Apply a step's sampled tokens: cache full blocks, check stop conditions, free the finished."""
+        now = time.perf_counter()
+        progress = []
+        for chunk in output.chunks:
+            request = self.requests.get(chunk.req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            self.kv.register_computed_blocks(request)
+            if request.timestamps.first_token is None:
+                request.timestamps.prefill_chunk_ends.append(now)
+            sampled = model_output.sampled.get(chunk.req_id)
+            if sampled is None:
+                continue
+            self._append_token(request, sampled.token_id, now)
+            status = self._stop_status(request, sampled.token_id)
+            if status is not None:
+                self.finish_request(request.req_id, status)
+            progress.append(RequestProgress(request, sampled))
+        return progress
+
+    def _append_token(self, request: Request, token_id: int, now: float) -> None:
+        request.append_output_token(token_id)
+        extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, self.hash_root)
+        if request.timestamps.first_token is None:
+            request.timestamps.first_token = now
+        request.timestamps.last_token = now
+
+    @staticmethod
+    def _stop_status(request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= request.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- observability ---------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+
+def _is_decode(request: Request, num_new: int) -> bool:
+    """A one-token chunk right after a generated token (not a prompt chunk or a recompute)."""
+    return num_new == 1 and request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1

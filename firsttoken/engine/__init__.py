@@ -1,0 +1,1 @@
+"""The step loop, the offline LLM API, the asyncio front end and output processing."""

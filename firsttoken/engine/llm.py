@@ -1,0 +1,147 @@
+"""LLM: the offline Python API (`from firsttoken import LLM`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Sequence, Union
+
+from firsttoken.config import EngineConfig
+from firsttoken.engine.engine_core import EngineCore, EngineStats
+from firsttoken.outputs import RequestDelta, RequestOutput
+from firsttoken.sampling_params import SamplingParams
+
+Messages = Sequence[dict[str, Any]]
+PromptInput = Union[str, Sequence[str], None]
+
+
+class LLM:
+    """Generate from prompts in this process, driving the engine's step loop until done.
+
+    `LLM()` loads the embedded default model; `LLM(path)` a GGUF file or Hugging Face folder.
+    Every engine option is a keyword (`LLM(dtype="float32", block_size=32)`), or pass whole
+    config sections (`LLM(prompt_cache=PromptCacheConfig(enable=False))`).
+    """
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **engine_options)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in input order."""
+        requests = self._prepare(prompts, prompt_token_ids, sampling_params, priority)
+        outputs = {request_id: output for request_id, output in requests}
+        self._run_until_done(outputs)
+        return list(outputs.values())
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | None = None,
+    ) -> RequestOutput | list[RequestOutput]:
+        """Apply the model's chat template and generate; one conversation or a list of them."""
+        is_batch = bool(messages) and isinstance(messages[0], (list, tuple))
+        conversations = list(messages) if is_batch else [messages]
+        prompts = [self.tokenizer.apply_chat_template(conversation) for conversation in conversations]
+        outputs = self.generate(prompts, sampling_params)
+        return outputs if is_batch else outputs[0]
+
+    def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestDelta]:
+        """Deltas of one request as they are produced; closing the iterator aborts it."""
+        is_text = isinstance(prompt, str)
+        (request_id, _), = self._prepare(
+            [prompt] if is_text else None, None if is_text else [prompt], sampling_params, None
+        )
+        finished = False
+        try:
+            while not finished:
+                for delta in self.engine.step():
+                    if delta.request_id == request_id:
+                        finished = delta.finished
+                        yield delta
+        finally:
+            if not finished:
+                self.engine.abort_request(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.kv_manager.reset_prefix_cache()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _prepare(
+        self,
+        prompts: PromptInput,
+        prompt_token_ids: Sequence[Sequence[int]] | None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None,
+    ) -> list[tuple[str, RequestOutput]]:
+        """Tokenize and queue every prompt; if one is rejected, none stays queued."""
+        texts, token_lists = _normalize_prompts(prompts, prompt_token_ids)
+        count = len(texts)
+        params_list = _per_prompt(sampling_params or SamplingParams(), count, "sampling_params")
+        priorities = _per_prompt(list(priority) if priority is not None else 0, count, "priority")
+        queued: list[tuple[str, RequestOutput]] = []
+        try:
+            for text, token_ids, params, request_priority in zip(texts, token_lists, params_list, priorities):
+                arrival = time.perf_counter()
+                if token_ids is None:
+                    token_ids = self.tokenizer.encode(text)
+                request_id = self.engine.new_request_id()
+                self.engine.add_request(
+                    request_id, list(token_ids), params, arrival, time.perf_counter(), request_priority
+                )
+                queued.append((request_id, RequestOutput(request_id, text, list(token_ids))))
+        except Exception:
+            for request_id, _ in queued:
+                self.engine.abort_request(request_id)
+            raise
+        return queued
+
+    def _run_until_done(self, outputs: dict[str, RequestOutput]) -> None:
+        remaining = set(outputs)
+        try:
+            while remaining:
+                for delta in self.engine.step():
+                    output = outputs.get(delta.request_id)
+                    if output is None:
+                        continue
+                    output.add(delta)
+                    if delta.finished:
+                        remaining.discard(delta.request_id)
+        finally:
+            for request_id in remaining:
+                self.engine.abort_request(request_id)
+
+
+def _normalize_prompts(
+    prompts: PromptInput, prompt_token_ids: Sequence[Sequence[int]] | None
+) -> tuple[list[str | None], list[list[int] | None]]:
+    if (prompts is None) == (prompt_token_ids is None):
+        raise ValueError("prompts: give either prompts or prompt_token_ids")
+    if prompts is not None:
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        for index, text in enumerate(texts):
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"prompts[{index}]: must be a non-empty string")
+        return texts, [None] * len(texts)
+    token_lists = [list(ids) for ids in prompt_token_ids]
+    for index, ids in enumerate(token_lists):
+        if not ids:
+            raise ValueError(f"prompt_token_ids[{index}]: must not be empty")
+    return [None] * len(token_lists), token_lists
+
+
+def _per_prompt(value: Any, count: int, field_name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{field_name}: got {len(value)} values for {count} prompts")
+        return list(value)
+    return [value] * count

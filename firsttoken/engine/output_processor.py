@@ -1,0 +1,107 @@
+"""OutputProcessor: turns a step's sampled tokens into per-request text deltas, applying stop strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from firsttoken.core.scheduler import RequestProgress
+from firsttoken.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from firsttoken.metrics.request_metrics import RequestMetrics
+from firsttoken.outputs import RequestDelta
+from firsttoken.request import Request
+from firsttoken.tokenizer import Tokenizer
+
+
+@dataclass
+class _StreamState:
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    stopped_text_len: int | None = None
+
+
+class OutputProcessor:
+    """Owns each live request's detokenizer and stop-string state."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._streams: dict[str, _StreamState] = {}
+
+    def add_request(self, request: Request) -> None:
+        params = request.sampling_params
+        self._streams[request.req_id] = _StreamState(
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens),
+            StopStringMatcher(params.stop, params.include_stop_str_in_output),
+        )
+
+    def remove(self, req_id: str) -> None:
+        self._streams.pop(req_id, None)
+
+    def detokenize(self, progress: RequestProgress) -> str | None:
+        """Add the step's token to the request's text; the stop string it completed, if any."""
+        request = progress.request
+        state = self._streams[request.req_id]
+        new_text = state.detokenizer.add_token(progress.sampled.token_id)
+        match = state.stop_matcher.find(state.detokenizer.text, len(new_text))
+        if match is None or request.is_finished:
+            return None
+        stop_string, state.stopped_text_len = match
+        return stop_string
+
+    def delta(self, progress: RequestProgress) -> RequestDelta:
+        """The request's new tokens and text since its previous delta."""
+        request = progress.request
+        state = self._streams[request.req_id]
+        text = state.detokenizer.text
+        if state.stopped_text_len is not None:
+            end = state.stopped_text_len
+        elif request.is_finished:
+            end = len(text)
+        else:
+            end = max(state.num_emitted_chars, len(text) - state.stop_matcher.hold_back)
+        new_text = text[state.num_emitted_chars : end]
+        state.num_emitted_chars = max(state.num_emitted_chars, end)
+        new_tokens = request.output_token_ids[state.num_emitted_tokens :]
+        state.num_emitted_tokens = request.num_output_tokens
+        if request.is_finished:
+            self.remove(request.req_id)
+        wants_logprobs = request.sampling_params.logprobs is not None
+        return RequestDelta(
+            request_id=request.req_id,
+            token_ids=new_tokens,
+            text=new_text,
+            logprobs=[progress.sampled] if wants_logprobs else None,
+            finished=request.is_finished,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=request_metrics(request),
+        )
+
+    def closing_delta(self, request: Request) -> RequestDelta:
+        """The token-less last delta of a request ended outside a step (aborted)."""
+        self._streams.pop(request.req_id, None)
+        return RequestDelta(
+            request_id=request.req_id,
+            token_ids=[],
+            text="",
+            logprobs=None,
+            finished=True,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=request_metrics(request),
+        )
+
+
+def request_metrics(request: Request) -> RequestMetrics:
+    return RequestMetrics.from_timestamps(
+        request.timestamps,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_generation_tokens=request.num_output_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        num_preemptions=request.num_preemptions,
+    )

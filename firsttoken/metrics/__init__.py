@@ -1,0 +1,1 @@
+"""TTFT and latency statistics computed from request timestamps; Prometheus export."""

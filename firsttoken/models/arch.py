@@ -1,0 +1,56 @@
+"""ModelArch: the hyperparameters of a Llama-family model, whatever file they came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from firsttoken.ops.rotary import RopeScaling
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Shapes and constants of one Llama-family model (Llama 2/3, SmolLM, Mistral, Qwen2)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture: {self.architecture!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_kv_heads: {self.num_kv_heads} must divide num_heads {self.num_heads}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_non_embedding_params(self) -> int:
+        """Weights of the transformer blocks (the FLOP count of a token is twice this)."""
+        attention = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attention + mlp)

@@ -1,0 +1,212 @@
+"""The Llama-family model (Llama 2/3, SmolLM, Mistral, Qwen2) over a flattened, paged batch.
+
+forward(input_ids, positions, attn_metadata) runs every token of a step (many requests,
+prefilling and decoding) as one [T, hidden] batch with no padding; compute_logits runs the
+final norm and LM head only on the rows that sample a token. Q/K/V and gate/up projections
+are single fused matrices, built at load time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from firsttoken.attention.backend import AttentionBackend
+from firsttoken.models.arch import ModelArch
+from firsttoken.ops.activation import silu_and_mul
+from firsttoken.ops.norm import add_rms_norm, rms_norm
+from firsttoken.ops.rotary import apply_rotary, cos_sin_table, inverse_frequencies
+
+
+def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, rotary embedding, paged attention and output projection."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_size = arch.q_size
+        self.kv_size = arch.kv_size
+        self.qkv_weight = _empty(arch.q_size + 2 * arch.kv_size, arch.hidden_size, dtype=dtype)
+        self.qkv_bias = (
+            _empty(arch.q_size + 2 * arch.kv_size, dtype=dtype) if arch.attention_bias else None
+        )
+        self.o_weight = _empty(arch.hidden_size, arch.q_size, dtype=dtype)
+        self.backend = backend
+        self.kv_cache: torch.Tensor | None = None  # [2, blocks, block_size, kv_heads, D], bound later
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor, attn_metadata: Any
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)  # [T, q + 2 kv]
+        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = apply_rotary(query.view(num_tokens, self.num_heads, self.head_dim), positions, rope_table)
+        key = apply_rotary(key.view(num_tokens, self.num_kv_heads, self.head_dim), positions, rope_table)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        attended = self.backend.forward(query, key, value, self.kv_cache, attn_metadata)
+        return F.linear(attended.reshape(num_tokens, self.q_size), self.o_weight)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU with the gate and up projections fused into one matrix."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_weight = _empty(2 * arch.intermediate_size, arch.hidden_size, dtype=dtype)
+        self.down_weight = _empty(arch.hidden_size, arch.intermediate_size, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(silu_and_mul(F.linear(hidden, self.gate_up_weight)), self.down_weight)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual add is fused into the next norm."""
+
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = arch.rms_norm_eps
+        self.input_norm_weight = _empty(arch.hidden_size, dtype=dtype)
+        self.post_attention_norm_weight = _empty(arch.hidden_size, dtype=dtype)
+        self.self_attn = LlamaAttention(arch, backend, dtype)
+        self.mlp = LlamaMLP(arch, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope_table: torch.Tensor,
+        attn_metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = rms_norm(hidden, self.input_norm_weight, self.eps)
+        else:
+            hidden, residual = add_rms_norm(hidden, residual, self.input_norm_weight, self.eps)
+        hidden = self.self_attn(hidden, positions, rope_table, attn_metadata)
+        hidden, residual = add_rms_norm(hidden, residual, self.post_attention_norm_weight, self.eps)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Embedding, decoder layers, final norm and (possibly tied) LM head."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        max_positions: int,
+        rope_frequency_divisors: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_weight = _empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend, dtype) for _ in range(arch.num_layers))
+        self.norm_weight = _empty(arch.hidden_size, dtype=dtype)
+        self.lm_head_weight = (
+            self.embed_weight if arch.tie_word_embeddings else _empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        )
+        inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_frequency_divisors)
+        self.register_buffer("rope_table", cos_sin_table(inv_freq, max_positions), persistent=False)
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            layer.self_attn.kv_cache = kv_cache
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
+        """Hidden states [T, hidden] before the final norm."""
+        hidden = F.embedding(input_ids, self.embed_weight)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, positions, self.rope_table, attn_metadata)
+        return hidden + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [R, vocab] for the R rows that sample."""
+        normed = rms_norm(hidden, self.norm_weight, self.arch.rms_norm_eps)
+        return F.linear(normed, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up on the way."""
+        WeightLoader(self).load(weights)
+
+
+_FUSED_PARTS = {"qkv_weight": 3, "qkv_bias": 3, "gate_up_weight": 2}
+
+
+class WeightLoader:
+    """Maps Hugging Face names onto the fused parameters and checks every one was filled."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        arch = model.arch
+        self.q_size, self.kv_size, self.intermediate = arch.q_size, arch.kv_size, arch.intermediate_size
+        # Fused parameters are filled in parts: count the parts each one still needs.
+        self.missing_parts = {
+            name: _FUSED_PARTS.get(name.rsplit(".", 1)[-1], 1) for name, _ in model.named_parameters()
+        }
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in weights:
+            self._load_one(name, tensor)
+        missing = sorted(name for name, parts in self.missing_parts.items() if parts > 0)
+        if missing:
+            raise ValueError(f"model: checkpoint lacks weights for {missing[:5]}")
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        target, rows = self._target(name)
+        if target is None:
+            if name == "lm_head.weight" and self.model.arch.tie_word_embeddings:
+                return
+            if name.endswith("rotary_emb.inv_freq"):
+                return
+            raise ValueError(f"model: unexpected tensor {name} in checkpoint")
+        parameter = self.model.get_parameter(target)
+        destination = parameter.data if rows is None else parameter.data[rows[0] : rows[1]]
+        if destination.shape != tensor.shape:
+            raise ValueError(f"model: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}")
+        destination.copy_(tensor)
+        self.missing_parts[target] -= 1
+
+    def _target(self, name: str) -> tuple[str | None, tuple[int, int] | None]:
+        q, kv, inter = self.q_size, self.kv_size, self.intermediate
+        globals_ = {
+            "model.embed_tokens.weight": "embed_weight",
+            "model.norm.weight": "norm_weight",
+            "lm_head.weight": None if self.model.arch.tie_word_embeddings else "lm_head_weight",
+        }
+        if name in globals_:
+            return globals_[name], None
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"]:
+            return None, None
+        prefix = f"layers.{parts[2]}"
+        local = ".".join(parts[3:])
+        fused = {
+            "self_attn.q_proj.weight": ("self_attn.qkv_weight", (0, q)),
+            "self_attn.k_proj.weight": ("self_attn.qkv_weight", (q, q + kv)),
+            "self_attn.v_proj.weight": ("self_attn.qkv_weight", (q + kv, q + 2 * kv)),
+            "self_attn.q_proj.bias": ("self_attn.qkv_bias", (0, q)),
+            "self_attn.k_proj.bias": ("self_attn.qkv_bias", (q, q + kv)),
+            "self_attn.v_proj.bias": ("self_attn.qkv_bias", (q + kv, q + 2 * kv)),
+            "self_attn.o_proj.weight": ("self_attn.o_weight", None),
+            "mlp.gate_proj.weight": ("mlp.gate_up_weight", (0, inter)),
+            "mlp.up_proj.weight": ("mlp.gate_up_weight", (inter, 2 * inter)),
+            "mlp.down_proj.weight": ("mlp.down_weight", None),
+            "input_layernorm.weight": ("input_norm_weight", None),
+            "post_attention_layernorm.weight": ("post_attention_norm_weight", None),
+        }
+        if local not in fused:
+            return None, None
+        target, rows = fused[local]
+        return f"{prefix}.{target}", rows

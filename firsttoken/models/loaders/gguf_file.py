@@ -1,0 +1,251 @@
+"""GGUF loading: hyperparameters, tokenizer and dequantized weights of a llama.cpp model file."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from firsttoken.models.arch import SUPPORTED_ARCHITECTURES, ModelArch
+from firsttoken.models.loaders.checkpoint import Checkpoint, NamedTensors
+from firsttoken.models.loaders.gguf_tokenizer import GGUFVocab, build_tokenizer
+from firsttoken.ops.rotary import RopeScaling
+from firsttoken.tokenizer import Tokenizer
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_TENSOR_TYPES = {
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
+}
+# GGUF's own architecture names; Mistral files say "llama".
+_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+# llama.cpp's converter interleaves the rope halves of q/k rows for these architectures.
+_PERMUTED_QK = {"llama", "mistral"}
+
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def is_gguf_file(path: str) -> bool:
+    with open(path, "rb") as handle:
+        return handle.read(4) == GGUF_MAGIC
+
+
+def load_gguf(path: str) -> Checkpoint:
+    reader = _open_reader(path)
+    fields = _read_fields(reader)
+    gguf_arch = fields.get("general.architecture")
+    if gguf_arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"model: architecture {gguf_arch!r} of {path} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    _check_tensors(path, reader, tensors)
+    arch = _arch_from_fields(fields, gguf_arch, tensors)
+    tokenizer = _tokenizer_from_fields(fields)
+    divisors = None
+    if "rope_freqs.weight" in tensors:
+        divisors = torch.from_numpy(_dequantized(tensors["rope_freqs.weight"]).copy())
+    return Checkpoint(
+        source=path,
+        format="gguf",
+        arch=arch,
+        tokenizer=tokenizer,
+        fingerprint=file_fingerprint(path),
+        num_tensors=len(tensors),
+        read_weights=lambda: _iter_weights(tensors, arch, gguf_arch),
+        rope_frequency_divisors=divisors,
+    )
+
+
+def file_fingerprint(path: str) -> str:
+    """Content identity of a model file: its size and the hash of its head and tail."""
+    size = os.path.getsize(path)
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as handle:
+        digest.update(handle.read(1 << 20))
+        handle.seek(max(0, size - (1 << 20)))
+        digest.update(handle.read(1 << 20))
+    return digest.hexdigest()[:32]
+
+
+def _open_reader(path: str) -> GGUFReader:
+    if not is_gguf_file(path):
+        raise ValueError(f"model: {path} is not a GGUF file (its first bytes are not 'GGUF')")
+    try:
+        return GGUFReader(path)
+    except Exception as error:  # the reader raises many kinds on damaged files
+        raise ValueError(f"model: {path} is a corrupt or truncated GGUF file ({error})") from error
+
+
+def _read_fields(reader: GGUFReader) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, gguf_field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        values[name] = gguf_field.contents()
+    return values
+
+
+def _check_tensors(path: str, reader: GGUFReader, tensors: dict[str, Any]) -> None:
+    file_size = os.path.getsize(path)
+    for tensor in tensors.values():
+        if tensor.data_offset + tensor.n_bytes > file_size or tensor.data.nbytes != tensor.n_bytes:
+            raise ValueError(
+                f"model: {path} is truncated: tensor {tensor.name} needs bytes up to "
+                f"{tensor.data_offset + tensor.n_bytes}, the file has {file_size}"
+            )
+        if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            raise ValueError(
+                f"model: tensor {tensor.name} of {path} has type {tensor.tensor_type.name}, "
+                "which is not supported"
+            )
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"model: {path} has no token_embd.weight tensor")
+
+
+def _arch_from_fields(fields: dict[str, Any], gguf_arch: str, tensors: dict[str, Any]) -> ModelArch:
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{gguf_arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"model: GGUF metadata {gguf_arch}.{key} is missing")
+        return value
+
+    hidden_size = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    head_dim = int(fields.get(f"{gguf_arch}.attention.key_length", hidden_size // num_heads))
+    rope_dim = int(fields.get(f"{gguf_arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"model: partial rotary embedding ({rope_dim} of {head_dim}) is not supported")
+    vocab_size = int(
+        fields.get(f"{gguf_arch}.vocab_size", len(fields.get("tokenizer.ggml.tokens", [])))
+    )
+    return ModelArch(
+        architecture=_ARCHITECTURES[gguf_arch],
+        vocab_size=vocab_size or int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden_size,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(fields.get(f"{gguf_arch}.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(fields.get(f"{gguf_arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        rope_scaling=_rope_scaling(fields, gguf_arch),
+    )
+
+
+def _rope_scaling(fields: dict[str, Any], gguf_arch: str) -> RopeScaling | None:
+    scaling_type = fields.get(f"{gguf_arch}.rope.scaling.type")
+    if scaling_type in (None, "none"):
+        return None
+    factor = float(fields.get(f"{gguf_arch}.rope.scaling.factor", 1.0))
+    return RopeScaling(rope_type=scaling_type, factor=factor)
+
+
+def _tokenizer_from_fields(fields: dict[str, Any]) -> Tokenizer:
+    if "tokenizer.ggml.tokens" not in fields:
+        raise ValueError("model: the GGUF file has no tokenizer (tokenizer.ggml.tokens missing)")
+    model = fields.get("tokenizer.ggml.model", "gpt2")
+    tokens = list(fields["tokenizer.ggml.tokens"])
+    token_types = list(fields.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    bos_token_id = fields.get("tokenizer.ggml.bos_token_id")
+    vocab = GGUFVocab(
+        model=model,
+        pre=fields.get("tokenizer.ggml.pre"),
+        tokens=tokens,
+        token_types=token_types,
+        merges=list(fields.get("tokenizer.ggml.merges", [])),
+        scores=list(fields.get("tokenizer.ggml.scores", [0.0] * len(tokens))),
+        bos_token_id=bos_token_id,
+        add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", model == "llama")),
+    )
+    eos_ids = [
+        int(fields[key])
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if key in fields
+    ]
+    return Tokenizer(
+        backend=build_tokenizer(vocab),
+        eos_token_ids=eos_ids,
+        bos_token_id=bos_token_id,
+        chat_template=fields.get("tokenizer.chat_template"),
+    )
+
+
+def _dequantized(tensor: Any) -> np.ndarray:
+    """float32 array in row-major [rows, cols] (GGUF lists dimensions innermost first)."""
+    array = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))
+    return np.array(array, dtype=np.float32).reshape(shape)  # a writable copy, not the file map
+
+
+def undo_rope_permutation(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp stores each head's rows as interleaved (even, odd) rope pairs; transformers
+    stores the two halves one after the other. Undo the converter's reordering."""
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, *rest)
+        .transpose(1, 2)
+        .reshape(rows, *rest)
+    )
+
+
+def _iter_weights(tensors: dict[str, Any], arch: ModelArch, gguf_arch: str) -> NamedTensors:
+    for name, tensor in tensors.items():
+        if name == "rope_freqs.weight":
+            continue
+        hf_name = _hf_name(name)
+        if hf_name is None:
+            raise ValueError(f"model: unexpected GGUF tensor {name}")
+        weight = torch.from_numpy(_dequantized(tensor))
+        if gguf_arch in _PERMUTED_QK and ".q_proj." in hf_name:
+            weight = undo_rope_permutation(weight, arch.num_heads)
+        elif gguf_arch in _PERMUTED_QK and ".k_proj." in hf_name:
+            weight = undo_rope_permutation(weight, arch.num_kv_heads)
+        yield hf_name, weight
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"

@@ -1,0 +1,157 @@
+"""Hugging Face folder loading: config.json, *.safetensors and tokenizer.json."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer as RustTokenizer
+
+from firsttoken.models.arch import SUPPORTED_ARCHITECTURES, ModelArch
+from firsttoken.models.loaders.checkpoint import Checkpoint, NamedTensors
+from firsttoken.ops.rotary import RopeScaling
+from firsttoken.tokenizer import Tokenizer
+
+
+def is_hf_folder(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def load_hf_folder(path: str) -> Checkpoint:
+    config = _read_json(os.path.join(path, "config.json"))
+    arch = _arch_from_config(config, path)
+    weight_files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not weight_files:
+        raise ValueError(f"model: {path} holds no *.safetensors weights")
+    num_tensors = 0
+    for weight_file in weight_files:
+        with safe_open(weight_file, framework="pt") as handle:
+            num_tensors += len(list(handle.keys()))
+    return Checkpoint(
+        source=path,
+        format="hf",
+        arch=arch,
+        tokenizer=_load_tokenizer(path, config),
+        fingerprint=_folder_fingerprint(path, weight_files),
+        num_tensors=num_tensors,
+        read_weights=lambda: _iter_weights(weight_files),
+    )
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"model: cannot read {path} ({error})") from error
+
+
+def _arch_from_config(config: dict[str, Any], path: str) -> ModelArch:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model: architecture {model_type!r} of {path} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    hidden_size = int(config["hidden_size"])
+    num_heads = int(config["num_attention_heads"])
+    rope = config.get("rope_parameters") or {}
+    rope_theta = float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    scaling_source = config.get("rope_scaling") or rope
+    use_sliding_window = config.get("use_sliding_window", model_type == "mistral")
+    return ModelArch(
+        architecture=model_type,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden_size,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(config.get("head_dim") or hidden_size // num_heads),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        rope_scaling=_rope_scaling(scaling_source),
+        sliding_window=config.get("sliding_window") if use_sliding_window else None,
+    )
+
+
+def _rope_scaling(source: dict[str, Any]) -> RopeScaling | None:
+    rope_type = source.get("rope_type", source.get("type"))
+    if rope_type in (None, "default"):
+        return None
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(source.get("factor", 1.0)),
+        low_freq_factor=float(source.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(source.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(source.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _load_tokenizer(path: str, config: dict[str, Any]) -> Tokenizer:
+    tokenizer_file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tokenizer_file):
+        raise ValueError(f"model: {path} has no tokenizer.json")
+    backend = RustTokenizer.from_file(tokenizer_file)
+    tokenizer_config_file = os.path.join(path, "tokenizer_config.json")
+    tokenizer_config = _read_json(tokenizer_config_file) if os.path.isfile(tokenizer_config_file) else {}
+    generation_config_file = os.path.join(path, "generation_config.json")
+    generation_config = (
+        _read_json(generation_config_file) if os.path.isfile(generation_config_file) else {}
+    )
+    return Tokenizer(
+        backend=backend,
+        eos_token_ids=_eos_token_ids(backend, config, tokenizer_config, generation_config),
+        bos_token_id=config.get("bos_token_id"),
+        chat_template=_chat_template(path, tokenizer_config),
+    )
+
+
+def _eos_token_ids(
+    backend: RustTokenizer,
+    config: dict[str, Any],
+    tokenizer_config: dict[str, Any],
+    generation_config: dict[str, Any],
+) -> list[int]:
+    for source in (generation_config, config):
+        eos = source.get("eos_token_id")
+        if eos is not None:
+            return list(eos) if isinstance(eos, list) else [int(eos)]
+    eos_token = tokenizer_config.get("eos_token")
+    if isinstance(eos_token, dict):
+        eos_token = eos_token.get("content")
+    eos_id = backend.token_to_id(eos_token) if isinstance(eos_token, str) else None
+    return [eos_id] if eos_id is not None else []
+
+
+def _chat_template(path: str, tokenizer_config: dict[str, Any]) -> str | None:
+    template_file = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(template_file):
+        with open(template_file, encoding="utf-8") as handle:
+            return handle.read()
+    template = tokenizer_config.get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def _folder_fingerprint(path: str, weight_files: list[str]) -> str:
+    digest = hashlib.sha256()
+    for name in ["config.json", *map(os.path.basename, weight_files)]:
+        stat = os.stat(os.path.join(path, name))
+        digest.update(f"{name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:32]
+
+
+def _iter_weights(weight_files: list[str]) -> NamedTensors:
+    for weight_file in weight_files:
+        with safe_open(weight_file, framework="pt") as handle:
+            for name in handle.keys():
+                tensor: torch.Tensor = handle.get_tensor(name)
+                yield name, tensor

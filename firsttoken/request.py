@@ -1,0 +1,107 @@
+"""Request: the one mutable record of a request's tokens, progress, status and timestamps."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from firsttoken.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class RequestTimestamps:
+    """perf_counter() stamps of the events that make up a request's TTFT and latency."""
+
+    arrival: float
+    tokenized: float | None = None
+    first_scheduled: float | None = None
+    prefill_chunk_ends: list[float] = field(default_factory=list)
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class Request:
+    """A request's tokens (prompt then output), how many have KV in the cache, and its state.
+
+    `num_computed_tokens` catches up with `num_tokens`: prefill and decode are just how many
+    tokens a step takes. `block_hashes` holds the chained hash of every full block of tokens.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_total_tokens: int
+    timestamps: RequestTimestamps
+    priority: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_prefill_tokens_computed: int = 0
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    enqueued_step: int = 0
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

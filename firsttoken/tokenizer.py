@@ -1,0 +1,98 @@
+"""Tokenizer: text <-> token ids, the end-of-sequence ids and the chat template of one model."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Sequence
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as RustTokenizer
+
+
+def _raise_template_exception(message: str) -> None:
+    raise ValueError(f"messages: {message}")
+
+
+def _strftime_now(format_string: str) -> str:
+    return datetime.datetime.now().strftime(format_string)
+
+
+class ChatTemplate:
+    """A model's Jinja chat template, rendered in a sandbox as transformers renders it."""
+
+    def __init__(self, source: str, bos_token: str, eos_token: str) -> None:
+        environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        environment.globals["raise_exception"] = _raise_template_exception
+        environment.globals["strftime_now"] = _strftime_now
+        self.source = source
+        self._template = environment.from_string(source)
+        self._bos_token = bos_token
+        self._eos_token = eos_token
+
+    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self._template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._bos_token,
+            eos_token=self._eos_token,
+        )
+
+
+class Tokenizer:
+    """Wraps a `tokenizers` Tokenizer; read-only after construction, so safe across threads."""
+
+    def __init__(
+        self,
+        backend: RustTokenizer,
+        eos_token_ids: Sequence[int],
+        bos_token_id: int | None,
+        chat_template: str | None,
+    ) -> None:
+        self.backend = backend
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.bos_token_id = bos_token_id
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        bos_text = backend.id_to_token(bos_token_id) if bos_token_id is not None else ""
+        eos_text = backend.id_to_token(min(eos_token_ids)) if eos_token_ids else ""
+        self.chat_template = (
+            ChatTemplate(chat_template, bos_text or "", eos_text or "") if chat_template else None
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if self.chat_template is None:
+            raise ValueError("messages: this model has no chat template; send a plain prompt")
+        _validate_messages(messages)
+        return self.chat_template.render(messages, add_generation_prompt)
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _validate_messages(messages: Sequence[dict[str, Any]]) -> None:
+    if not messages:
+        raise ValueError("messages: must hold at least one message")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{index}]: must be an object with role and content")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"messages[{index}].role: must be one of {CHAT_ROLES}, got {role!r}")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"messages[{index}].content: must be a string")
