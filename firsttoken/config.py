@@ -136,10 +136,6 @@ class ChunkedPrefillConfig:
     min_chunk_size: int = field(
         default=32, metadata=_help("smallest prefill budget auto picks while decodes run, in tokens")
     )
-    max_prefill_only_steps: int = field(
-        default=4,
-        metadata=_help("consecutive steps that may leave waiting decodes out (decode never starves)"),
-    )
     aging_steps: int = field(
         default=32,
         metadata=_help("steps after which a waiting prefill goes before shorter ones (no starvation)"),
@@ -154,11 +150,6 @@ class ChunkedPrefillConfig:
         _require(self.itl_target_ms > 0, "itl_target_ms", f"must be > 0, got {self.itl_target_ms}")
         _require(
             self.min_chunk_size >= 1, "min_chunk_size", f"must be >= 1, got {self.min_chunk_size}"
-        )
-        _require(
-            self.max_prefill_only_steps >= 1,
-            "max_prefill_only_steps",
-            f"must be >= 1, got {self.max_prefill_only_steps}",
         )
         _require(self.aging_steps >= 1, "aging_steps", f"must be >= 1, got {self.aging_steps}")
 

@@ -1,0 +1,5 @@
+import sys
+
+from firsttoken.cli import main
+
+sys.exit(main())

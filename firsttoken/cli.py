@@ -1,0 +1,142 @@
+"""`firsttoken generate | chat`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from firsttoken.engine_args import add_engine_args, engine_kwargs
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    group.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
+    group.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1] (default: 0.95)")
+    group.add_argument("--top-k", type=int, default=40, help="-1 disables (default: 40)")
+    group.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params_from(args: argparse.Namespace):
+    from firsttoken.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+
+
+def _add_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="firsttoken", description="LLM inference built for the shortest time to first token."
+    )
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    generate = verbs.add_parser("generate", help="generate from one prompt, streaming to stdout")
+    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    _add_model_arg(generate)
+    add_sampling_args(generate)
+    add_engine_args(generate)
+    generate.set_defaults(handler=run_generate)
+
+    chat = verbs.add_parser("chat", help="an interactive chat in the terminal")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_model_arg(chat)
+    add_sampling_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(handler=run_chat)
+
+    return parser
+
+
+def _open_llm(args: argparse.Namespace):
+    from firsttoken.engine.llm import LLM
+
+    return LLM(args.model, **engine_kwargs(args))
+
+
+def _print_request_stats(delta_metrics, stream=sys.stderr) -> None:
+    metrics = delta_metrics
+    parts = []
+    if metrics.ttft_s is not None:
+        parts.append(f"TTFT {metrics.ttft_s * 1000:.1f} ms")
+    if metrics.prefill_tokens_per_s is not None:
+        parts.append(
+            f"prefill {metrics.num_prompt_tokens - metrics.num_cached_tokens} tokens at {metrics.prefill_tokens_per_s:.1f} tokens/s"
+        )
+    if metrics.num_cached_tokens:
+        parts.append(f"{metrics.num_cached_tokens} prompt tokens from the prefix cache")
+    if metrics.decode_tokens_per_s is not None:
+        parts.append(f"decode {metrics.num_generation_tokens} tokens at {metrics.decode_tokens_per_s:.1f} tokens/s")
+    print("[" + ", ".join(parts) + "]", file=stream, flush=True)
+
+
+def _stream_reply(llm, prompt: str, params) -> str:
+    text = []
+    metrics = None
+    for delta in llm.stream(prompt, params):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        text.append(delta.text)
+        metrics = delta.metrics
+    sys.stdout.write("\n")
+    if metrics is not None:
+        _print_request_stats(metrics)
+    return "".join(text)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    params = sampling_params_from(args)
+    llm = _open_llm(args)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    _stream_reply(llm, prompt, params)
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    params = sampling_params_from(args)
+    llm = _open_llm(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("Type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            user_text = input("> ")
+        except EOFError:
+            return 0
+        if not user_text.strip():
+            return 0
+        messages.append({"role": "user", "content": user_text})
+        reply = _stream_reply(llm, llm.tokenizer.apply_chat_template(messages), params)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.handler(args)
+    except ValueError as error:
+        print(f"firsttoken: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

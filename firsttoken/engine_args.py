@@ -1,0 +1,86 @@
+"""Command-line flags for every engine option, generated from the config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from firsttoken.config import SUBCONFIGS, flat_name
+
+# Flags a verb defines itself.
+_NOT_FLAGS = {"model"}
+# Engine options whose plain name a verb uses for something else (`--seed` seeds one request).
+_CLI_RENAMES = {
+    "seed": "engine_seed",
+    "enable_prompt_cache": "prompt_cache",
+    "enable_chunked_prefill": "chunked_prefill",
+}
+
+
+def _chunk_size(value: str) -> int | str:
+    if value == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"chunk size must be 'auto' or an integer, got {value!r}") from None
+
+
+def _flag_type(field: dataclasses.Field) -> Any:
+    if field.name == "chunk_size":
+        return _chunk_size
+    text = str(field.type)  # config.py uses postponed annotations: the type is its source text
+    if "bool" in text:
+        return bool
+    if "float" in text:
+        return float
+    if "int" in text:
+        return int
+    return str
+
+
+def _dest(name: str) -> str:
+    return "engine_option_" + name
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One `--flag` per engine config field, with the field's help text and default."""
+    for section, section_cls in SUBCONFIGS.items():
+        group = parser.add_argument_group(section.replace("_", " "))
+        defaults = section_cls()
+        for field in dataclasses.fields(section_cls):
+            name = flat_name(section, field.name)
+            if name in _NOT_FLAGS:
+                continue
+            flag = "--" + _CLI_RENAMES.get(name, name).replace("_", "-")
+            default = getattr(defaults, field.name)
+            help_text = f"{field.metadata.get('help', '')} (default: {default})"
+            kind = _flag_type(field)
+            if kind is bool:
+                group.add_argument(
+                    flag, dest=_dest(name), action=argparse.BooleanOptionalAction, default=None, help=help_text
+                )
+            else:
+                group.add_argument(
+                    flag,
+                    dest=_dest(name),
+                    type=kind,
+                    default=None,
+                    choices=field.metadata.get("choices"),
+                    metavar=None if field.metadata.get("choices") else name.upper(),
+                    help=help_text,
+                )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options the user set on the command line (unset flags keep config defaults)."""
+    options = {}
+    for section, section_cls in SUBCONFIGS.items():
+        for field in dataclasses.fields(section_cls):
+            name = flat_name(section, field.name)
+            value = getattr(args, _dest(name), None)
+            if name not in _NOT_FLAGS and value is not None:
+                options[name] = value
+    return options
+

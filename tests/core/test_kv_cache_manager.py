@@ -1,0 +1,117 @@
+from firsttoken.core.hashing import extend_block_hashes, root_hash
+from firsttoken.core.kv_cache_manager import KVCacheManager
+from tests.core.fakes import make_request
+
+BLOCK = 4
+ROOT = root_hash("test")
+
+
+def _hashed(request):
+    extend_block_hashes(request.block_hashes, request.token_ids, BLOCK, ROOT)
+    return request
+
+
+def _compute_all(manager, request):
+    """Pretend a step computed every token of the request."""
+    request.num_computed_tokens = request.num_tokens
+    manager.register_computed_blocks(request)
+
+
+def test_admit_allocates_exact_blocks_and_free_returns_them():
+    manager = KVCacheManager(8, BLOCK, enable_caching=True)
+    request = _hashed(make_request("a", 10))
+    assert manager.admit(request, [], 10)
+    assert manager.block_ids("a") == [0, 1, 2]
+    manager.free(request)
+    assert manager.pool.num_free_blocks == 8
+    # Tail first into the LRU: block 2 is evicted before block 0.
+    assert manager.pool.free_block_ids_in_eviction_order()[-3:] == [2, 1, 0]
+
+
+def test_cached_prefix_is_reused_and_last_token_is_left_to_compute():
+    manager = KVCacheManager(16, BLOCK, enable_caching=True)
+    first = _hashed(make_request("a", 12))
+    assert manager.admit(first, [], 12)
+    _compute_all(manager, first)
+    manager.free(first)
+    # Exact duplicate: 12 tokens = 3 full blocks, but the last token must be computed,
+    # so only 2 blocks (8 tokens) are reused.
+    duplicate = _hashed(make_request("b", 12))
+    hits = manager.find_cached_prefix(duplicate)
+    assert [block.block_id for block in hits] == [0, 1]
+    # A longer prompt sharing 12 tokens reuses all 3 blocks.
+    longer = _hashed(make_request("c", 0, prompt=list(range(100, 112)) + [7, 8, 9]))
+    assert [block.block_id for block in manager.find_cached_prefix(longer)] == [0, 1, 2]
+
+
+def test_prefix_ending_mid_block_reuses_only_full_blocks():
+    manager = KVCacheManager(16, BLOCK, enable_caching=True)
+    first = _hashed(make_request("a", 0, prompt=list(range(10)) + [50, 51, 52]))
+    assert manager.admit(first, [], first.num_tokens)
+    _compute_all(manager, first)
+    second = _hashed(make_request("b", 0, prompt=list(range(10)) + [60, 61, 62]))
+    hits = manager.find_cached_prefix(second)
+    assert len(hits) == 2  # tokens 0..7; block 3 (8, 9, 50, 51) differs
+
+
+def test_shared_blocks_are_reference_counted():
+    manager = KVCacheManager(16, BLOCK, enable_caching=True)
+    first = _hashed(make_request("a", 9))
+    assert manager.admit(first, [], 9)
+    _compute_all(manager, first)
+    second = _hashed(make_request("b", 9))
+    hits = manager.find_cached_prefix(second)
+    assert manager.admit(second, hits, 1)
+    assert [block.ref_cnt for block in hits] == [2, 2]
+    manager.free(first)
+    assert [block.ref_cnt for block in hits] == [1, 1]
+    manager.free(second)
+    assert manager.pool.num_free_blocks == 16
+    assert manager.stats.num_hit_tokens == 8
+    assert manager.stats.num_query_tokens == 18
+
+
+def test_admission_counts_revived_blocks_against_free_space():
+    manager = KVCacheManager(3, BLOCK, enable_caching=True)
+    first = _hashed(make_request("a", 8))
+    assert manager.admit(first, [], 8)
+    _compute_all(manager, first)
+    manager.free(first)
+    second = _hashed(make_request("b", 0, prompt=list(range(100, 108)) + list(range(8))))
+    hits = manager.find_cached_prefix(second)
+    assert len(hits) == 2
+    # 2 revived + 2 new blocks needed, only 3 exist: refused and nothing changes.
+    assert not manager.admit(second, hits, 8)
+    assert manager.pool.num_free_blocks == 3
+    assert not manager.holds("b")
+
+
+def test_pinned_blocks_are_never_evicted_until_unpinned():
+    manager = KVCacheManager(4, BLOCK, enable_caching=True)
+    system = _hashed(make_request("sys", 8))
+    assert manager.admit(system, [], 8)
+    _compute_all(manager, system)
+    manager.free(system)
+    assert manager.pin("system-prompt", system.block_hashes) == 8
+    assert manager.pool.num_free_blocks == 2
+    # Fill the whole free pool many times over: the pinned blocks survive.
+    for index in range(5):
+        other = _hashed(make_request(f"o{index}", 8, first_token=1000 + 10 * index))
+        assert manager.admit(other, [], 8)
+        _compute_all(manager, other)
+        manager.free(other)
+    assert len(manager.find_cached_prefix(_hashed(make_request("again", 9)))) == 2
+    manager.unpin("system-prompt")
+    assert manager.pool.num_free_blocks == 4
+
+
+def test_reset_frees_everything():
+    manager = KVCacheManager(4, BLOCK, enable_caching=True)
+    request = _hashed(make_request("a", 8))
+    assert manager.admit(request, [], 8)
+    _compute_all(manager, request)
+    manager.free(request)
+    manager.pin("p", request.block_hashes)
+    manager.reset_prefix_cache()
+    assert manager.pool.num_free_blocks == 4
+    assert manager.find_cached_prefix(_hashed(make_request("b", 9))) == []

@@ -1,0 +1,192 @@
+"""Scheduler invariants with fake requests and a fake model (no torch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
+from firsttoken.core.batch import ModelOutput, SampledToken
+from firsttoken.core.hashing import root_hash
+from firsttoken.core.kv_cache_manager import KVCacheManager
+from firsttoken.core.scheduler import QueueFullError, Scheduler
+from firsttoken.request import RequestStatus
+from tests.core.fakes import EOS, make_request
+
+BLOCK = 4
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    max_num_seqs: int = 8,
+    max_batched: int = 64,
+    chunk_size: int | str = 16,
+    enable_chunking: bool = True,
+    aging_steps: int = 32,
+    max_model_len: int = 1024,
+    caching: bool = True,
+    max_waiting: int | None = None,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched, max_waiting_requests=max_waiting),
+        ChunkedPrefillConfig(enable=enable_chunking, chunk_size=chunk_size, aging_steps=aging_steps),
+        KVCacheManager(num_blocks, BLOCK, enable_caching=caching),
+        max_model_len,
+        root_hash("fake"),
+    )
+
+
+def step(scheduler: Scheduler, token_for=lambda req_id: 7):
+    """One schedule/update round with a fake model that samples `token_for(req_id)`."""
+    output = scheduler.schedule()
+    sampled = {chunk.req_id: SampledToken(token_for(chunk.req_id)) for chunk in output.chunks if chunk.sample}
+    scheduler.update(output, ModelOutput(sampled))
+    return output
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000, token_for=lambda req_id: 7):
+    outputs = []
+    while scheduler.has_unfinished_requests():
+        outputs.append(step(scheduler, token_for))
+        assert len(outputs) < max_steps, "scheduler made no progress"
+    return outputs
+
+
+def test_running_decodes_get_a_token_every_step_while_a_long_prompt_prefills():
+    scheduler = make_scheduler(num_blocks=256, chunk_size=16, max_batched=64)
+    for index in range(4):
+        scheduler.add_request(make_request(f"short{index}", 4, max_tokens=50, first_token=10 * index))
+    step(scheduler)  # the four short prompts prefill together
+    assert all(r.num_output_tokens == 1 for r in scheduler.running)
+    scheduler.add_request(make_request("long", 200, max_tokens=2, first_token=1000))
+    long_chunks = 0
+    while scheduler.requests["long"].num_output_tokens == 0:
+        output = step(scheduler)
+        by_id = {chunk.req_id: chunk for chunk in output.chunks}
+        for index in range(4):
+            assert by_id[f"short{index}"].num_tokens == 1
+        assert by_id["long"].num_tokens <= 16
+        long_chunks += 1
+    assert long_chunks == 13  # ceil(200 / 16)
+
+
+def test_token_budget_is_never_exceeded():
+    scheduler = make_scheduler(chunk_size=24, max_batched=32, max_num_seqs=8)
+    for index in range(12):
+        scheduler.add_request(make_request(f"r{index}", 7 + 11 * index, max_tokens=9, first_token=100 * index))
+    for output in run_to_completion(scheduler):
+        assert output.num_tokens <= output.token_budget <= 32
+        assert len(output.chunks) <= 8
+
+
+def test_short_prompts_overtake_remaining_chunks_of_a_long_one():
+    scheduler = make_scheduler(chunk_size=16, max_batched=64)
+    scheduler.add_request(make_request("long", 200, max_tokens=1, first_token=1000))
+    step(scheduler)
+    scheduler.add_request(make_request("short", 6, max_tokens=1))
+    output = step(scheduler)
+    assert output.chunks[0].req_id == "short"
+    assert output.chunks[0].num_tokens == 6
+    assert scheduler.requests.get("short") is None  # finished after its single token
+
+
+def test_aging_bounds_the_wait_of_a_long_prompt_under_a_flood_of_short_ones():
+    aging = 6
+    scheduler = make_scheduler(num_blocks=256, chunk_size=8, max_batched=64, aging_steps=aging, max_num_seqs=8)
+    scheduler.add_request(make_request("long", 400, max_tokens=1, first_token=5000))
+    waited_steps = 0
+    for index in range(200):
+        # Every step a new short prompt that alone fills the prefill budget.
+        scheduler.add_request(make_request(f"s{index}", 8, max_tokens=1, first_token=10 * index))
+        output = step(scheduler)
+        if any(chunk.req_id == "long" for chunk in output.chunks):
+            break
+        waited_steps += 1
+    assert waited_steps <= aging
+
+
+def test_lower_priority_value_is_admitted_first():
+    scheduler = make_scheduler(chunk_size=8, max_batched=64)
+    scheduler.add_request(make_request("low", 8, max_tokens=1, priority=5, first_token=100))
+    scheduler.add_request(make_request("high", 8, max_tokens=1, priority=-1, first_token=200))
+    scheduler.add_request(make_request("mid", 8, max_tokens=1, priority=0, first_token=300))
+    order = [step(scheduler).chunks[0].req_id for _ in range(3)]
+    assert order == ["high", "mid", "low"]
+
+
+def test_preemption_frees_the_newest_request_and_everything_finishes():
+    # 12 blocks of 4 tokens; 4 requests that each grow to 20 tokens (5 blocks) cannot all fit.
+    scheduler = make_scheduler(num_blocks=12, chunk_size=64, max_batched=64, caching=False)
+    for index in range(4):
+        scheduler.add_request(make_request(f"r{index}", 8, max_tokens=12, first_token=100 * index))
+    outputs = run_to_completion(scheduler)
+    assert scheduler.stats.num_preemptions > 0
+    assert scheduler.kv.pool.num_free_blocks == 12
+    preempted = [req_id for output in outputs for req_id in output.preempted_req_ids]
+    assert "r0" not in preempted  # the oldest request is never the victim
+
+
+def test_eos_and_max_tokens_stop_and_free_blocks():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("eos", 5, max_tokens=10))
+    scheduler.add_request(make_request("length", 5, max_tokens=3, first_token=500))
+    finished = {}
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        sampled = {c.req_id: SampledToken(EOS if c.req_id == "eos" else 9) for c in output.chunks if c.sample}
+        for progress in scheduler.update(output, ModelOutput(sampled)):
+            if progress.request.is_finished:
+                finished[progress.request.req_id] = progress.request
+    assert finished["eos"].status is RequestStatus.FINISHED_STOPPED
+    assert finished["eos"].output_token_ids == [EOS]
+    assert finished["length"].status is RequestStatus.FINISHED_LENGTH
+    assert finished["length"].num_output_tokens == 3
+    assert scheduler.kv.pool.num_free_blocks == 64
+
+
+def test_without_chunking_a_prompt_runs_whole_even_past_the_budget():
+    scheduler = make_scheduler(enable_chunking=False, max_batched=16)
+    scheduler.add_request(make_request("long", 40, max_tokens=1))
+    scheduler.add_request(make_request("short", 4, max_tokens=1, first_token=900))
+    first = step(scheduler)
+    assert [(c.req_id, c.num_tokens) for c in first.chunks] == [("short", 4)]
+    second = step(scheduler)
+    assert [(c.req_id, c.num_tokens) for c in second.chunks] == [("long", 40)]
+
+
+def test_abort_frees_blocks_of_waiting_and_running_requests():
+    scheduler = make_scheduler(chunk_size=8)
+    scheduler.add_request(make_request("running", 30, max_tokens=4))
+    step(scheduler)
+    scheduler.add_request(make_request("waiting", 5, max_tokens=4, first_token=700))
+    assert scheduler.finish_request("running", RequestStatus.FINISHED_ABORTED) is not None
+    assert scheduler.finish_request("waiting", RequestStatus.FINISHED_ABORTED) is not None
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.kv.pool.num_free_blocks == 64
+
+
+def test_impossible_requests_are_refused_up_front():
+    scheduler = make_scheduler(num_blocks=4, max_model_len=100)
+    with pytest.raises(ValueError, match="max_model_len"):
+        scheduler.add_request(make_request("too-long", 95, max_tokens=10))
+    with pytest.raises(ValueError, match="KV blocks"):
+        scheduler.add_request(make_request("too-big", 10, max_tokens=10))
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_full_waiting_queue_raises_queue_full():
+    scheduler = make_scheduler(max_waiting=2)
+    scheduler.add_request(make_request("a", 4))
+    scheduler.add_request(make_request("b", 4))
+    with pytest.raises(QueueFullError):
+        scheduler.add_request(make_request("c", 4))
+
+
+def test_prefix_cache_hit_skips_prefill_of_shared_blocks():
+    scheduler = make_scheduler(chunk_size=64)
+    shared = list(range(300, 332))  # 8 full blocks
+    scheduler.add_request(make_request("first", 0, max_tokens=1, prompt=shared + [1, 2]))
+    run_to_completion(scheduler)
+    scheduler.add_request(make_request("second", 0, max_tokens=1, prompt=shared + [3, 4, 5]))
+    output = step(scheduler)
+    assert output.chunks[0].start_position == 32
+    assert output.chunks[0].num_tokens == 3
