@@ -6,28 +6,13 @@ import pytest
 import torch
 
 from firsttoken import SamplingParams
+from tests.model.reference import assert_logprobs_close, hf_greedy
 from tests.prompts import CHAT_CONVERSATION, SHORT_PROMPTS, long_prompt
 
 NUM_TOKENS = 32
 TOP_LOGPROBS = 10
 # float32 on both sides; the two implementations sum in different orders.
 LOGPROB_TOLERANCE = 2e-3
-
-
-def _hf_greedy(hf_model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy continuation and its log-probs at the last prompt position."""
-    with torch.no_grad():
-        output = hf_model(torch.tensor([prompt_ids]), use_cache=True)
-        first_logprobs = torch.log_softmax(output.logits[0, -1].float(), dim=-1)
-        past = output.past_key_values
-        next_id = int(output.logits[0, -1].argmax())
-        generated = [next_id]
-        for _ in range(num_tokens - 1):
-            output = hf_model(torch.tensor([[next_id]]), past_key_values=past, use_cache=True)
-            past = output.past_key_values
-            next_id = int(output.logits[0, -1].argmax())
-            generated.append(next_id)
-    return generated, first_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +30,9 @@ def test_greedy_tokens_and_prefill_logprobs_match_transformers(llm, hf_model, pa
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
     outputs = llm.generate(prompt_token_ids=parity_prompts, sampling_params=params)
     for prompt_ids, output in zip(parity_prompts, outputs):
-        expected_ids, expected_logprobs = _hf_greedy(hf_model, prompt_ids, NUM_TOKENS)
+        expected_ids, expected_logprobs = hf_greedy(hf_model, prompt_ids, NUM_TOKENS)
         assert output.token_ids == expected_ids, f"prompt of {len(prompt_ids)} tokens diverged"
         first = output.logprobs[0]
-        for alternative in first.top_logprobs:
-            assert abs(alternative.logprob - float(expected_logprobs[alternative.token_id])) < LOGPROB_TOLERANCE
+        assert_logprobs_close(first, expected_logprobs, LOGPROB_TOLERANCE)
         expected_top = torch.topk(expected_logprobs, TOP_LOGPROBS).indices.tolist()
         assert [alternative.token_id for alternative in first.top_logprobs][:3] == expected_top[:3]

@@ -1,0 +1,133 @@
+"""Bad input: a ValueError naming the field and its limit, and no KV block left behind."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from firsttoken import LLM, SamplingParams
+from firsttoken.config import CacheConfig, ChunkedPrefillConfig, EngineConfig, SchedulerConfig
+
+
+def _all_blocks_free(llm: LLM) -> bool:
+    stats = llm.stats()
+    return stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0 and stats.num_waiting == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=-2), "top_k"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
+def test_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        SamplingParams(**kwargs)
+
+
+def test_empty_prompts_are_refused(llm):
+    with pytest.raises(ValueError, match="prompts\\[0\\]"):
+        llm.generate([""])
+    with pytest.raises(ValueError, match="prompt_token_ids\\[0\\]"):
+        llm.generate(prompt_token_ids=[[]])
+    assert _all_blocks_free(llm)
+
+
+def test_prompt_plus_max_tokens_over_max_model_len(model_path):
+    llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=64 << 20, chunk_size=64, max_model_len=64)
+    with pytest.raises(ValueError, match=r"max_tokens: .*longer than max_model_len \(64\)"):
+        llm.generate(["word " * 40], SamplingParams(max_tokens=30))
+    assert _all_blocks_free(llm)
+
+
+def test_a_bad_request_in_a_batch_leaves_nothing_queued(model_path):
+    llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=64 << 20, chunk_size=64, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["hello", "hi", "word " * 80], SamplingParams(max_tokens=4))
+    assert _all_blocks_free(llm)
+    (output,) = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4))
+    assert len(output.token_ids) >= 1
+
+
+def test_out_of_vocabulary_token_ids(llm):
+    with pytest.raises(ValueError, match=r"prompt_token_ids: 49152 is not a token id in \[0, 49152\)"):
+        llm.generate(prompt_token_ids=[[1, 2, 49152]])
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate(prompt_token_ids=[[-1]])
+    assert _all_blocks_free(llm)
+
+
+def test_unknown_model_path():
+    with pytest.raises(ValueError, match="^model: no such file or folder"):
+        LLM("/nonexistent/model.gguf")
+
+
+def test_file_that_is_not_gguf(tmp_path):
+    path = tmp_path / "notes.gguf"
+    path.write_text("this is not a model")
+    with pytest.raises(ValueError, match="^model: .* is not a GGUF file"):
+        LLM(str(path))
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        LLM(str(tmp_path))
+
+
+def test_truncated_gguf(model_path, tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    with open(model_path, "rb") as source:
+        truncated.write_bytes(source.read(os.path.getsize(model_path) // 2))
+    with pytest.raises(ValueError, match="^model: .*(truncated|corrupt)"):
+        LLM(str(truncated))
+
+
+def test_corrupt_gguf_header(model_path, tmp_path):
+    corrupt = tmp_path / "corrupt.gguf"
+    with open(model_path, "rb") as source:
+        data = bytearray(source.read(1 << 16))
+    data[8:16] = b"\xff" * 8  # an absurd tensor count
+    corrupt.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="^model: .*(truncated|corrupt)"):
+        LLM(str(corrupt))
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    import gguf
+
+    path = tmp_path / "falcon.gguf"
+    writer = gguf.GGUFWriter(str(path), "falcon")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="architecture 'falcon'"):
+        LLM(str(path))
+
+
+@pytest.mark.parametrize(
+    "build,field",
+    [
+        (lambda: CacheConfig(block_size=0), "block_size"),
+        (lambda: CacheConfig(kv_cache_memory_fraction=1.5), "kv_cache_memory_fraction"),
+        (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs"),
+        (lambda: ChunkedPrefillConfig(chunk_size=0), "chunk_size"),
+        (lambda: ChunkedPrefillConfig(chunk_size="big"), "chunk_size"),
+        (lambda: EngineConfig.from_kwargs(dtype="int3"), "dtype"),
+        (lambda: EngineConfig.from_kwargs(bogus_option=1), "unknown engine option"),
+    ],
+)
+def test_engine_options_name_the_field(build, field):
+    with pytest.raises(ValueError, match=field):
+        build()

@@ -1,0 +1,137 @@
+"""The engine's own equivalences: batching, preemption, streaming, sampling and stopping."""
+
+from __future__ import annotations
+
+import pytest
+
+from firsttoken import LLM, SamplingParams
+from tests.prompts import SHORT_PROMPTS, long_prompt
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _all_blocks_free(llm: LLM) -> bool:
+    stats = llm.stats()
+    return stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0 and stats.num_waiting == 0
+
+
+def _mixed_prompts(llm: LLM, count: int) -> list[list[int]]:
+    texts = SHORT_PROMPTS + [long_prompt(2), long_prompt(5), "Hi", "Once upon a time"]
+    prompts = []
+    for index in range(count):
+        ids = llm.tokenizer.encode(texts[index % len(texts)])
+        prompts.append(ids[: max(1, len(ids) - index)])  # vary lengths, including 1-token prompts
+    return prompts
+
+
+def test_batch_of_16_equals_each_prompt_alone(model_path):
+    llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=64, enable_prompt_cache=False)
+    prompts = _mixed_prompts(llm, 16)
+    batched = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    for prompt, output in zip(prompts, batched):
+        (alone,) = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)
+        assert output.token_ids == alone.token_ids
+    assert _all_blocks_free(llm)
+
+
+def test_tiny_kv_budget_preempts_yet_gives_the_same_tokens(model_path):
+    prompts_llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=64)
+    prompts = _mixed_prompts(prompts_llm, 8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [o.token_ids for o in prompts_llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    # 40 blocks of 16 tokens: far less than the 8 requests need together.
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 4
+    small = LLM(model_path, dtype="float32", kv_cache_memory_bytes=40 * block_bytes, chunk_size=64, max_num_seqs=8)
+    outputs = small.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outputs] == expected
+    assert small.stats().num_preemptions > 0
+    assert _all_blocks_free(small)
+
+
+def test_stream_deltas_add_up_to_the_generated_text(llm):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    (expected,) = llm.generate(["Write a haiku about autumn:"], params)
+    deltas = list(llm.stream("Write a haiku about autumn:", params))
+    assert "".join(d.text for d in deltas) == expected.text
+    assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert sum(1 for d in deltas if d.finished) == 1
+
+
+def test_closing_a_stream_early_aborts_and_frees_its_blocks(llm):
+    stream = llm.stream("Tell me a long story about a dragon.", SamplingParams(temperature=0, max_tokens=200))
+    next(stream)
+    stream.close()
+    assert _all_blocks_free(llm)
+
+
+def test_text_equals_decoding_the_tokens(llm):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for output in llm.generate(SHORT_PROMPTS, params):
+        assert output.text == llm.tokenizer.decode(output.token_ids)
+
+
+def test_same_seed_same_tokens_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    (alone,) = llm.generate(["The weather today is"], seeded)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = llm.generate(
+        ["Roses are red,", "The weather today is", "Numbers: 1, 2, 3,"], [unseeded, seeded, unseeded]
+    )
+    assert batch[1].token_ids == alone.token_ids
+    other_seed = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=99, max_tokens=20, ignore_eos=True)
+    (different,) = llm.generate(["The weather today is"], other_seed)
+    assert different.token_ids != alone.token_ids
+
+
+def test_top_k_one_is_greedy(llm):
+    (greedy,) = llm.generate(["The capital of Italy is"], GREEDY)
+    top1 = SamplingParams(temperature=1.5, top_k=1, max_tokens=24, ignore_eos=True)
+    (sampled,) = llm.generate(["The capital of Italy is"], top1)
+    assert sampled.token_ids == greedy.token_ids
+
+
+def test_stop_string_is_cut_from_text_and_ends_request(llm):
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    (full,) = llm.generate(["Count: one, two, three,"], base)
+    stop_word = full.text.strip().split()[2]
+    stop = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop_word])
+    (stopped,) = llm.generate(["Count: one, two, three,"], stop)
+    assert stopped.finish_reason == "stop"
+    assert stopped.stop_reason == stop_word
+    assert stopped.text == full.text[: full.text.index(stop_word)]
+    assert _all_blocks_free(llm)
+    streamed = "".join(d.text for d in llm.stream("Count: one, two, three,", stop))
+    assert streamed == stopped.text
+
+
+def test_stop_token_ids_and_eos(llm):
+    (full,) = llm.generate(["Count: one, two, three,"], GREEDY)
+    stop_token = full.token_ids[5]
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_token])
+    (stopped,) = llm.generate(["Count: one, two, three,"], params)
+    assert stopped.token_ids == full.token_ids[: full.token_ids.index(stop_token) + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_token
+    chat = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=200))
+    assert chat.finish_reason == "stop"
+    assert chat.token_ids[-1] in llm.tokenizer.eos_token_ids
+
+
+def test_metrics_stages_sum_to_ttft(llm):
+    (output,) = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    metrics = output.metrics
+    assert metrics.tokenize_s >= 0 and metrics.queue_s >= 0 and metrics.prefill_s > 0
+    assert metrics.tokenize_s + metrics.queue_s + metrics.prefill_s == pytest.approx(metrics.ttft_s)
+    assert metrics.e2e_s >= metrics.ttft_s
+    assert metrics.num_generation_tokens == len(output.token_ids)
+    assert metrics.decode_tokens_per_s > 0
+
+
+def test_chat_uses_the_template(llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    output = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12))
+    prompt = llm.tokenizer.apply_chat_template(messages)
+    assert prompt.startswith("<|im_start|>system\n")
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert output.prompt_token_ids == llm.tokenizer.encode(prompt)
+    assert "Paris" in output.text

@@ -1,0 +1,108 @@
+"""Loaders and architecture variants: tiny random checkpoints through firsttoken and transformers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from firsttoken import LLM, SamplingParams
+from tests.model.reference import assert_logprobs_close, hf_greedy
+from tests.model.tiny_models import save_hf_folder, tiny_hf_model, write_gguf
+
+PROMPT_IDS = [504, 3575, 282, 4649, 314, 7042, 30, 198, 17, 33, 34, 1708, 2988, 216, 1062, 45, 990, 12, 87, 8000] * 3
+NUM_TOKENS = 16
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(autouse=True)
+def isolated_conversion_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _firsttoken_run(path: str):
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=16 << 20, chunk_size=32, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=8)
+    (output,) = llm.generate(prompt_token_ids=[PROMPT_IDS], sampling_params=params)
+    return output
+
+
+HF_VARIANTS = {
+    "llama-untied-llama3-rope": (
+        "llama",
+        dict(
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "mistral": ("mistral", dict(tie_word_embeddings=False, sliding_window=None)),
+    "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(HF_VARIANTS))
+def test_hf_folder_matches_transformers(variant, tmp_path):
+    model_type, overrides = HF_VARIANTS[variant]
+    hf_model = tiny_hf_model(model_type, **overrides)
+    folder = save_hf_folder(hf_model, str(tmp_path / variant))
+    output = _firsttoken_run(folder)
+    expected_ids, expected_logprobs = hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)
+    assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
+    assert output.token_ids == expected_ids
+
+
+GGUF_VARIANTS = {
+    "llama-mixed-quants": (
+        "llama",
+        dict(tie_word_embeddings=False),
+        {"token_embd": Q.F16, "attn_q": Q.Q8_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_1, "attn_output": Q.BF16,
+         "ffn_gate": Q.Q4_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1, "output.": Q.Q8_0},
+    ),
+    "qwen2-q8": ("qwen2", dict(tie_word_embeddings=True), {"blk": Q.Q8_0, "token_embd": Q.Q8_0}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(GGUF_VARIANTS))
+def test_gguf_file_matches_transformers_gguf_loader(variant, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model_type, overrides, qtypes = GGUF_VARIANTS[variant]
+    path = write_gguf(tiny_hf_model(model_type, **overrides), str(tmp_path / f"{variant}.gguf"), model_type, qtypes)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    output = _firsttoken_run(path)
+    expected_ids, expected_logprobs = hf_greedy(hf_model.eval(), PROMPT_IDS, NUM_TOKENS)
+    assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
+    assert output.token_ids == expected_ids
+
+
+def test_second_start_reads_the_conversion_cache(tmp_path):
+    path = write_gguf(tiny_hf_model("llama"), str(tmp_path / "tiny.gguf"), "llama", {"blk": Q.Q8_0})
+    first = _firsttoken_run(path)
+    converted = os.listdir(tmp_path / "cache" / "firsttoken" / "converted")
+    assert len(converted) == 1
+    assert sorted(os.listdir(tmp_path / "cache" / "firsttoken" / "converted" / converted[0])) == [
+        "meta.json", "tokenizer.json", "weights-float32.safetensors",
+    ]
+    second = _firsttoken_run(path)
+    assert second.token_ids == first.token_ids
+
+
+def test_damaged_conversion_cache_is_rebuilt(tmp_path):
+    path = write_gguf(tiny_hf_model("llama"), str(tmp_path / "tiny.gguf"), "llama", {})
+    first = _firsttoken_run(path)
+    folder = tmp_path / "cache" / "firsttoken" / "converted"
+    (entry,) = os.listdir(folder)
+    for name in os.listdir(folder / entry):
+        with open(folder / entry / name, "wb") as handle:
+            handle.write(b"\x00garbage")
+    assert _firsttoken_run(path).token_ids == first.token_ids

@@ -1,0 +1,144 @@
+"""Tiny random Llama-family checkpoints, written as Hugging Face folders and GGUF files."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from firsttoken.models.loaders.conversion_cache import default_cache_dir
+from firsttoken.models.registry import default_model_path, open_checkpoint
+
+# Resolved at import, before any test points XDG_CACHE_HOME at a temporary folder.
+_USER_CACHE_DIR = default_cache_dir()
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.25,
+)
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm_tokenizer_text() -> str:
+    return open_checkpoint(default_model_path(), cache_dir=_USER_CACHE_DIR).tokenizer.backend.to_str()
+
+
+def smollm_tokenizer_json() -> dict:
+    """The embedded model's tokenizer, as tokenizer.json content."""
+    return json.loads(_smollm_tokenizer_text())
+
+
+def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
+    """A seeded random transformers model of `model_type` (llama, mistral, qwen2)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    vocab_size = len(smollm_tokenizer_json()["model"]["vocab"])
+    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+            elif name.endswith("bias"):
+                parameter.normal_(0, 0.5)
+    return model.eval()
+
+
+def save_hf_folder(model, folder: str) -> str:
+    model.save_pretrained(folder)
+    with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as handle:
+        json.dump(smollm_tokenizer_json(), handle)
+    return folder
+
+
+def _permute_for_gguf(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter layout (the inverse of undo_rope_permutation)."""
+    rows, rest = weight.shape[0], weight.shape[1:]
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, *rest).swapaxes(1, 2).reshape(weight.shape)
+
+
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    if hf_name in globals_:
+        return globals_[hf_name]
+    parts = hf_name.split(".")
+    layer, local, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
+    return f"blk.{layer}.{_LAYER_NAMES[local]}.{kind}"
+
+
+def write_gguf(model, path: str, gguf_arch: str, qtypes: dict[str, GGMLQuantizationType]) -> str:
+    """Write `model` as llama.cpp would: permuted q/k rows (llama), quantized matrices.
+
+    qtypes maps a substring of the GGUF tensor name to its type; 1-D tensors stay F32.
+    """
+    config = model.config
+    tokenizer = smollm_tokenizer_json()
+    vocab = tokenizer["model"]["vocab"]
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    special = {entry["id"] for entry in tokenizer["added_tokens"] if entry["special"]}
+    writer = gguf.GGUFWriter(path, gguf_arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if index in special else 1 for index in range(len(tokens))])
+    writer.add_token_merges([" ".join(merge) if isinstance(merge, list) else merge for merge in tokenizer["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    head_dim = config.hidden_size // config.num_attention_heads
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        name = _gguf_name(hf_name)
+        array = tensor.float().numpy()
+        if gguf_arch == "llama" and ".attn_q." in name:
+            array = _permute_for_gguf(array, config.num_attention_heads)
+        elif gguf_arch == "llama" and ".attn_k." in name:
+            array = _permute_for_gguf(array, config.num_key_value_heads)
+        qtype = next((kind for key, kind in qtypes.items() if key in name), GGMLQuantizationType.F32)
+        if array.ndim == 1 or qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(name, array.astype(np.float32))
+        elif qtype == GGMLQuantizationType.F16:
+            writer.add_tensor(name, array.astype(np.float16))
+        else:
+            writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
