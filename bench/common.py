@@ -1,0 +1,55 @@
+"""Shared helpers of the benchmark scripts: prompts, timing, medians, tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import time
+from typing import Callable
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench_results")
+
+
+def random_prompt(num_tokens: int, seed: int, vocab_low: int = 100, vocab_high: int = 49000) -> list[int]:
+    """Token ids drawn uniformly: every run gets a prompt no cache has seen."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_low, vocab_high) for _ in range(num_tokens)]
+
+
+def median_seconds(run: Callable[[int], float], repeats: int, warmups: int = 1) -> tuple[float, list[float]]:
+    """Median of `repeats` timings after `warmups` untimed calls; run(i) returns seconds."""
+    for index in range(warmups):
+        run(-1 - index)
+    samples = [run(index) for index in range(repeats)]
+    return statistics.median(samples), samples
+
+
+def timed(function: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+def print_table(headers: list[str], rows: list[list[object]]) -> None:
+    cells = [[str(h) for h in headers]] + [[_format(value) for value in row] for row in rows]
+    widths = [max(len(row[column]) for row in cells) for column in range(len(headers))]
+    for index, row in enumerate(cells):
+        print("  ".join(value.rjust(width) for value, width in zip(row, widths)))
+        if index == 0:
+            print("  ".join("-" * width for width in widths))
+
+
+def _format(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def save_result(name: str, payload: dict) -> str:
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(payload, handle, indent=2)
+    return path
