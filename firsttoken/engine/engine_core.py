@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -16,16 +17,19 @@ import torch
 from firsttoken.attention.sdpa import SDPABackend
 from firsttoken.config import EngineConfig
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput
+from firsttoken.core.cost_model import StepCostModel, StepTimeTracker
 from firsttoken.core.hashing import extend_block_hashes, root_hash
 from firsttoken.core.kv_cache_manager import KVCacheManager
 from firsttoken.core.scheduler import Scheduler
 from firsttoken.engine.output_processor import OutputProcessor
 from firsttoken.engine.pinned_prefix_store import KVIdentity, PinnedPrefixStore, validate_pin_id
+from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.models.registry import build_model, open_checkpoint, resolve_model_path
 from firsttoken.outputs import RequestDelta
 from firsttoken.request import Request, RequestStatus, RequestTimestamps
 from firsttoken.sample.sampler import Sampler
 from firsttoken.sampling_params import SamplingParams
+from firsttoken.worker.cost_calibration import load_or_calibrate
 from firsttoken.worker.device import physical_core_count, resolve_device, resolve_dtype
 from firsttoken.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from firsttoken.worker.model_runner import ModelRunner
@@ -99,6 +103,8 @@ class EngineCore:
         self._pending_pins: dict[str, str] = {}  # internal request id -> pin id
         self.prefix_store = self._open_prefix_store()
         self._warm_up()
+        if config.chunked_prefill.enable and config.chunked_prefill.chunk_size == "auto":
+            self.scheduler.step_times = StepTimeTracker(self._step_cost_model())
         if self.prefix_store is not None:
             self._restore_pinned_prefixes()
         logger.info(
@@ -133,6 +139,20 @@ class EngineCore:
                 sample=SampleSpec(params, 0),
             )
             self.runner.execute(SchedulerOutput(chunks=[chunk], token_budget=count))
+
+    def _step_cost_model(self) -> StepCostModel:
+        threads = torch.get_num_threads() if self.device.type == "cpu" else 0
+        name = (
+            f"{self.checkpoint.fingerprint}-{str(self.dtype).removeprefix('torch.')}-{self.device.type}"
+            f"-t{threads}-b{self.config.cache.block_size}.json"
+        )
+        return load_or_calibrate(
+            self.runner,
+            self.config.cache.block_size,
+            self.kv_manager.num_blocks,
+            self.config.scheduler.max_num_batched_tokens,
+            os.path.join(default_cache_dir(), "step_costs", name),
+        )
 
     # -- requests ------------------------------------------------------------------------
 
@@ -193,7 +213,9 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
+        started = time.perf_counter()
         model_output = self.runner.execute(scheduler_output)
+        self.scheduler.observe_step_time(scheduler_output, time.perf_counter() - started)
         deltas = []
         for progress in self.scheduler.update(scheduler_output, model_output):
             if progress.request.req_id in self._pending_pins:
