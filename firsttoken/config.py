@@ -12,6 +12,7 @@ from typing import Any, Literal, Union
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
+QUANTIZATIONS = ("int8",)
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -46,6 +47,11 @@ class ModelConfig:
     num_threads: int | None = field(
         default=None, metadata=_help("CPU threads for compute; default: the physical cores")
     )
+    quantization: str | None = field(
+        default=None,
+        metadata=_help("weight-only quantization of the projections: int8 (faster decode); default: none",
+                       choices=QUANTIZATIONS),
+    )
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
@@ -54,6 +60,11 @@ class ModelConfig:
             self.max_model_len is None or self.max_model_len >= 1,
             "max_model_len",
             f"must be >= 1, got {self.max_model_len}",
+        )
+        _require(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            "quantization",
+            f"must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}",
         )
         _require(
             self.num_threads is None or self.num_threads >= 1,

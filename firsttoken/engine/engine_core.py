@@ -87,6 +87,8 @@ class EngineCore:
         self.model = build_model(
             self.checkpoint, backend, self.dtype, self.device, self.max_model_len, cache_dir=None
         )
+        if model_config.quantization == "int8":
+            self.model.quantize_int8()
         block_size = config.cache.block_size
         num_blocks = num_kv_blocks(config.cache, arch, self.dtype, self.device)
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, self.dtype, self.device)

@@ -17,6 +17,7 @@ from torch import nn
 from firsttoken.attention.backend import AttentionBackend
 from firsttoken.models.arch import ModelArch
 from firsttoken.ops.activation import silu_and_mul
+from firsttoken.ops.linear import Int8Linear, Linear, quantize_linears_int8
 from firsttoken.ops.norm import add_rms_norm, rms_norm
 from firsttoken.ops.rotary import apply_rotary, cos_sin_table, inverse_frequencies
 
@@ -35,11 +36,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = arch.head_dim
         self.q_size = arch.q_size
         self.kv_size = arch.kv_size
-        self.qkv_weight = _empty(arch.q_size + 2 * arch.kv_size, arch.hidden_size, dtype=dtype)
-        self.qkv_bias = (
-            _empty(arch.q_size + 2 * arch.kv_size, dtype=dtype) if arch.attention_bias else None
-        )
-        self.o_weight = _empty(arch.hidden_size, arch.q_size, dtype=dtype)
+        self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.attention_bias, dtype)
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, False, dtype)
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None  # [2, blocks, block_size, kv_heads, D], bound later
 
@@ -47,13 +45,13 @@ class LlamaAttention(nn.Module):
         self, hidden: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor, attn_metadata: Any
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = F.linear(hidden, self.qkv_weight, self.qkv_bias)  # [T, q + 2 kv]
+        qkv = self.qkv_proj(hidden)  # [T, q + 2 kv]
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query = apply_rotary(query.view(num_tokens, self.num_heads, self.head_dim), positions, rope_table)
         key = apply_rotary(key.view(num_tokens, self.num_kv_heads, self.head_dim), positions, rope_table)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         attended = self.backend.forward(query, key, value, self.kv_cache, attn_metadata)
-        return F.linear(attended.reshape(num_tokens, self.q_size), self.o_weight)
+        return self.o_proj(attended.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -61,11 +59,11 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_up_weight = _empty(2 * arch.intermediate_size, arch.hidden_size, dtype=dtype)
-        self.down_weight = _empty(arch.hidden_size, arch.intermediate_size, dtype=dtype)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, dtype)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(hidden, self.gate_up_weight)), self.down_weight)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -113,9 +111,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_weight = _empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend, dtype) for _ in range(arch.num_layers))
         self.norm_weight = _empty(arch.hidden_size, dtype=dtype)
-        self.lm_head_weight = (
-            self.embed_weight if arch.tie_word_embeddings else _empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        )
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, dtype)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_weight
         inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_frequency_divisors)
         self.register_buffer("rope_table", cos_sin_table(inv_freq, max_positions), persistent=False)
 
@@ -134,14 +132,19 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [R, vocab] for the R rows that sample."""
         normed = rms_norm(hidden, self.norm_weight, self.arch.rms_norm_eps)
-        return F.linear(normed, self.lm_head_weight).float()
+        return self.lm_head(normed).float()
+
+    def quantize_int8(self) -> None:
+        """Weight-only int8 for every projection and the LM head (the embedding stays float)."""
+        quantize_linears_int8(self.layers)
+        self.lm_head = Int8Linear.from_float(self.lm_head.weight.data, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up on the way."""
         WeightLoader(self).load(weights)
 
 
-_FUSED_PARTS = {"qkv_weight": 3, "qkv_bias": 3, "gate_up_weight": 2}
+_FUSED_PARTS = {"qkv_proj.weight": 3, "qkv_proj.bias": 3, "gate_up_proj.weight": 2}
 
 
 class WeightLoader:
@@ -153,7 +156,7 @@ class WeightLoader:
         self.q_size, self.kv_size, self.intermediate = arch.q_size, arch.kv_size, arch.intermediate_size
         # Fused parameters are filled in parts: count the parts each one still needs.
         self.missing_parts = {
-            name: _FUSED_PARTS.get(name.rsplit(".", 1)[-1], 1) for name, _ in model.named_parameters()
+            name: _FUSED_PARTS.get(".".join(name.split(".")[-2:]), 1) for name, _ in model.named_parameters()
         }
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -183,7 +186,7 @@ class WeightLoader:
         globals_ = {
             "model.embed_tokens.weight": "embed_weight",
             "model.norm.weight": "norm_weight",
-            "lm_head.weight": None if self.model.arch.tie_word_embeddings else "lm_head_weight",
+            "lm_head.weight": None if self.model.arch.tie_word_embeddings else "lm_head.weight",
         }
         if name in globals_:
             return globals_[name], None
@@ -193,16 +196,16 @@ class WeightLoader:
         prefix = f"layers.{parts[2]}"
         local = ".".join(parts[3:])
         fused = {
-            "self_attn.q_proj.weight": ("self_attn.qkv_weight", (0, q)),
-            "self_attn.k_proj.weight": ("self_attn.qkv_weight", (q, q + kv)),
-            "self_attn.v_proj.weight": ("self_attn.qkv_weight", (q + kv, q + 2 * kv)),
-            "self_attn.q_proj.bias": ("self_attn.qkv_bias", (0, q)),
-            "self_attn.k_proj.bias": ("self_attn.qkv_bias", (q, q + kv)),
-            "self_attn.v_proj.bias": ("self_attn.qkv_bias", (q + kv, q + 2 * kv)),
-            "self_attn.o_proj.weight": ("self_attn.o_weight", None),
-            "mlp.gate_proj.weight": ("mlp.gate_up_weight", (0, inter)),
-            "mlp.up_proj.weight": ("mlp.gate_up_weight", (inter, 2 * inter)),
-            "mlp.down_proj.weight": ("mlp.down_weight", None),
+            "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", (0, q)),
+            "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", (q, q + kv)),
+            "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", (q + kv, q + 2 * kv)),
+            "self_attn.q_proj.bias": ("self_attn.qkv_proj.bias", (0, q)),
+            "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", (q, q + kv)),
+            "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", (q + kv, q + 2 * kv)),
+            "self_attn.o_proj.weight": ("self_attn.o_proj.weight", None),
+            "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", (0, inter)),
+            "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", (inter, 2 * inter)),
+            "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
             "input_layernorm.weight": ("input_norm_weight", None),
             "post_attention_layernorm.weight": ("post_attention_norm_weight", None),
         }

@@ -37,10 +37,31 @@ def _npu_available() -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on accelerators and float32 on CPUs."""
+    """'auto' is bfloat16 on accelerators and on CPUs that multiply bf16 natively
+    (AVX512-BF16 or AMX), float32 on other CPUs."""
     if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        if device.type != "cpu":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return _DTYPES[name]
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions and oneDNN can use them."""
+    flags = _cpu_flags()
+    has_instructions = "avx512_bf16" in flags or "amx_bf16" in flags
+    return has_instructions and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
 
 
 def physical_core_count() -> int:

@@ -27,7 +27,7 @@ from firsttoken.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 # Bump when the converted layout changes, so stale entries are never read.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def default_cache_dir() -> str:
