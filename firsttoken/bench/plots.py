@@ -81,6 +81,6 @@ def timeline_figure(records: Sequence[RequestRecord]) -> Figure:
     axes.set(
         xlabel="time since the run started (s)", ylabel="request (by send time)", title="Per-request timeline"
     )
-    axes.invert_yaxis()
-    axes.legend(loc="lower right")
+    axes.set_ylim(len(ordered) - 0.5, -0.5)  # the first request on top, no empty rows
+    axes.legend(loc="upper right")  # requests run from top left to bottom right: that corner is free
     return figure
