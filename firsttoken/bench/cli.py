@@ -120,7 +120,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--ignore-eos", action="store_true", help="ask the server to generate exactly --output-len tokens"
     )
     target.add_argument(
-        "--timeout-s", type=float, default=600.0, help="per-request timeout in seconds (default: 600)"
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="longest wait in seconds to connect or for the next bytes of a reply (default: 600)",
     )
 
     data = parser.add_argument_group("dataset")

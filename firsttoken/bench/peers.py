@@ -29,6 +29,10 @@ class PeerTiming:
     decode_tokens_per_s: float | None  # None when only one token was generated
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def timing_from(start: float, first: float, end: float, num_tokens: int) -> PeerTiming:
     decode = (num_tokens - 1) / (end - first) if num_tokens > 1 and end > first else None
     return PeerTiming(first - start, decode)
@@ -48,7 +52,7 @@ class FirsttokenPeer:
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
-        self.note = f"{llm.engine.dtype}"
+        self.note = _dtype_name(llm.engine.dtype)
 
     def time_prompt(self, prompt_ids: list[int], output_len: int) -> PeerTiming:
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -69,7 +73,7 @@ class TransformersPeer:
 
     def __init__(self, model: Any) -> None:
         self.model = model.eval()
-        self.note = f"{model.dtype}, {torch.get_num_threads()} threads"
+        self.note = f"{_dtype_name(model.dtype)}, {torch.get_num_threads()} threads"
 
     @classmethod
     def load(cls, model_path: str, dtype: torch.dtype) -> TransformersPeer:

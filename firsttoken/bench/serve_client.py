@@ -33,7 +33,7 @@ class ServeTarget:
     endpoint: str = COMPLETIONS
     model: str | None = None  # None: the first model the server lists
     ignore_eos: bool = False  # ask for exactly max_tokens (vLLM, llama.cpp and firsttoken honour it)
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # longest wait for a connection or for the next bytes of a reply
 
     def __post_init__(self) -> None:
         if self.endpoint not in (COMPLETIONS, CHAT_COMPLETIONS):
