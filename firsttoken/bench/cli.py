@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Any
 
@@ -245,7 +246,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def run_compare(args: argparse.Namespace) -> int:
     from firsttoken.bench.compare import CompareSpec, compare_peers, format_report, results_payload
-    from firsttoken.bench.peers import FirsttokenPeer, LlamaCppPeer, TransformersPeer, llama_cpp_available
+    from firsttoken.bench.peers import FirsttokenPeer, TransformersPeer
     from firsttoken.bench.results import result_stem, write_json
 
     spec = CompareSpec(
@@ -258,13 +259,29 @@ def run_compare(args: argparse.Namespace) -> int:
     llm = _bench_llm(args, dtype="float32")
     model_path = llm.engine.model_path
     peers = [FirsttokenPeer(llm), TransformersPeer.load(model_path, llm.engine.dtype)]
-    if llama_cpp_available() and not args.no_llama_cpp and model_path.endswith(".gguf"):
-        peers.append(LlamaCppPeer(model_path, max(spec.input_lens) + spec.output_len))
+    llama_cpp = (
+        None if args.no_llama_cpp else _llama_cpp_peer(model_path, max(spec.input_lens) + spec.output_len)
+    )
+    if llama_cpp is not None:
+        peers.append(llama_cpp)
     results = compare_peers(peers, llm.tokenizer, spec)
     print(format_report(results, peers, spec))
     path = write_json(result_stem(args.result_dir, "compare") + ".json", results_payload(results, spec))
     print(f"saved {path}", file=sys.stderr)
     return 0
+
+
+def _llama_cpp_peer(model_path: str, context_len: int):
+    """llama.cpp on the same GGUF file, or None (saying why) where it cannot run."""
+    from firsttoken.bench.peers import LlamaCppPeer, llama_cpp_available
+
+    if not os.path.isfile(model_path):
+        print("llama.cpp left out: it runs GGUF files, and the model is a folder", file=sys.stderr)
+        return None
+    if not llama_cpp_available():
+        print("llama.cpp left out: `pip install llama-cpp-python` adds it", file=sys.stderr)
+        return None
+    return LlamaCppPeer(model_path, context_len)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -9,8 +9,15 @@ import torch
 from torch import nn
 
 from firsttoken import LLM
-from firsttoken.bench.profile import ProfileSpec, profile_ttft
-from firsttoken.bench.stage_hooks import STAGES, StageClock, find_engine_parts, instrumented, stage_seconds
+from firsttoken.bench.profile import ProfileSpec, format_report, profile_ttft
+from firsttoken.bench.stage_hooks import (
+    STAGE_LABELS,
+    STAGES,
+    StageClock,
+    find_engine_parts,
+    instrumented,
+    stage_seconds,
+)
 from firsttoken.metrics.request_metrics import RequestMetrics
 
 
@@ -52,6 +59,8 @@ def test_stage_medians_add_up_to_the_plain_ttft(profiled_llm):
         assert stages[stage] > 0, stage
     # A 128-token prefill is the decoder layers' work: they dominate a warm TTFT.
     assert stages["attention"] + stages["mlp"] + stages["norms_residuals"] > 0.5 * result.ttft.median
+    report = format_report(result, input_len=128)
+    assert all(label in report for label in STAGE_LABELS.values()) and "sum of stages" in report
 
 
 def test_profiling_leaves_no_hook_or_wrapper_behind(profiled_llm):
