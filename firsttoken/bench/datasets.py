@@ -17,16 +17,18 @@ from typing import Literal, Protocol
 DatasetName = Literal["random", "shared-prefix", "mixed-long"]
 DATASET_NAMES: tuple[str, ...] = ("random", "shared-prefix", "mixed-long")
 
-_WORDS = (
-    "the of and to in is that for it as with was on be by at this from have or are not but an they "
-    "which one you were all we her she there would their will when who him been has more if no out so "
-    "said what up its about into than them can only other new some could time these two may then do "
-    "first any my now such like our over man me even most made after also did many before must through "
-    "back years where much your way well down should because each just those people how too little "
-    "state good very make world still own see men work long get here between both life being under "
-    "never day same another know while last might us great old year off come since against go came "
-    "right used take three river house water light story city music garden letter window morning"
-).split()
+_WORDS: tuple[str, ...] = tuple(
+    (
+        "the of and to in is that for it as with was on be by at this from have or are not but an they "
+        "which one you were all we her she there would their will when who him been has more if no out so "
+        "said what up its about into than them can only other new some could time these two may then do "
+        "first any my now such like our over man me even most made after also did many before must through "
+        "back years where much your way well down should because each just those people how too little "
+        "state good very make world still own see men work long get here between both life being under "
+        "never day same another know while last might us great old year off come since against go came "
+        "right used take three river house water light story city music garden letter window morning"
+    ).split()
+)
 
 
 class PromptTokenizer(Protocol):
