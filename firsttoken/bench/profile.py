@@ -72,6 +72,12 @@ class ProfileResult:
     def stages_sum(self) -> float:
         return sum(self.stage_medians.values())
 
+    @property
+    def stages_add_up(self) -> bool:
+        """Whether the stage medians are within 10% of the plain TTFT median: the hooks cost
+        less than that, so a larger gap means the runs saw different machine states."""
+        return abs(self.stages_sum - self.ttft.median) <= 0.10 * self.ttft.median
+
     def to_json_dict(self) -> dict[str, Any]:
         return {
             "num_prompt_tokens": self.num_prompt_tokens,
@@ -81,6 +87,7 @@ class ProfileResult:
             "instrumented_ttft_ms": self.instrumented_ttft.median * 1000,
             "stages_ms": {stage: seconds * 1000 for stage, seconds in self.stage_medians.items()},
             "stages_sum_ms": self.stages_sum * 1000,
+            "stages_add_up": self.stages_add_up,
         }
 
 
@@ -164,7 +171,13 @@ def format_report(result: ProfileResult, input_len: int) -> str:
         f"min {ttft_ms.min:.2f}, max {ttft_ms.max:.2f}"
     )
     table = format_table(["stage (median of instrumented runs)", "ms", "of TTFT"], rows)
-    return f"{header}\n\n{table}"
+    report = f"{header}\n\n{table}"
+    if not result.stages_add_up:
+        report += (
+            f"\n\nThe stages add up to {result.stages_sum * 1000:.2f} ms, more than 10% away from the TTFT: "
+            "something else used this machine's CPU during some runs. Rerun, or add --runs."
+        )
+    return report
 
 
 def format_json(result: ProfileResult, input_len: int) -> str:
