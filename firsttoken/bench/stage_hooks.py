@@ -151,11 +151,9 @@ def instrumented(parts: EngineParts, clock: StageClock) -> Iterator[StageClock]:
     """Hooks and wrappers that feed `clock`, removed on exit whatever happens."""
     with ExitStack() as stack:
 
-        def hook(module: nn.Module, pre: Callable[[], None] | None, post: Callable[[], None] | None) -> None:
-            if pre is not None:
-                stack.callback(module.register_forward_pre_hook(lambda *_: pre()).remove)
-            if post is not None:
-                stack.callback(module.register_forward_hook(lambda *_: post()).remove)
+        def hook(module: nn.Module, pre: Callable[[], None], post: Callable[[], None]) -> None:
+            stack.callback(module.register_forward_pre_hook(lambda *_: pre()).remove)
+            stack.callback(module.register_forward_hook(lambda *_: post()).remove)
 
         def model_starts() -> None:
             clock.count("forward")
