@@ -14,6 +14,11 @@ from typing import Any
 
 from firsttoken.engine_args import add_engine_args, engine_kwargs
 
+COMPARE_DESCRIPTION = (
+    "TTFT and decode tokens/s of firsttoken, transformers and (when installed) llama.cpp on the same "
+    "prompts in one run, with ratios. --dtype defaults to float32 here and applies to transformers too; "
+    "llama.cpp runs the GGUF weights as stored."
+)
 # Offline benchmarks measure full prefills: distinct prompts, and no reuse across runs.
 _BENCH_ENGINE_DEFAULTS: dict[str, Any] = {"enable_prompt_cache": False}
 
@@ -46,7 +51,9 @@ def register_bench_verbs(verbs: argparse._SubParsersAction) -> None:
     serve.set_defaults(handler=run_serve)
 
     compare = bench_verbs.add_parser(
-        "compare", help="firsttoken vs transformers (and llama.cpp) on the same prompts"
+        "compare",
+        help="firsttoken vs transformers (and llama.cpp) on the same prompts",
+        description=COMPARE_DESCRIPTION,
     )
     add_compare_args(compare)
     compare.set_defaults(handler=run_compare)
