@@ -1,4 +1,4 @@
-"""`firsttoken generate | chat`: the command line."""
+"""`firsttoken generate | chat | bench | profile`: the command line."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Sequence
 
+from firsttoken.bench.cli import register_bench_verbs
 from firsttoken.engine_args import add_engine_args, engine_kwargs
 
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.set_defaults(handler=run_chat)
 
+    register_bench_verbs(verbs)
     return parser
 
 

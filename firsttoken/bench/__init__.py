@@ -1,0 +1,1 @@
+"""Benchmarks: offline latency, a serving-load client, peer comparison, TTFT profiling, plots."""

@@ -1,0 +1,344 @@
+"""The `firsttoken bench latency | serve | compare` and `firsttoken profile` verbs.
+
+Engine options are flags of every verb that starts an engine (`add_engine_args`); the heavy
+modules load only when a verb runs, so `firsttoken --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Any
+
+from firsttoken.engine_args import add_engine_args, engine_kwargs
+
+COMPARE_DESCRIPTION = (
+    "TTFT and decode tokens/s of firsttoken, transformers and (when installed) llama.cpp on the same "
+    "prompts in one run, with ratios. --dtype defaults to float32 here and applies to transformers too; "
+    "llama.cpp runs the GGUF weights as stored."
+)
+# Offline benchmarks measure full prefills: distinct prompts, and no reuse across runs.
+_BENCH_ENGINE_DEFAULTS: dict[str, Any] = {"enable_prompt_cache": False}
+
+
+def register_bench_verbs(verbs: argparse._SubParsersAction) -> None:
+    """Add `bench` (with latency, serve, compare) and `profile` to the top-level verbs."""
+    bench = verbs.add_parser("bench", help="benchmarks: offline latency, serving load, peer comparison")
+    bench_verbs = bench.add_subparsers(dest="bench_verb", required=True, metavar="BENCHMARK")
+
+    latency = bench_verbs.add_parser(
+        "latency", help="TTFT, TPOT, end-to-end and token rates of one batch, offline"
+    )
+    _add_model_arg(latency)
+    latency.add_argument(
+        "--input-len", type=int, default=512, help="prompt tokens per request (default: 512)"
+    )
+    latency.add_argument(
+        "--output-len", type=int, default=128, help="tokens generated per request (default: 128)"
+    )
+    latency.add_argument("--batch-size", type=int, default=1, help="requests per batch (default: 1)")
+    _add_run_args(latency, runs=5)
+    latency.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_engine_args(latency)
+    latency.set_defaults(handler=run_latency)
+
+    serve = bench_verbs.add_parser(
+        "serve", help="load an OpenAI-compatible server and measure TTFT, TPOT, ITL, goodput"
+    )
+    add_serve_args(serve)
+    serve.set_defaults(handler=run_serve)
+
+    compare = bench_verbs.add_parser(
+        "compare",
+        help="firsttoken vs transformers (and llama.cpp) on the same prompts",
+        description=COMPARE_DESCRIPTION,
+    )
+    add_compare_args(compare)
+    compare.set_defaults(handler=run_compare)
+
+    profile = verbs.add_parser(
+        "profile", help="TTFT statistics and a measured per-stage breakdown of one request"
+    )
+    _add_model_arg(profile)
+    profile.add_argument("--input-len", type=int, default=512, help="prompt tokens (default: 512)")
+    _add_run_args(profile, runs=10)
+    profile.add_argument(
+        "--trace", default=None, metavar="PATH", help="write a PyTorch profiler Chrome trace of one request"
+    )
+    profile.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (ttft_ms, stages_ms, ...) instead of the table",
+    )
+    add_engine_args(profile)
+    profile.set_defaults(handler=run_profile)
+
+
+def _add_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)",
+    )
+
+
+def _add_run_args(parser: argparse.ArgumentParser, runs: int) -> None:
+    parser.add_argument("--runs", type=int, default=runs, help=f"timed runs (default: {runs})")
+    parser.add_argument("--warmup-runs", type=int, default=1, help="untimed runs first (default: 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt texts (default: 0)")
+
+
+def add_compare_args(parser: argparse.ArgumentParser) -> None:
+    _add_model_arg(parser)
+    parser.add_argument(
+        "--input-lens",
+        type=int,
+        nargs="+",
+        default=[128, 512],
+        help="prompt lengths in tokens (default: 128 512)",
+    )
+    parser.add_argument(
+        "--output-len", type=int, default=32, help="tokens generated per request (default: 32)"
+    )
+    _add_run_args(parser, runs=3)
+    parser.add_argument(
+        "--no-llama-cpp", action="store_true", help="leave llama.cpp out even when llama_cpp is installed"
+    )
+    parser.add_argument(
+        "--result-dir", default=None, help="folder for the JSON result (default: bench_results)"
+    )
+    add_engine_args(parser)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_argument_group("server")
+    target.add_argument("--base-url", required=True, help="the server's root, e.g. http://127.0.0.1:8000")
+    target.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        choices=["/v1/completions", "/v1/chat/completions"],
+        help="API to call (default: /v1/completions)",
+    )
+    target.add_argument(
+        "--model", default=None, help="model name sent in requests (default: the first of GET /v1/models)"
+    )
+    target.add_argument(
+        "--ignore-eos", action="store_true", help="ask the server to generate exactly --output-len tokens"
+    )
+    target.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="longest wait in seconds to connect or for the next bytes of a reply (default: 600)",
+    )
+
+    data = parser.add_argument_group("dataset")
+    data.add_argument(
+        "--dataset",
+        default="random",
+        choices=["random", "shared-prefix", "mixed-long"],
+        help="request set (default: random)",
+    )
+    data.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="requests to send (default: 100; shared-prefix sends groups x prompts per group)",
+    )
+    data.add_argument(
+        "--input-len",
+        type=int,
+        default=256,
+        help="prompt tokens; after the prefix for shared-prefix (default: 256)",
+    )
+    data.add_argument("--output-len", type=int, default=128, help="max tokens per request (default: 128)")
+    data.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="prompt lengths vary uniformly by this fraction (default: 0)",
+    )
+    data.add_argument("--prefix-groups", type=int, default=4, help="shared-prefix: G groups (default: 4)")
+    data.add_argument(
+        "--prompts-per-group", type=int, default=8, help="shared-prefix: P prompts per group (default: 8)"
+    )
+    data.add_argument(
+        "--prefix-len",
+        type=int,
+        default=512,
+        help="shared-prefix: S tokens of shared system prompt (default: 512)",
+    )
+    data.add_argument(
+        "--long-fraction", type=float, default=0.1, help="mixed-long: share of long prompts (default: 0.1)"
+    )
+    data.add_argument(
+        "--long-input-len", type=int, default=2048, help="mixed-long: tokens of a long prompt (default: 2048)"
+    )
+    data.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="GGUF file or HF folder whose tokenizer sizes the prompts exactly; 'none' counts one token "
+        "per word (default: the embedded model's tokenizer when installed)",
+    )
+    data.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times (default: 0)")
+
+    load = parser.add_argument_group("load")
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second, or inf: all at once (default: inf)",
+    )
+    load.add_argument(
+        "--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)"
+    )
+    load.add_argument(
+        "--slo-ttft-ms", type=float, default=200.0, help="goodput: TTFT target in ms (default: 200)"
+    )
+    load.add_argument(
+        "--slo-tpot-ms", type=float, default=100.0, help="goodput: TPOT target in ms (default: 100)"
+    )
+    load.add_argument(
+        "--slo-e2e-ms", type=float, default=None, help="goodput: end-to-end target in ms (default: none)"
+    )
+
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--result-dir", default=None, help="folder for the JSON result and PNG plots (default: bench_results)"
+    )
+    output.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _bench_llm(args: argparse.Namespace, **defaults: Any):
+    from firsttoken.engine.llm import LLM
+
+    return LLM(args.model, **{**_BENCH_ENGINE_DEFAULTS, **defaults, **engine_kwargs(args)})
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    from firsttoken.bench.latency import LatencySpec, format_json, format_report, measure_latency
+
+    spec = LatencySpec(
+        input_len=args.input_len,
+        output_len=args.output_len,
+        batch_size=args.batch_size,
+        runs=args.runs,
+        warmup_runs=args.warmup_runs,
+        seed=args.seed,
+    )
+    runs = measure_latency(_bench_llm(args), spec)
+    print(format_json(runs, spec) if args.json else format_report(runs, spec))
+    return 0
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from firsttoken.bench.profile import ProfileSpec, format_json, format_report, profile_ttft
+
+    spec = ProfileSpec(
+        input_len=args.input_len,
+        runs=args.runs,
+        warmup_runs=args.warmup_runs,
+        seed=args.seed,
+        trace_path=args.trace,
+    )
+    result = profile_ttft(_bench_llm(args), spec)
+    print(format_json(result, spec.input_len) if args.json else format_report(result, spec.input_len))
+    if args.trace:
+        print(f"trace: {args.trace}", file=sys.stderr)
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from firsttoken.bench.compare import CompareSpec, compare_peers, format_report, results_payload
+    from firsttoken.bench.peers import FirsttokenPeer, TransformersPeer
+    from firsttoken.bench.results import result_stem, write_json
+
+    spec = CompareSpec(
+        input_lens=tuple(args.input_lens),
+        output_len=args.output_len,
+        runs=args.runs,
+        warmup_runs=args.warmup_runs,
+        seed=args.seed,
+    )
+    llm = _bench_llm(args, dtype="float32")
+    model_path = llm.engine.model_path
+    peers = [FirsttokenPeer(llm), TransformersPeer.load(model_path, llm.engine.dtype)]
+    llama_cpp = (
+        None if args.no_llama_cpp else _llama_cpp_peer(model_path, max(spec.input_lens) + spec.output_len)
+    )
+    if llama_cpp is not None:
+        peers.append(llama_cpp)
+    results = compare_peers(peers, llm.tokenizer, spec)
+    print(format_report(results, peers, spec))
+    path = write_json(result_stem(args.result_dir, "compare") + ".json", results_payload(results, spec))
+    print(f"saved {path}", file=sys.stderr)
+    return 0
+
+
+def _llama_cpp_peer(model_path: str, context_len: int):
+    """llama.cpp on the same GGUF file, or None (saying why) where it cannot run."""
+    from firsttoken.bench.peers import LlamaCppPeer, llama_cpp_available
+
+    if not os.path.isfile(model_path):
+        print("llama.cpp left out: it runs GGUF files, and the model is a folder", file=sys.stderr)
+        return None
+    if not llama_cpp_available():
+        print("llama.cpp left out: `pip install llama-cpp-python` adds it", file=sys.stderr)
+        return None
+    return LlamaCppPeer(model_path, context_len)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import dataclasses
+
+    from firsttoken.bench.datasets import DatasetSpec, build_prompts
+    from firsttoken.bench.plots import write_plots
+    from firsttoken.bench.results import result_stem, write_json
+    from firsttoken.bench.serve_client import LoadShape, ServeTarget, run_load
+    from firsttoken.bench.serve_report import format_serve_summary, serve_payload
+    from firsttoken.bench.serve_stats import SLO, summarize_run
+
+    target = ServeTarget(args.base_url, args.endpoint, args.model, args.ignore_eos, args.timeout_s)
+    shape = LoadShape(args.request_rate, args.max_concurrency, args.seed)
+    dataset = DatasetSpec(
+        name=args.dataset,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        num_prefix_groups=args.prefix_groups,
+        prompts_per_group=args.prompts_per_group,
+        prefix_len=args.prefix_len,
+        long_fraction=args.long_fraction,
+        long_input_len=args.long_input_len,
+        seed=args.seed,
+    )
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+    prompts = build_prompts(dataset, _prompt_tokenizer(args.tokenizer))
+    run = asyncio.run(run_load(target, shape, prompts, show_progress=not args.no_progress))
+    summary = summarize_run(run.records, run.duration_s, slo)
+    print(format_serve_summary(summary, slo))
+    stem = result_stem(args.result_dir, f"serve-{dataset.name}")
+    payload = serve_payload(target, shape, dataclasses.asdict(dataset), slo, run, summary)
+    saved = [write_json(stem + ".json", payload), *write_plots(run.records, stem)]
+    print("saved " + " ".join(saved), file=sys.stderr)
+    return 0 if summary.num_completed else 1
+
+
+def _prompt_tokenizer(choice: str | None):
+    """The tokenizer that sizes prompts: a model's, the embedded model's if installed, or none."""
+    from firsttoken.models.registry import default_model_path, open_checkpoint, resolve_model_path
+
+    if choice == "none":
+        return None
+    if choice is not None:
+        return open_checkpoint(resolve_model_path(choice)).tokenizer
+    try:
+        return open_checkpoint(default_model_path()).tokenizer
+    except ValueError:
+        print("no tokenizer at hand: prompt lengths count one token per word", file=sys.stderr)
+        return None
