@@ -1,4 +1,4 @@
-"""`firsttoken generate | chat`: the command line."""
+"""`firsttoken generate | chat | serve`: the command line."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from typing import Sequence
 
 from firsttoken.engine_args import add_engine_args, engine_kwargs
+from firsttoken.server.cli import register_serve_verb
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.set_defaults(handler=run_chat)
 
+    register_serve_verb(verbs)
     return parser
 
 
