@@ -369,7 +369,8 @@ class AsyncEngine:
                 admissions.append((command.request_id, None))
             except Exception as error:  # ValueError, QueueFullError: the caller's to handle
                 admissions.append((command.request_id, error))
-        self._post(self._settle, admissions, closing)
+        if admissions or closing:
+            self._post(self._settle, admissions, closing)
 
     def _post(self, callback: Any, *args: Any) -> None:
         assert self._loop is not None
