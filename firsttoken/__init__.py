@@ -9,6 +9,7 @@ from firsttoken.config import (
     PromptCacheConfig,
     SchedulerConfig,
 )
+from firsttoken.engine.engine_core import EngineStats, PinnedPrefix
 from firsttoken.engine.llm import LLM
 from firsttoken.outputs import RequestDelta, RequestOutput
 from firsttoken.sampling_params import SamplingParams
@@ -20,6 +21,8 @@ __all__ = [
     "SamplingParams",
     "RequestOutput",
     "RequestDelta",
+    "PinnedPrefix",
+    "EngineStats",
     "EngineConfig",
     "ModelConfig",
     "CacheConfig",

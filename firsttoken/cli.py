@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", help="the prompt text")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     _add_model_arg(generate)
+    _add_pin_arg(generate)
     add_sampling_args(generate)
     add_engine_args(generate)
     generate.set_defaults(handler=run_generate)
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = verbs.add_parser("chat", help="an interactive chat in the terminal")
     chat.add_argument("--system", default=None, help="system prompt")
     _add_model_arg(chat)
+    _add_pin_arg(chat)
     add_sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(handler=run_chat)
@@ -64,10 +66,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _open_llm(args: argparse.Namespace):
+def _add_pin_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pin-system-prompt",
+        metavar="FILE",
+        default=None,
+        help="keep the KV of this system prompt (a text file) resident in the prompt cache",
+    )
+
+
+def _pinned_system_prompt(args: argparse.Namespace) -> str | None:
+    if not args.pin_system_prompt:
+        return None
+    try:
+        with open(args.pin_system_prompt, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as error:
+        raise ValueError(f"pin_system_prompt: cannot read {args.pin_system_prompt} ({error.strerror})") from error
+
+
+def _open_llm(args: argparse.Namespace, system_prompt: str | None):
     from firsttoken.engine.llm import LLM
 
-    return LLM(args.model, **engine_kwargs(args))
+    llm = LLM(args.model, **engine_kwargs(args))
+    if system_prompt is not None:
+        llm.pin_system_prompt(system_prompt, pin_id="system-prompt")
+    return llm
 
 
 def _print_request_stats(delta_metrics, stream=sys.stderr) -> None:
@@ -102,18 +126,21 @@ def _stream_reply(llm, prompt: str, params) -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from(args)
-    llm = _open_llm(args)
+    system_prompt = _pinned_system_prompt(args)
+    llm = _open_llm(args, system_prompt)
     prompt = args.prompt
     if args.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        prompt = llm.tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}])
     _stream_reply(llm, prompt, params)
     return 0
 
 
 def run_chat(args: argparse.Namespace) -> int:
     params = sampling_params_from(args)
-    llm = _open_llm(args)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    system_prompt = _pinned_system_prompt(args) or args.system
+    llm = _open_llm(args, system_prompt if args.pin_system_prompt else None)
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     print("Type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
     while True:
         try:

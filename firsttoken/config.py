@@ -133,6 +133,10 @@ class ChunkedPrefillConfig:
         default=100.0,
         metadata=_help("inter-token latency a step should stay under while decodes run, in ms"),
     )
+    itl_slowdown: float = field(
+        default=2.0,
+        metadata=_help("a step with prefill may take at most this many times the decodes' own step"),
+    )
     min_chunk_size: int = field(
         default=32, metadata=_help("smallest prefill budget auto picks while decodes run, in tokens")
     )
@@ -148,6 +152,7 @@ class ChunkedPrefillConfig:
             f"must be 'auto' or an int >= 1, got {self.chunk_size!r}",
         )
         _require(self.itl_target_ms > 0, "itl_target_ms", f"must be > 0, got {self.itl_target_ms}")
+        _require(self.itl_slowdown >= 1, "itl_slowdown", f"must be >= 1, got {self.itl_slowdown}")
         _require(
             self.min_chunk_size >= 1, "min_chunk_size", f"must be >= 1, got {self.min_chunk_size}"
         )

@@ -16,7 +16,8 @@ from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
 from firsttoken.core.batch import ModelOutput, SampledToken, SampleSpec, ScheduledChunk, SchedulerOutput
 from firsttoken.core.hashing import BlockHash, extend_block_hashes
 from firsttoken.core.kv_cache_manager import KVCacheManager, num_blocks_for
-from firsttoken.core.policy import StepCostModel, StepLoad, adaptive_prefill_budget, prefill_order_key
+from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
+from firsttoken.core.policy import LatencyTargets, StepLoad, adaptive_prefill_budget, prefill_order_key
 from firsttoken.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class Scheduler:
         self.block_size = kv_manager.block_size
         self.max_model_len = max_model_len
         self.hash_root = hash_root
-        self.cost_model: StepCostModel | None = None
+        self.step_times: StepTimeTracker | None = None  # set by the engine when chunk_size is auto
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -151,24 +152,30 @@ class Scheduler:
             return max_chunk
         if chunk_size != "auto":
             return min(chunk_size, max_chunk)
-        if self.cost_model is None:
+        if self.step_times is None:
             return max_chunk
         candidates = self._prefill_candidates()
         load = StepLoad(
             num_decodes=num_decodes,
-            decode_context_tokens=sum(r.num_computed_tokens for r in self.running if r.num_uncomputed_tokens == 1),
+            decode_attention_pairs=sum(r.num_computed_tokens + 1 for r in self.running if r.num_uncomputed_tokens == 1),
             num_prefill_candidates=len(candidates),
             head_prefill_context_tokens=candidates[0].num_computed_tokens if candidates else 0,
         )
-        budget = adaptive_prefill_budget(
-            load,
-            self.cost_model,
-            self.chunked_prefill.itl_target_ms / 1000,
-            min(self.chunked_prefill.min_chunk_size, max_chunk),
-            max_chunk,
+        targets = LatencyTargets(
+            itl_target_s=self.chunked_prefill.itl_target_ms / 1000,
+            itl_slowdown=self.chunked_prefill.itl_slowdown,
+            min_chunk=min(self.chunked_prefill.min_chunk_size, max_chunk),
+            max_chunk=max_chunk,
         )
+        budget = adaptive_prefill_budget(load, self.step_times.model, targets)
         logger.debug("step %d: prefill budget %d for %s", self.step_index, budget, load)
         return budget
+
+    def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
+        """Feed a finished step's duration to the cost model's online correction."""
+        if self.step_times is not None and not output.is_empty:
+            pairs = sum(attention_pairs(chunk.start_position, chunk.num_tokens) for chunk in output.chunks)
+            self.step_times.observe(output.num_tokens, pairs, seconds)
 
     def _prefill_candidates(self) -> list[Request]:
         partial = [r for r in self.running if r.num_uncomputed_tokens > 1]

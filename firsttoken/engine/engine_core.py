@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -16,20 +17,36 @@ import torch
 from firsttoken.attention.sdpa import SDPABackend
 from firsttoken.config import EngineConfig
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput
-from firsttoken.core.hashing import root_hash
+from firsttoken.core.cost_model import StepCostModel, StepTimeTracker
+from firsttoken.core.hashing import extend_block_hashes, root_hash
 from firsttoken.core.kv_cache_manager import KVCacheManager
 from firsttoken.core.scheduler import Scheduler
 from firsttoken.engine.output_processor import OutputProcessor
+from firsttoken.engine.pinned_prefix_store import KVIdentity, PinnedPrefixStore, validate_pin_id
+from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.models.registry import build_model, open_checkpoint, resolve_model_path
 from firsttoken.outputs import RequestDelta
 from firsttoken.request import Request, RequestStatus, RequestTimestamps
 from firsttoken.sample.sampler import Sampler
 from firsttoken.sampling_params import SamplingParams
+from firsttoken.worker.cost_calibration import load_or_calibrate
 from firsttoken.worker.device import physical_core_count, resolve_device, resolve_dtype
 from firsttoken.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from firsttoken.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PinnedPrefix:
+    """A prefix whose KV stays resident: its id and the tokens its full blocks hold."""
+
+    pin_id: str
+    token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -48,6 +65,7 @@ class EngineStats:
     num_decode_tokens: int
     num_steps: int
     last_prefill_budget: int
+    num_pinned_tokens: int
 
 
 class EngineCore:
@@ -74,17 +92,21 @@ class EngineCore:
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, self.dtype, self.device)
         self.model.bind_kv_caches(self.kv_caches)
         self.kv_manager = KVCacheManager(num_blocks, block_size, config.prompt_cache.enable)
+        self.hash_root = root_hash(f"{self.checkpoint.fingerprint}|{self.dtype}|{block_size}")
         self.scheduler = Scheduler(
-            config.scheduler,
-            config.chunked_prefill,
-            self.kv_manager,
-            self.max_model_len,
-            root_hash(f"{self.checkpoint.fingerprint}|{self.dtype}|{block_size}"),
+            config.scheduler, config.chunked_prefill, self.kv_manager, self.max_model_len, self.hash_root
         )
         self.runner = ModelRunner(self.model, backend, Sampler(model_config.seed, self.device), block_size, self.device)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+        self.pinned: dict[str, PinnedPrefix] = {}
+        self._pending_pins: dict[str, str] = {}  # internal request id -> pin id
+        self.prefix_store = self._open_prefix_store()
         self._warm_up()
+        if config.chunked_prefill.enable and config.chunked_prefill.chunk_size == "auto":
+            self.scheduler.step_times = StepTimeTracker(self._step_cost_model())
+        if self.prefix_store is not None:
+            self._restore_pinned_prefixes()
         logger.info(
             "engine ready: %s (%s, %s on %s), %d KV blocks of %d tokens, max_model_len %d",
             self.model_path, arch.architecture, self.dtype, self.device, num_blocks, block_size, self.max_model_len,
@@ -117,6 +139,20 @@ class EngineCore:
                 sample=SampleSpec(params, 0),
             )
             self.runner.execute(SchedulerOutput(chunks=[chunk], token_budget=count))
+
+    def _step_cost_model(self) -> StepCostModel:
+        threads = torch.get_num_threads() if self.device.type == "cpu" else 0
+        name = (
+            f"{self.checkpoint.fingerprint}-{str(self.dtype).removeprefix('torch.')}-{self.device.type}"
+            f"-t{threads}-b{self.config.cache.block_size}.json"
+        )
+        return load_or_calibrate(
+            self.runner,
+            self.config.cache.block_size,
+            self.kv_manager.num_blocks,
+            self.config.scheduler.max_num_batched_tokens,
+            os.path.join(default_cache_dir(), "step_costs", name),
+        )
 
     # -- requests ------------------------------------------------------------------------
 
@@ -162,6 +198,7 @@ class EngineCore:
 
     def abort_request(self, req_id: str) -> RequestDelta | None:
         """End a request now; its KV blocks are freed before this returns."""
+        self._pending_pins.pop(req_id, None)
         request = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
         if request is None:
             return None
@@ -176,15 +213,108 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
+        started = time.perf_counter()
         model_output = self.runner.execute(scheduler_output)
+        self.scheduler.observe_step_time(scheduler_output, time.perf_counter() - started)
         deltas = []
         for progress in self.scheduler.update(scheduler_output, model_output):
+            if progress.request.req_id in self._pending_pins:
+                self._complete_pin(progress.request)
+                continue
             stop_string = self.output_processor.detokenize(progress)
             if stop_string is not None:
                 progress.request.stop_reason = stop_string
                 self.scheduler.finish_request(progress.request.req_id, RequestStatus.FINISHED_STOPPED)
             deltas.append(self.output_processor.delta(progress))
         return deltas
+
+    # -- pinned prefixes -----------------------------------------------------------------
+
+    def pin_prefix(self, token_ids: list[int], pin_id: str) -> str:
+        """Queue the computation of a prefix whose full blocks will then stay resident until
+        unpinned; returns the internal request id. The pin exists once `pin_id in self.pinned`."""
+        if not self.config.prompt_cache.enable:
+            raise ValueError("pin_prefix: the prompt cache is disabled (enable_prompt_cache=False)")
+        validate_pin_id(pin_id)
+        block_size = self.config.cache.block_size
+        if len(token_ids) < block_size:
+            raise ValueError(
+                f"prefix: {len(token_ids)} tokens is shorter than one KV block ({block_size} tokens); nothing to pin"
+            )
+        if pin_id in self.pinned or pin_id in self._pending_pins.values():
+            raise ValueError(f"pin_id: {pin_id!r} is already pinned")
+        req_id = f"pin:{pin_id}"
+        self.add_request(req_id, list(token_ids), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        self.output_processor.remove(req_id)
+        self._pending_pins[req_id] = pin_id
+        return req_id
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        if pin_id not in self.pinned:
+            raise ValueError(f"pin_id: no pinned prefix {pin_id!r}")
+        self.kv_manager.unpin(pin_id)
+        del self.pinned[pin_id]
+        if self.prefix_store is not None:
+            self.prefix_store.delete(pin_id)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached and pinned prefix (persisted pins stay on disk)."""
+        self.kv_manager.reset_prefix_cache()
+        self.pinned.clear()
+
+    def _complete_pin(self, request: Request) -> None:
+        pin_id = self._pending_pins.pop(request.req_id)
+        num_blocks = request.num_prompt_tokens // self.config.cache.block_size
+        num_tokens = self.kv_manager.pin(pin_id, request.block_hashes[:num_blocks])
+        self.pinned[pin_id] = PinnedPrefix(pin_id, request.prompt_token_ids[:num_tokens])
+        if self.prefix_store is not None:
+            block_ids = self.kv_manager.pinned_block_ids(pin_id)
+            self.prefix_store.save(
+                pin_id, self.pinned[pin_id].token_ids, self.kv_manager.pinned_block_hashes(pin_id),
+                self._read_blocks(block_ids),
+            )
+
+    def _open_prefix_store(self) -> PinnedPrefixStore | None:
+        folder = self.config.prompt_cache.persist_dir
+        if folder is None or not self.config.prompt_cache.enable:
+            return None
+        arch = self.checkpoint.arch
+        identity = KVIdentity(
+            model_fingerprint=self.checkpoint.fingerprint,
+            dtype=str(self.dtype).removeprefix("torch."),
+            block_size=self.config.cache.block_size,
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+        )
+        return PinnedPrefixStore(folder, identity)
+
+    def _restore_pinned_prefixes(self) -> None:
+        block_size = self.config.cache.block_size
+        for stored in self.prefix_store.load_all():
+            token_ids = stored.token_ids[: len(stored.block_hashes) * block_size]
+            expected_hashes: list[bytes] = []
+            extend_block_hashes(expected_hashes, token_ids, block_size, self.hash_root)
+            if expected_hashes != stored.block_hashes or stored.pin_id in self.pinned:
+                logger.warning("prompt cache: refusing %s: its hashes do not match this engine", stored.pin_id)
+                continue
+            block_ids = self.kv_manager.adopt_pinned_blocks(stored.pin_id, stored.block_hashes)
+            if block_ids is None:
+                logger.warning("prompt cache: no room to restore %s", stored.pin_id)
+                continue
+            self._write_blocks(block_ids, stored.kv)
+            self.pinned[stored.pin_id] = PinnedPrefix(stored.pin_id, token_ids)
+            logger.info("prompt cache: restored %s (%d tokens)", stored.pin_id, len(token_ids))
+
+    def _read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[layers, 2, blocks, block_size, kv_heads, head_dim] copy of those blocks' KV."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([kv_cache.index_select(1, index) for kv_cache in self.kv_caches])
+
+    def _write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, kv_cache in enumerate(self.kv_caches):
+            kv_cache.index_copy_(1, index, kv[layer].to(device=self.device, dtype=kv_cache.dtype))
 
     # -- observability -------------------------------------------------------------------
 
@@ -204,5 +334,6 @@ class EngineCore:
             num_decode_tokens=scheduler_stats.num_decode_tokens,
             num_steps=scheduler_stats.num_steps,
             last_prefill_budget=scheduler_stats.last_prefill_budget,
+            num_pinned_tokens=sum(prefix.num_tokens for prefix in self.pinned.values()),
         )
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Iterator, Sequence, Union
 
 from firsttoken.config import EngineConfig
-from firsttoken.engine.engine_core import EngineCore, EngineStats
+from firsttoken.engine.engine_core import EngineCore, EngineStats, PinnedPrefix
 from firsttoken.outputs import RequestDelta, RequestOutput
 from firsttoken.sampling_params import SamplingParams
 
@@ -70,8 +71,46 @@ class LLM:
             if not finished:
                 self.engine.abort_request(request_id)
 
+    def pin_prefix(self, prefix: str | Sequence[int], pin_id: str | None = None) -> PinnedPrefix:
+        """Compute a prefix (text or token ids) once and keep its KV resident until unpinned.
+
+        Requests that start with it reuse every full block of it. With a prompt-cache
+        `persist_dir` the KV is also saved and restored by the next engine start.
+        """
+        token_ids = self.tokenizer.encode(prefix) if isinstance(prefix, str) else list(prefix)
+        pin_id = pin_id or "prefix-" + hashlib.sha256(repr(token_ids).encode()).hexdigest()[:16]
+        existing = self.engine.pinned.get(pin_id)
+        if existing is not None:
+            num_full = len(token_ids) // self.engine.config.cache.block_size * self.engine.config.cache.block_size
+            if existing.token_ids == token_ids[:num_full]:
+                return existing  # already resident, e.g. restored from the persist folder
+            self.engine.unpin_prefix(pin_id)
+        request_id = self.engine.pin_prefix(token_ids, pin_id)
+        try:
+            while pin_id not in self.engine.pinned:
+                self.engine.step()
+        finally:
+            if pin_id not in self.engine.pinned:
+                self.engine.abort_request(request_id)
+        return self.engine.pinned[pin_id]
+
+    def pin_system_prompt(self, system_prompt: str, pin_id: str | None = None) -> PinnedPrefix:
+        """Pin the chat-template rendering of a system message: the prefix of every
+        conversation that starts with it."""
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": "system", "content": system_prompt}], add_generation_prompt=False
+        )
+        return self.pin_prefix(rendered, pin_id)
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        self.engine.unpin_prefix(pin_id)
+
+    def pinned_prefixes(self) -> list[PinnedPrefix]:
+        return list(self.engine.pinned.values())
+
     def reset_prefix_cache(self) -> None:
-        self.engine.kv_manager.reset_prefix_cache()
+        """Forget every cached and pinned prefix."""
+        self.engine.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -190,3 +190,30 @@ def test_prefix_cache_hit_skips_prefill_of_shared_blocks():
     output = step(scheduler)
     assert output.chunks[0].start_position == 32
     assert output.chunks[0].num_tokens == 3
+
+
+def test_auto_budget_keeps_steps_with_decodes_under_the_target():
+    from firsttoken.core.cost_model import StepCostModel, StepTimeTracker, attention_pairs
+
+    cost = StepCostModel(seconds_fixed=0.005, seconds_per_token=0.0002, seconds_per_attention_pair=0.0)
+    scheduler = make_scheduler(num_blocks=2048, chunk_size="auto", max_batched=2048, max_model_len=8192)
+    scheduler.step_times = StepTimeTracker(cost)
+    for index in range(4):
+        scheduler.add_request(make_request(f"stream{index}", 4, max_tokens=500, first_token=10 * index))
+    step(scheduler)
+    scheduler.add_request(make_request("long", 4000, max_tokens=1, first_token=1000))
+    decode_only = cost.predict(4, 0)
+    while "long" in scheduler.requests:
+        output = step(scheduler)
+        assert sum(1 for chunk in output.chunks if chunk.num_tokens == 1) >= 4
+        step_cost = cost.predict(output.num_tokens, 0)
+        assert step_cost <= max(2 * decode_only, cost.predict(4 + 32, 0)) + 1e-9
+
+
+def test_auto_budget_without_other_work_takes_the_largest_chunk():
+    from firsttoken.core.cost_model import StepCostModel, StepTimeTracker
+
+    scheduler = make_scheduler(num_blocks=2048, chunk_size="auto", max_batched=1024, max_model_len=8192)
+    scheduler.step_times = StepTimeTracker(StepCostModel(0.005, 0.0002, 0.0))
+    scheduler.add_request(make_request("long", 3000, max_tokens=1))
+    assert step(scheduler).chunks[0].num_tokens == 1024

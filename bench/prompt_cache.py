@@ -1,0 +1,86 @@
+"""Prompt-cache benchmark: cold vs warm TTFT, and the first request after a restart.
+
+    python bench/prompt_cache.py [--prefix-len 512] [--suffix-len 32] [--repeats 7] [--dtype float32]
+
+1. Cold: a prompt of prefix + suffix tokens that no cache has seen.
+   Warm: the same prefix already cached, a new suffix: only the suffix is prefilled.
+2. Restart: an engine started on a prompt-cache folder holding a pinned prefix, against an
+   engine started without one; both measured on their first request (prefix + new suffix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import median_seconds, print_table, random_prompt, save_result, timed  # noqa: E402
+
+from firsttoken import LLM, SamplingParams  # noqa: E402
+
+GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
+
+
+def first_token_seconds(llm: LLM, prompt: list[int]) -> float:
+    return timed(lambda: llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY_ONE))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prefix-len", type=int, default=512)
+    parser.add_argument("--suffix-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    options = dict(dtype=args.dtype, kv_cache_memory_bytes=512 << 20, chunk_size=4096, max_num_batched_tokens=4096)
+    llm = LLM(**options)
+    prefix_len, suffix_len = args.prefix_len, args.suffix_len
+
+    def cold(run: int) -> float:
+        return first_token_seconds(llm, random_prompt(prefix_len + suffix_len, seed=10_000 + run))
+
+    shared_prefix = random_prompt(prefix_len, seed=1)
+    llm.generate(prompt_token_ids=[shared_prefix + random_prompt(suffix_len, seed=2)], sampling_params=GREEDY_ONE)
+
+    def warm(run: int) -> float:
+        return first_token_seconds(llm, shared_prefix + random_prompt(suffix_len, seed=20_000 + run))
+
+    cold_median, cold_samples = median_seconds(cold, args.repeats)
+    warm_median, warm_samples = median_seconds(warm, args.repeats)
+    del llm
+
+    with tempfile.TemporaryDirectory() as folder:
+        writer = LLM(**options, prompt_cache_dir=folder)
+        writer.pin_prefix(shared_prefix, pin_id="bench-prefix")
+        del writer
+
+        def after_restart(run: int, persisted: bool) -> float:
+            engine = LLM(**options, prompt_cache_dir=folder if persisted else None)
+            return first_token_seconds(engine, shared_prefix + random_prompt(suffix_len, seed=30_000 + run))
+
+        restored_median, restored_samples = median_seconds(lambda run: after_restart(run, True), args.repeats)
+        fresh_median, fresh_samples = median_seconds(lambda run: after_restart(run, False), args.repeats)
+
+    print(f"prompt cache, {args.dtype}, {prefix_len}-token prefix + {suffix_len} new tokens, median of {args.repeats}")
+    print_table(
+        ["case", "TTFT ms", "baseline ms", "ratio"],
+        [
+            ["warm prefix vs cold prompt", warm_median * 1000, cold_median * 1000, warm_median / cold_median],
+            ["first request after restart: persisted pin vs none", restored_median * 1000, fresh_median * 1000,
+             restored_median / fresh_median],
+        ],
+    )
+    path = save_result(
+        f"prompt_cache_{args.dtype}",
+        {
+            "prefix_len": prefix_len, "suffix_len": suffix_len, "cold_s": cold_samples, "warm_s": warm_samples,
+            "restart_persisted_s": restored_samples, "restart_fresh_s": fresh_samples,
+        },
+    )
+    print("saved", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Measures this device's step cost at start-up and fits the scheduler's StepCostModel.
+
+Synthetic steps (prefill chunks of several sizes, a chunk after cached context, a batch of
+decodes) run on scratch KV blocks before any request exists. The fitted model is cached per
+model, dtype, device and thread count, so later starts skip the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput
+from firsttoken.core.cost_model import StepCostModel, attention_pairs
+from firsttoken.sampling_params import SamplingParams
+from firsttoken.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_VERSION = 1
+_GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A synthetic step: (start position, token count) of each of its sequences."""
+
+    chunks: tuple[tuple[int, int], ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(count for _, count in self.chunks)
+
+    @property
+    def attention_pairs(self) -> int:
+        return sum(attention_pairs(start, count) for start, count in self.chunks)
+
+
+def calibration_shapes(max_tokens: int, capacity_tokens: int) -> list[StepShape]:
+    """Steps spanning the sizes the scheduler chooses between, within the cache's capacity."""
+    limit = min(max_tokens, capacity_tokens // 2)
+    sizes = sorted({size for size in (16, 64, 256, 1024) if size <= limit} | {min(limit, 1024)})
+    shapes = [StepShape(((0, size),)) for size in sizes]
+    context = min(1024, capacity_tokens // 2 - 256)
+    if context > 0 and limit >= 256:
+        shapes.append(StepShape(((context, 256),)))
+    decode_context = min(256, capacity_tokens // 16)
+    if decode_context > 0:
+        shapes.append(StepShape(tuple((decode_context, 1) for _ in range(8))))
+    return shapes
+
+
+def _scheduler_output(shape: StepShape, block_size: int) -> SchedulerOutput:
+    chunks, next_block = [], 0
+    for index, (start, count) in enumerate(shape.chunks):
+        num_blocks = -(-(start + count) // block_size)
+        chunks.append(
+            ScheduledChunk(
+                req_id=f"calibration-{index}",
+                token_ids=[1 + (index + position) % 1000 for position in range(count)],
+                start_position=start,
+                block_table=list(range(next_block, next_block + num_blocks)),
+                sample=SampleSpec(_GREEDY_ONE, 0),
+            )
+        )
+        next_block += num_blocks
+    return SchedulerOutput(chunks=chunks, token_budget=shape.num_tokens)
+
+
+def measure(runner: ModelRunner, shape: StepShape, block_size: int, repeats: int = 2) -> float:
+    """Fastest of `repeats` timed runs of the step, after one untimed run."""
+    output = _scheduler_output(shape, block_size)
+    runner.execute(output)
+    timings = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.execute(output)
+        timings.append(time.perf_counter() - start)
+    return min(timings)
+
+
+def fit(shapes: list[StepShape], seconds: list[float]) -> StepCostModel:
+    """Least squares on [1, tokens, attention pairs]; a negative coefficient is dropped."""
+    features = np.array([[1.0, s.num_tokens, s.attention_pairs] for s in shapes])
+    targets = np.array(seconds)
+    active = [0, 1, 2]
+    while True:
+        solution, *_ = np.linalg.lstsq(features[:, active], targets, rcond=None)
+        coefficients = dict(zip(active, solution))
+        negative = [index for index, value in coefficients.items() if value < 0 and index != 1]
+        if not negative:
+            break
+        active.remove(negative[0])
+    return StepCostModel(
+        seconds_fixed=max(0.0, float(coefficients.get(0, 0.0))),
+        seconds_per_token=max(1e-9, float(coefficients.get(1, 0.0))),
+        seconds_per_attention_pair=max(0.0, float(coefficients.get(2, 0.0))),
+    )
+
+
+def calibrate(runner: ModelRunner, block_size: int, num_blocks: int, max_tokens: int) -> StepCostModel:
+    shapes = calibration_shapes(max_tokens, num_blocks * block_size)
+    seconds = [measure(runner, shape, block_size) for shape in shapes]
+    model = fit(shapes, seconds)
+    logger.info("step cost model: %s (from %d synthetic steps)", model, len(shapes))
+    return model
+
+
+def load_or_calibrate(
+    runner: ModelRunner, block_size: int, num_blocks: int, max_tokens: int, cache_file: str
+) -> StepCostModel:
+    """The cached model for this engine's identity, or a fresh measurement (then cached)."""
+    try:
+        with open(cache_file, encoding="utf-8") as handle:
+            stored = json.load(handle)
+        if stored.pop("version") == CALIBRATION_VERSION:
+            return StepCostModel(**stored)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    model = calibrate(runner, block_size, num_blocks, max_tokens)
+    try:
+        os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+        temporary = f"{cache_file}.{os.getpid()}.partial"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump({"version": CALIBRATION_VERSION, **asdict(model)}, handle)
+        os.replace(temporary, cache_file)
+    except OSError as error:
+        logger.warning("could not cache the step cost model at %s (%s)", cache_file, error)
+    return model

@@ -1,0 +1,154 @@
+"""Prompt cache: same tokens with it on and off, real reuse, pins, persistence, reset."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from firsttoken import LLM, SamplingParams
+from tests.prompts import long_prompt
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SYSTEM_PROMPTS = [
+    "You are a pirate. Answer every question in pirate speech, briefly.",
+    "You are a careful math tutor who explains each step of a calculation clearly and checks the result.",
+    long_prompt(3),
+]
+QUESTIONS = ["What is 2+2?", "Name a color.", "Why is the sky blue?", "Tell me a joke.", "Hi"]
+
+
+def _engine(model_path, **options) -> LLM:
+    settings = dict(dtype="float32", kv_cache_memory_bytes=128 << 20, chunk_size=256)
+    settings.update(options)
+    return LLM(model_path, **settings)
+
+
+def _all_blocks_free(llm: LLM) -> bool:
+    stats = llm.stats()
+    pinned_blocks = stats.num_pinned_tokens // llm.config.cache.block_size
+    return stats.num_free_kv_blocks + pinned_blocks == stats.num_kv_blocks and stats.num_running == 0
+
+
+def _workload(llm: LLM) -> list[list[list[int]]]:
+    """Rounds of prompts sharing system prompts (ending mid-block and on block edges),
+    with exact duplicates of earlier prompts."""
+    conversations = [
+        [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        for system in SYSTEM_PROMPTS
+        for question in QUESTIONS
+    ]
+    prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(c)) for c in conversations]
+    block_aligned = prompts[0][: 4 * llm.config.cache.block_size] + [504, 3575]
+    return [prompts[:6], prompts[3:12] + [block_aligned], prompts[:4] + prompts[10:] + [block_aligned, prompts[0]]]
+
+
+@pytest.fixture(scope="module")
+def uncached_outputs(model_path):
+    llm = _engine(model_path, enable_prompt_cache=False)
+    return [[o.token_ids for o in llm.generate(prompt_token_ids=batch, sampling_params=GREEDY)] for batch in _workload(llm)]
+
+
+def test_same_tokens_with_the_cache_on_and_off(model_path, uncached_outputs):
+    llm = _engine(model_path)
+    cached_tokens = []
+    for batch, expected in zip(_workload(llm), uncached_outputs):
+        outputs = llm.generate(prompt_token_ids=batch, sampling_params=GREEDY)
+        assert [o.token_ids for o in outputs] == expected
+        cached_tokens += [o.num_cached_tokens for o in outputs]
+    stats = llm.stats()
+    assert sum(cached_tokens) == stats.prefix_cache_hits > 0
+    assert stats.prefix_cache_queries > stats.prefix_cache_hits
+    assert _all_blocks_free(llm)
+
+
+def test_shared_512_token_prefix_prefills_only_the_remainder(model_path):
+    llm = _engine(model_path)
+    prefix = llm.tokenizer.encode(long_prompt(40))[:512]
+    first = prefix + llm.tokenizer.encode(" First question: what happened in section 3?")
+    second = prefix + llm.tokenizer.encode(" Second question: who kept the ledger?")
+    llm.generate(prompt_token_ids=[first], sampling_params=GREEDY)
+    before = llm.stats().num_prefill_tokens
+    (output,) = llm.generate(prompt_token_ids=[second], sampling_params=GREEDY)
+    computed = llm.stats().num_prefill_tokens - before
+    assert output.num_cached_tokens >= 496
+    assert computed == len(second) - output.num_cached_tokens
+    assert output.metrics.num_cached_tokens == output.num_cached_tokens
+
+
+def test_exact_duplicate_recomputes_only_its_last_block(model_path):
+    llm = _engine(model_path)
+    prompt = llm.tokenizer.encode(long_prompt(4))
+    (first,) = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)
+    (again,) = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)
+    block_size = llm.config.cache.block_size
+    assert again.num_cached_tokens == (len(prompt) - 1) // block_size * block_size
+    assert again.token_ids == first.token_ids
+
+
+def test_pinned_prefix_survives_eviction_pressure(model_path):
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 4
+    llm = _engine(model_path, kv_cache_memory_bytes=48 * block_bytes)
+    pinned = llm.pin_system_prompt(SYSTEM_PROMPTS[1])
+    assert pinned.num_tokens >= 16
+    for index in range(6):  # each ~400 tokens: the whole free pool is cycled
+        llm.generate([long_prompt(5) + f" Variant {index}."], SamplingParams(temperature=0, max_tokens=2))
+    conversation = [{"role": "system", "content": SYSTEM_PROMPTS[1]}, {"role": "user", "content": "Hi"}]
+    output = llm.chat(conversation, GREEDY)
+    assert output.num_cached_tokens == pinned.num_tokens
+    llm.unpin_prefix(pinned.pin_id)
+    assert _all_blocks_free(llm) and llm.stats().num_pinned_tokens == 0
+
+
+def test_pin_needs_a_full_block_and_the_cache(model_path, llm):
+    with pytest.raises(ValueError, match="^prefix: .*shorter than one KV block"):
+        llm.pin_prefix([1, 2, 3])
+    off = _engine(model_path, enable_prompt_cache=False)
+    with pytest.raises(ValueError, match="prompt cache is disabled"):
+        off.pin_prefix(list(range(100, 140)))
+
+
+def test_reset_frees_every_block(model_path):
+    llm = _engine(model_path)
+    llm.pin_prefix(long_prompt(2))
+    llm.generate([long_prompt(3)], GREEDY)
+    llm.reset_prefix_cache()
+    stats = llm.stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_pinned_tokens == 0
+    (output,) = llm.generate([long_prompt(3)], GREEDY)
+    assert output.num_cached_tokens == 0
+
+
+def test_persisted_pin_is_restored_and_hits_after_a_restart(model_path, tmp_path):
+    folder = str(tmp_path / "prompt-cache")
+    conversation = [{"role": "system", "content": SYSTEM_PROMPTS[2]}, {"role": "user", "content": "Summarize."}]
+    first_engine = _engine(model_path, prompt_cache_dir=folder)
+    pinned = first_engine.pin_system_prompt(SYSTEM_PROMPTS[2], pin_id="system")
+    expected = first_engine.chat(conversation, GREEDY)
+    assert os.listdir(folder) == ["system.safetensors"]
+    del first_engine
+    restarted = _engine(model_path, prompt_cache_dir=folder)
+    assert [p.pin_id for p in restarted.pinned_prefixes()] == ["system"]
+    output = restarted.chat(conversation, GREEDY)
+    assert output.num_cached_tokens == pinned.num_tokens == expected.num_cached_tokens
+    assert output.token_ids == expected.token_ids
+    assert restarted.pin_system_prompt(SYSTEM_PROMPTS[2], pin_id="system") == pinned
+    restarted.unpin_prefix("system")
+    assert os.listdir(folder) == []
+
+
+def test_mismatched_or_corrupt_files_are_refused_and_the_engine_starts(model_path, tmp_path, caplog):
+    folder = str(tmp_path / "prompt-cache")
+    writer = _engine(model_path, prompt_cache_dir=folder)
+    writer.pin_prefix(long_prompt(2), pin_id="prefix")
+    with open(os.path.join(folder, "broken.safetensors"), "wb") as handle:
+        handle.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    other_block_size = _engine(model_path, prompt_cache_dir=folder, block_size=32)
+    assert other_block_size.pinned_prefixes() == []
+    messages = " ".join(record.getMessage() for record in caplog.records)
+    assert "block_size=16" in messages and "block_size=32" in messages
+    assert "broken.safetensors" in messages
+    (output,) = other_block_size.generate([long_prompt(2)], GREEDY)
+    assert len(output.token_ids) == GREEDY.max_tokens
+    same = _engine(model_path, prompt_cache_dir=folder)
+    assert [p.pin_id for p in same.pinned_prefixes()] == ["prefix"]
