@@ -29,6 +29,7 @@ STATS = EngineStats(
     num_decode_tokens=50,
     num_steps=60,
     last_prefill_budget=256,
+    num_pinned_tokens=0,
 )
 
 
