@@ -54,6 +54,12 @@ def register_serve_verb(subparsers: Any) -> None:
         default=False,
         help="log each request (default: off)",
     )
+    group.add_argument(
+        "--pin-system-prompt",
+        metavar="FILE",
+        default=None,
+        help="keep the KV of this system prompt (a text file) resident: chats that start with it skip its prefill",
+    )
     add_engine_args(serve)
     serve.set_defaults(handler=run_serve)
 
@@ -79,12 +85,25 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
     )
 
 
+def read_system_prompt(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as error:
+        raise ValueError(f"pin_system_prompt: cannot read {path} ({error.strerror})") from error
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from firsttoken.engine.async_engine import AsyncEngine
+    from firsttoken.engine.llm import LLM
     from firsttoken.server.app import create_app
     from firsttoken.server.http_server import build_server
 
-    engine = AsyncEngine.from_options(args.model, **engine_options(args))
+    system_prompt = read_system_prompt(args.pin_system_prompt) if args.pin_system_prompt else None
+    llm = LLM(args.model, **engine_options(args))
+    if system_prompt is not None:  # pinned before the step loop thread takes the engine over
+        llm.pin_system_prompt(system_prompt, pin_id="system-prompt")
+    engine = AsyncEngine(llm.engine)
     config = server_config(args, engine.core.model_path)
     server = build_server(create_app(engine, config), config)
     print(

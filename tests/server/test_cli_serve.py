@@ -88,32 +88,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+SYSTEM_PROMPT = (
+    "You are the help desk of a small observatory. Answer in one short sentence, in plain words, "
+    "and never invent opening hours or prices that you were not told."
+)
+
+
 def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path):
     port = _free_port()
+    (tmp_path / "system.txt").write_text(SYSTEM_PROMPT)
     log = open(tmp_path / "serve.log", "w+")
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "firsttoken",
-            "serve",
-            "--port",
-            str(port),
-            "--served-model-name",
-            "cli-model",
-            "--dtype",
-            "float32",
-            "--kv-cache-memory-bytes",
-            str(64 << 20),
-            "--chunk-size",
-            "64",
-            "--max-model-len",
-            "128",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+        [sys.executable, "-m", "firsttoken", "serve", "--port", str(port), "--served-model-name", "cli-model",
+         "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20), "--chunk-size", "64", "--max-model-len", "128",
+         "--pin-system-prompt", str(tmp_path / "system.txt")],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -127,8 +117,15 @@ def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path):
             except httpx.TransportError:
                 time.sleep(0.2)
         assert [model["id"] for model in httpx.get(base_url + "/v1/models").json()["data"]] == ["cli-model"]
-        reply = httpx.post(base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": "When do you open?"},
+        ]
+        reply = httpx.post(
+            base_url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=60
+        )
         assert reply.status_code == 200 and reply.json()["model"] == "cli-model"
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # the pinned blocks
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 130  # a clean shutdown, then the conventional Ctrl-C status
         assert "Traceback" not in (tmp_path / "serve.log").read_text()
@@ -137,3 +134,10 @@ def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path):
             process.kill()
             process.wait()
         log.close()
+
+
+def test_unreadable_system_prompt_file_is_a_clean_error(tmp_path, capsys):
+    from firsttoken.cli import main
+
+    assert main(["serve", "--pin-system-prompt", str(tmp_path / "missing.txt")]) == 2
+    assert "pin_system_prompt: cannot read" in capsys.readouterr().err
