@@ -54,6 +54,8 @@ class RequestObserver(Protocol):
 
 @dataclass(frozen=True)
 class _AddCommand:
+    """A tokenized request for the loop thread to add to the core."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -64,6 +66,8 @@ class _AddCommand:
 
 @dataclass(frozen=True)
 class _AbortCommand:
+    """A request for the loop thread to end now."""
+
     request_id: str
 
 
@@ -225,7 +229,7 @@ class AsyncEngine:
 
         Text is encoded on the tokenizer threads: `tokenizers` releases the GIL while encoding,
         so a long prompt never stalls the event loop, and its encode/decode are safe to call
-        concurrently (tests/engine/test_async_engine.py checks both).
+        concurrently (tests/engine/test_async_engine.py checks both claims).
         """
         arrival_time = time.perf_counter()
         if (prompt is None) == (messages is None):

@@ -58,7 +58,7 @@ def register_serve_verb(subparsers: Any) -> None:
         "--pin-system-prompt",
         metavar="FILE",
         default=None,
-        help="keep the KV of this system prompt (a text file) resident: chats that start with it skip its prefill",
+        help="keep the KV of this system prompt (a text file) resident; chats that start with it reuse it",
     )
     add_engine_args(serve)
     serve.set_defaults(handler=run_serve)

@@ -45,14 +45,20 @@ Stop = Annotated[Union[str, list[str], None], _one_error_for_union("a string or 
 
 
 class _StrictModel(BaseModel):
+    """A request part validated strictly: no type coercion."""
+
     model_config = ConfigDict(strict=True)
 
 
 class StreamOptions(_StrictModel):
+    """Options of a streamed reply."""
+
     include_usage: bool = False
 
 
 class TextContentPart(_StrictModel):
+    """One text part of a message's content."""
+
     type: Literal["text"]
     text: str
 
@@ -63,6 +69,8 @@ MessageContent = Annotated[
 
 
 class ChatMessage(_StrictModel):
+    """One message of a conversation."""
+
     role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
     content: MessageContent
     name: str | None = None
@@ -152,10 +160,14 @@ def _omit_if_none() -> Any:
 
 
 class PromptTokensDetails(BaseModel):
+    """How many prompt tokens came from the prefix cache."""
+
     cached_tokens: int
 
 
 class Usage(BaseModel):
+    """Token counts of a whole response (prompt tokens once per prompt)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -183,6 +195,8 @@ class FirstTokenExtension(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """Log-probabilities of a completion's tokens, in OpenAI's legacy shape."""
+
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
@@ -190,6 +204,8 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """One completion, or its part in a streamed chunk."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None
@@ -209,26 +225,36 @@ class CompletionResponse(BaseModel):
 
 
 class TopLogprob(BaseModel):
+    """A candidate token and its log-probability."""
+
     token: str
     logprob: float
     bytes: list[int] | None
 
 
 class TokenLogprob(TopLogprob):
+    """A generated token, its log-probability and the likeliest alternatives."""
+
     top_logprobs: list[TopLogprob]
 
 
 class ChoiceLogprobs(BaseModel):
+    """Log-probabilities of a chat choice's tokens."""
+
     content: list[TokenLogprob] | None
 
 
 class AssistantMessage(BaseModel):
+    """The reply of a whole chat completion."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
 
 
 class ChatChoice(BaseModel):
+    """One choice of a whole chat completion."""
+
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None
@@ -236,6 +262,8 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
+    """A whole chat completion."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -246,11 +274,15 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """What a chat chunk adds to its choice's message; the role only with the first content."""
+
     role: Literal["assistant"] | None = _omit_if_none()
     content: str | None = _omit_if_none()
 
 
 class ChatChunkChoice(BaseModel):
+    """One choice's part of a streamed chat chunk."""
+
     index: int
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
@@ -258,6 +290,8 @@ class ChatChunkChoice(BaseModel):
 
 
 class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -268,6 +302,8 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """A served model name."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -276,11 +312,15 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """GET /v1/models."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
 class ErrorBody(BaseModel):
+    """What went wrong: a message naming the field, OpenAI's type and code."""
+
     message: str
     type: str
     param: str | None
@@ -288,4 +328,6 @@ class ErrorBody(BaseModel):
 
 
 class ErrorResponse(BaseModel):
+    """Every error reply."""
+
     error: ErrorBody
