@@ -194,6 +194,21 @@ def test_a_failing_step_ends_requests_with_engine_dead(core):
     run(core, test)
 
 
+def test_the_event_loop_keeps_running_while_a_long_prompt_is_tokenized(core):
+    text = long_prompt(400)  # about 35k tokens: tens of milliseconds of encoding
+
+    async def test(engine: AsyncEngine) -> None:
+        tokenizing = asyncio.create_task(engine.tokenize(text))
+        num_ticks = 0
+        while not tokenizing.done():
+            await asyncio.sleep(0)
+            num_ticks += 1
+        assert len((await tokenizing).token_ids) > 30_000
+        assert num_ticks > 20, "encoding held the GIL and stalled the event loop"  # typically ~1500
+
+    run(core, test)
+
+
 def test_tokenizer_is_safe_under_concurrent_encode_and_decode(core):
     """AsyncEngine encodes on two threads while the loop thread decodes: same results as alone."""
     tokenizer = core.tokenizer

@@ -216,6 +216,19 @@ def test_stop_string(client, llm):
     assert response.choices[0].text == full.text[: full.text.index(stop_word)]
 
 
+@pytest.mark.parametrize("extreme", [dict(temperature=1e-300), dict(temperature=1.0, top_p=5e-324)])
+def test_extreme_sampling_values_act_greedy_and_keep_the_engine_alive(client, llm, extreme):
+    (expected,) = llm.generate([SHORT_PROMPTS[5]], GREEDY)
+    response = client.completions.create(
+        model=MODEL_NAME,
+        prompt=SHORT_PROMPTS[5],
+        max_tokens=MAX_TOKENS,
+        extra_body={"ignore_eos": True},
+        **extreme,
+    )
+    assert response.choices[0].text == expected.text
+
+
 # -- concurrency and cancellation -----------------------------------------------------------------
 
 
