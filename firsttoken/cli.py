@@ -1,4 +1,4 @@
-"""`firsttoken generate | chat | bench | profile`: the command line."""
+"""`firsttoken generate | chat | serve | bench | profile`: the command line."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Sequence
 
 from firsttoken.bench.cli import register_bench_verbs
 from firsttoken.engine_args import add_engine_args, engine_kwargs
+from firsttoken.server.cli import register_serve_verb
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.set_defaults(handler=run_chat)
 
+    register_serve_verb(verbs)
     register_bench_verbs(verbs)
     return parser
 

@@ -28,6 +28,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         sorted_probs = sorted_logits.softmax(-1)
         # Keep the smallest prefix whose mass reaches top_p (the crossing token included).
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        # The likeliest token always stays: a tiny top_p rounds to 0 in float32, masking all.
+        outside[0] = False
         logits = logits.masked_fill(torch.zeros_like(outside).scatter(0, order, outside), float("-inf"))
     return logits
 

@@ -1,0 +1,416 @@
+"""AsyncEngine: the asyncio front end of one EngineCore, whose step loop runs in its own thread.
+
+Requests and aborts cross into the loop thread through an inbox drained at the top of every
+step, so an abort frees its KV blocks within one step. Deltas cross back once per step with
+`loop.call_soon_threadsafe` onto each request's asyncio queue. When no request is left, the
+loop thread sleeps on the inbox's condition (no busy spin); torch releases the GIL inside its
+kernels, so the HTTP side keeps serving while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Protocol, Sequence, Union
+
+import jinja2
+
+from firsttoken.config import EngineConfig
+from firsttoken.engine.engine_core import EngineCore, EngineStats
+from firsttoken.outputs import RequestDelta
+from firsttoken.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Messages = Sequence[dict[str, Any]]
+Prompt = Union[str, Sequence[int]]  # text, or token ids
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A prompt's token ids, with when it arrived and when tokenizing ended (perf_counter s)."""
+
+    token_ids: list[int]
+    arrival_time: float
+    tokenized_time: float
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (an unexpected error, or shutdown); no request can run."""
+
+
+class RequestObserver(Protocol):
+    """Sees every delta of every request on the asyncio thread (metrics)."""
+
+    def on_delta(self, delta: RequestDelta, received_time: float, previous_token_time: float | None) -> None:
+        """`received_time`: when the delta reached the asyncio thread; `previous_token_time`:
+        when this request's previous token did (None before its first)."""
+
+
+@dataclass(frozen=True)
+class _AddCommand:
+    """A tokenized request for the loop thread to add to the core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    tokenized_time: float
+    priority: int
+
+
+@dataclass(frozen=True)
+class _AbortCommand:
+    """A request for the loop thread to end now."""
+
+    request_id: str
+
+
+_Command = Union[_AddCommand, _AbortCommand]
+
+
+class _Inbox:
+    """Owns the commands waiting for the loop thread, and wakes it when one arrives."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._commands: collections.deque[_Command] = collections.deque()
+        self._closed = False
+
+    def put(self, command: _Command) -> None:
+        with self._condition:
+            self._commands.append(command)
+            self._condition.notify()
+
+    def take_all(self, wait: bool) -> list[_Command] | None:
+        """Every queued command (sleeping until one arrives if `wait`); None once closed."""
+        with self._condition:
+            while wait and not self._commands and not self._closed:
+                self._condition.wait()
+            if self._closed:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+            return commands
+
+    def close(self) -> None:
+        with self._condition:
+            self._closed = True
+            self._condition.notify()
+
+
+class RequestStream:
+    """One request on the asyncio side: its admission, its queue of deltas, and when its
+    tokens reached this thread (perf_counter seconds)."""
+
+    def __init__(self, request_id: str, arrival_time: float, engine: AsyncEngine) -> None:
+        self.request_id = request_id
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished = False
+        self._engine = engine
+        self._admission: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self._ended = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self._ended:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        if item.finished:
+            self._ended = True
+        return item
+
+    async def aclose(self) -> None:
+        """Abort the request unless it already finished (closing the stream early cancels it)."""
+        self._ended = True
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+    # -- called by AsyncEngine on the asyncio thread ------------------------------------------
+
+    def _admit(self, error: BaseException | None) -> None:
+        if self._admission.done():
+            return
+        if error is None:
+            self._admission.set_result(None)
+        else:
+            self._admission.set_exception(error)
+
+    def _deliver(self, delta: RequestDelta, now: float) -> float | None:
+        """Queue a delta; returns when the previous token arrived."""
+        previous = self.last_token_time
+        if delta.token_ids:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            self.last_token_time = now
+        self.finished = delta.finished
+        self._queue.put_nowait(delta)
+        return previous
+
+    def _fail(self, error: BaseException) -> None:
+        self.finished = True
+        self._admit(error)
+        self._queue.put_nowait(error)
+
+
+class AsyncEngine:
+    """Owns one EngineCore, the thread that steps it, the tokenizer executor and the
+    asyncio-side streams of live requests."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self.max_model_len = core.max_model_len
+        # The longest request (prompt + output) the KV cache can hold at all.
+        self.max_request_tokens = min(
+            core.max_model_len, core.kv_manager.num_blocks * core.config.cache.block_size
+        )
+        self._observers: list[RequestObserver] = []
+        self._inbox = _Inbox()
+        self._streams: dict[str, RequestStream] = {}
+        self._stats = core.stats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead: EngineDeadError | None = None
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
+            2, thread_name_prefix="firsttoken-tokenize"
+        )
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **engine_options: Any) -> AsyncEngine:
+        """Load a model with the same keywords as `LLM(...)`; call `start()` inside the event loop."""
+        return cls(EngineCore(EngineConfig.from_kwargs(model=model, **engine_options)))
+
+    # -- life cycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind to the running event loop and start the step loop thread."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine: already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="firsttoken-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the loop thread; live requests end with EngineDeadError."""
+        self._inbox.close()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        self._tokenize_pool.shutdown(wait=False)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    def add_observer(self, observer: RequestObserver) -> None:
+        """Show every future delta to `observer` (on the asyncio thread, as it arrives)."""
+        self._observers.append(observer)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    # -- requests ------------------------------------------------------------------------------
+
+    async def tokenize(
+        self, prompt: Prompt | None = None, *, messages: Messages | None = None
+    ) -> TokenizedPrompt:
+        """Stamp arrival, then render the chat template (for `messages`) and encode, timed.
+
+        Text is encoded on the tokenizer threads: `tokenizers` releases the GIL while encoding,
+        so a long prompt never stalls the event loop, and its encode/decode are safe to call
+        concurrently (tests/engine/test_async_engine.py checks both claims).
+        """
+        arrival_time = time.perf_counter()
+        if (prompt is None) == (messages is None):
+            raise ValueError("prompt: give either a prompt or messages")
+        if messages is None and not isinstance(prompt, str):
+            token_ids = list(prompt)
+        else:
+            loop = asyncio.get_running_loop()
+            token_ids = await loop.run_in_executor(self._tokenize_pool, self._encode, prompt, messages)
+        return TokenizedPrompt(token_ids, arrival_time, time.perf_counter())
+
+    async def add_request(
+        self,
+        prompt: TokenizedPrompt,
+        sampling_params: SamplingParams,
+        *,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a tokenized request; returns once the engine accepted it.
+
+        Raises ValueError for bad input, QueueFullError when the waiting queue is full and
+        EngineDeadError when the loop is gone; in each case nothing stays allocated.
+        """
+        if self._loop is None:
+            raise RuntimeError("AsyncEngine: call start() first")
+        if self._dead is not None:
+            raise self._dead
+        request_id = request_id or self.core.new_request_id()
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        stream = RequestStream(request_id, prompt.arrival_time, self)
+        self._streams[request_id] = stream
+        self._inbox.put(
+            _AddCommand(
+                request_id,
+                prompt.token_ids,
+                sampling_params,
+                prompt.arrival_time,
+                prompt.tokenized_time,
+                priority,
+            )
+        )
+        try:
+            await stream._admission
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: Prompt | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        messages: Messages | None = None,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestDelta]:
+        """The request's deltas as they are produced; closing or cancelling the iterator aborts it.
+
+        Give `prompt` (text or token ids) or `messages` (rendered with the chat template).
+        """
+        tokenized = await self.tokenize(prompt, messages=messages)
+        stream = await self.add_request(
+            tokenized, sampling_params or SamplingParams(), priority=priority, request_id=request_id
+        )
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            await stream.aclose()
+
+    def abort(self, request_id: str) -> None:
+        """End a request; its blocks are freed at the top of the next engine step."""
+        if request_id in self._streams:
+            self._inbox.put(_AbortCommand(request_id))
+
+    def stats(self) -> EngineStats:
+        """The engine's gauges and counters as of its latest step (a consistent snapshot)."""
+        return self._stats
+
+    def _encode(self, prompt: str | None, messages: Messages | None) -> list[int]:
+        if messages is not None:
+            try:
+                prompt = self.tokenizer.apply_chat_template(messages)
+            except jinja2.TemplateError as error:  # a model's template refusing this conversation
+                raise ValueError(f"messages: the chat template failed: {error}") from error
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        return self.tokenizer.encode(prompt)
+
+    # -- the loop thread -----------------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        core = self.core
+        live: set[str] = set()  # requests this loop added to the core and that have not ended
+        try:
+            while True:
+                commands = self._inbox.take_all(wait=not core.has_unfinished_requests())
+                if commands is None:
+                    break
+                if commands:
+                    self._apply(commands, live)
+                if core.has_unfinished_requests():
+                    deltas = core.step()
+                    live.difference_update(delta.request_id for delta in deltas if delta.finished)
+                    self._stats = core.stats()
+                    if deltas:
+                        self._post(self._deliver, deltas)
+                else:
+                    self._stats = core.stats()
+        except Exception as error:
+            logger.exception("the engine loop stopped")
+            self._post(self._fail_all, EngineDeadError(f"the engine loop stopped: {error!r}"))
+            return
+        for request_id in live:  # shut down: leave the core with no request and every block free
+            core.abort_request(request_id)
+        self._stats = core.stats()
+
+    def _apply(self, commands: list[_Command], live: set[str]) -> None:
+        admissions: list[tuple[str, BaseException | None]] = []
+        closing: list[RequestDelta] = []
+        for command in commands:
+            if isinstance(command, _AbortCommand):
+                live.discard(command.request_id)
+                delta = self.core.abort_request(command.request_id)
+                if delta is not None:
+                    closing.append(delta)
+                continue
+            try:
+                self.core.add_request(
+                    command.request_id,
+                    command.prompt_token_ids,
+                    command.sampling_params,
+                    command.arrival_time,
+                    command.tokenized_time,
+                    command.priority,
+                )
+                live.add(command.request_id)
+                admissions.append((command.request_id, None))
+            except Exception as error:  # ValueError, QueueFullError: the caller's to handle
+                admissions.append((command.request_id, error))
+        if admissions or closing:
+            self._post(self._settle, admissions, closing)
+
+    def _post(self, callback: Any, *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            logger.debug("event loop closed; dropping %s", callback.__name__)
+
+    # -- the asyncio thread --------------------------------------------------------------------
+
+    def _settle(
+        self, admissions: list[tuple[str, BaseException | None]], closing: list[RequestDelta]
+    ) -> None:
+        for request_id, error in admissions:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            if error is not None:
+                del self._streams[request_id]
+            stream._admit(error)
+        self._deliver(closing)
+
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
+        now = time.perf_counter()
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue
+            previous_token_time = stream._deliver(delta, now)
+            for observer in self._observers:
+                observer.on_delta(delta, now, previous_token_time)
+            if delta.finished:
+                del self._streams[delta.request_id]
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        self._dead = error
+        for stream in self._streams.values():
+            stream._fail(error)
+        self._streams.clear()

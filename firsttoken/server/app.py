@@ -1,0 +1,112 @@
+"""create_app: the OpenAI-compatible FastAPI app over one AsyncEngine."""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Depends, FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from firsttoken import __version__
+from firsttoken.engine.async_engine import AsyncEngine
+from firsttoken.metrics.prometheus import PrometheusMetrics
+from firsttoken.server.auth import api_key_dependency
+from firsttoken.server.body_limit import BodySizeLimit
+from firsttoken.server.chat import create_chat_completion
+from firsttoken.server.completions import create_completion
+from firsttoken.server.config import ServerConfig
+from firsttoken.server.errors import APIError, install_error_handlers
+from firsttoken.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "invalid request (the message names the field)"},
+    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "unknown model"},
+    413: {"model": ErrorResponse, "description": "request body over --max-request-bytes"},
+    429: {"model": ErrorResponse, "description": "waiting queue full; retry after Retry-After seconds"},
+    503: {"model": ErrorResponse, "description": "the engine is not running"},
+}
+_STREAMED = {
+    "content": {"text/event-stream": {}},
+    "description": "JSON, or server-sent events when stream is true",
+}
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    """The app serving `engine`; its lifespan starts and stops the engine's step loop."""
+    metrics = PrometheusMetrics(config.model_name, engine.stats)
+    engine.add_observer(metrics)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(
+        title="firsttoken",
+        version=__version__,
+        summary="OpenAI-compatible server built for the shortest time to first token",
+        lifespan=lifespan,
+    )
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+    install_error_handlers(app, config.retry_after_s)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in config.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
+
+    auth = [Depends(api_key_dependency(config.api_key))] if config.api_key is not None else []
+    v1 = APIRouter(prefix="/v1", dependencies=auth, responses=_ERROR_RESPONSES)
+
+    @v1.post("/completions", response_model=CompletionResponse, responses={200: _STREAMED})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        return await create_completion(engine, config, body, request)
+
+    @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses={200: _STREAMED})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        return await create_chat_completion(engine, config, body, request)
+
+    @v1.get("/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(id=name, created=created, max_model_len=engine.max_model_len)
+                for name in config.served_model_names
+            ]
+        )
+
+    app.include_router(v1)
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        if not engine.is_running:
+            raise APIError(503, "the engine is not running", "server_error", code="engine_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,115 @@
+"""`firsttoken serve`: load a model and serve the OpenAI-compatible API."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from firsttoken.engine_args import add_engine_args, engine_kwargs
+from firsttoken.server.config import ServerConfig
+
+_DEFAULTS = ServerConfig()
+
+
+def register_serve_verb(subparsers: Any) -> None:
+    """Add `serve` to the `firsttoken` command's verbs: every LLM(...) option is a flag."""
+    serve = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)",
+    )
+    group = serve.add_argument_group("server")
+    group.add_argument(
+        "--host", default=_DEFAULTS.host, help=f"address to listen on (default: {_DEFAULTS.host})"
+    )
+    group.add_argument(
+        "--port", type=int, default=_DEFAULTS.port, help=f"TCP port (default: {_DEFAULTS.port})"
+    )
+    group.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model name(s) clients use; the first is reported (default: the model file's name)",
+    )
+    group.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help="requests allowed to wait; more get 429 (the engine's max_waiting_requests; default: no limit)",
+    )
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=_DEFAULTS.max_request_bytes,
+        help=f"larger request bodies get 413 (default: {_DEFAULTS.max_request_bytes})",
+    )
+    group.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log each request (default: off)",
+    )
+    group.add_argument(
+        "--pin-system-prompt",
+        metavar="FILE",
+        default=None,
+        help="keep the KV of this system prompt (a text file) resident; chats that start with it reuse it",
+    )
+    add_engine_args(serve)
+    serve.set_defaults(handler=run_serve)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The LLM(...) keywords the command line set; --max-queue is max_waiting_requests."""
+    options = engine_kwargs(args)
+    if args.max_queue is not None:
+        options["max_waiting_requests"] = args.max_queue
+    return options
+
+
+def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
+    """The server's settings; without --served-model-name, the model file's name (no .gguf)."""
+    names = args.served_model_name or [os.path.basename(os.path.normpath(model_path)).removesuffix(".gguf")]
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_names=tuple(names),
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        access_log=args.access_log,
+    )
+
+
+def read_system_prompt(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as error:
+        raise ValueError(f"pin_system_prompt: cannot read {path} ({error.strerror})") from error
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from firsttoken.engine.async_engine import AsyncEngine
+    from firsttoken.engine.llm import LLM
+    from firsttoken.server.app import create_app
+    from firsttoken.server.http_server import build_server
+
+    system_prompt = read_system_prompt(args.pin_system_prompt) if args.pin_system_prompt else None
+    llm = LLM(args.model, **engine_options(args))
+    if system_prompt is not None:  # pinned before the step loop thread takes the engine over
+        llm.pin_system_prompt(system_prompt, pin_id="system-prompt")
+    engine = AsyncEngine(llm.engine)
+    config = server_config(args, engine.core.model_path)
+    server = build_server(create_app(engine, config), config)
+    print(
+        f"firsttoken: serving {config.model_name} on http://{config.host}:{config.port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    server.run()
+    return 0

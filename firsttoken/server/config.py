@@ -1,0 +1,38 @@
+"""ServerConfig: how the OpenAI-compatible server listens, whom it serves and what it accepts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP side's settings; the engine's own live in EngineConfig."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Names clients may put in `model`; the first is the one /v1/models and replies show.
+    served_model_names: tuple[str, ...] = ("firsttoken",)
+    # Bearer token every /v1 request must carry; None serves without authentication.
+    api_key: str | None = None
+    # Larger request bodies get 413 before they are parsed.
+    max_request_bytes: int = 4 * 1024 * 1024
+    # Seconds a client told "queue full" (429) should wait before retrying.
+    retry_after_s: int = 1
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        if not self.served_model_names or not all(self.served_model_names):
+            raise ValueError("served_model_names: give at least one non-empty name")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key: must not be empty (omit it to serve without a key)")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes: must be >= 1, got {self.max_request_bytes}")
+        if self.retry_after_s < 1:
+            raise ValueError(f"retry_after_s: must be >= 1, got {self.retry_after_s}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]

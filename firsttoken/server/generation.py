@@ -1,0 +1,205 @@
+"""From an OpenAI request to engine requests and back, for both endpoints.
+
+Sampling parameters per choice, submitting every choice at once (all or none), merging their
+deltas, and what the finished choices add up to: usage, the TTFT extension, Server-Timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import AsyncIterator, Coroutine
+
+from starlette.requests import Request
+
+from firsttoken.engine.async_engine import AsyncEngine, RequestStream, TokenizedPrompt
+from firsttoken.metrics.ttft_stages import TTFTStages
+from firsttoken.outputs import RequestDelta, RequestOutput
+from firsttoken.sampling_params import SamplingParams
+from firsttoken.server.protocol import (
+    ChoiceTTFT,
+    FirstTokenExtension,
+    GenerationRequest,
+    PromptTokensDetails,
+    Usage,
+)
+
+# Temperatures this small are greedy: dividing logits by them overflows (vLLM does the same).
+GREEDY_BELOW = 1e-5
+
+
+@dataclass
+class Choice:
+    """One choice of a response: its engine request's stream and what it produced so far."""
+
+    index: int
+    prompt: TokenizedPrompt
+    stream: RequestStream
+    output: RequestOutput
+    num_chunks_sent: int = 0
+
+    def ttft_stages(self) -> TTFTStages | None:
+        if self.output.metrics is None:
+            return None
+        return TTFTStages.from_metrics(self.output.metrics, self.stream.first_token_time)
+
+
+def sampling_params(
+    request: GenerationRequest,
+    prompt: TokenizedPrompt,
+    max_tokens: int | None,
+    max_request_tokens: int,
+    logprobs: int | None,
+    choice_index: int,
+) -> SamplingParams:
+    """One choice's parameters; a missing max_tokens means the rest of the context (as vLLM)."""
+    num_prompt_tokens = len(prompt.token_ids)
+    if max_tokens is None:
+        max_tokens = max_request_tokens - num_prompt_tokens
+        if max_tokens < 1:
+            raise ValueError(
+                f"prompt: {num_prompt_tokens} tokens leave no room for output within the "
+                f"{max_request_tokens} tokens a request may hold"
+            )
+    temperature = 1.0 if request.temperature is None else request.temperature
+    stop = request.stop if request.stop is not None else ()
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=-1 if request.top_k is None else request.top_k,
+        # Choices of one request draw differently from each other, reproducibly.
+        seed=None if request.seed is None else request.seed + choice_index,
+        stop=stop,
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+async def start_choices(
+    engine: AsyncEngine, requests: list[tuple[TokenizedPrompt, SamplingParams]], priority: int
+) -> list[Choice]:
+    """Submit every choice in one go (so they share engine steps); if one is refused, none stays."""
+    results = await asyncio.gather(
+        *(engine.add_request(prompt, params, priority=priority) for prompt, params in requests),
+        return_exceptions=True,
+    )
+    streams = [result for result in results if isinstance(result, RequestStream)]
+    error = next((result for result in results if isinstance(result, BaseException)), None)
+    if error is not None:
+        await close_streams(streams)
+        raise error
+    return [
+        Choice(index, prompt, stream, RequestOutput(stream.request_id, None, prompt.token_ids))
+        for index, ((prompt, _), stream) in enumerate(zip(requests, results, strict=True))
+    ]
+
+
+async def close_streams(streams: list[RequestStream]) -> None:
+    """Abort whatever has not finished (client gone, error, cancellation)."""
+    for stream in streams:
+        await stream.aclose()
+
+
+async def merged_deltas(choices: list[Choice]) -> AsyncIterator[tuple[Choice, RequestDelta]]:
+    """Every choice's deltas as they arrive, each already added to its choice's output."""
+    if len(choices) == 1:
+        (choice,) = choices
+        async for delta in choice.stream:
+            choice.output.add(delta)
+            yield choice, delta
+        return
+    arrivals: asyncio.Queue[tuple[Choice, RequestDelta | Exception]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for delta in choice.stream:
+                arrivals.put_nowait((choice, delta))
+        except Exception as error:  # EngineDeadError: re-raised by the consumer below
+            arrivals.put_nowait((choice, error))
+
+    tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+    try:
+        num_unfinished = len(choices)
+        while num_unfinished:
+            choice, item = await arrivals.get()
+            if isinstance(item, Exception):
+                raise item
+            choice.output.add(item)
+            if item.finished:
+                num_unfinished -= 1
+            yield choice, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def run_to_completion(choices: list[Choice]) -> None:
+    async with contextlib.aclosing(merged_deltas(choices)) as deltas:
+        async for _ in deltas:
+            pass
+
+
+async def unless_disconnected(request: Request, work: Coroutine) -> bool:
+    """Run `work` unless the client disconnects first (then cancel it); True if it completed.
+
+    The body is already read, so the next receive() returns only when the client goes away.
+    """
+
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.create_task(wait_for_disconnect())
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+    if work_task.cancelled():
+        return False
+    work_task.result()
+    return True
+
+
+def usage(choices: list[Choice]) -> Usage:
+    """Prompt tokens count once per prompt (not per choice), as OpenAI bills them."""
+    first_choice_of_prompt: dict[int, Choice] = {}
+    for choice in choices:
+        first_choice_of_prompt.setdefault(id(choice.prompt), choice)
+    prompt_tokens = sum(len(choice.prompt.token_ids) for choice in first_choice_of_prompt.values())
+    cached_tokens = sum(choice.output.num_cached_tokens for choice in first_choice_of_prompt.values())
+    completion_tokens = sum(len(choice.output.token_ids) for choice in choices)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+def ttft_extension(choices: list[Choice]) -> FirstTokenExtension:
+    entries = []
+    for choice in choices:
+        stages = choice.ttft_stages()
+        if stages is not None:
+            entries.append(ChoiceTTFT(index=choice.index, **dataclasses.asdict(stages)))
+    return FirstTokenExtension(choices=entries)
+
+
+def server_timing(choices: list[Choice]) -> str:
+    """The TTFT stages as a Server-Timing header (milliseconds), one set per choice."""
+    entries = []
+    for choice in choices:
+        stages = choice.ttft_stages()
+        if stages is None:
+            continue
+        description = f';desc="choice {choice.index}"' if len(choices) > 1 else ""
+        for name, seconds in stages.durations().items():
+            if seconds is not None:
+                entries.append(f"{name};dur={seconds * 1000:.3f}{description}")
+    return ", ".join(entries)

@@ -1,0 +1,333 @@
+"""OpenAI request and response bodies (pydantic), with firsttoken's extensions.
+
+Requests are validated strictly (no "1" for 1, no 1 for true), as the OpenAI API does; the
+limits sit in the schema, so /openapi.json documents them and a bad value is a clean 400.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from firsttoken.tokenizer import CHAT_ROLES
+
+MAX_N = 16  # choices per prompt; each one is an independent engine request
+MAX_LOGPROBS = 20
+
+
+def _one_error_for_union(expected: str) -> WrapValidator:
+    """Replace a union's per-member errors with one message saying what was expected."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("union_type", f"must be {expected}") from None
+
+    return WrapValidator(validate)
+
+
+Prompt = Annotated[
+    Union[str, list[str], list[int], list[list[int]]],
+    _one_error_for_union("a string, a list of strings, a list of token ids or a list of token-id lists"),
+]
+Stop = Annotated[Union[str, list[str], None], _one_error_for_union("a string or a list of strings")]
+
+
+class _StrictModel(BaseModel):
+    """A request part validated strictly: no type coercion."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(_StrictModel):
+    """Options of a streamed reply."""
+
+    include_usage: bool = False
+
+
+class TextContentPart(_StrictModel):
+    """One text part of a message's content."""
+
+    type: Literal["text"]
+    text: str
+
+
+MessageContent = Annotated[
+    Union[str, list[TextContentPart]], _one_error_for_union("a string or a list of text parts")
+]
+
+
+class ChatMessage(_StrictModel):
+    """One message of a conversation."""
+
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
+    content: MessageContent
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+# Accepted only at the value that changes nothing: honouring them is not implemented, and
+# silently ignoring a real value would return something the client did not ask for.
+_UNSUPPORTED_UNLESS_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class GenerationRequest(_StrictModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = Field(None, description="a served model name; default: the first one")
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="firsttoken extension: -1 disables")
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: Stop = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="firsttoken extension: keep generating past end-of-sequence")
+    n: int = Field(1, ge=1, le=MAX_N)
+    user: str | None = Field(None, description="accepted and ignored")
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="firsttoken extension: lower runs first")
+
+    @model_validator(mode="after")
+    def _check_neutral_fields(self) -> GenerationRequest:
+        for name, value in (self.model_extra or {}).items():
+            neutral = _UNSUPPORTED_UNLESS_NEUTRAL.get(name)
+            if neutral is not None and value not in neutral:
+                raise ValueError(f"{name}: is not supported (leave it unset)")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: Prompt
+    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_top_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        return self
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+def _omit_if_none() -> Any:
+    return Field(None, exclude_if=lambda value: value is None)
+
+
+class PromptTokensDetails(BaseModel):
+    """How many prompt tokens came from the prefix cache."""
+
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    """Token counts of a whole response (prompt tokens once per prompt)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class ChoiceTTFT(BaseModel):
+    """One choice's time to first token, split into stages (seconds; null if not reached)."""
+
+    index: int
+    num_cached_tokens: int
+    tokenize_s: float
+    queue_s: float | None
+    prefill_s: float | None = Field(description="first scheduled to first token sampled")
+    first_token_handoff_s: float | None = Field(
+        description="first token sampled to first token handed to HTTP"
+    )
+    ttft_s: float | None = Field(description="arrival to first token handed to HTTP; the stages' sum")
+
+
+class FirstTokenExtension(BaseModel):
+    """firsttoken's extension of the final response or chunk: TTFT stages of each choice."""
+
+    choices: list[ChoiceTTFT]
+
+
+class CompletionLogprobs(BaseModel):
+    """Log-probabilities of a completion's tokens, in OpenAI's legacy shape."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    """One completion, or its part in a streamed chunk."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or one chunk of a streamed completion (same object)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    firsttoken: FirstTokenExtension | None = _omit_if_none()
+
+
+class TopLogprob(BaseModel):
+    """A candidate token and its log-probability."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token, its log-probability and the likeliest alternatives."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """Log-probabilities of a chat choice's tokens."""
+
+    content: list[TokenLogprob] | None
+
+
+class AssistantMessage(BaseModel):
+    """The reply of a whole chat completion."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    """One choice of a whole chat completion."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A whole chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    firsttoken: FirstTokenExtension | None = _omit_if_none()
+
+
+class DeltaMessage(BaseModel):
+    """What a chat chunk adds to its choice's message; the role only with the first content."""
+
+    role: Literal["assistant"] | None = _omit_if_none()
+    content: str | None = _omit_if_none()
+
+
+class ChatChunkChoice(BaseModel):
+    """One choice's part of a streamed chat chunk."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    firsttoken: FirstTokenExtension | None = _omit_if_none()
+
+
+class ModelCard(BaseModel):
+    """A served model name."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "firsttoken"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    """GET /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    """What went wrong: a message naming the field, OpenAI's type and code."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error reply."""
+
+    error: ErrorBody

@@ -1,0 +1,69 @@
+"""Running a response's choices to the end: as server-sent events, or collected whole.
+
+Both stop generating when the client goes away: a stream's body is cancelled by the ASGI
+server on disconnect; a non-streamed reply watches for the disconnect itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator, Callable
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from firsttoken.outputs import RequestDelta
+from firsttoken.server import sse
+from firsttoken.server.errors import from_exception
+from firsttoken.server.generation import (
+    Choice,
+    close_streams,
+    merged_deltas,
+    run_to_completion,
+    ttft_extension,
+    unless_disconnected,
+    usage,
+)
+from firsttoken.server.protocol import FirstTokenExtension, Usage
+
+# (choice, its new delta, the TTFT extension when this is the response's last delta) -> a
+# chunk, or None when the delta has nothing to show yet (text held back, no logprobs asked).
+ChunkBuilder = Callable[[Choice, RequestDelta, FirstTokenExtension | None], BaseModel | None]
+UsageChunkBuilder = Callable[[Usage, FirstTokenExtension], BaseModel]
+
+
+async def stream_events(
+    choices: list[Choice],
+    include_usage: bool,
+    chunk_for: ChunkBuilder,
+    usage_chunk: UsageChunkBuilder,
+    retry_after_s: int,
+) -> AsyncIterator[bytes]:
+    """The SSE body: a chunk per delta with something to show, the usage chunk if asked, [DONE].
+
+    The TTFT extension rides on the usage chunk, or without one on the last chunk.
+    """
+    try:
+        async with contextlib.aclosing(merged_deltas(choices)) as deltas:
+            async for choice, delta in deltas:
+                is_last = all(c.output.finished for c in choices)
+                extension = ttft_extension(choices) if is_last and not include_usage else None
+                chunk = chunk_for(choice, delta, extension)
+                if chunk is not None:
+                    choice.num_chunks_sent += 1
+                    yield sse.model_event(chunk, include_usage)
+        if include_usage:
+            yield sse.model_event(usage_chunk(usage(choices), ttft_extension(choices)), include_usage)
+    except Exception as error:  # the engine stopped mid-stream: say so in-band, then end
+        yield sse.event(from_exception(error, retry_after_s).body())
+    finally:
+        await close_streams([choice.stream for choice in choices])
+    yield sse.DONE
+
+
+async def collect(choices: list[Choice], request: Request) -> bool:
+    """Run every choice to its end; False if the client disconnected first (all aborted)."""
+    try:
+        return await unless_disconnected(request, run_to_completion(choices))
+    finally:
+        await close_streams([choice.stream for choice in choices])

@@ -1,0 +1,232 @@
+"""AsyncEngine: the step loop in its own thread, behind asyncio; no HTTP involved."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import pytest
+
+from firsttoken import SamplingParams
+from firsttoken.config import EngineConfig
+from firsttoken.core.scheduler import QueueFullError
+from firsttoken.engine.async_engine import AsyncEngine, EngineDeadError
+from firsttoken.engine.engine_core import EngineCore
+from tests.prompts import SHORT_PROMPTS, long_prompt
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def core(model_path):
+    """One engine core for the module; each test wraps it in a fresh AsyncEngine."""
+    config = EngineConfig.from_kwargs(
+        model=model_path,
+        dtype="float32",
+        kv_cache_memory_bytes=64 << 20,
+        chunk_size=64,
+        max_num_seqs=1,
+        max_waiting_requests=3,
+    )
+    return EngineCore(config)
+
+
+def run(core: EngineCore, test) -> None:
+    """Run `test(engine)` in an event loop with a started AsyncEngine over `core`."""
+
+    async def main() -> None:
+        engine = AsyncEngine(core)
+        await engine.start()
+        try:
+            await test(engine)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+    assert not core.has_unfinished_requests()
+    assert core.kv_manager.pool.num_free_blocks == core.kv_manager.num_blocks
+
+
+async def wait_until_idle(engine: AsyncEngine, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0:
+            return
+        assert time.monotonic() < deadline, stats
+        await asyncio.sleep(0.01)
+
+
+def test_concurrent_generations_equal_llm_generate(core, llm):
+    prompts = SHORT_PROMPTS[:3]
+    expected = [output.token_ids for output in llm.generate(prompts, GREEDY)]
+
+    async def test(engine: AsyncEngine) -> None:
+        async def token_ids(prompt: str) -> list[int]:
+            return [
+                token
+                for delta in [d async for d in engine.generate(prompt, GREEDY)]
+                for token in delta.token_ids
+            ]
+
+        assert await asyncio.gather(*(token_ids(prompt) for prompt in prompts)) == expected
+
+    run(core, test)
+
+
+def test_chat_messages_use_the_template(core, llm):
+    messages = [{"role": "user", "content": "Say hello."}]
+    expected = llm.chat(messages, GREEDY)
+
+    async def test(engine: AsyncEngine) -> None:
+        prompt = await engine.tokenize(messages=messages)
+        assert prompt.token_ids == expected.prompt_token_ids
+        assert prompt.arrival_time <= prompt.tokenized_time
+        text = "".join(
+            [delta.text async for delta in engine.generate(messages=messages, sampling_params=GREEDY)]
+        )
+        assert text == expected.text
+
+    run(core, test)
+
+
+def test_closing_the_iterator_aborts_within_a_step(core):
+    async def test(engine: AsyncEngine) -> None:
+        deltas = engine.generate("Tell me a long story.", SamplingParams(max_tokens=200, ignore_eos=True))
+        first = await deltas.__anext__()
+        assert first.token_ids
+        await deltas.aclose()
+        await wait_until_idle(engine)
+
+    run(core, test)
+
+
+def test_cancelling_before_the_first_token_aborts(core):
+    async def test(engine: AsyncEngine) -> None:
+        async def consume() -> None:
+            async for _ in engine.generate(long_prompt(3), SamplingParams(max_tokens=50)):
+                pass
+
+        task = asyncio.create_task(consume())
+        while engine.stats().num_running == 0:  # admitted, prefilling in 64-token chunks
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_until_idle(engine)
+
+    run(core, test)
+
+
+def test_bad_input_raises_and_allocates_nothing(core):
+    async def test(engine: AsyncEngine) -> None:
+        with pytest.raises(ValueError, match="^prompt: must not be empty"):
+            await engine.tokenize("")
+        with pytest.raises(ValueError, match="^prompt: give either"):
+            await engine.tokenize("hi", messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(ValueError, match="^messages\\[0\\].role"):
+            await engine.tokenize(messages=[{"role": "robot", "content": "hi"}])
+        with pytest.raises(ValueError, match="^prompt_token_ids"):
+            await engine.add_request(await engine.tokenize([1, 10**9]), GREEDY)
+        with pytest.raises(ValueError, match="^max_tokens: .*max_model_len"):
+            await engine.add_request(await engine.tokenize("hi"), SamplingParams(max_tokens=10**6))
+        await wait_until_idle(engine)
+
+    run(core, test)
+
+
+def test_full_waiting_queue_refuses_and_keeps_nothing(core):
+    """max_num_seqs=1 and max_waiting_requests=3: one runs, three wait, the fifth is refused."""
+
+    async def test(engine: AsyncEngine) -> None:
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        streams = [await engine.add_request(await engine.tokenize(f"Story {i}:"), params) for i in range(4)]
+        with pytest.raises(QueueFullError):
+            await engine.add_request(await engine.tokenize("one too many"), params)
+        for stream in streams:
+            await stream.aclose()
+        await wait_until_idle(engine)
+
+    run(core, test)
+
+
+def test_loop_thread_sleeps_when_idle(core):
+    calls = []
+    step = core.step
+
+    def counting_step():
+        calls.append(time.monotonic())
+        return step()
+
+    async def test(engine: AsyncEngine) -> None:
+        core.step = counting_step
+        try:
+            [_ async for _ in engine.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True))]
+            await wait_until_idle(engine)
+            num_calls = len(calls)
+            await asyncio.sleep(0.2)
+            assert len(calls) == num_calls, "the loop stepped with nothing to do"
+        finally:
+            del core.step
+
+    run(core, test)
+
+
+def test_a_failing_step_ends_requests_with_engine_dead(core):
+    def failing_step():
+        raise RuntimeError("simulated kernel failure")
+
+    async def test(engine: AsyncEngine) -> None:
+        core.step = failing_step
+        try:
+            stream = await engine.add_request(await engine.tokenize("Hello"), GREEDY)
+            with pytest.raises(EngineDeadError, match="simulated kernel failure"):
+                await stream.__anext__()
+            assert not engine.is_running
+            with pytest.raises(EngineDeadError):
+                await engine.add_request(await engine.tokenize("Hello"), GREEDY)
+        finally:
+            del core.step
+            core.abort_request(stream.request_id)  # the dead loop left it queued
+
+    run(core, test)
+
+
+def test_the_event_loop_keeps_running_while_a_long_prompt_is_tokenized(core):
+    text = long_prompt(400)  # about 35k tokens: tens of milliseconds of encoding
+
+    async def test(engine: AsyncEngine) -> None:
+        tokenizing = asyncio.create_task(engine.tokenize(text))
+        num_ticks = 0
+        while not tokenizing.done():
+            await asyncio.sleep(0)
+            num_ticks += 1
+        assert len((await tokenizing).token_ids) > 30_000
+        assert num_ticks > 20, "encoding held the GIL and stalled the event loop"  # typically ~1500
+
+    run(core, test)
+
+
+def test_tokenizer_is_safe_under_concurrent_encode_and_decode(core):
+    """AsyncEngine encodes on two threads while the loop thread decodes: same results as alone."""
+    tokenizer = core.tokenizer
+    texts = SHORT_PROMPTS + [long_prompt(4), "emoji 🙂🚀 and 東京", "  spaces\tand\nlines  "]
+    expected_ids = {text: tokenizer.encode(text) for text in texts}
+    expected_texts = {text: tokenizer.decode(ids) for text, ids in expected_ids.items()}
+    start = threading.Barrier(8)
+
+    def work(worker: int) -> tuple[list[str], list[list[int]], list[str]]:
+        order = (texts[worker % len(texts) :] + texts[: worker % len(texts)]) * 20
+        start.wait()
+        return (
+            order,
+            [tokenizer.encode(text) for text in order],
+            [tokenizer.decode(expected_ids[t]) for t in order],
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for order, ids, decoded in pool.map(work, range(8)):
+            assert ids == [expected_ids[text] for text in order]
+            assert decoded == [expected_texts[text] for text in order]

@@ -1,0 +1,22 @@
+"""filter_logits keeps at least the likeliest token, however small top_p is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from firsttoken.sample.sampler import filter_logits
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-12])
+def test_tiny_top_p_keeps_only_the_likeliest_token(top_p):
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    filtered = filter_logits(logits, top_k=-1, top_p=top_p)
+    kept = torch.isfinite(filtered).nonzero().flatten().tolist()
+    assert kept == [int(logits.argmax())]
+    assert not torch.isnan(filtered.softmax(-1)).any()
+
+
+def test_top_p_one_keeps_everything():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(filter_logits(logits, top_k=-1, top_p=1.0), logits)

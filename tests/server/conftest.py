@@ -1,0 +1,81 @@
+"""A real server on 127.0.0.1, in a thread of the test process, shared by a test module."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import httpx
+import uvicorn
+
+from firsttoken.engine.async_engine import AsyncEngine
+from firsttoken.server.app import create_app
+from firsttoken.server.config import ServerConfig
+from firsttoken.server.http_server import build_server
+
+SERVER_ENGINE_OPTIONS: dict[str, Any] = dict(dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=256)
+MODEL_NAME = "smollm2"
+
+
+@dataclass
+class RunningServer:
+    """A started server: where to reach it, and its engine and uvicorn objects for inspection."""
+
+    base_url: str
+    engine: AsyncEngine
+    server: uvicorn.Server
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample's value from /metrics, parsed with prometheus_client's own parser."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.base_url + "/metrics").text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return sample.value
+        raise KeyError(name)
+
+    def wait_for_idle_kv(self, timeout_s: float = 1.0) -> float:
+        """Seconds until /metrics shows no KV block in use and no request (raises on timeout)."""
+        start = time.monotonic()
+        while True:
+            usage = self.metric("firsttoken:kv_cache_usage_perc")
+            running = self.metric("firsttoken:num_requests_running")
+            waiting = self.metric("firsttoken:num_requests_waiting")
+            elapsed = time.monotonic() - start
+            if usage == 0 and running == 0 and waiting == 0:
+                return elapsed
+            if elapsed > timeout_s:
+                raise AssertionError(
+                    f"KV usage {usage}, {running} running, {waiting} waiting after {elapsed:.2f}s"
+                )
+            time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def running_server(model_path: str, config: ServerConfig, **engine_options: Any) -> Iterator[RunningServer]:
+    """Load the model, serve it on a free port of 127.0.0.1, and stop it afterwards."""
+    engine = AsyncEngine.from_options(model_path, **{**SERVER_ENGINE_OPTIONS, **engine_options})
+    server = build_server(create_app(engine, config), config)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    host, port = sock.getsockname()
+    try:
+        yield RunningServer(f"http://{host}:{port}", engine, server)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

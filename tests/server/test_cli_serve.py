@@ -1,0 +1,143 @@
+"""`firsttoken serve`: its flags, and a real server process started from the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from firsttoken.cli import build_parser
+from firsttoken.config import SUBCONFIGS, flat_name
+from firsttoken.server.cli import engine_options, server_config
+
+
+def _serve_flags() -> set[str]:
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    return {flag for action in serve._actions for flag in action.option_strings}
+
+
+def test_every_engine_option_is_a_serve_flag():
+    flags = _serve_flags()
+    renamed = {
+        "seed": "engine-seed",
+        "enable_prompt_cache": "prompt-cache",
+        "enable_chunked_prefill": "chunked-prefill",
+    }
+    for section, section_cls in SUBCONFIGS.items():
+        for field in dataclasses.fields(section_cls):
+            name = flat_name(section, field.name)
+            assert "--" + renamed.get(name, name).replace("_", "-") in flags, name
+    for flag in (
+        "--host",
+        "--port",
+        "--api-key",
+        "--served-model-name",
+        "--max-queue",
+        "--max-request-bytes",
+    ):
+        assert flag in flags
+
+
+def test_serve_flags_map_to_engine_and_server_settings():
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "128",
+            "--max-num-seqs",
+            "4",
+            "--max-queue",
+            "3",
+            "--api-key",
+            "k",
+            "--port",
+            "9001",
+            "--host",
+            "0.0.0.0",
+            "--max-request-bytes",
+            "1000",
+        ]
+    )
+    assert engine_options(args) == dict(
+        dtype="float32", max_model_len=128, max_num_seqs=4, max_waiting_requests=3
+    )
+    config = server_config(args, "/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert config.served_model_names == ("SmolLM2-135M-Instruct.Q4_1",)
+    assert (config.host, config.port, config.api_key, config.max_request_bytes) == (
+        "0.0.0.0",
+        9001,
+        "k",
+        1000,
+    )
+    named = build_parser().parse_args(["serve", "--served-model-name", "a", "b"])
+    assert server_config(named, "/models/x.gguf").served_model_names == ("a", "b")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+SYSTEM_PROMPT = (
+    "You are the help desk of a small observatory. Answer in one short sentence, in plain words, "
+    "and never invent opening hours or prices that you were not told."
+)
+
+
+def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path):
+    port = _free_port()
+    (tmp_path / "system.txt").write_text(SYSTEM_PROMPT)
+    log = open(tmp_path / "serve.log", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "firsttoken", "serve", "--port", str(port), "--served-model-name", "cli-model",
+         "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20), "--chunk-size", "64", "--max-model-len", "128",
+         "--pin-system-prompt", str(tmp_path / "system.txt")],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "serve.log"
+            ).read_text()
+            try:
+                if httpx.get(base_url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert [model["id"] for model in httpx.get(base_url + "/v1/models").json()["data"]] == ["cli-model"]
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": "When do you open?"},
+        ]
+        reply = httpx.post(
+            base_url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=60
+        )
+        assert reply.status_code == 200 and reply.json()["model"] == "cli-model"
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # the pinned blocks
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 130  # a clean shutdown, then the conventional Ctrl-C status
+        assert "Traceback" not in (tmp_path / "serve.log").read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def test_unreadable_system_prompt_file_is_a_clean_error(tmp_path, capsys):
+    from firsttoken.cli import main
+
+    assert main(["serve", "--pin-system-prompt", str(tmp_path / "missing.txt")]) == 2
+    assert "pin_system_prompt: cannot read" in capsys.readouterr().err

@@ -1,0 +1,187 @@
+"""A server with every limit set: API key, body size, queue, a short context; and a fuzzer.
+
+One request runs at a time (max_num_seqs=1) and one may wait (max_queue 1), so queue-full
+answers are deterministic; the 48-token context keeps every fuzzed request short.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
+
+from firsttoken.server.config import ServerConfig
+from tests.server.conftest import MODEL_NAME, running_server
+
+API_KEY = "s3cret-key"
+MAX_MODEL_LEN = 48
+MAX_REQUEST_BYTES = 2048
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    config = ServerConfig(
+        port=0, served_model_names=(MODEL_NAME,), api_key=API_KEY, max_request_bytes=MAX_REQUEST_BYTES
+    )
+    with running_server(
+        model_path, config, max_model_len=MAX_MODEL_LEN, max_num_seqs=1, max_waiting_requests=1
+    ) as running:
+        yield running
+
+
+def _post(server, body, headers=AUTH, **kwargs) -> httpx.Response:
+    return httpx.post(server.base_url + "/v1/completions", json=body, headers=headers, timeout=60, **kwargs)
+
+
+# -- authentication ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": API_KEY},
+        {"Authorization": "Bearer s3cret"},
+        {"Authorization": "Basic czNjcmV0LWtleQ=="},
+    ],
+)
+def test_missing_or_wrong_key_gets_401(server, headers):
+    response = _post(server, {"prompt": "hi", "max_tokens": 1}, headers=headers)
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_the_right_key_is_accepted_by_the_openai_client(server):
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    assert client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2).choices[0].text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_health_and_metrics_need_no_key(server):
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.get(server.base_url + "/metrics").status_code == 200
+
+
+# -- body size --------------------------------------------------------------------------------------
+
+
+def test_body_over_the_limit_gets_413(server):
+    body = {"prompt": "x" * MAX_REQUEST_BYTES}
+    declared = _post(server, body)
+    assert declared.status_code == 413
+    assert declared.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: counted as it streams in
+        yield b'{"prompt": "'
+        for _ in range(4):
+            yield b"x" * 1000
+        yield b'"}'
+
+    streamed = httpx.post(
+        server.base_url + "/v1/completions",
+        content=chunks(),
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
+    assert streamed.status_code == 413
+    assert streamed.json()["error"]["code"] == "request_too_large"
+
+
+# -- context and queue ------------------------------------------------------------------------------
+
+
+def test_missing_max_tokens_fills_the_rest_of_the_context(server):
+    prompt = list(range(1000, 1040))
+    response = _post(server, {"prompt": prompt, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == MAX_MODEL_LEN - len(prompt)
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_prompt_longer_than_the_context_gets_400(server):
+    response = _post(server, {"prompt": list(range(1000, 1000 + MAX_MODEL_LEN + 1)), "max_tokens": 1})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "max_tokens"
+    too_long_to_answer = _post(server, {"prompt": list(range(1000, 1000 + MAX_MODEL_LEN))})
+    assert too_long_to_answer.status_code == 400
+    assert too_long_to_answer.json()["error"]["param"] == "prompt"
+
+
+def test_full_queue_gets_429_with_retry_after_and_keeps_nothing(server):
+    """Three choices cannot all fit one running slot and one waiting place: the request is
+    refused whole, and the choices admitted before the refusal are withdrawn."""
+    response = _post(server, {"prompt": "Once upon a time", "max_tokens": 20, "n": 3})
+    assert response.status_code == 429
+    assert response.headers["Retry-After"] == "1"
+    assert response.json()["error"]["code"] == "queue_full"
+    server.wait_for_idle_kv()
+
+
+# -- fuzzing the schema -------------------------------------------------------------------------------
+
+
+def _fuzz(server, max_examples: int) -> None:
+    """Positive and negative cases from /openapi.json: no answer may be a 5xx."""
+    schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
+    cases = st.one_of(
+        schema.as_strategy(schemathesis.GenerationMode.POSITIVE),
+        schema.as_strategy(schemathesis.GenerationMode.NEGATIVE),
+    )
+
+    @settings(
+        max_examples=max_examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=cases)
+    def no_server_error(case: schemathesis.Case) -> None:
+        case.call_and_validate(
+            base_url=server.base_url, headers=AUTH, checks=[not_a_server_error], timeout=60
+        )
+
+    no_server_error()
+    server.wait_for_idle_kv(timeout_s=5.0)
+
+
+@pytest.mark.timeout(300)
+def test_schemathesis_finds_no_server_error(server):
+    _fuzz(server, max_examples=40)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_schemathesis_finds_no_server_error_long(server):
+    _fuzz(server, max_examples=500)
+
+
+# -- last: an engine failure (the engine stays dead for the rest of the module) -------------------
+
+
+def test_engine_failure_ends_streams_in_band_and_health_turns_503(server):
+    core = server.engine.core
+
+    def failing_step():
+        raise RuntimeError("simulated device failure")
+
+    core.step = failing_step
+    body = {"prompt": "Hello", "max_tokens": 5, "stream": True}
+    with httpx.stream(
+        "POST", server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert '"code":"engine_unavailable"' in events[-2]
+    assert httpx.get(server.base_url + "/health").status_code == 503
+    refused = _post(server, {"prompt": "Hello", "max_tokens": 5})
+    assert refused.status_code == 503
+    assert refused.json()["error"]["type"] == "server_error"
