@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling and stopping rules of one request; temperature 0 means greedy.
@@ -52,4 +55,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures this close to 0 are greedy: dividing logits by them overflows."""
+        return self.temperature < GREEDY_TEMPERATURE

@@ -184,6 +184,12 @@ class _EngineStatsCollector:
             ("num_requests_running", "Number of requests in model execution batches.", stats.num_running),
             ("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
             ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+            (
+                "prefill_token_budget",
+                "Prefill tokens the last engine step allowed (the adaptive chunk size).",
+                stats.last_prefill_budget,
+            ),
+            ("num_pinned_tokens", "Prompt tokens whose KV is pinned in the prefix cache.", stats.num_pinned_tokens),
         )
         for name, documentation, value in gauges:
             family = GaugeMetricFamily(PREFIX + name, documentation, labels=["model_name"])

@@ -1,4 +1,4 @@
-"""filter_logits keeps at least the likeliest token, however small top_p is."""
+"""Sampling: top-p keeps the likeliest token however small top_p is; tiny temperatures are greedy."""
 
 from __future__ import annotations
 
@@ -20,3 +20,15 @@ def test_tiny_top_p_keeps_only_the_likeliest_token(top_p):
 def test_top_p_one_keeps_everything():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
     assert torch.equal(filter_logits(logits, top_k=-1, top_p=1.0), logits)
+
+
+def test_near_zero_temperature_is_greedy_not_nan():
+    from firsttoken.core.batch import SampleSpec
+    from firsttoken.sample.sampler import Sampler
+    from firsttoken.sampling_params import SamplingParams
+
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(2))
+    sampler = Sampler(seed=0, device=torch.device("cpu"))
+    specs = [SampleSpec(SamplingParams(temperature=t), 0) for t in (1e-40, 1e-6, 0.0)]
+    tokens = [sampled.token_id for sampled in sampler.sample(logits, specs)]
+    assert tokens == logits.argmax(-1).tolist()
