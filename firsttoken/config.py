@@ -47,6 +47,10 @@ class ModelConfig:
     num_threads: int | None = field(
         default=None, metadata=_help("CPU threads for compute; default: the physical cores")
     )
+    fuse_ops: bool = field(
+        default=True,
+        metadata=_help("fuse norms, rotary and SwiGLU with torch.compile (C++ on CPU), compiled at start"),
+    )
     quantization: str | None = field(
         default=None,
         metadata=_help("weight-only quantization of the projections: int8 (faster decode); default: none",

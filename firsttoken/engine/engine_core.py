@@ -25,6 +25,8 @@ from firsttoken.engine.output_processor import OutputProcessor
 from firsttoken.engine.pinned_prefix_store import KVIdentity, PinnedPrefixStore, validate_pin_id
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.models.registry import build_model, open_checkpoint, resolve_model_path
+from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
+from firsttoken.ops.linear import onednn_packing_available
 from firsttoken.outputs import RequestDelta
 from firsttoken.request import Request, RequestStatus, RequestTimestamps
 from firsttoken.sample.sampler import Sampler
@@ -84,11 +86,14 @@ class EngineCore:
         arch = self.checkpoint.arch
         self.max_model_len = self._max_model_len()
         backend = SDPABackend(self.device)
+        self.kernels = Kernels(fused=model_config.fuse_ops)
         self.model = build_model(
-            self.checkpoint, backend, self.dtype, self.device, self.max_model_len, cache_dir=None
+            self.checkpoint, backend, self.kernels, self.dtype, self.device, self.max_model_len, cache_dir=None
         )
         if model_config.quantization == "int8":
             self.model.quantize_int8()
+        elif onednn_packing_available(self.dtype, self.device):
+            self.model.pack_for_onednn()
         block_size = config.cache.block_size
         num_blocks = num_kv_blocks(config.cache, arch, self.dtype, self.device)
         self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, self.dtype, self.device)
@@ -125,22 +130,26 @@ class EngineCore:
         return requested or limit
 
     def _warm_up(self) -> None:
-        """Run one prefill and one decode on a free block, so the first request pays no
-        one-time kernel initialisation. No request, hash or counter is touched."""
+        """Compile the fused ops and run a prefill and a decode on scratch blocks, so the first
+        request pays no one-time cost. No request, hash or counter is touched."""
+        self.kernels.warm_up(lambda num_tokens: self._run_scratch_step(0, num_tokens))
+        num_tokens = min(FUSED_MIN_TOKENS, self.max_model_len - 1)
+        self._run_scratch_step(0, num_tokens)
+        self._run_scratch_step(num_tokens, 1)
+
+    def _run_scratch_step(self, start: int, num_tokens: int) -> None:
         block_size = self.config.cache.block_size
-        num_tokens = min(block_size, self.max_model_len - 1) or 1
-        params = SamplingParams(temperature=0, max_tokens=1)
-        for start, count in ((0, num_tokens), (num_tokens, 1)):
-            if start + count > min(block_size * self.kv_manager.num_blocks, self.max_model_len):
-                continue
-            chunk = ScheduledChunk(
-                req_id="warm-up",
-                token_ids=[0] * count,
-                start_position=start,
-                block_table=list(range(-(-(start + count) // block_size))),
-                sample=SampleSpec(params, 0),
-            )
-            self.runner.execute(SchedulerOutput(chunks=[chunk], token_budget=count))
+        num_blocks = -(-(start + num_tokens) // block_size)
+        if num_blocks > self.kv_manager.num_blocks or start + num_tokens > self.max_model_len:
+            return
+        chunk = ScheduledChunk(
+            req_id="warm-up",
+            token_ids=[0] * num_tokens,
+            start_position=start,
+            block_table=list(range(num_blocks)),
+            sample=SampleSpec(SamplingParams(temperature=0, max_tokens=1), 0),
+        )
+        self.runner.execute(SchedulerOutput(chunks=[chunk], token_budget=num_tokens))
 
     def _step_cost_model(self) -> StepCostModel:
         threads = torch.get_num_threads() if self.device.type == "cpu" else 0

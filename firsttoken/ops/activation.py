@@ -9,7 +9,3 @@ import torch.nn.functional as F
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    return silu_and_mul_reference(gate_up)

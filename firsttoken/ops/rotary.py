@@ -65,17 +65,17 @@ def cos_sin_table(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-def apply_rotary_reference(
-    x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
-) -> torch.Tensor:
-    """x [T, heads, D] rotated at `positions` [T]; cos/sin cast to x's dtype as transformers does."""
-    cos_half, sin_half = table[positions].to(x.dtype).chunk(2, dim=-1)  # [T, D/2] each
-    cos = torch.cat([cos_half, cos_half], dim=-1)[:, None, :]
-    sin = torch.cat([sin_half, sin_half], dim=-1)[:, None, :]
+def rotary_cos_sin(table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, head_dim] at `positions`, cast to the activations' dtype as
+    transformers does; built once per step and shared by every layer."""
+    cos_half, sin_half = table[positions].to(dtype).chunk(2, dim=-1)  # [T, D/2] each
+    cos = torch.cat([cos_half, cos_half], dim=-1).unsqueeze(1)
+    sin = torch.cat([sin_half, sin_half], dim=-1).unsqueeze(1)
+    return cos, sin
+
+
+def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated: x * cos + rotate_half(x) * sin."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return x * cos + rotated * sin
-
-
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    return apply_rotary_reference(x, positions, table)

@@ -1,4 +1,4 @@
-"""Each op against transformers' own Llama implementation of the same step."""
+"""Each op against transformers' own Llama implementation, and each fused op against its reference."""
 
 from __future__ import annotations
 
@@ -7,26 +7,42 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from firsttoken.ops.activation import silu_and_mul, silu_and_mul_reference
-from firsttoken.ops.norm import add_rms_norm, rms_norm, rms_norm_reference
-from firsttoken.ops.rotary import RopeScaling, apply_rotary, apply_rotary_reference, cos_sin_table, inverse_frequencies
+from firsttoken.ops.activation import silu_and_mul_reference
+from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
+from firsttoken.ops.norm import add_rms_norm_reference, rms_norm_reference
+from firsttoken.ops.rotary import (
+    RopeScaling,
+    apply_rotary_reference,
+    cos_sin_table,
+    inverse_frequencies,
+    rotary_cos_sin,
+)
+
+FUSED = Kernels(fused=True)
+# Fused ops round bf16 where the reference does; differences come from fp32 reduction order.
+FUSED_TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
+TOKEN_COUNTS = [FUSED_MIN_TOKENS - 1, FUSED_MIN_TOKENS, 200]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_matches_transformers(dtype):
+def test_rms_norm_reference_is_transformers_rms_norm(dtype):
     x = torch.randn(37, 576).to(dtype)
     hf = LlamaRMSNorm(576, eps=1e-5).to(dtype)
     hf.weight.data = torch.randn(576).to(dtype)
-    expected = hf(x)
-    torch.testing.assert_close(rms_norm_reference(x, hf.weight.data, 1e-5), expected, atol=0, rtol=0)
-    torch.testing.assert_close(rms_norm(x, hf.weight.data, 1e-5), expected, atol=1e-5, rtol=1e-2)
+    torch.testing.assert_close(rms_norm_reference(x, hf.weight.data, 1e-5), hf(x), atol=0, rtol=0)
 
 
-def test_add_rms_norm_returns_norm_of_sum_and_the_sum():
-    x, residual, weight = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
-    normed, summed = add_rms_norm(x, residual, weight, 1e-6)
-    torch.testing.assert_close(summed, x + residual)
-    torch.testing.assert_close(normed, rms_norm_reference(x + residual, weight, 1e-6))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_fused_norms_match_reference(dtype, num_tokens):
+    x, residual = (torch.randn(num_tokens, 576).to(dtype) for _ in range(2))
+    weight = torch.randn(576).to(dtype)
+    torch.testing.assert_close(FUSED.rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5), **FUSED_TOLERANCE[dtype])
+    normed, summed = FUSED.add_rms_norm(x, residual, weight, 1e-6)
+    expected_normed, expected_summed = add_rms_norm_reference(x, residual, weight, 1e-6)
+    torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
+    torch.testing.assert_close(expected_summed, x + residual, atol=0, rtol=0)
+    torch.testing.assert_close(normed, expected_normed, **FUSED_TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize(
@@ -44,7 +60,7 @@ def test_add_rms_norm_returns_norm_of_sum_and_the_sum():
         },
     ],
 )
-def test_rotary_matches_transformers(rope_parameters):
+def test_rotary_reference_matches_transformers(rope_parameters):
     head_dim, num_heads = 64, 4
     config = LlamaConfig(
         hidden_size=head_dim * num_heads, num_attention_heads=num_heads, rope_parameters=rope_parameters,
@@ -59,9 +75,21 @@ def test_rotary_matches_transformers(rope_parameters):
     if rope_parameters["rope_type"] != "default":
         scaling = RopeScaling(**{k: v for k, v in rope_parameters.items() if k != "rope_theta"})
     table = cos_sin_table(inverse_frequencies(head_dim, rope_parameters["rope_theta"], scaling, None), 20001)
-    ours = apply_rotary_reference(x, positions, table)
+    ours = apply_rotary_reference(x, *rotary_cos_sin(table, positions, x.dtype))
     torch.testing.assert_close(ours, expected[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(apply_rotary(x, positions, table), ours, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_fused_rotary_matches_reference_on_strided_heads(dtype, num_tokens):
+    table = cos_sin_table(inverse_frequencies(64, 10000.0, None, None), 4096)
+    positions = torch.randint(0, 4096, (num_tokens,))
+    cos, sin = rotary_cos_sin(table, positions, dtype)
+    qkv = torch.randn(num_tokens, 15 * 64).to(dtype)
+    query_key = qkv[:, : 12 * 64].view(num_tokens, 12, 64)  # rows strided as in the model
+    torch.testing.assert_close(
+        FUSED.apply_rotary(query_key, cos, sin), apply_rotary_reference(query_key, cos, sin), **FUSED_TOLERANCE[dtype]
+    )
 
 
 def test_unsupported_rope_type_is_named():
@@ -69,9 +97,11 @@ def test_unsupported_rope_type_is_named():
         RopeScaling(rope_type="yarn")
 
 
-def test_silu_and_mul():
-    gate_up = torch.randn(7, 2 * 48)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_silu_and_mul(dtype, num_tokens):
+    gate_up = torch.randn(num_tokens, 2 * 48).to(dtype)
     gate, up = gate_up[:, :48], gate_up[:, 48:]
     expected = torch.nn.functional.silu(gate) * up
-    torch.testing.assert_close(silu_and_mul_reference(gate_up), expected)
-    torch.testing.assert_close(silu_and_mul(gate_up), expected)
+    torch.testing.assert_close(silu_and_mul_reference(gate_up), expected, atol=0, rtol=0)
+    torch.testing.assert_close(FUSED.silu_and_mul(gate_up), expected, **FUSED_TOLERANCE[dtype])

@@ -1,0 +1,78 @@
+"""Kernels: per call, a fused (compiled) op or its plain reference.
+
+The fused ops are the reference functions compiled by inductor (C++ with vector loops on
+CPUs): one pass over memory instead of one per elementwise op, which matters in prefill
+where these tensors are megabytes. A compiled call costs tens of microseconds to dispatch,
+more than the few small ops it replaces in a decode step, so short batches take the
+reference path. Compilation happens at start-up (`warm_up`), never on a request.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from firsttoken.ops.activation import silu_and_mul_reference
+from firsttoken.ops.norm import add_rms_norm_reference, rms_norm_reference
+from firsttoken.ops.rotary import apply_rotary_reference
+
+logger = logging.getLogger(__name__)
+
+# Below this many tokens a compiled call's dispatch costs more than the ops it fuses.
+FUSED_MIN_TOKENS = 32
+# Round where the reference rounds (bf16 intermediates), so fused and reference agree closely.
+_COMPILE_OPTIONS = {"emulate_precision_casts": True}
+
+
+def _compiled(function):
+    return torch.compile(function, dynamic=True, fullgraph=True, options=_COMPILE_OPTIONS)
+
+
+_fused_rms_norm = _compiled(rms_norm_reference)
+_fused_add_rms_norm = _compiled(add_rms_norm_reference)
+_fused_silu_and_mul = _compiled(silu_and_mul_reference)
+_fused_apply_rotary = _compiled(apply_rotary_reference)
+
+
+class Kernels:
+    """Owns one model's choice between fused and reference ops."""
+
+    def __init__(self, fused: bool) -> None:
+        self.fused = fused
+
+    def _use_fused(self, x: torch.Tensor) -> bool:
+        return self.fused and x.shape[0] >= FUSED_MIN_TOKENS
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self._use_fused(x):
+            return _fused_rms_norm(x, weight, eps)
+        return rms_norm_reference(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._use_fused(x):
+            return _fused_add_rms_norm(x, residual, weight, eps)
+        return add_rms_norm_reference(x, residual, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._use_fused(gate_up):
+            return _fused_silu_and_mul(gate_up)
+        return silu_and_mul_reference(gate_up)
+
+    def apply_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self._use_fused(x):
+            return _fused_apply_rotary(x, cos, sin)
+        return apply_rotary_reference(x, cos, sin)
+
+    def warm_up(self, run_model_step) -> None:
+        """Compile the fused ops by running a step of `FUSED_MIN_TOKENS` tokens; if this
+        machine cannot compile (no C++ compiler), fall back to the reference ops."""
+        if not self.fused:
+            return
+        try:
+            run_model_step(FUSED_MIN_TOKENS)
+        except Exception as error:  # inductor raises many kinds when a toolchain is missing
+            logger.warning("fused ops unavailable, using the reference ops (%s)", error)
+            self.fused = False
