@@ -13,7 +13,7 @@ from firsttoken.attention.sdpa import SDPABackend
 from firsttoken.attention.triton_kernels import store_kv_reference
 from firsttoken.config import AttentionConfig
 from tests.cuda.paged_inputs import random_paged_inputs
-from tests.model.tiny_models import TINY
+from tests.cuda.tiny_engine import TINY_ARCH
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -54,19 +54,10 @@ def test_metadata_routes_each_sequence_to_its_kernel(device):
 
 
 def test_selector_picks_by_device_and_refuses_mismatches():
-    arch = _tiny_arch()
+    arch = TINY_ARCH
     assert isinstance(select_attention_backend(AttentionConfig(), torch.device("cpu"), arch), SDPABackend)
     with pytest.raises(ValueError, match="triton needs device cuda"):
         select_attention_backend(AttentionConfig(backend="triton"), torch.device("cpu"), arch)
     with pytest.raises(ValueError, match="sdpa runs on the CPU"):
         select_attention_backend(AttentionConfig(backend="sdpa"), torch.device("cuda"), arch)
 
-
-def _tiny_arch():
-    from firsttoken.models.arch import ModelArch
-
-    return ModelArch(
-        architecture="llama", vocab_size=256, hidden_size=TINY["hidden_size"], intermediate_size=128,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-        max_position_embeddings=512, tie_word_embeddings=False, attention_bias=False,
-    )
