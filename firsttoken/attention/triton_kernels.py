@@ -1,11 +1,14 @@
 """Triton kernels of the CUDA attention path, each beside its plain-PyTorch reference.
 
-- `store_kv`: one kernel writes a step's K and V at their slots (block_id * block_size + offset).
-- `paged_attention`: queries attend to their sequence's keys read from the paged cache through
-  its block table, causally by position. One kernel serves decodes (one query token per
-  sequence) and prefill chunks on top of cached context, since both read every key from the
-  cache once this step's K/V are written. The query heads that share a KV head are folded
-  into the rows of one tile, so each K/V tile is loaded once per KV head (GQA).
+- `store_kv` (reference: `store_kv_reference`): one kernel writes a step's K and V at their
+  slots (block_id * block_size + offset).
+- `paged_decode_attention` and `paged_chunk_attention` (reference:
+  `attention.reference.paged_attention_reference`): queries attend causally to their
+  sequence's keys, read from the paged cache through its block table. One kernel serves both:
+  decodes (one query token per sequence) and prefill chunks on top of cached context (a prefix
+  hit, earlier chunks) read every key from the cache once this step's K/V are written. The
+  query heads sharing a KV head are folded into the rows of one tile, so each K/V tile is
+  loaded once per KV head (GQA).
 
 Both run under `TRITON_INTERPRET=1` on CPU tensors, which is how CI tests them.
 """
