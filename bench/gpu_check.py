@@ -73,10 +73,16 @@ class Shape:
         """A prefill of `num_tokens`: every projection, causal attention, the LM head on one row."""
         q_size, kv_size = self.hidden_size, self.num_kv_heads * self.head_dim
         per_token = self.num_layers * (
-            self.hidden_size * (q_size + 2 * kv_size) + q_size * self.hidden_size + 3 * self.hidden_size * self.intermediate_size
+            self.hidden_size * (q_size + 2 * kv_size)
+            + q_size * self.hidden_size
+            + 3 * self.hidden_size * self.intermediate_size
         )
         attention_pairs = num_tokens * (num_tokens + 1) / 2
-        return 2 * per_token * num_tokens + 4 * q_size * self.num_layers * attention_pairs + 2 * self.hidden_size * self.vocab_size
+        return (
+            2 * per_token * num_tokens
+            + 4 * q_size * self.num_layers * attention_pairs
+            + 2 * self.hidden_size * self.vocab_size
+        )
 
 
 SMOLLM2_135M = Shape("smollm2-135m", 49152, 576, 1536, 30, 9, 3, 8192, 100000.0, True)
@@ -187,10 +193,14 @@ def exit_status(parity: list[ParityResult]) -> int:
     return 0 if parity and all(result.passed for result in parity) else 1
 
 
-def check_parity(llm: LLM, hf_model: Any, shape: Shape, plan: Plan, device: torch.device, seed: int) -> list[ParityResult]:
+def check_parity(
+    llm: LLM, hf_model: Any, shape: Shape, plan: Plan, device: torch.device, seed: int
+) -> list[ParityResult]:
     """Prompts in two rounds; the second's first prompt shares 512 tokens (or half) of the first
     round's longest, so it is computed as a chunk on cached context."""
-    first_round = [random_prompt(length, f"parity-{seed}-{length}", shape.vocab_size) for length in plan.parity_lengths]
+    first_round = [
+        random_prompt(length, f"parity-{seed}-{length}", shape.vocab_size) for length in plan.parity_lengths
+    ]
     longest = max(first_round, key=len)
     shared = min(512, len(longest) // 2)
     second_round = [longest[:shared] + random_prompt(40, f"parity-{seed}-tail", shape.vocab_size)]
@@ -203,7 +213,9 @@ def check_parity(llm: LLM, hf_model: Any, shape: Shape, plan: Plan, device: torc
 
 
 @torch.inference_mode()
-def _parity_of(hf_model: Any, shape: Shape, plan: Plan, device: torch.device, prompt: list[int], output) -> ParityResult:
+def _parity_of(
+    hf_model: Any, shape: Shape, plan: Plan, device: torch.device, prompt: list[int], output
+) -> ParityResult:
     ours = output.token_ids
     sequence = torch.tensor([prompt + ours[:-1]], device=device)
     logits = hf_model(sequence).logits[0, len(prompt) - 1 :].float().cpu()
@@ -214,8 +226,11 @@ def _parity_of(hf_model: Any, shape: Shape, plan: Plan, device: torch.device, pr
         for alternative in output.logprobs[0].top_logprobs
     )
     generated = hf_model.generate(
-        torch.tensor([prompt], device=device), max_new_tokens=len(ours), do_sample=False,
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device), pad_token_id=0,
+        torch.tensor([prompt], device=device),
+        max_new_tokens=len(ours),
+        do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+        pad_token_id=0,
     )
     reference_greedy = generated[0, len(prompt) :].tolist()
     return ParityResult(
@@ -284,13 +299,16 @@ def measure_ttft(llm: LLM, shape: Shape, lengths: tuple[int, ...], tflops: float
 def measure_decode(llm: LLM, shape: Shape, plan: Plan, seed: int) -> list[dict]:
     rows = []
     for batch in plan.decode_batches:
+
         def prompts(run: int) -> list[list[int]]:
             keys = [f"decode-{seed}-{batch}-{run}-{i}" for i in range(batch)]
             return [random_prompt(plan.decode_prompt_tokens, key, shape.vocab_size) for key in keys]
 
         timed_generate(llm, prompts(0), 1 + plan.decode_new_tokens)  # warm-up
         prefill_only = statistics.median(timed_generate(llm, prompts(run), 1) for run in (1, 2, 3))
-        with_decode = statistics.median(timed_generate(llm, prompts(run), 1 + plan.decode_new_tokens) for run in (4, 5, 6))
+        with_decode = statistics.median(
+            timed_generate(llm, prompts(run), 1 + plan.decode_new_tokens) for run in (4, 5, 6)
+        )
         decode_seconds = max(with_decode - prefill_only, 1e-9)
         rows.append({"batch": batch, "tokens_per_s": batch * plan.decode_new_tokens / decode_seconds})
     return rows
@@ -365,51 +383,94 @@ def run(
     results: dict[str, Any] = {"parity": [], "ttft": [], "decode": []}
     all_parity: list[ParityResult] = []
     results["matmul_tflops"] = tflops = matmul_tflops(plan.matmul_size, plan.dtype, device)
-    say(f"{str(plan.dtype).removeprefix('torch.')} matmul {plan.matmul_size}^3: {tflops:.1f} TFLOP/s (median of 10)")
+    dtype_name = str(plan.dtype).removeprefix("torch.")
+    say(f"{dtype_name} matmul {plan.matmul_size}^3: {tflops:.1f} TFLOP/s (median of 10)")
     for index, shape in enumerate(plan.shapes):
         started = time.perf_counter()
         hf_model = build_reference(shape, plan.dtype, device, seed + index)
         folder = save_folder(hf_model, shape, os.path.join(workdir, shape.name))
         llm = open_engine(folder, shape, plan, device, cuda_graphs=device.type == "cuda")
-        say(f"\n== {shape.name}: weights seeded, saved and loaded in {time.perf_counter() - started:.1f} s; "
-            f"runner {type(llm.engine.runner).__name__}, {llm.stats().num_kv_blocks} KV blocks")
+        say(
+            f"\n== {shape.name}: weights seeded, saved and loaded in {time.perf_counter() - started:.1f} s; "
+            f"runner {type(llm.engine.runner).__name__}, {llm.stats().num_kv_blocks} KV blocks"
+        )
         parity = check_parity(llm, hf_model, shape, plan, device, seed)
         all_parity += parity
         results["parity"] += [asdict(result) | {"passed": result.passed} for result in parity]
         say("greedy parity against transformers on the same weights")
         print_table(
-            ["prompt", "cached", "new", "same as hf greedy", "near ties", "clear misses", "first-token |dlogprob|", "ok"],
-            [[r.prompt_tokens, r.cached_tokens, r.new_tokens, r.same_as_reference_greedy, r.near_ties, r.clear_misses,
-              r.first_token_logprob_error, "yes" if r.passed else "NO"] for r in parity],
+            [
+                "prompt",
+                "cached",
+                "new",
+                "same as hf greedy",
+                "near ties",
+                "clear misses",
+                "first-token |dlogprob|",
+                "ok",
+            ],
+            [
+                [
+                    r.prompt_tokens,
+                    r.cached_tokens,
+                    r.new_tokens,
+                    r.same_as_reference_greedy,
+                    r.near_ties,
+                    r.clear_misses,
+                    r.first_token_logprob_error,
+                    "yes" if r.passed else "NO",
+                ]
+                for r in parity
+            ],
         )
         del hf_model
         release(device)
         if shape == plan.ttft_shape:
             ttft = measure_ttft(llm, shape, plan.ttft_lengths, tflops, seed)
             results["ttft"] = [{"shape": shape.name} | row for row in ttft]
-            say(f"TTFT (median of 3 after a warm-up) against the compute floor (target <= {TTFT_TARGET_RATIO}x)")
+            say(f"TTFT (median of 3 after a warm-up) against the floor (target <= {TTFT_TARGET_RATIO}x)")
             print_table(
                 ["prompt tokens", "ttft ms", "floor ms", "ratio", "meets target"],
-                [[r["prompt_tokens"], r["ttft_s"] * 1e3, r["floor_s"] * 1e3, r["ratio"],
-                  "yes" if r["ratio"] <= TTFT_TARGET_RATIO else "no"] for r in ttft],
+                [
+                    [
+                        r["prompt_tokens"],
+                        r["ttft_s"] * 1e3,
+                        r["floor_s"] * 1e3,
+                        r["ratio"],
+                        "yes" if r["ratio"] <= TTFT_TARGET_RATIO else "no",
+                    ]
+                    for r in ttft
+                ],
             )
         graphs = device.type == "cuda"
-        decode_rows = [{"shape": shape.name, "cuda_graphs": graphs} | row for row in measure_decode(llm, shape, plan, seed)]
+        decode_rows = [
+            {"shape": shape.name, "cuda_graphs": graphs} | row
+            for row in measure_decode(llm, shape, plan, seed)
+        ]
         del llm
         release(device)
         if graphs:
             eager = open_engine(folder, shape, plan, device, cuda_graphs=False)
-            decode_rows += [{"shape": shape.name, "cuda_graphs": False} | row for row in measure_decode(eager, shape, plan, seed)]
+            decode_rows += [
+                {"shape": shape.name, "cuda_graphs": False} | row
+                for row in measure_decode(eager, shape, plan, seed)
+            ]
             del eager
             release(device)
         results["decode"] += decode_rows
-        say(f"decode tokens/s ({plan.decode_prompt_tokens}-token prompts, {plan.decode_new_tokens} new tokens each)")
-        print_table(["batch", "cuda graphs", "tokens/s"], [[r["batch"], r["cuda_graphs"], r["tokens_per_s"]] for r in decode_rows])
+        lengths = f"{plan.decode_prompt_tokens}-token prompts, {plan.decode_new_tokens} new tokens each"
+        say(f"decode tokens/s ({lengths})")
+        print_table(
+            ["batch", "cuda graphs", "tokens/s"],
+            [[r["batch"], r["cuda_graphs"], r["tokens_per_s"]] for r in decode_rows],
+        )
     return results, all_parity
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes and lengths, float32 (a smoke run)")
     parser.add_argument("--json", help="also write the results to this file")
@@ -429,19 +490,28 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    say(f"firsttoken device check: torch {torch.__version__}, transformers {transformers.__version__}, {name}")
+    say(
+        f"firsttoken device check: torch {torch.__version__}, transformers {transformers.__version__}, {name}"
+    )
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         results, parity = run(plan, device, workdir, args.seed, say)
     status = exit_status(parity)
-    results |= {"device": name, "torch": torch.__version__, "seconds": time.perf_counter() - started, "exit_status": status}
+    results |= {
+        "device": name,
+        "torch": torch.__version__,
+        "seconds": time.perf_counter() - started,
+        "exit_status": status,
+    }
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(results, handle, indent=2)
     failures = sum(1 for result in parity if not result.passed)
     ratios = ", ".join(f"{r['prompt_tokens']}: {r['ratio']:.2f}x" for r in results["ttft"])
-    say(f"\nRESULT: parity {'ok' if status == 0 else f'FAILED ({failures} prompts)'}; "
-        f"TTFT / floor {ratios}; {results['seconds']:.0f} s in all")
+    say(
+        f"\nRESULT: parity {'ok' if status == 0 else f'FAILED ({failures} prompts)'}; "
+        f"TTFT / floor {ratios}; {results['seconds']:.0f} s in all"
+    )
     return status
 
 

@@ -79,7 +79,9 @@ class CudaAttentionBackend:
             seq_lens = np.array([sequence.seq_len for sequence in decodes], dtype=np.int32)
             arrays += [block_table_array(decodes, layout.block_size), seq_lens]
         if chunks:
-            tiles = np.array(chunk_tiles(chunk_rows, self.chunk_tile_tokens), dtype=np.int32).reshape(-1, TILE_FIELDS)
+            tiles = np.array(chunk_tiles(chunk_rows, self.chunk_tile_tokens), dtype=np.int32).reshape(
+                -1, TILE_FIELDS
+            )
             arrays += [block_table_array(chunks, layout.block_size), tiles]
         staged = iter(self.staging.stage(arrays))
         return CudaAttentionMetadata(

@@ -10,7 +10,9 @@ from firsttoken.config import AttentionConfig
 from firsttoken.models.arch import ModelArch
 
 
-def select_attention_backend(config: AttentionConfig, device: torch.device, arch: ModelArch) -> AttentionBackend:
+def select_attention_backend(
+    config: AttentionConfig, device: torch.device, arch: ModelArch
+) -> AttentionBackend:
     """cuda: SDPA flash prefills plus Triton paged attention; cpu (and npu): SDPA.
 
     An NPU backend would be one module, chosen here for `device.type == "npu"`.
@@ -23,7 +25,9 @@ def select_attention_backend(config: AttentionConfig, device: torch.device, arch
         except ModuleNotFoundError as error:
             if error.name != "triton":
                 raise
-            raise ValueError("device: cuda needs the triton package (pip install 'firsttoken[cuda]')") from error
+            raise ValueError(
+                "device: cuda needs the triton package (pip install 'firsttoken[cuda]')"
+            ) from error
         return CudaAttentionBackend(device, arch.num_heads, arch.num_kv_heads)
     if config.backend == "triton":
         raise ValueError(f"attention_backend: triton needs device cuda, not {device.type}")

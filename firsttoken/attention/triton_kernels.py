@@ -83,7 +83,9 @@ def _store_kv_kernel(
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
-    key = tl.load(key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
+    key = tl.load(
+        key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask
+    )
     value = tl.load(
         value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask
     )
@@ -92,7 +94,9 @@ def _store_kv_kernel(
     tl.store(destination + stride_cache_kv, value, mask=mask)
 
 
-def store_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write K and V [T, kv_heads, D] at `slot_mapping` [T] in one launch."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -146,7 +150,9 @@ def chunk_tiles(chunks: list[tuple[int, int, int]], tile_tokens: int) -> list[tu
     tiles = []
     for chunk_index, (first_row, context_len, query_len) in enumerate(chunks):
         for start in range(0, query_len, tile_tokens):
-            tiles.append((chunk_index, first_row + start, context_len + start, min(tile_tokens, query_len - start)))
+            tiles.append(
+                (chunk_index, first_row + start, context_len + start, min(tile_tokens, query_len - start))
+            )
     return tiles
 
 
@@ -200,7 +206,10 @@ def _paged_attention_kernel(
     dim_valid = dims < HEAD_DIM
     token_rows = (first_row + token_in_tile).to(tl.int64)
     query = tl.load(
-        query_ptr + token_rows[:, None] * stride_query_token + head[:, None] * stride_query_head + dims[None, :],
+        query_ptr
+        + token_rows[:, None] * stride_query_token
+        + head[:, None] * stride_query_head
+        + dims[None, :],
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
@@ -233,7 +242,9 @@ def _paged_attention_kernel(
         rescale = tl.exp2(running_max - new_max)
         probabilities = tl.exp2(scores - new_max[:, None])
         running_sum = running_sum * rescale + tl.sum(probabilities, axis=1)
-        values = tl.load(cache_ptr + stride_cache_kv + slot_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        values = tl.load(
+            cache_ptr + stride_cache_kv + slot_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
+        )
         accumulator = accumulator * rescale[:, None] + tl.dot(
             probabilities.to(values.dtype), values, input_precision=DOT_PRECISION
         )
@@ -241,7 +252,10 @@ def _paged_attention_kernel(
 
     output = accumulator / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     tl.store(
-        output_ptr + token_rows[:, None] * stride_output_token + head[:, None] * stride_output_head + dims[None, :],
+        output_ptr
+        + token_rows[:, None] * stride_output_token
+        + head[:, None] * stride_output_head
+        + dims[None, :],
         output.to(output_ptr.dtype.element_ty),
         mask=row_valid[:, None] & dim_valid[None, :],
     )
@@ -253,7 +267,16 @@ def paged_decode_attention(
     """Rows [0, S) of `output` [T, heads, D]: each decode's query over its whole context."""
     num_seqs = decodes.seq_lens.shape[0]
     group = query.shape[1] // kv_cache.shape[3]
-    _launch(output, query, kv_cache, decodes.block_tables, decodes.seq_lens, num_seqs, decode_tile_shape(group), True)
+    _launch(
+        output,
+        query,
+        kv_cache,
+        decodes.block_tables,
+        decodes.seq_lens,
+        num_seqs,
+        decode_tile_shape(group),
+        True,
+    )
 
 
 def paged_chunk_attention(
@@ -262,7 +285,9 @@ def paged_chunk_attention(
     """The rows of every chunk tile: causal attention over cached context and the chunk itself."""
     group = query.shape[1] // kv_cache.shape[3]
     tiles = chunks.tiles
-    _launch(output, query, kv_cache, chunks.block_tables, tiles, tiles.shape[0], prefill_tile_shape(group), False)
+    _launch(
+        output, query, kv_cache, chunks.block_tables, tiles, tiles.shape[0], prefill_tile_shape(group), False
+    )
 
 
 def _launch(

@@ -63,6 +63,9 @@ class CudaGraphCapture:
             forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        # The graphs share one pool, so one's intermediates may lie where another's output is.
+        # That is safe because replays never overlap and a step consumes its output (logits)
+        # before the next replay is queued.
         with torch.cuda.graph(graph, pool=self.pool):
             output = forward()
         self.graphs.append(graph)
@@ -108,9 +111,9 @@ class DecodeGraphs:
             self.replays[size] = capture.capture(self._forward(model, backend, size))
 
     def _forward(self, model: LlamaForCausalLM, backend: CudaAttentionBackend, size: int) -> Forward:
-        scalars = self.scalars[:, :size]
-        metadata = backend.decode_metadata(scalars[_SLOTS], self.block_tables[:size], scalars[_SEQ_LENS])
-        return lambda: model(scalars[_INPUT_IDS], scalars[_POSITIONS], metadata)
+        input_ids, positions, slot_mapping, seq_lens = self.scalars[:, :size]
+        metadata = backend.decode_metadata(slot_mapping, self.block_tables[:size], seq_lens)
+        return lambda: model(input_ids, positions, metadata)
 
     def padded_size(self, step: HostStep) -> int | None:
         """The graph size that runs `step`; None if it must run eagerly."""
@@ -145,12 +148,8 @@ class DecodeGraphs:
 
     def _ship(self, num_rows: int) -> None:
         """Copy the scalars and the first `num_rows` block-table rows to the device, without blocking."""
-        if self.scalars.device.type == "cpu":
-            self.scalars.copy_(self.host_scalars)
-            self.block_tables[:num_rows].copy_(self.host_tables[:num_rows])
-            return
         self.scalars.copy_(self.host_scalars, non_blocking=True)
         self.block_tables[:num_rows].copy_(self.host_tables[:num_rows], non_blocking=True)
-        self._copy_done = torch.Event(device=self.scalars.device)
-        self._copy_done.record()
-
+        if self.scalars.device.type != "cpu":
+            self._copy_done = torch.Event(device=self.scalars.device)
+            self._copy_done.record()

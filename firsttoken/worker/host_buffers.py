@@ -91,7 +91,9 @@ class StagingBuffer:
     read it. On the CPU the host buffer is the device buffer and nothing is copied.
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype = torch.int32, capacity: int = 1 << 14) -> None:
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype = torch.int32, capacity: int = 1 << 14
+    ) -> None:
         self.device = device
         self.dtype = dtype
         self._copy_done: torch.Event | None = None

@@ -60,8 +60,21 @@ def test_cpu_smoke_run_prints_the_tables_and_passes(tmp_path):
     results_file = tmp_path / "results.json"
     script = os.path.join(REPO, "bench", "gpu_check.py")
     completed = subprocess.run(
-        [sys.executable, "-c", _RUN_WITHOUT % script, "--device", "cpu", "--tiny", "--json", str(results_file)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path,
+        [
+            sys.executable,
+            "-c",
+            _RUN_WITHOUT % script,
+            "--device",
+            "cpu",
+            "--tiny",
+            "--json",
+            str(results_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "RESULT: parity ok" in completed.stdout

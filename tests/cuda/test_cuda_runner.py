@@ -66,7 +66,11 @@ def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(use_graphs):
     reference, reference_caches, inner, caches = _runners(device, torch.float32)
     capture = EagerCapture()
     runner = CudaModelRunner.build(
-        inner, max_num_seqs=8, max_model_len=512, scratch_block_id=NUM_BLOCKS if use_graphs else None, capture=capture
+        inner,
+        max_num_seqs=8,
+        max_model_len=512,
+        scratch_block_id=NUM_BLOCKS if use_graphs else None,
+        capture=capture,
     )
     expected = greedy_generate(reference, PROMPTS, 6, NUM_BLOCKS, BLOCK_SIZE, chunk_size=16)
     generated = greedy_generate(runner, PROMPTS, 6, NUM_BLOCKS, BLOCK_SIZE, chunk_size=16)
@@ -74,7 +78,9 @@ def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(use_graphs):
     assert (capture.num_replays > 0) == use_graphs
     for cache, reference_cache in zip(caches, reference_caches):
         # Every real block holds the same K/V; padding rows wrote only the scratch block.
-        torch.testing.assert_close(cache[:, :NUM_BLOCKS], reference_cache[:, :NUM_BLOCKS], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            cache[:, :NUM_BLOCKS], reference_cache[:, :NUM_BLOCKS], atol=1e-4, rtol=1e-4
+        )
         assert bool(cache[:, NUM_BLOCKS].abs().sum() > 0) == use_graphs
 
 
@@ -82,14 +88,20 @@ def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots
     device = torch.device("cpu")
     _, _, inner, caches = _runners(device, torch.float32)
     capture = EagerCapture()
-    runner = CudaModelRunner.build(inner, max_num_seqs=8, max_model_len=512, scratch_block_id=NUM_BLOCKS,
-                                   capture=capture)
+    runner = CudaModelRunner.build(
+        inner, max_num_seqs=8, max_model_len=512, scratch_block_id=NUM_BLOCKS, capture=capture
+    )
     assert runner.graphs.sizes == [1, 2, 4, 8]
     greedy = SampleSpec(SamplingParams(temperature=0, max_tokens=4), 0)
     positions = [0, 3, 4, 9, 17]  # 5 decodes: padded to 8
     chunks = [
-        ScheduledChunk(f"req-{row}", [7 + row], position, [10 * row + b for b in range(position // BLOCK_SIZE + 1)],
-                       greedy)
+        ScheduledChunk(
+            f"req-{row}",
+            [7 + row],
+            position,
+            [10 * row + b for b in range(position // BLOCK_SIZE + 1)],
+            greedy,
+        )
         for row, position in enumerate(positions)
     ]
     output = runner.execute(SchedulerOutput(chunks, token_budget=5))
@@ -99,7 +111,10 @@ def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots
     assert scalars[:, 5:8].tolist() == [[0] * 3, [0] * 3, [NUM_BLOCKS * BLOCK_SIZE] * 3, [1] * 3]
     assert runner.graphs.host_tables[5:8, 0].tolist() == [NUM_BLOCKS] * 3
     assert scalars[3, :5].tolist() == [position + 1 for position in positions]
-    real_slots = {chunk.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for chunk, p in zip(chunks, positions)}
+    real_slots = {
+        chunk.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        for chunk, p in zip(chunks, positions)
+    }
     for cache in caches:
         written = cache[0].reshape(NUM_BLOCKS + 1, BLOCK_SIZE, -1).abs().sum(-1).flatten().nonzero().flatten()
         assert set(written.tolist()) == real_slots | {NUM_BLOCKS * BLOCK_SIZE}

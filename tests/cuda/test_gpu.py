@@ -30,7 +30,9 @@ def _prompts() -> list[list[int]]:
 
 
 def test_cuda_engine_gives_the_cpu_engines_greedy_tokens_with_and_without_graphs(tiny_folder):
-    expected = LLM(tiny_folder, device="cpu", **OPTIONS).generate(prompt_token_ids=_prompts(), sampling_params=GREEDY)
+    expected = LLM(tiny_folder, device="cpu", **OPTIONS).generate(
+        prompt_token_ids=_prompts(), sampling_params=GREEDY
+    )
     for cuda_graphs in (True, False):
         llm = LLM(tiny_folder, device="cuda", cuda_graphs=cuda_graphs, **OPTIONS)
         assert llm.engine.kv_caches[0].device.type == "cuda"

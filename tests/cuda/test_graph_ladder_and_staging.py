@@ -30,7 +30,18 @@ def test_graph_ladder(max_num_seqs, expected):
 
 def test_a_batch_pads_to_the_smallest_size_that_holds_it():
     sizes = graph_batch_sizes(64)
-    assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)] == [1, 2, 4, 8, 8, 16, 16, 32, 48, 64]
+    assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        16,
+        16,
+        32,
+        48,
+        64,
+    ]
     assert padded_batch_size(65, sizes) is None
 
 

@@ -70,10 +70,16 @@ def test_store_kv_matches_reference(device, dtype, num_kv_heads, head_dim, block
     num_tokens, num_blocks = 37, 40
     # K and V as the model hands them over: strided views of one fused projection.
     fused = torch.randn(num_tokens, 3 * num_kv_heads * head_dim, generator=generator).to(dtype).to(device)
-    key = fused[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    key = fused[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
     value = fused[:, 2 * num_kv_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
     slot_mapping = torch.randperm(num_blocks * block_size, generator=generator)[:num_tokens].to(device)
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype).to(device)
+    cache = (
+        torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+        .to(dtype)
+        .to(device)
+    )
     expected = cache.clone()
     store_kv_reference(expected, key, value, slot_mapping)
     store_kv(cache, key, value, slot_mapping.to(torch.int32))
@@ -85,7 +91,9 @@ def test_store_kv_matches_reference(device, dtype, num_kv_heads, head_dim, block
     "num_heads,num_kv_heads,head_dim,block_size",
     [(9, 3, 64, 16), (4, 4, 32, 5), (8, 1, 16, 1), (12, 2, 48, 16)],
 )
-def test_paged_decode_attention_matches_reference(device, dtype, num_heads, num_kv_heads, head_dim, block_size):
+def test_paged_decode_attention_matches_reference(
+    device, dtype, num_heads, num_kv_heads, head_dim, block_size
+):
     seqs = [
         (0, 1),  # a one-token prompt: the query sees only itself
         (block_size - 1, 1),  # the new token is the last slot of a block
@@ -93,12 +101,16 @@ def test_paged_decode_attention_matches_reference(device, dtype, num_heads, num_
         (2 * block_size + 1, 1),
         (1030 if block_size == 16 else 70, 1),  # a long context crosses many key tiles
     ]
-    inputs = random_paged_inputs(seqs, len(seqs), block_size, num_heads, num_kv_heads, head_dim, dtype, device)
+    inputs = random_paged_inputs(
+        seqs, len(seqs), block_size, num_heads, num_kv_heads, head_dim, dtype, device
+    )
     store_kv(inputs.kv_cache, inputs.key, inputs.value, inputs.slot_mapping)
     output = torch.full_like(inputs.query, float("nan"))
     paged_decode_attention(output, inputs.query, inputs.kv_cache, _decode_queries(inputs.layout, device))
     expected = paged_attention_reference(inputs.query.cpu(), inputs.kv_cache.cpu(), inputs.layout)
-    torch.testing.assert_close(output.cpu().float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(
+        output.cpu().float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -106,7 +118,9 @@ def test_paged_decode_attention_matches_reference(device, dtype, num_heads, num_
     "num_heads,num_kv_heads,head_dim,block_size",
     [(9, 3, 64, 16), (4, 4, 32, 5), (8, 1, 16, 1)],
 )
-def test_paged_chunk_attention_matches_reference(device, dtype, num_heads, num_kv_heads, head_dim, block_size):
+def test_paged_chunk_attention_matches_reference(
+    device, dtype, num_heads, num_kv_heads, head_dim, block_size
+):
     seqs = [
         (block_size * 3, 21),  # a chunk right after a block-aligned cached prefix
         (17, 40),  # after a mid-block prefix
@@ -120,7 +134,9 @@ def test_paged_chunk_attention_matches_reference(device, dtype, num_heads, num_k
     queries = _chunk_queries(inputs.layout, num_heads // num_kv_heads, device)
     paged_chunk_attention(output, inputs.query, inputs.kv_cache, queries)
     expected = paged_attention_reference(inputs.query.cpu(), inputs.kv_cache.cpu(), inputs.layout)
-    torch.testing.assert_close(output.cpu().float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(
+        output.cpu().float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
 
 
 @pytest.mark.slow
@@ -131,4 +147,6 @@ def test_paged_chunk_attention_on_a_1000_token_chunk(device, dtype):
     output = torch.full_like(inputs.query, float("nan"))
     paged_chunk_attention(output, inputs.query, inputs.kv_cache, _chunk_queries(inputs.layout, 4, device))
     expected = paged_attention_reference(inputs.query.cpu(), inputs.kv_cache.cpu(), inputs.layout)
-    torch.testing.assert_close(output.cpu().float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(
+        output.cpu().float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )

@@ -54,7 +54,14 @@ def greedy_generate(
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     requests = [
-        Request(f"req-{index}", prompt, params, frozenset(), len(prompt) + max_tokens, RequestTimestamps(arrival=0.0))
+        Request(
+            f"req-{index}",
+            prompt,
+            params,
+            frozenset(),
+            len(prompt) + max_tokens,
+            RequestTimestamps(arrival=0.0),
+        )
         for index, prompt in enumerate(prompts)
     ]
     for request in requests:
