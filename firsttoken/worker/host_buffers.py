@@ -88,7 +88,8 @@ class StagingBuffer:
     The host side is rewritten every step, so before writing it waits for the previous copy
     out of it (an event, normally long complete; not a device-wide synchronisation). The
     device side needs no such wait: the next copy into it is queued behind the kernels that
-    read it. On the CPU the host buffer is the device buffer and nothing is copied.
+    read it. A step larger than the buffers doubles them (pinned memory is allocated then,
+    once). On the CPU the host buffer is the device buffer and nothing is copied.
     """
 
     def __init__(

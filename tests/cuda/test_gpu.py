@@ -53,7 +53,11 @@ def test_a_step_does_not_synchronise_before_sampling(tiny_folder):
     spec = SampleSpec(GREEDY, 0)
     steps = [
         [ScheduledChunk("a", [3], 5, [0], spec), ScheduledChunk("b", [4], 9, [1, 2], spec)],  # graph replay
-        [ScheduledChunk("a", [3], 5, [0], spec), ScheduledChunk("c", list(range(20)), 4, [3, 4, 5], spec)],
+        [
+            ScheduledChunk("a", [3], 5, [0], spec),
+            ScheduledChunk("c", list(range(20)), 4, [3, 4, 5], spec),  # on cached context: Triton
+            ScheduledChunk("d", list(range(30)), 0, [6, 7], spec),  # fresh: SDPA
+        ],
     ]
     for chunks in steps:
         step = build_host_step(chunks, llm.engine.config.cache.block_size)
