@@ -13,6 +13,7 @@ from typing import Any, Literal, Union
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 QUANTIZATIONS = ("int8",)
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -51,6 +52,11 @@ class ModelConfig:
         default=True,
         metadata=_help("fuse norms, rotary and SwiGLU with torch.compile (C++ on CPU), compiled at start"),
     )
+    cuda_graphs: bool = field(
+        default=True,
+        metadata=_help("cuda: replay decode steps from CUDA graphs captured for batch sizes 1, 2, 4, 8, 16, "
+                       "then every 16 up to max_num_seqs"),
+    )
     quantization: str | None = field(
         default=None,
         metadata=_help("weight-only quantization of the projections: int8 (faster decode); default: none",
@@ -84,11 +90,17 @@ class CacheConfig:
     block_size: int = field(default=16, metadata=_help("tokens per KV block"))
     kv_cache_memory_bytes: int | None = field(
         default=None,
-        metadata=_help("bytes for the KV cache; default: kv_cache_memory_fraction of free memory"),
+        metadata=_help("bytes for the KV cache; default: sized by kv_cache_memory_fraction (CPU) or "
+                       "gpu_memory_utilization (accelerators)"),
     )
     kv_cache_memory_fraction: float = field(
         default=0.1,
-        metadata=_help("fraction of free RAM / device memory for the KV cache, in (0, 0.95]"),
+        metadata=_help("CPU: fraction of free RAM for the KV cache, in (0, 0.95]"),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=_help("accelerators: fraction of the device memory left free by the weights that the KV "
+                       "cache takes, in (0, 0.98]; the rest holds activations and CUDA graphs"),
     )
 
     def __post_init__(self) -> None:
@@ -106,6 +118,11 @@ class CacheConfig:
             0 < self.kv_cache_memory_fraction <= 0.95,
             "kv_cache_memory_fraction",
             f"must be in (0, 0.95], got {self.kv_cache_memory_fraction}",
+        )
+        _require(
+            0 < self.gpu_memory_utilization <= 0.98,
+            "gpu_memory_utilization",
+            f"must be in (0, 0.98], got {self.gpu_memory_utilization}",
         )
 
 
@@ -190,11 +207,13 @@ class AttentionConfig:
     """Which attention implementation runs."""
 
     backend: str = field(
-        default="auto", metadata=_help("attention backend: auto | sdpa", choices=("auto", "sdpa"))
+        default="auto",
+        metadata=_help("attention backend: auto (sdpa on cpu, triton on cuda) | sdpa | triton",
+                       choices=ATTENTION_BACKENDS),
     )
 
     def __post_init__(self) -> None:
-        _require(self.backend in ("auto", "sdpa"), "backend", f"unknown backend {self.backend!r}")
+        _require(self.backend in ATTENTION_BACKENDS, "backend", f"unknown backend {self.backend!r}")
 
 
 SUBCONFIGS: dict[str, type] = {

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from firsttoken.attention.sdpa import SDPABackend
+from firsttoken.attention.selector import select_attention_backend
 from firsttoken.config import EngineConfig
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput
 from firsttoken.core.cost_model import StepCostModel, StepTimeTracker
@@ -85,7 +85,7 @@ class EngineCore:
         self.tokenizer = self.checkpoint.tokenizer
         arch = self.checkpoint.arch
         self.max_model_len = self._max_model_len()
-        backend = SDPABackend(self.device)
+        backend = select_attention_backend(config.attention, self.device, arch)
         self.kernels = Kernels(fused=model_config.fuse_ops)
         self.model = build_model(
             self.checkpoint, backend, self.kernels, self.dtype, self.device, self.max_model_len, cache_dir=None
@@ -96,7 +96,9 @@ class EngineCore:
             self.model.pack_for_onednn()
         block_size = config.cache.block_size
         num_blocks = num_kv_blocks(config.cache, arch, self.dtype, self.device)
-        self.kv_caches = allocate_kv_caches(arch, num_blocks, block_size, self.dtype, self.device)
+        # Decode graphs pad their batches with rows that write one scratch block past the manager's.
+        use_graphs = self.device.type == "cuda" and model_config.cuda_graphs
+        self.kv_caches = allocate_kv_caches(arch, num_blocks + int(use_graphs), block_size, self.dtype, self.device)
         self.model.bind_kv_caches(self.kv_caches)
         self.kv_manager = KVCacheManager(num_blocks, block_size, config.prompt_cache.enable)
         self.hash_root = root_hash(f"{self.checkpoint.fingerprint}|{self.dtype}|{block_size}")
@@ -104,6 +106,13 @@ class EngineCore:
             config.scheduler, config.chunked_prefill, self.kv_manager, self.max_model_len, self.hash_root
         )
         self.runner = ModelRunner(self.model, backend, Sampler(model_config.seed, self.device), block_size, self.device)
+        if self.device.type == "cuda":
+            from firsttoken.worker.cuda_runner import CudaModelRunner  # imports triton
+
+            scratch_block_id = num_blocks if use_graphs else None
+            self.runner = CudaModelRunner.build(
+                self.runner, config.scheduler.max_num_seqs, self.max_model_len, scratch_block_id
+            )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
         self.pinned: dict[str, PinnedPrefix] = {}

@@ -12,7 +12,6 @@ from firsttoken.attention.backend import AttentionBackend
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.models.loaders.checkpoint import Checkpoint, NamedTensors
 from firsttoken.models.loaders.conversion_cache import ConversionCache
-from firsttoken.models.loaders.gguf_file import file_fingerprint, load_gguf
 from firsttoken.models.loaders.hf_folder import is_hf_folder, load_hf_folder
 from firsttoken.ops.kernels import Kernels
 
@@ -49,6 +48,9 @@ def open_checkpoint(path: str, cache_dir: str | None = None) -> Checkpoint:
         return load_hf_folder(path)
     if os.path.isdir(path):
         raise ValueError(f"model: folder {path} has no config.json (expected a Hugging Face model folder)")
+    # Imported here: the gguf package is needed only for GGUF files.
+    from firsttoken.models.loaders.gguf_file import file_fingerprint, load_gguf
+
     cache = ConversionCache(cache_dir, file_fingerprint(path))
     cached = cache.load_checkpoint(path, read_weights=lambda: load_gguf(path).read_weights())
     if cached is not None:

@@ -53,14 +53,15 @@ class Sampler:
             return [SampledToken(token_id) for token_id in token_list]
         return self._with_logprobs(logits, token_ids, token_list, specs)
 
-    def _sample_row(self, row_logits: torch.Tensor, spec: SampleSpec) -> int:
+    def _sample_row(self, row_logits: torch.Tensor, spec: SampleSpec) -> torch.Tensor:
+        """The drawn id as a 0-d tensor on the logits' device: no host round trip per row."""
         params = spec.sampling_params
         filtered = filter_logits(row_logits / params.temperature, params.top_k, params.top_p)
         probs = filtered.softmax(-1)
         generator = self.generator
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(step_seed(params.seed, spec.output_index))
-        return int(torch.multinomial(probs, 1, generator=generator))
+        return torch.multinomial(probs, 1, generator=generator)[0]
 
     @staticmethod
     def _with_logprobs(

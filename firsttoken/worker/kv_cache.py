@@ -18,8 +18,9 @@ def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
+    if device.type != "cpu":
+        # torch.cuda, or the module a device plug-in registers (torch.npu)
+        free, _total = torch.get_device_module(device).mem_get_info(device)
         return free
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
@@ -35,7 +36,8 @@ def num_kv_blocks(config: CacheConfig, arch: ModelArch, dtype: torch.dtype, devi
     """Blocks that fit the memory budget."""
     budget = config.kv_cache_memory_bytes
     if budget is None:
-        budget = int(available_memory_bytes(device) * config.kv_cache_memory_fraction)
+        fraction = config.kv_cache_memory_fraction if device.type == "cpu" else config.gpu_memory_utilization
+        budget = int(available_memory_bytes(device) * fraction)
     per_block = bytes_per_block(arch, config.block_size, dtype)
     num_blocks = budget // per_block
     if num_blocks < 1:

@@ -1,0 +1,519 @@
+"""Device check of the CUDA path, in one run: greedy parity with transformers on the same
+weights, the bf16 matmul rate, TTFT against the compute floor, decode tokens/s with and
+without CUDA graphs.
+
+    python bench/gpu_check.py [--json results.json]          # on a CUDA machine, < 8 minutes on an H200
+    python bench/gpu_check.py --device cpu --tiny            # the same steps on tiny shapes, in seconds
+
+Nothing is downloaded and firsttoken need not be installed (the repository root goes on
+sys.path): models of the SmolLM2-135M and Llama-2-7B shapes get seeded random weights in
+transformers, are saved as Hugging Face folders (safetensors and a word-level tokenizer.json)
+in a temporary folder, and firsttoken loads the same folders with `LLM(folder, device=...)`.
+Prompts are random token ids.
+
+Parity: every greedy token of ours must be transformers' argmax given the same context
+(one teacher-forced transformers forward over prompt + our tokens), except at near ties,
+where transformers' own top two logits are within bf16 rounding; and our first-token
+log-probs must be close to its. Exit status 1 on any parity failure, else 0.
+TTFT: wall time of `LLM.generate(max_tokens=1)` on a fresh prompt (median of 3 after a
+warm-up), against the floor: forward FLOPs / the measured bf16 matmul rate (target <= 1.3x).
+Decode: (batch x new tokens) / (time of a generate with them - time of one with 1 token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(BENCH_DIR))
+sys.path.insert(0, BENCH_DIR)
+
+from common import print_table  # noqa: E402
+
+from firsttoken import LLM, SamplingParams  # noqa: E402
+
+TTFT_TARGET_RATIO = 1.3
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-family model shape; weights come from a seed."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_position_embeddings: int
+    rope_theta: float
+    tie_word_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize  # K and V
+
+    def forward_flops(self, num_tokens: int) -> float:
+        """A prefill of `num_tokens`: every projection, causal attention, the LM head on one row."""
+        q_size, kv_size = self.hidden_size, self.num_kv_heads * self.head_dim
+        per_token = self.num_layers * (
+            self.hidden_size * (q_size + 2 * kv_size)
+            + q_size * self.hidden_size
+            + 3 * self.hidden_size * self.intermediate_size
+        )
+        attention_pairs = num_tokens * (num_tokens + 1) / 2
+        return (
+            2 * per_token * num_tokens
+            + 4 * q_size * self.num_layers * attention_pairs
+            + 2 * self.hidden_size * self.vocab_size
+        )
+
+
+SMOLLM2_135M = Shape("smollm2-135m", 49152, 576, 1536, 30, 9, 3, 8192, 100000.0, True)
+# Llama-2-7B's layers, with the context stretched past the 8192-token TTFT point.
+LLAMA2_7B = Shape("llama2-7b", 32000, 4096, 11008, 32, 32, 32, 8192 + 256, 10000.0, False)
+TINY_GQA = Shape("tiny-gqa", 512, 64, 128, 2, 4, 2, 1024, 10000.0, True)
+TINY_MHA = Shape("tiny-mha", 512, 96, 192, 3, 3, 3, 1024, 10000.0, False)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures; the full plan for a GPU, a tiny one for the CPU smoke run."""
+
+    shapes: tuple[Shape, ...]
+    ttft_shape: Shape
+    ttft_lengths: tuple[int, ...]
+    parity_lengths: tuple[int, ...]
+    parity_new_tokens: int
+    decode_batches: tuple[int, ...]
+    decode_prompt_tokens: int
+    decode_new_tokens: int
+    matmul_size: int
+    dtype: torch.dtype
+
+
+FULL_PLAN = Plan(
+    shapes=(SMOLLM2_135M, LLAMA2_7B),
+    ttft_shape=LLAMA2_7B,
+    ttft_lengths=(512, 2048, 8192),
+    parity_lengths=(7, 300, 777),
+    parity_new_tokens=24,
+    decode_batches=(1, 16),
+    decode_prompt_tokens=128,
+    decode_new_tokens=64,
+    matmul_size=8192,
+    dtype=torch.bfloat16,
+)
+TINY_PLAN = Plan(
+    shapes=(TINY_GQA, TINY_MHA),
+    ttft_shape=TINY_MHA,
+    ttft_lengths=(16, 64, 256),
+    parity_lengths=(7, 40, 77),
+    parity_new_tokens=8,
+    decode_batches=(1, 16),
+    decode_prompt_tokens=16,
+    decode_new_tokens=8,
+    matmul_size=256,
+    dtype=torch.float32,
+)
+
+# Two implementations round differently: a greedy token may differ where transformers' own top
+# two logits are this close; beyond it a different token is a bug. Log-prob tolerance likewise.
+NEAR_TIE = {torch.bfloat16: 0.25, torch.float32: 1e-3}
+LOGPROB_TOLERANCE = {torch.bfloat16: 0.25, torch.float32: 1e-3}
+
+
+# -- parity -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParityResult:
+    """One prompt's greedy tokens checked against transformers."""
+
+    shape: str
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens read from the prefix cache (then computed as a chunk on them)
+    new_tokens: int
+    same_as_reference_greedy: int  # leading tokens equal to transformers' own greedy run
+    near_ties: int
+    clear_misses: int
+    first_token_logprob_error: float
+    logprob_tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.clear_misses == 0 and self.first_token_logprob_error <= self.logprob_tolerance
+
+
+def count_misses(our_tokens: list[int], reference_logits: torch.Tensor, near_tie: float) -> tuple[int, int]:
+    """(near ties, clear misses): positions where our token is not the reference argmax, split by
+    whether the reference's best logit beats its logit of our token by at most `near_tie`.
+
+    reference_logits [len(our_tokens), vocab]: row i given the prompt and our tokens before i.
+    """
+    near_ties = clear_misses = 0
+    for position, token in enumerate(our_tokens):
+        row = reference_logits[position]
+        best = int(row.argmax())
+        if token == best:
+            continue
+        if float(row[best] - row[token]) <= near_tie:
+            near_ties += 1
+        else:
+            clear_misses += 1
+    return near_ties, clear_misses
+
+
+def leading_matches(ours: list[int], reference: list[int]) -> int:
+    count = 0
+    for ours_token, reference_token in zip(ours, reference):
+        if ours_token != reference_token:
+            break
+        count += 1
+    return count
+
+
+def exit_status(parity: list[ParityResult]) -> int:
+    return 0 if parity and all(result.passed for result in parity) else 1
+
+
+def check_parity(
+    llm: LLM, hf_model: Any, shape: Shape, plan: Plan, device: torch.device, seed: int
+) -> list[ParityResult]:
+    """Prompts in two rounds; the second's first prompt shares 512 tokens (or half) of the first
+    round's longest, so it is computed as a chunk on cached context."""
+    first_round = [
+        random_prompt(length, f"parity-{seed}-{length}", shape.vocab_size) for length in plan.parity_lengths
+    ]
+    longest = max(first_round, key=len)
+    shared = min(512, len(longest) // 2)
+    second_round = [longest[:shared] + random_prompt(40, f"parity-{seed}-tail", shape.vocab_size)]
+    params = SamplingParams(temperature=0, max_tokens=plan.parity_new_tokens, ignore_eos=True, logprobs=5)
+    results = []
+    for prompts in (first_round, second_round):
+        for prompt, output in zip(prompts, llm.generate(prompt_token_ids=prompts, sampling_params=params)):
+            results.append(_parity_of(hf_model, shape, plan, device, prompt, output))
+    return results
+
+
+@torch.inference_mode()
+def _parity_of(
+    hf_model: Any, shape: Shape, plan: Plan, device: torch.device, prompt: list[int], output
+) -> ParityResult:
+    ours = output.token_ids
+    sequence = torch.tensor([prompt + ours[:-1]], device=device)
+    logits = hf_model(sequence).logits[0, len(prompt) - 1 :].float().cpu()
+    near_ties, clear_misses = count_misses(ours, logits, NEAR_TIE[plan.dtype])
+    reference_logprobs = torch.log_softmax(logits[0], dim=-1)
+    first_error = max(
+        abs(alternative.logprob - float(reference_logprobs[alternative.token_id]))
+        for alternative in output.logprobs[0].top_logprobs
+    )
+    generated = hf_model.generate(
+        torch.tensor([prompt], device=device),
+        max_new_tokens=len(ours),
+        do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+        pad_token_id=0,
+    )
+    reference_greedy = generated[0, len(prompt) :].tolist()
+    return ParityResult(
+        shape=shape.name,
+        prompt_tokens=len(prompt),
+        cached_tokens=output.num_cached_tokens,
+        new_tokens=len(ours),
+        same_as_reference_greedy=leading_matches(ours, reference_greedy),
+        near_ties=near_ties,
+        clear_misses=clear_misses,
+        first_token_logprob_error=first_error,
+        logprob_tolerance=LOGPROB_TOLERANCE[plan.dtype],
+    )
+
+
+# -- speed ------------------------------------------------------------------------------------
+
+
+def random_prompt(num_tokens: int, key: str, vocab_size: int) -> list[int]:
+    """Token ids seeded by `key`: distinct keys give prompts no prefix cache has seen."""
+    rng = random.Random(key)
+    return [rng.randrange(3, vocab_size) for _ in range(num_tokens)]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_tflops(size: int, dtype: torch.dtype, device: torch.device, repeats: int = 10) -> float:
+    """Median rate of a [size, size] x [size, size] matmul, in TFLOP/s."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    for _ in range(3):
+        a @ b
+    timings = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        timings.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(timings) / 1e12
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    return time.perf_counter() - start
+
+
+def measure_ttft(llm: LLM, shape: Shape, lengths: tuple[int, ...], tflops: float, seed: int) -> list[dict]:
+    rows = []
+    for length in lengths:
+        samples = [
+            timed_generate(llm, [random_prompt(length, f"ttft-{seed}-{length}-{run}", shape.vocab_size)], 1)
+            for run in range(4)
+        ]
+        ttft = statistics.median(samples[1:])  # the first run warms up this length
+        floor = shape.forward_flops(length) / (tflops * 1e12)
+        rows.append({"prompt_tokens": length, "ttft_s": ttft, "floor_s": floor, "ratio": ttft / floor})
+    return rows
+
+
+def measure_decode(llm: LLM, shape: Shape, plan: Plan, seed: int) -> list[dict]:
+    rows = []
+    for batch in plan.decode_batches:
+
+        def prompts(run: int) -> list[list[int]]:
+            keys = [f"decode-{seed}-{batch}-{run}-{i}" for i in range(batch)]
+            return [random_prompt(plan.decode_prompt_tokens, key, shape.vocab_size) for key in keys]
+
+        timed_generate(llm, prompts(0), 1 + plan.decode_new_tokens)  # warm-up
+        prefill_only = statistics.median(timed_generate(llm, prompts(run), 1) for run in (1, 2, 3))
+        with_decode = statistics.median(
+            timed_generate(llm, prompts(run), 1 + plan.decode_new_tokens) for run in (4, 5, 6)
+        )
+        decode_seconds = max(with_decode - prefill_only, 1e-9)
+        rows.append({"batch": batch, "tokens_per_s": batch * plan.decode_new_tokens / decode_seconds})
+    return rows
+
+
+# -- models ------------------------------------------------------------------------------------
+
+
+def build_reference(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int) -> Any:
+    """transformers' Llama of this shape with seeded random weights, on `device`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        rope_theta=shape.rope_theta,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def save_folder(hf_model: Any, shape: Shape, folder: str) -> str:
+    """The model as a Hugging Face folder, with a word-level tokenizer over its vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf_model.save_pretrained(folder)
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(shape.vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    return folder
+
+
+def open_engine(folder: str, shape: Shape, plan: Plan, device: torch.device, cuda_graphs: bool) -> LLM:
+    longest = max(max(plan.ttft_lengths), max(plan.parity_lengths) + plan.parity_new_tokens)
+    kv_tokens = 3 * longest + max(plan.decode_batches) * (plan.decode_prompt_tokens + plan.decode_new_tokens)
+    return LLM(
+        folder,
+        device=device.type,
+        dtype=str(plan.dtype).removeprefix("torch."),
+        cuda_graphs=cuda_graphs,
+        kv_cache_memory_bytes=kv_tokens * shape.kv_bytes_per_token(plan.dtype),
+        chunk_size=longest,
+        max_num_batched_tokens=longest,
+        max_num_seqs=max(plan.decode_batches),
+        max_model_len=shape.max_position_embeddings,
+    )
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def run(
+    plan: Plan, device: torch.device, workdir: str, seed: int, say: Callable[[str], None]
+) -> tuple[dict, list[ParityResult]]:
+    results: dict[str, Any] = {"parity": [], "ttft": [], "decode": []}
+    all_parity: list[ParityResult] = []
+    results["matmul_tflops"] = tflops = matmul_tflops(plan.matmul_size, plan.dtype, device)
+    dtype_name = str(plan.dtype).removeprefix("torch.")
+    say(f"{dtype_name} matmul {plan.matmul_size}^3: {tflops:.1f} TFLOP/s (median of 10)")
+    for index, shape in enumerate(plan.shapes):
+        started = time.perf_counter()
+        hf_model = build_reference(shape, plan.dtype, device, seed + index)
+        folder = save_folder(hf_model, shape, os.path.join(workdir, shape.name))
+        llm = open_engine(folder, shape, plan, device, cuda_graphs=device.type == "cuda")
+        say(
+            f"\n== {shape.name}: weights seeded, saved and loaded in {time.perf_counter() - started:.1f} s; "
+            f"runner {type(llm.engine.runner).__name__}, {llm.stats().num_kv_blocks} KV blocks"
+        )
+        parity = check_parity(llm, hf_model, shape, plan, device, seed)
+        all_parity += parity
+        results["parity"] += [asdict(result) | {"passed": result.passed} for result in parity]
+        say("greedy parity against transformers on the same weights")
+        print_table(
+            [
+                "prompt",
+                "cached",
+                "new",
+                "same as hf greedy",
+                "near ties",
+                "clear misses",
+                "first-token |dlogprob|",
+                "ok",
+            ],
+            [
+                [
+                    r.prompt_tokens,
+                    r.cached_tokens,
+                    r.new_tokens,
+                    r.same_as_reference_greedy,
+                    r.near_ties,
+                    r.clear_misses,
+                    r.first_token_logprob_error,
+                    "yes" if r.passed else "NO",
+                ]
+                for r in parity
+            ],
+        )
+        del hf_model
+        release(device)
+        if shape == plan.ttft_shape:
+            ttft = measure_ttft(llm, shape, plan.ttft_lengths, tflops, seed)
+            results["ttft"] = [{"shape": shape.name} | row for row in ttft]
+            say(f"TTFT (median of 3 after a warm-up) against the floor (target <= {TTFT_TARGET_RATIO}x)")
+            print_table(
+                ["prompt tokens", "ttft ms", "floor ms", "ratio", "meets target"],
+                [
+                    [
+                        r["prompt_tokens"],
+                        r["ttft_s"] * 1e3,
+                        r["floor_s"] * 1e3,
+                        r["ratio"],
+                        "yes" if r["ratio"] <= TTFT_TARGET_RATIO else "no",
+                    ]
+                    for r in ttft
+                ],
+            )
+        graphs = device.type == "cuda"
+        decode_rows = [
+            {"shape": shape.name, "cuda_graphs": graphs} | row
+            for row in measure_decode(llm, shape, plan, seed)
+        ]
+        del llm
+        release(device)
+        if graphs:
+            eager = open_engine(folder, shape, plan, device, cuda_graphs=False)
+            decode_rows += [
+                {"shape": shape.name, "cuda_graphs": False} | row
+                for row in measure_decode(eager, shape, plan, seed)
+            ]
+            del eager
+            release(device)
+        results["decode"] += decode_rows
+        lengths = f"{plan.decode_prompt_tokens}-token prompts, {plan.decode_new_tokens} new tokens each"
+        say(f"decode tokens/s ({lengths})")
+        print_table(
+            ["batch", "cuda graphs", "tokens/s"],
+            [[r["batch"], r["cuda_graphs"], r["tokens_per_s"]] for r in decode_rows],
+        )
+    return results, all_parity
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes and lengths, float32 (a smoke run)")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--workdir", help="where the model folders go (default: a temporary folder)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: run with --device cpu --tiny for the CPU smoke run", file=sys.stderr)
+        return 2
+    plan = TINY_PLAN if args.tiny else FULL_PLAN
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    import transformers
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    say(
+        f"firsttoken device check: torch {torch.__version__}, transformers {transformers.__version__}, {name}"
+    )
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
+        results, parity = run(plan, device, workdir, args.seed, say)
+    status = exit_status(parity)
+    results |= {
+        "device": name,
+        "torch": torch.__version__,
+        "seconds": time.perf_counter() - started,
+        "exit_status": status,
+    }
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=2)
+    failures = sum(1 for result in parity if not result.passed)
+    ratios = ", ".join(f"{r['prompt_tokens']}: {r['ratio']:.2f}x" for r in results["ttft"])
+    say(
+        f"\nRESULT: parity {'ok' if status == 0 else f'FAILED ({failures} prompts)'}; "
+        f"TTFT / floor {ratios}; {results['seconds']:.0f} s in all"
+    )
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Paged attention on a CUDA device.
+
+- This step's K/V are written to the cache first, by one Triton kernel over the slot mapping.
+- Prefills with no cached context attend to their own fresh K/V through PyTorch's SDPA,
+  which runs its FlashAttention kernel for 16-bit inputs (causal, GQA without copying K/V).
+- Decodes and prefill chunks on cached context (a prefix-cache hit, an earlier chunk) read
+  every key from the cache through their block tables: the Triton paged kernel.
+
+Metadata is built once per step: its integer tables are packed on the host and reach the
+device in one non-blocking copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from firsttoken.attention.backend import BatchLayout, SequenceLayout
+from firsttoken.attention.triton_kernels import (
+    TILE_FIELDS,
+    ChunkQueries,
+    DecodeQueries,
+    chunk_tiles,
+    paged_chunk_attention,
+    paged_decode_attention,
+    prefill_tile_shape,
+    store_kv,
+)
+from firsttoken.worker.host_buffers import StagingBuffer
+
+
+@dataclass(frozen=True)
+class FreshPrefill:
+    """A prefill with no cached context: rows [first_row, first_row + num_tokens) of the batch."""
+
+    first_row: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class CudaAttentionMetadata:
+    """Everything a layer needs for one step; built once, read by every layer."""
+
+    slot_mapping: torch.Tensor  # [T]
+    decodes: DecodeQueries | None  # rows [0, num_decodes)
+    chunks: ChunkQueries | None  # prefills on cached context
+    fresh_prefills: list[FreshPrefill]
+
+
+class CudaAttentionBackend:
+    """SDPA flash for fresh prefills, Triton for everything read from the paged cache.
+
+    Owns the staging buffer its per-step tables travel through.
+    """
+
+    def __init__(self, device: torch.device, num_heads: int, num_kv_heads: int) -> None:
+        self.device = device
+        self.chunk_tile_tokens = prefill_tile_shape(num_heads // num_kv_heads).query_tokens
+        self.staging = StagingBuffer(device, torch.int32)
+
+    def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> CudaAttentionMetadata:
+        decodes = layout.sequences[: layout.num_decodes]
+        chunks: list[SequenceLayout] = []
+        chunk_rows: list[tuple[int, int, int]] = []  # (first row, context length, query length)
+        fresh_prefills = []
+        row = layout.num_decodes
+        for sequence in layout.sequences[layout.num_decodes :]:
+            if sequence.num_context_tokens:
+                chunks.append(sequence)
+                chunk_rows.append((row, sequence.num_context_tokens, sequence.query_len))
+            else:
+                fresh_prefills.append(FreshPrefill(row, sequence.query_len))
+            row += sequence.query_len
+        arrays = []
+        if decodes:
+            seq_lens = np.array([sequence.seq_len for sequence in decodes], dtype=np.int32)
+            arrays += [block_table_array(decodes, layout.block_size), seq_lens]
+        if chunks:
+            tiles = np.array(chunk_tiles(chunk_rows, self.chunk_tile_tokens), dtype=np.int32).reshape(
+                -1, TILE_FIELDS
+            )
+            arrays += [block_table_array(chunks, layout.block_size), tiles]
+        staged = iter(self.staging.stage(arrays))
+        return CudaAttentionMetadata(
+            slot_mapping=slot_mapping,
+            decodes=DecodeQueries(next(staged), next(staged)) if decodes else None,
+            chunks=ChunkQueries(next(staged), next(staged)) if chunks else None,
+            fresh_prefills=fresh_prefills,
+        )
+
+    @staticmethod
+    def decode_metadata(
+        slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+    ) -> CudaAttentionMetadata:
+        """Metadata of a decode-only step over tensors the caller owns (a graph's static inputs)."""
+        return CudaAttentionMetadata(slot_mapping, DecodeQueries(block_tables, seq_lens), None, [])
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CudaAttentionMetadata,
+    ) -> torch.Tensor:
+        store_kv(kv_cache, key, value, metadata.slot_mapping)
+        output = torch.empty_like(query)
+        if metadata.decodes is not None:
+            paged_decode_attention(output, query, kv_cache, metadata.decodes)
+        if metadata.chunks is not None:
+            paged_chunk_attention(output, query, kv_cache, metadata.chunks)
+        for prefill in metadata.fresh_prefills:
+            rows = slice(prefill.first_row, prefill.first_row + prefill.num_tokens)
+            output[rows] = causal_self_attention(query[rows], key[rows], value[rows])
+        return output
+
+
+def causal_self_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """[n, heads, D] causal attention of a prompt over its own K/V [n, kv_heads, D]."""
+    # [n, heads, D] -> [1, heads, n, D]
+    output = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        key.transpose(0, 1).unsqueeze(0),
+        value.transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+        enable_gqa=True,
+    )
+    return output.squeeze(0).transpose(0, 1)
+
+
+def block_table_array(sequences: list[SequenceLayout], block_size: int) -> np.ndarray:
+    """int32 [S, max blocks]: each row the blocks holding the sequence's tokens, then zeros."""
+    num_blocks = [-(-sequence.seq_len // block_size) for sequence in sequences]
+    table = np.zeros((len(sequences), max(num_blocks)), dtype=np.int32)
+    for row, (sequence, count) in enumerate(zip(sequences, num_blocks)):
+        table[row, :count] = sequence.block_table[:count]
+    return table

@@ -1,0 +1,34 @@
+"""The one place an attention backend is chosen, from the device and the attention config."""
+
+from __future__ import annotations
+
+import torch
+
+from firsttoken.attention.backend import AttentionBackend
+from firsttoken.attention.sdpa import SDPABackend
+from firsttoken.config import AttentionConfig
+from firsttoken.models.arch import ModelArch
+
+
+def select_attention_backend(
+    config: AttentionConfig, device: torch.device, arch: ModelArch
+) -> AttentionBackend:
+    """cuda: SDPA flash prefills plus Triton paged attention; cpu (and npu): SDPA.
+
+    An NPU backend would be one module, chosen here for `device.type == "npu"`.
+    """
+    if device.type == "cuda":
+        if config.backend == "sdpa":
+            raise ValueError("attention_backend: sdpa runs on the CPU; on cuda choose auto or triton")
+        try:
+            from firsttoken.attention.cuda_backend import CudaAttentionBackend
+        except ModuleNotFoundError as error:
+            if error.name != "triton":
+                raise
+            raise ValueError(
+                "device: cuda needs the triton package (pip install 'firsttoken[cuda]')"
+            ) from error
+        return CudaAttentionBackend(device, arch.num_heads, arch.num_kv_heads)
+    if config.backend == "triton":
+        raise ValueError(f"attention_backend: triton needs device cuda, not {device.type}")
+    return SDPABackend(device)

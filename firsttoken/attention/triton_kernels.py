@@ -1,0 +1,342 @@
+"""Triton kernels of the CUDA attention path, each beside its plain-PyTorch reference.
+
+- `store_kv` (reference: `store_kv_reference`): one kernel writes a step's K and V at their
+  slots (block_id * block_size + offset).
+- `paged_decode_attention` and `paged_chunk_attention` (reference:
+  `attention.reference.paged_attention_reference`): queries attend causally to their
+  sequence's keys, read from the paged cache through its block table. One kernel serves both:
+  decodes (one query token per sequence) and prefill chunks on top of cached context (a prefix
+  hit, earlier chunks) read every key from the cache once this step's K/V are written. The
+  query heads sharing a KV head are folded into the rows of one tile, so each K/V tile is
+  loaded once per KV head (GQA).
+
+Both run under `TRITON_INTERPRET=1` on CPU tensors, which is how CI tests them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows of a prefill tile (query tokens x query heads of one KV head) and keys per tile.
+PREFILL_TILE_ROWS = 64
+KEYS_PER_TILE = 64
+_MIN_DOT_SIZE = 16  # tl.dot needs every dimension >= 16
+_LOG2_E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class TileShape:
+    """How many query tokens one program handles, and its row count once heads are folded in."""
+
+    query_tokens: int
+    rows: int
+
+
+def decode_tile_shape(group: int) -> TileShape:
+    """One query token per program; its `group` heads padded to a power of two >= 16 rows."""
+    return TileShape(1, max(_MIN_DOT_SIZE, triton.next_power_of_2(group)))
+
+
+def prefill_tile_shape(group: int) -> TileShape:
+    """As many query tokens as keep the folded rows near PREFILL_TILE_ROWS."""
+    query_tokens = max(1, PREFILL_TILE_ROWS // group)
+    return TileShape(query_tokens, max(_MIN_DOT_SIZE, triton.next_power_of_2(query_tokens * group)))
+
+
+# -- KV write -------------------------------------------------------------------------------
+
+
+def store_kv_reference(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """kv_cache [2, num_blocks, block_size, kv_heads, D]; key/value [T, kv_heads, D]; slots [T]."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    slots = slot_mapping.long()
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    cache_ptr,
+    slot_mapping_ptr,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    stride_cache_kv,
+    stride_cache_slot,
+    stride_cache_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
+    key = tl.load(
+        key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask
+    )
+    value = tl.load(
+        value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask
+    )
+    destination = cache_ptr + slot * stride_cache_slot + heads[:, None] * stride_cache_head + dims[None, :]
+    tl.store(destination, key, mask=mask)
+    tl.store(destination + stride_cache_kv, value, mask=mask)
+
+
+def store_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write K and V [T, kv_heads, D] at `slot_mapping` [T] in one launch."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _check_cache(kv_cache)
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+    )
+
+
+# -- paged attention ------------------------------------------------------------------------
+
+TILE_FIELDS = 4  # a chunk tile's (sequence, first query row, first query position, query rows)
+
+
+@dataclass(frozen=True)
+class DecodeQueries:
+    """Decodes: query row i is the newest token of sequence i, at position seq_lens[i] - 1."""
+
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    seq_lens: torch.Tensor  # int32 [S]: cached context plus this step's token
+
+
+@dataclass(frozen=True)
+class ChunkQueries:
+    """Prefill chunks on cached context, cut into tiles of `prefill_tile_shape(group).query_tokens`."""
+
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    tiles: torch.Tensor  # int32 [num_tiles, TILE_FIELDS]
+
+
+def chunk_tiles(chunks: list[tuple[int, int, int]], tile_tokens: int) -> list[tuple[int, int, int, int]]:
+    """Tiles of chunks given as (first query row, context length, query length), in order.
+
+    Each tile is (chunk index, first query row, position of that row, rows in the tile).
+    """
+    tiles = []
+    for chunk_index, (first_row, context_len, query_len) in enumerate(chunks):
+        for start in range(0, query_len, tile_tokens):
+            tiles.append(
+                (chunk_index, first_row + start, context_len + start, min(tile_tokens, query_len - start))
+            )
+    return tiles
+
+
+@triton.jit
+def _paged_attention_kernel(
+    output_ptr,
+    query_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    queries_ptr,  # decodes: seq_lens [S]; chunks: tiles [num_tiles, TILE_FIELDS]
+    scale_log2,
+    stride_query_token,
+    stride_query_head,
+    stride_output_token,
+    stride_output_head,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    stride_table_seq,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    TILE_TOKENS: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    KEYS_PER_TILE: tl.constexpr,
+    ONE_TOKEN_PER_SEQ: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    if ONE_TOKEN_PER_SEQ:
+        seq = tile
+        first_row = tile
+        first_position = tl.load(queries_ptr + tile) - 1
+        num_rows = 1
+    else:
+        fields = queries_ptr + tile * 4  # TILE_FIELDS
+        seq = tl.load(fields)
+        first_row = tl.load(fields + 1)
+        first_position = tl.load(fields + 2)
+        num_rows = tl.load(fields + 3)
+
+    # Row r of the tile is query token r // GROUP under query head kv_head * GROUP + r % GROUP.
+    rows = tl.arange(0, TILE_ROWS)
+    token_in_tile = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_valid = (token_in_tile < TILE_TOKENS) & (token_in_tile < num_rows)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    token_rows = (first_row + token_in_tile).to(tl.int64)
+    query = tl.load(
+        query_ptr
+        + token_rows[:, None] * stride_query_token
+        + head[:, None] * stride_query_head
+        + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    query_positions = first_position + token_in_tile
+    # The tile's last query token sees keys up to its own position.
+    num_keys = first_position + num_rows
+
+    # Online softmax in base 2. A finite start for the running max keeps rows that see no key
+    # in a tile (padding rows, causal edges) free of inf - inf.
+    running_max = tl.full([TILE_ROWS], -1.0e30, dtype=tl.float32)
+    running_sum = tl.zeros([TILE_ROWS], dtype=tl.float32)
+    accumulator = tl.zeros([TILE_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+    key_offsets = tl.arange(0, KEYS_PER_TILE)
+    for key_start in range(0, num_keys, KEYS_PER_TILE):
+        key_positions = key_start + key_offsets
+        key_valid = key_positions < num_keys
+        block_ids = tl.load(table_row + key_positions // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        slot_offsets = (
+            block_ids * stride_cache_block
+            + (key_positions % BLOCK_SIZE).to(tl.int64) * stride_cache_offset
+            + kv_head * stride_cache_head
+        )
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        keys = tl.load(cache_ptr + slot_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(query, tl.trans(keys), input_precision=DOT_PRECISION) * scale_log2
+        visible = key_valid[None, :] & (key_positions[None, :] <= query_positions[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        rescale = tl.exp2(running_max - new_max)
+        probabilities = tl.exp2(scores - new_max[:, None])
+        running_sum = running_sum * rescale + tl.sum(probabilities, axis=1)
+        values = tl.load(
+            cache_ptr + stride_cache_kv + slot_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
+        )
+        accumulator = accumulator * rescale[:, None] + tl.dot(
+            probabilities.to(values.dtype), values, input_precision=DOT_PRECISION
+        )
+        running_max = new_max
+
+    output = accumulator / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
+    tl.store(
+        output_ptr
+        + token_rows[:, None] * stride_output_token
+        + head[:, None] * stride_output_head
+        + dims[None, :],
+        output.to(output_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & dim_valid[None, :],
+    )
+
+
+def paged_decode_attention(
+    output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, decodes: DecodeQueries
+) -> None:
+    """Rows [0, S) of `output` [T, heads, D]: each decode's query over its whole context."""
+    num_seqs = decodes.seq_lens.shape[0]
+    group = query.shape[1] // kv_cache.shape[3]
+    _launch(
+        output,
+        query,
+        kv_cache,
+        decodes.block_tables,
+        decodes.seq_lens,
+        num_seqs,
+        decode_tile_shape(group),
+        True,
+    )
+
+
+def paged_chunk_attention(
+    output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, chunks: ChunkQueries
+) -> None:
+    """The rows of every chunk tile: causal attention over cached context and the chunk itself."""
+    group = query.shape[1] // kv_cache.shape[3]
+    tiles = chunks.tiles
+    _launch(
+        output, query, kv_cache, chunks.block_tables, tiles, tiles.shape[0], prefill_tile_shape(group), False
+    )
+
+
+def _launch(
+    output: torch.Tensor,  # [T, num_heads, head_dim]
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], this step's K/V written
+    block_tables: torch.Tensor,
+    queries: torch.Tensor,
+    num_programs: int,
+    tile: TileShape,
+    one_token_per_seq: bool,
+) -> None:
+    if num_programs == 0:
+        return
+    _check_cache(kv_cache)
+    if query.stride(-1) != 1 or output.stride(-1) != 1:
+        raise ValueError("query, output: the head dimension must be contiguous")
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    _paged_attention_kernel[(num_programs, num_kv_heads)](
+        output,
+        query,
+        kv_cache,
+        block_tables,
+        queries,
+        _LOG2_E / head_dim**0.5,
+        query.stride(0),
+        query.stride(1),
+        output.stride(0),
+        output.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        BLOCK_SIZE=block_size,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(_MIN_DOT_SIZE, triton.next_power_of_2(head_dim)),
+        TILE_TOKENS=tile.query_tokens,
+        TILE_ROWS=tile.rows,
+        KEYS_PER_TILE=KEYS_PER_TILE,
+        ONE_TOKEN_PER_SEQ=one_token_per_seq,
+        # float32 stays exact; 16-bit inputs use the tensor cores' native precision.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+
+
+def _check_cache(kv_cache: torch.Tensor) -> None:
+    # The kernels address a head's row with a unit stride over head_dim.
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache: the head dimension must be contiguous")

@@ -1,0 +1,85 @@
+"""bench/gpu_check.py: its parity rule and FLOP count, and its CPU smoke run end to end as the GPU
+image would run it (no gguf package, the repository on sys.path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+
+import gpu_check  # noqa: E402
+
+# Runs the script with the packages the GPU image lacks made unimportable.
+_RUN_WITHOUT = """
+import importlib.abc, runpy, sys
+class Missing(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {"gguf", "fastapi", "uvicorn", "orjson", "prometheus_client", "matplotlib"}:
+            raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, Missing())
+script = %r
+sys.argv = [script] + sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def test_count_misses_tolerates_near_ties_only():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 2.9, 0.0], [4.0, 0.0, 1.0]])
+    # Step 0 agrees, step 1 differs at a gap of 0.1, step 2 differs at a gap of 3.
+    assert gpu_check.count_misses([1, 1, 2], logits, near_tie=0.25) == (1, 1)
+    assert gpu_check.count_misses([1, 0, 0], logits, near_tie=0.25) == (0, 0)
+
+
+def _result(clear_misses: int, logprob_error: float) -> gpu_check.ParityResult:
+    return gpu_check.ParityResult("s", 10, 0, 4, 4, 0, clear_misses, logprob_error, 0.25)
+
+
+def test_exit_status_fails_on_a_clear_miss_a_logprob_gap_or_no_checks():
+    assert gpu_check.exit_status([_result(0, 0.1), _result(0, 0.2)]) == 0
+    assert gpu_check.exit_status([_result(0, 0.1), _result(1, 0.2)]) == 1
+    assert gpu_check.exit_status([_result(0, 0.3)]) == 1
+    assert gpu_check.exit_status([]) == 1
+
+
+def test_forward_flops_of_the_7b_shape():
+    shape = gpu_check.LLAMA2_7B
+    # 6.48e9 non-embedding weights: 2 FLOPs each per token, plus causal attention and one LM-head row.
+    expected = 2 * 6_476_005_376 * 2048 + 4 * 4096 * 32 * 2048 * 2049 / 2 + 2 * 4096 * 32000
+    assert shape.forward_flops(2048) == pytest.approx(expected)
+    assert gpu_check.leading_matches([1, 2, 3], [1, 2, 4]) == 2
+
+
+def test_cpu_smoke_run_prints_the_tables_and_passes(tmp_path):
+    results_file = tmp_path / "results.json"
+    script = os.path.join(REPO, "bench", "gpu_check.py")
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _RUN_WITHOUT % script,
+            "--device",
+            "cpu",
+            "--tiny",
+            "--json",
+            str(results_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "RESULT: parity ok" in completed.stdout
+    results = json.loads(results_file.read_text())
+    assert len(results["parity"]) == 8 and all(row["passed"] for row in results["parity"])
+    assert any(row["cached_tokens"] > 0 for row in results["parity"])  # a chunk on cached context ran
+    assert [row["prompt_tokens"] for row in results["ttft"]] == list(gpu_check.TINY_PLAN.ttft_lengths)
+    assert [row["batch"] for row in results["decode"]] == [1, 16, 1, 16]

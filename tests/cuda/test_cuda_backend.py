@@ -1,0 +1,68 @@
+"""The CUDA attention backend against the plain reference on a mixed step: decodes, fresh
+prefills and chunks on cached context, with shuffled block tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from firsttoken.attention.cuda_backend import CudaAttentionBackend
+from firsttoken.attention.reference import paged_attention_reference
+from firsttoken.attention.sdpa import SDPABackend
+from firsttoken.attention.selector import select_attention_backend
+from firsttoken.attention.triton_kernels import store_kv_reference
+from firsttoken.config import AttentionConfig
+from tests.cuda.paged_inputs import random_paged_inputs
+from tests.cuda.tiny_engine import TINY_ARCH
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 5)])
+def test_cuda_backend_matches_reference_on_a_mixed_step(
+    device, dtype, num_heads, num_kv_heads, head_dim, block_size
+):
+    seqs = [
+        (30, 1),  # decodes
+        (block_size - 1, 1),
+        (0, 1),  # a one-token prompt
+        (0, 37),  # a fresh prefill: SDPA
+        (block_size * 3, 21),  # chunks on cached context: the Triton chunk kernel
+        (0, 2),
+        (17, 45),
+    ]
+    inputs = random_paged_inputs(seqs, 3, block_size, num_heads, num_kv_heads, head_dim, dtype, device)
+    expected_cache = inputs.kv_cache.cpu().clone()
+    store_kv_reference(expected_cache, inputs.key.cpu(), inputs.value.cpu(), inputs.slot_mapping.cpu())
+
+    backend = CudaAttentionBackend(device, num_heads, num_kv_heads)
+    metadata = backend.build_metadata(inputs.layout, inputs.slot_mapping)
+    output = backend.forward(inputs.query, inputs.key, inputs.value, inputs.kv_cache, metadata)
+
+    assert torch.equal(inputs.kv_cache.cpu(), expected_cache)
+    expected = paged_attention_reference(inputs.query.cpu(), expected_cache, inputs.layout)
+    torch.testing.assert_close(
+        output.cpu().float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
+
+
+def test_metadata_routes_each_sequence_to_its_kernel(device):
+    inputs = random_paged_inputs(
+        [(3, 1), (0, 1), (0, 9), (20, 5), (0, 4)], 2, 4, 4, 2, 16, torch.float32, device
+    )
+    metadata = CudaAttentionBackend(device, 4, 2).build_metadata(inputs.layout, inputs.slot_mapping)
+    assert metadata.decodes.seq_lens.tolist() == [4, 1]
+    assert [(p.first_row, p.num_tokens) for p in metadata.fresh_prefills] == [(2, 9), (16, 4)]
+    # One chunk of 5 rows (a tile holds 32 query tokens of a group of 2) at row 11, position 20.
+    assert metadata.chunks.tiles.tolist() == [[0, 11, 20, 5]]
+    assert metadata.chunks.block_tables.shape == (1, 7)
+
+
+def test_selector_picks_by_device_and_refuses_mismatches():
+    arch = TINY_ARCH
+    assert isinstance(select_attention_backend(AttentionConfig(), torch.device("cpu"), arch), SDPABackend)
+    with pytest.raises(ValueError, match="triton needs device cuda"):
+        select_attention_backend(AttentionConfig(backend="triton"), torch.device("cpu"), arch)
+    with pytest.raises(ValueError, match="sdpa runs on the CPU"):
+        select_attention_backend(AttentionConfig(backend="sdpa"), torch.device("cuda"), arch)

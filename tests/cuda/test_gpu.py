@@ -1,0 +1,71 @@
+"""The CUDA path on a real GPU: the engine end to end, graphs against eager, no host sync.
+
+Skipped without a CUDA device; the same logic runs on the CPU in the other tests/cuda files.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from firsttoken import LLM, SamplingParams
+from firsttoken.core.batch import SampleSpec, ScheduledChunk
+from firsttoken.worker.host_buffers import build_host_step
+from tests.model.tiny_models import save_hf_folder, tiny_hf_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+OPTIONS = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, chunk_size=32, max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return save_hf_folder(tiny_hf_model("llama"), str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def _prompts() -> list[list[int]]:
+    long = list(range(100, 180))
+    return [[5], list(range(10, 27)), long, long[:48] + [7, 8, 9], list(range(300, 340))]
+
+
+def test_cuda_engine_gives_the_cpu_engines_greedy_tokens_with_and_without_graphs(tiny_folder):
+    expected = LLM(tiny_folder, device="cpu", **OPTIONS).generate(
+        prompt_token_ids=_prompts(), sampling_params=GREEDY
+    )
+    for cuda_graphs in (True, False):
+        llm = LLM(tiny_folder, device="cuda", cuda_graphs=cuda_graphs, **OPTIONS)
+        assert llm.engine.kv_caches[0].device.type == "cuda"
+        outputs = llm.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected], f"cuda_graphs={cuda_graphs}"
+
+
+def test_cuda_defaults_to_bfloat16_and_sizes_the_cache_from_free_memory(tiny_folder):
+    llm = LLM(tiny_folder, device="cuda", gpu_memory_utilization=0.05, chunk_size=32)
+    assert llm.engine.dtype == torch.bfloat16
+    cache_bytes = sum(cache.numel() * cache.element_size() for cache in llm.engine.kv_caches)
+    assert 0 < cache_bytes <= 0.05 * torch.cuda.get_device_properties(0).total_memory
+
+
+def test_a_step_does_not_synchronise_before_sampling(tiny_folder):
+    llm = LLM(tiny_folder, device="cuda", **OPTIONS)
+    runner = llm.engine.runner
+    spec = SampleSpec(GREEDY, 0)
+    steps = [
+        [ScheduledChunk("a", [3], 5, [0], spec), ScheduledChunk("b", [4], 9, [1, 2], spec)],  # graph replay
+        [
+            ScheduledChunk("a", [3], 5, [0], spec),
+            ScheduledChunk("c", list(range(20)), 4, [3, 4, 5], spec),  # on cached context: Triton
+            ScheduledChunk("d", list(range(30)), 0, [6, 7], spec),  # fresh: SDPA
+        ],
+    ]
+    for chunks in steps:
+        step = build_host_step(chunks, llm.engine.config.cache.block_size)
+        runner.forward_sampled_rows(step)  # first runs may compile kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            hidden = runner.forward_sampled_rows(step)
+            runner.runner.model.compute_logits(hidden)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,77 @@
+"""Host-side logic of the CUDA path: the graph ladder, padding sizes, step arrays, staging."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from firsttoken.core.batch import SampleSpec, ScheduledChunk
+from firsttoken.sampling_params import SamplingParams
+from firsttoken.worker.cuda_graphs import graph_batch_sizes, padded_batch_size
+from firsttoken.worker.host_buffers import StagingBuffer, build_host_step
+from firsttoken.worker.model_runner import build_step_inputs
+
+
+@pytest.mark.parametrize(
+    "max_num_seqs,expected",
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (16, [1, 2, 4, 8, 16]),
+        (20, [1, 2, 4, 8, 16, 20]),
+        (64, [1, 2, 4, 8, 16, 32, 48, 64]),
+        (100, [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]),
+    ],
+)
+def test_graph_ladder(max_num_seqs, expected):
+    assert graph_batch_sizes(max_num_seqs) == expected
+
+
+def test_a_batch_pads_to_the_smallest_size_that_holds_it():
+    sizes = graph_batch_sizes(64)
+    assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        16,
+        16,
+        32,
+        48,
+        64,
+    ]
+    assert padded_batch_size(65, sizes) is None
+
+
+def _chunk(req_id, token_ids, start, table, samples=True):
+    spec = SampleSpec(SamplingParams(temperature=0, max_tokens=4), 0) if samples else None
+    return ScheduledChunk(req_id, token_ids, start, table, spec)
+
+
+def test_host_step_matches_the_cpu_runner_inputs():
+    chunks = [
+        _chunk("prefill", list(range(40, 50)), 3, [7, 2, 9, 4], samples=False),
+        _chunk("decode-a", [5], 6, [1, 8]),
+        _chunk("decode-b", [6], 0, [3]),
+        _chunk("prompt", list(range(60, 65)), 0, [11, 12]),
+    ]
+    step = build_host_step(chunks, block_size=4)
+    expected = build_step_inputs(chunks, 4, torch.device("cpu"))
+    assert step.input_ids.tolist() == expected.input_ids.tolist()
+    assert step.positions.tolist() == expected.positions.tolist()
+    assert step.slot_mapping.tolist() == expected.slot_mapping.tolist()
+    assert step.sample_rows.tolist() == expected.sample_rows.tolist() == [0, 1, 16]
+    assert step.layout == expected.layout
+    assert not step.is_decode_only and not step.samples_every_row
+
+
+def test_staging_packs_arrays_and_grows():
+    staging = StagingBuffer(torch.device("cpu"), torch.int32, capacity=8)
+    a, b = np.arange(6, dtype=np.int32), np.arange(12, dtype=np.int32).reshape(3, 4)
+    staged_a, staged_b = staging.stage([a, b])
+    assert staging.capacity >= 18
+    assert staged_a.tolist() == a.tolist() and staged_b.tolist() == b.tolist()
+    (staged_c,) = staging.stage([np.array([9, 8], dtype=np.int32)])
+    assert staged_c.tolist() == [9, 8]
