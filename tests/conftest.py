@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
 import torch
 
-from firsttoken.models.registry import default_model_path
+# Importing firsttoken compiles kernels, which imports triton; without a GPU, tests/cuda needs
+# triton's interpreter, and triton reads that choice once, when it is first imported.
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from firsttoken.models.registry import default_model_path  # noqa: E402
 
 TEST_KV_CACHE_BYTES = 512 * 1024 * 1024
 

@@ -10,6 +10,7 @@ from firsttoken.core.kv_cache_manager import KVCacheManager
 from firsttoken.core.scheduler import Scheduler
 from firsttoken.models.arch import ModelArch
 from firsttoken.models.llama import LlamaForCausalLM
+from firsttoken.ops.kernels import Kernels
 from firsttoken.request import Request, RequestTimestamps
 from firsttoken.sampling_params import SamplingParams
 
@@ -32,7 +33,7 @@ TINY_ARCH = ModelArch(
 
 def random_model(backend, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
     """Seeded weights large enough that greedy choices are far from ties."""
-    model = LlamaForCausalLM(TINY_ARCH, backend, dtype, TINY_ARCH.max_position_embeddings)
+    model = LlamaForCausalLM(TINY_ARCH, backend, Kernels(fused=False), dtype, TINY_ARCH.max_position_embeddings)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():

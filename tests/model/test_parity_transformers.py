@@ -40,12 +40,13 @@ def test_greedy_tokens_and_prefill_logprobs_match_transformers(llm, hf_model, pa
         assert [alternative.token_id for alternative in first.top_logprobs][:3] == expected_top[:3]
 
 
-# bfloat16 on both sides: logits are bf16 values, products and sums round at different points.
-BF16_LOGPROB_TOLERANCE = 0.25  # two bf16 steps at a logit of 16
+# transformers' own bf16 model is up to 0.26 away from its float32 on these prompts' top-5
+# log-probs; two bf16 implementations each carry such an error, rounding at different points.
+BF16_LOGPROB_TOLERANCE = 0.5
 # Logit gap under which two bf16 implementations may pick different greedy tokens.
 BF16_NEAR_TIE = 0.25
-# Our bfloat16 path against our float32 reference on the same prompts.
-BF16_VS_FP32_TOLERANCE = 0.25
+# Our bfloat16 path against our float32 reference: transformers' bf16 error plus a margin.
+BF16_VS_FP32_TOLERANCE = 0.35
 
 
 @pytest.fixture(scope="module")
