@@ -11,9 +11,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from firsttoken.attention.backend import AttentionBackend
 from firsttoken.attention.selector import select_attention_backend
 from firsttoken.config import EngineConfig
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput
@@ -24,6 +26,7 @@ from firsttoken.core.scheduler import Scheduler
 from firsttoken.engine.output_processor import OutputProcessor
 from firsttoken.engine.pinned_prefix_store import KVIdentity, PinnedPrefixStore, validate_pin_id
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
+from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.models.registry import build_model, open_checkpoint, resolve_model_path
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
 from firsttoken.ops.linear import onednn_packing_available
@@ -33,8 +36,12 @@ from firsttoken.sample.sampler import Sampler
 from firsttoken.sampling_params import SamplingParams
 from firsttoken.worker.cost_calibration import load_or_calibrate
 from firsttoken.worker.device import physical_core_count, resolve_device, resolve_dtype
+from firsttoken.worker.host_memory import keep_freed_host_memory
 from firsttoken.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from firsttoken.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from firsttoken.worker.cuda_runner import CudaModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -80,39 +87,18 @@ class EngineCore:
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(model_config.num_threads or physical_core_count())
+            keep_freed_host_memory()
         self.model_path = resolve_model_path(model_config.model)
         self.checkpoint = open_checkpoint(self.model_path)
         self.tokenizer = self.checkpoint.tokenizer
-        arch = self.checkpoint.arch
         self.max_model_len = self._max_model_len()
-        backend = select_attention_backend(config.attention, self.device, arch)
+        backend = select_attention_backend(config.attention, self.device, self.checkpoint.arch)
         self.kernels = Kernels(fused=model_config.fuse_ops)
-        self.model = build_model(
-            self.checkpoint, backend, self.kernels, self.dtype, self.device, self.max_model_len, cache_dir=None
-        )
-        if model_config.quantization == "int8":
-            self.model.quantize_int8()
-        elif onednn_packing_available(self.dtype, self.device):
-            self.model.pack_for_onednn()
-        block_size = config.cache.block_size
-        num_blocks = num_kv_blocks(config.cache, arch, self.dtype, self.device)
+        self.model = self._load_model(backend)
         # Decode graphs pad their batches with rows that write one scratch block past the manager's.
         use_graphs = self.device.type == "cuda" and model_config.cuda_graphs
-        self.kv_caches = allocate_kv_caches(arch, num_blocks + int(use_graphs), block_size, self.dtype, self.device)
-        self.model.bind_kv_caches(self.kv_caches)
-        self.kv_manager = KVCacheManager(num_blocks, block_size, config.prompt_cache.enable)
-        self.hash_root = root_hash(f"{self.checkpoint.fingerprint}|{self.dtype}|{block_size}")
-        self.scheduler = Scheduler(
-            config.scheduler, config.chunked_prefill, self.kv_manager, self.max_model_len, self.hash_root
-        )
-        self.runner = ModelRunner(self.model, backend, Sampler(model_config.seed, self.device), block_size, self.device)
-        if self.device.type == "cuda":
-            from firsttoken.worker.cuda_runner import CudaModelRunner  # imports triton
-
-            scratch_block_id = num_blocks if use_graphs else None
-            self.runner = CudaModelRunner.build(
-                self.runner, config.scheduler.max_num_seqs, self.max_model_len, scratch_block_id
-            )
+        num_blocks = self._allocate_kv_cache(num_scratch_blocks=int(use_graphs))
+        self.runner = self._build_runner(backend, scratch_block_id=num_blocks if use_graphs else None)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
         self.pinned: dict[str, PinnedPrefix] = {}
@@ -125,8 +111,46 @@ class EngineCore:
             self._restore_pinned_prefixes()
         logger.info(
             "engine ready: %s (%s, %s on %s), %d KV blocks of %d tokens, max_model_len %d",
-            self.model_path, arch.architecture, self.dtype, self.device, num_blocks, block_size, self.max_model_len,
+            self.model_path, self.checkpoint.arch.architecture, self.dtype, self.device, num_blocks,
+            config.cache.block_size, self.max_model_len,
         )
+
+    def _load_model(self, backend: AttentionBackend) -> LlamaForCausalLM:
+        """The model's weights in this engine's dtype, then in their fastest layout here."""
+        model = build_model(
+            self.checkpoint, backend, self.kernels, self.dtype, self.device, self.max_model_len, cache_dir=None
+        )
+        if self.config.model_config.quantization == "int8":
+            model.quantize_int8()
+        elif onednn_packing_available(self.dtype, self.device):
+            model.pack_for_onednn()
+        return model
+
+    def _allocate_kv_cache(self, num_scratch_blocks: int) -> int:
+        """The paged KV cache, its block manager and the scheduler over it; returns the block count."""
+        config = self.config
+        block_size = config.cache.block_size
+        num_blocks = num_kv_blocks(config.cache, self.checkpoint.arch, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(
+            self.checkpoint.arch, num_blocks + num_scratch_blocks, block_size, self.dtype, self.device
+        )
+        self.model.bind_kv_caches(self.kv_caches)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, config.prompt_cache.enable)
+        self.hash_root = root_hash(f"{self.checkpoint.fingerprint}|{self.dtype}|{block_size}")
+        self.scheduler = Scheduler(
+            config.scheduler, config.chunked_prefill, self.kv_manager, self.max_model_len, self.hash_root
+        )
+        return num_blocks
+
+    def _build_runner(self, backend: AttentionBackend, scratch_block_id: int | None) -> ModelRunner | CudaModelRunner:
+        config = self.config
+        sampler = Sampler(config.model_config.seed, self.device)
+        runner = ModelRunner(self.model, backend, sampler, config.cache.block_size, self.device)
+        if self.device.type != "cuda":
+            return runner
+        from firsttoken.worker.cuda_runner import CudaModelRunner  # imports triton
+
+        return CudaModelRunner.build(runner, config.scheduler.max_num_seqs, self.max_model_len, scratch_block_id)
 
     def _max_model_len(self) -> int:
         arch = self.checkpoint.arch

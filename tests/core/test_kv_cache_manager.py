@@ -22,10 +22,13 @@ def test_admit_allocates_exact_blocks_and_free_returns_them():
     request = _hashed(make_request("a", 10))
     assert manager.admit(request, [], 10)
     assert manager.block_ids("a") == [0, 1, 2]
+    _compute_all(manager, request)
     manager.free(request)
     assert manager.pool.num_free_blocks == 8
-    # Tail first into the LRU: block 2 is evicted before block 0.
-    assert manager.pool.free_block_ids_in_eviction_order()[-3:] == [2, 1, 0]
+    # The partial last block holds no prefix: reused first. Full blocks enter the LRU tail
+    # first: block 1 is evicted before block 0.
+    order = manager.pool.free_block_ids_in_eviction_order()
+    assert order[0] == 2 and order[-2:] == [1, 0]
 
 
 def test_cached_prefix_is_reused_and_last_token_is_left_to_compute():
