@@ -18,12 +18,21 @@ def random_prompt(num_tokens: int, seed: int, vocab_low: int = 100, vocab_high: 
     return [rng.randrange(vocab_low, vocab_high) for _ in range(num_tokens)]
 
 
-def median_seconds(run: Callable[[int], float], repeats: int, warmups: int = 1) -> tuple[float, list[float]]:
-    """Median of `repeats` timings after `warmups` untimed calls; run(i) returns seconds."""
-    for index in range(warmups):
-        run(-1 - index)
-    samples = [run(index) for index in range(repeats)]
-    return statistics.median(samples), samples
+def interleaved_medians(
+    runs: dict[str, Callable[[int], float]], repeats: int, warmups: int = 1
+) -> dict[str, float]:
+    """Median seconds of each run, taking turns (a, b, c, a, b, c, ...).
+
+    This machine's speed drifts within minutes; measured in turns, every system sees the same
+    drift, so their ratios hold even when the absolute times move. run(i) returns seconds.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for index in range(-warmups, repeats):
+        for name, run in runs.items():
+            seconds = run(index)
+            if index >= 0:
+                samples[name].append(seconds)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def timed(function: Callable[[], object]) -> float:

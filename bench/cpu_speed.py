@@ -2,8 +2,9 @@
 
     python bench/cpu_speed.py [--lengths 128 512 2048] [--repeats 5] [--skip-peers]
 
-In one run and one process:
-1. torch's bf16 and fp32 matmul rate on this machine (the roofline);
+In one run and one process, every system loaded side by side and timed in turns (so drift in
+this machine's speed hits all of them alike):
+1. torch's bf16 and fp32 matmul rate on this machine (the roofline), before and after;
 2. firsttoken's TTFT at each prompt length (bf16, prompt cache off), its achieved GFLOP/s
    (2 x non-embedding params x tokens + attention FLOPs, over TTFT) and that as a fraction
    of the bf16 matmul rate;
@@ -17,19 +18,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_seconds, print_table, random_prompt, save_result, timed  # noqa: E402
+from common import interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.registry import default_model_path  # noqa: E402
 
 GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
+DECODE_PROMPT_LEN = 512
 
 
 def matmul_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> float:
@@ -50,52 +51,57 @@ def forward_flops(llm: LLM, num_tokens: int) -> float:
     return 2 * arch.num_non_embedding_params * num_tokens + attention
 
 
-def firsttoken_ttft(llm: LLM, length: int, repeats: int) -> float:
+def prompt_for(length: int, index: int) -> list[int]:
+    return random_prompt(length, seed=7_000 + 100 * length + index)
+
+
+def firsttoken_ttft_run(llm: LLM, length: int):
+    return lambda index: timed(
+        lambda: llm.generate(prompt_token_ids=[prompt_for(length, index)], sampling_params=GREEDY_ONE)
+    )
+
+
+def transformers_ttft_run(model, length: int):
     def run(index: int) -> float:
-        prompt = random_prompt(length, seed=7_000 + 100 * length + index)
-        return timed(lambda: llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY_ONE))
-
-    return median_seconds(run, repeats)[0]
-
-
-def transformers_ttft(model, length: int, repeats: int) -> float:
-    def run(index: int) -> float:
-        prompt = torch.tensor([random_prompt(length, seed=7_000 + 100 * length + index)])
+        prompt = torch.tensor([prompt_for(length, index)])
         with torch.inference_mode():
             return timed(lambda: model.generate(prompt, max_new_tokens=1, do_sample=False))
 
-    return median_seconds(run, repeats)[0]
+    return run
 
 
-def llama_cpp_ttft(model, length: int, repeats: int) -> float:
+def llama_cpp_ttft_run(model, length: int):
     def run(index: int) -> float:
-        prompt = random_prompt(length, seed=7_000 + 100 * length + index)
+        prompt = prompt_for(length, index)
         model.reset()
         return timed(lambda: model.eval(prompt))
 
-    return median_seconds(run, repeats)[0]
+    return run
 
 
-def firsttoken_decode_rate(llm: LLM, num_tokens: int) -> float:
+def firsttoken_decode_run(llm: LLM, num_tokens: int):
+    """Seconds per decoded token at batch 1 after a 512-token prompt."""
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    rates = []
-    for index in range(3):
-        (output,) = llm.generate(prompt_token_ids=[random_prompt(512, seed=9_000 + index)], sampling_params=params)
-        rates.append(output.metrics.decode_tokens_per_s)
-    return statistics.median(rates)
+
+    def run(index: int) -> float:
+        prompt = random_prompt(DECODE_PROMPT_LEN, seed=9_000 + index)
+        (output,) = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+        return 1.0 / output.metrics.decode_tokens_per_s
+
+    return run
 
 
-def llama_cpp_decode_rate(model, num_tokens: int) -> float:
-    rates = []
-    for index in range(3):
+def llama_cpp_decode_run(model, num_tokens: int):
+    def run(index: int) -> float:
         model.reset()
-        model.eval(random_prompt(512, seed=9_000 + index))
+        model.eval(random_prompt(DECODE_PROMPT_LEN, seed=9_000 + index))
         start = time.perf_counter()
         for _ in range(num_tokens):
             token = model.sample(temp=0.0)
             model.eval([token])
-        rates.append(num_tokens / (time.perf_counter() - start))
-    return statistics.median(rates)
+        return (time.perf_counter() - start) / num_tokens
+
+    return run
 
 
 def load_llama_cpp(path: str, max_len: int):
@@ -106,6 +112,13 @@ def load_llama_cpp(path: str, max_len: int):
     return Llama(path, n_ctx=max_len + 64, n_batch=max_len, n_ubatch=512, n_threads=torch.get_num_threads(), verbose=False)
 
 
+def load_transformers(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    folder, file_name = os.path.split(path)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file_name, dtype=dtype).eval()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
@@ -114,57 +127,69 @@ def main() -> None:
     parser.add_argument("--skip-peers", action="store_true", help="only firsttoken and the matmul rates")
     args = parser.parse_args()
     path = default_model_path()
-    max_len = max(args.lengths)
+    max_len = max(max(args.lengths), DECODE_PROMPT_LEN + args.decode_tokens)
     engine_options = dict(enable_prompt_cache=False, chunk_size=max_len, max_num_batched_tokens=max_len)
     llm = LLM(path, dtype="bfloat16", **engine_options)
-    peak_bf16 = matmul_gflops(torch.bfloat16)
-    peak_fp32 = matmul_gflops(torch.float32)
-    print(f"torch matmul 2048^3: bf16 {peak_bf16:.0f} GFLOP/s, fp32 {peak_fp32:.0f} GFLOP/s, threads {torch.get_num_threads()}")
+    llm_int8 = LLM(path, dtype="bfloat16", quantization="int8", **engine_options)
+    peers: dict[str, object] = {}
+    if not args.skip_peers:
+        peers["transformers bf16"] = load_transformers(path, torch.bfloat16)
+        peers["transformers fp32"] = load_transformers(path, torch.float32)
+        llama = load_llama_cpp(path, max_len)
+        if llama is not None:
+            peers["llama.cpp"] = llama
 
-    ours = {length: firsttoken_ttft(llm, length, args.repeats) for length in args.lengths}
-    results: dict = {"peak_bf16_gflops": peak_bf16, "peak_fp32_gflops": peak_fp32, "ttft_s": {"firsttoken_bf16": ours}}
+    peaks_bf16, peaks_fp32 = [matmul_gflops(torch.bfloat16)], [matmul_gflops(torch.float32)]
+    ttft: dict[str, dict[int, float]] = {"firsttoken bf16": {}, **{name: {} for name in peers}}
+    for length in args.lengths:
+        runs = {"firsttoken bf16": firsttoken_ttft_run(llm, length)}
+        for name, model in peers.items():
+            runs[name] = llama_cpp_ttft_run(model, length) if name == "llama.cpp" else transformers_ttft_run(model, length)
+        for name, seconds in interleaved_medians(runs, args.repeats).items():
+            ttft[name][length] = seconds
+    peaks_bf16.append(matmul_gflops(torch.bfloat16))
+    peaks_fp32.append(matmul_gflops(torch.float32))
+    peak_bf16, peak_fp32 = max(peaks_bf16), max(peaks_fp32)
+    print(
+        f"torch matmul 2048^3 (best of before/after): bf16 {peak_bf16:.0f} GFLOP/s "
+        f"({peaks_bf16[0]:.0f}/{peaks_bf16[1]:.0f}), fp32 {peak_fp32:.0f} GFLOP/s, threads {torch.get_num_threads()}"
+    )
+
+    ours = ttft["firsttoken bf16"]
     rows = []
     for length in args.lengths:
         achieved = forward_flops(llm, length) / ours[length] / 1e9
         rows.append([length, ours[length] * 1000, achieved, achieved / peak_bf16])
     print_table(["prompt tokens", "TTFT ms", "achieved GFLOP/s", "fraction of bf16 matmul"], rows)
-
-    peers: dict[str, dict[int, float]] = {}
-    if not args.skip_peers:
-        from transformers import AutoModelForCausalLM
-
-        folder, file_name = os.path.split(path)
-        for dtype in (torch.bfloat16, torch.float32):
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file_name, dtype=dtype).eval()
-            name = f"transformers_{str(dtype).removeprefix('torch.')}"
-            peers[name] = {length: transformers_ttft(model, length, args.repeats) for length in args.lengths}
-            del model
-        llama = load_llama_cpp(path, max_len)
-        if llama is not None:
-            peers["llama.cpp"] = {length: llama_cpp_ttft(llama, length, args.repeats) for length in args.lengths}
+    if peers:
         print_table(
             ["prompt tokens", "firsttoken ms"] + [f"{name} ms" for name in peers] + [f"ratio vs {name}" for name in peers],
             [
                 [length, ours[length] * 1000]
-                + [peers[name][length] * 1000 for name in peers]
-                + [ours[length] / peers[name][length] for name in peers]
+                + [ttft[name][length] * 1000 for name in peers]
+                + [ours[length] / ttft[name][length] for name in peers]
                 for length in args.lengths
             ],
         )
-        results["ttft_s"].update(peers)
 
-    decode = {
-        "firsttoken bf16": firsttoken_decode_rate(llm, args.decode_tokens),
-        "firsttoken int8": firsttoken_decode_rate(LLM(path, dtype="bfloat16", quantization="int8", **engine_options), args.decode_tokens),
+    decode_runs = {
+        "firsttoken bf16": firsttoken_decode_run(llm, args.decode_tokens),
+        "firsttoken int8": firsttoken_decode_run(llm_int8, args.decode_tokens),
     }
-    if not args.skip_peers and "llama.cpp" in peers:
-        decode["llama.cpp"] = llama_cpp_decode_rate(llama, args.decode_tokens)
+    if "llama.cpp" in peers:
+        decode_runs["llama.cpp"] = llama_cpp_decode_run(peers["llama.cpp"], args.decode_tokens)
+    decode = {name: 1.0 / seconds for name, seconds in interleaved_medians(decode_runs, repeats=3).items()}
     baseline = decode.get("llama.cpp")
     print_table(
-        ["decode at batch 1 after 512 tokens", "tokens/s", "ratio vs llama.cpp"],
+        [f"decode at batch 1 after {DECODE_PROMPT_LEN} tokens", "tokens/s", "ratio vs llama.cpp"],
         [[name, rate, rate / baseline if baseline else "-"] for name, rate in decode.items()],
     )
-    results["decode_tokens_per_s"] = decode
+    results = {
+        "peak_bf16_gflops": peak_bf16,
+        "peak_fp32_gflops": peak_fp32,
+        "ttft_s": ttft,
+        "decode_tokens_per_s": decode,
+    }
     print("saved", save_result("cpu_speed", results))
 
 

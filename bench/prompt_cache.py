@@ -16,7 +16,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_seconds, print_table, random_prompt, save_result, timed  # noqa: E402
+from common import interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 
@@ -47,8 +47,7 @@ def main() -> None:
     def warm(run: int) -> float:
         return first_token_seconds(llm, shared_prefix + random_prompt(suffix_len, seed=20_000 + run))
 
-    cold_median, cold_samples = median_seconds(cold, args.repeats)
-    warm_median, warm_samples = median_seconds(warm, args.repeats)
+    medians = interleaved_medians({"cold": cold, "warm": warm}, args.repeats)
     del llm
 
     with tempfile.TemporaryDirectory() as folder:
@@ -60,24 +59,29 @@ def main() -> None:
             engine = LLM(**options, prompt_cache_dir=folder if persisted else None)
             return first_token_seconds(engine, shared_prefix + random_prompt(suffix_len, seed=30_000 + run))
 
-        restored_median, restored_samples = median_seconds(lambda run: after_restart(run, True), args.repeats)
-        fresh_median, fresh_samples = median_seconds(lambda run: after_restart(run, False), args.repeats)
+        medians.update(
+            interleaved_medians(
+                {
+                    "restart with persisted pin": lambda run: after_restart(run, True),
+                    "restart without": lambda run: after_restart(run, False),
+                },
+                args.repeats,
+            )
+        )
 
-    print(f"prompt cache, {args.dtype}, {prefix_len}-token prefix + {suffix_len} new tokens, median of {args.repeats}")
+    print(f"prompt cache, {args.dtype}, {prefix_len}-token prefix + {suffix_len} new tokens, median of {args.repeats}, measured in turns")
     print_table(
         ["case", "TTFT ms", "baseline ms", "ratio"],
         [
-            ["warm prefix vs cold prompt", warm_median * 1000, cold_median * 1000, warm_median / cold_median],
-            ["first request after restart: persisted pin vs none", restored_median * 1000, fresh_median * 1000,
-             restored_median / fresh_median],
+            ["warm prefix vs cold prompt", medians["warm"] * 1000, medians["cold"] * 1000,
+             medians["warm"] / medians["cold"]],
+            ["first request after restart: persisted pin vs none", medians["restart with persisted pin"] * 1000,
+             medians["restart without"] * 1000, medians["restart with persisted pin"] / medians["restart without"]],
         ],
     )
     path = save_result(
         f"prompt_cache_{args.dtype}",
-        {
-            "prefix_len": prefix_len, "suffix_len": suffix_len, "cold_s": cold_samples, "warm_s": warm_samples,
-            "restart_persisted_s": restored_samples, "restart_fresh_s": fresh_samples,
-        },
+        {"prefix_len": prefix_len, "suffix_len": suffix_len, "median_ttft_s": medians},
     )
     print("saved", path)
 

@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import median_seconds, print_table, random_prompt, save_result, timed  # noqa: E402
+from common import interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.registry import default_model_path  # noqa: E402
@@ -52,14 +52,14 @@ def main() -> None:
             with torch.inference_mode():
                 return timed(lambda: hf_model.generate(prompt, max_new_tokens=1, do_sample=False))
 
-        ours_median, ours_samples = median_seconds(ours, args.repeats)
-        theirs_median, theirs_samples = median_seconds(theirs, args.repeats)
-        ratio = ours_median / theirs_median
-        rows.append([length, ours_median * 1000, theirs_median * 1000, ratio])
+        medians = interleaved_medians({"firsttoken": ours, "transformers": theirs}, args.repeats)
+        ratio = medians["firsttoken"] / medians["transformers"]
+        rows.append([length, medians["firsttoken"] * 1000, medians["transformers"] * 1000, ratio])
         results.append(
-            {"prompt_tokens": length, "firsttoken_s": ours_samples, "transformers_s": theirs_samples, "ratio": ratio}
+            {"prompt_tokens": length, "firsttoken_s": medians["firsttoken"], "transformers_s": medians["transformers"],
+             "ratio": ratio}
         )
-    print(f"TTFT, {args.dtype}, median of {args.repeats} after a warm-up, threads={torch.get_num_threads()}")
+    print(f"TTFT, {args.dtype}, median of {args.repeats} after a warm-up, measured in turns, threads={torch.get_num_threads()}")
     print_table(["prompt tokens", "firsttoken ms", "transformers ms", "ratio"], rows)
     print("saved", save_result(f"ttft_vs_transformers_{args.dtype}", {"dtype": args.dtype, "results": results}))
 
