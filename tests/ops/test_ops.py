@@ -21,7 +21,7 @@ from firsttoken.ops.rotary import (
 FUSED = Kernels(fused=True)
 # Fused ops round bf16 where the reference does; differences come from fp32 reduction order.
 FUSED_TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
-TOKEN_COUNTS = [FUSED_MIN_TOKENS - 1, FUSED_MIN_TOKENS, 200]
+TOKEN_COUNTS = [FUSED_MIN_TOKENS - 1, FUSED_MIN_TOKENS, FUSED_MIN_TOKENS + 77]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
