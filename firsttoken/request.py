@@ -72,7 +72,9 @@ class Request:
     num_prefill_tokens_computed: int = 0
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
-    enqueued_step: int = 0
+    # The step since which it has waited for prefill progress: set on arrival and whenever a
+    # chunk of it is scheduled, so aging measures starvation, not age.
+    waiting_since_step: int = 0
     stop_reason: int | str | None = None
 
     def __post_init__(self) -> None:

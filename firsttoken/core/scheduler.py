@@ -85,7 +85,7 @@ class Scheduler:
         if limit is not None and len(self.waiting) >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests)")
         extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, self.hash_root)
-        request.enqueued_step = self.step_index
+        request.waiting_since_step = self.step_index
         self.requests[request.req_id] = request
         self.waiting.append(request)
 
@@ -203,6 +203,7 @@ class Scheduler:
                 if num_new == 0:
                     continue
             scheduled[request.req_id] = num_new
+            request.waiting_since_step = self.step_index
             budget -= num_new
             is_first_prefill = False
 

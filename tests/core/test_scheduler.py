@@ -102,6 +102,23 @@ def test_aging_bounds_the_wait_of_a_long_prompt_under_a_flood_of_short_ones():
             break
         waited_steps += 1
     assert waited_steps <= aging
+    # Served once, it waits afresh: the short prompts get the next step again.
+    scheduler.add_request(make_request("next", 8, max_tokens=1, first_token=9000))
+    assert "long" not in [chunk.req_id for chunk in step(scheduler).chunks]
+
+
+def test_an_aged_prompt_shares_steps_with_short_ones():
+    """Aging stops a long prompt starving; it does not hand it every step's budget."""
+    aging = 4
+    scheduler = make_scheduler(num_blocks=512, chunk_size=8, max_batched=64, aging_steps=aging, max_num_seqs=8)
+    scheduler.add_request(make_request("long", 800, max_tokens=1, first_token=5000))
+    steps_with_long = 0
+    for index in range(40):
+        scheduler.add_request(make_request(f"s{index}", 8, max_tokens=1, first_token=10 * index))
+        output = step(scheduler)
+        steps_with_long += any(chunk.req_id == "long" for chunk in output.chunks)
+    # Short prompts delayed by its turns age too and take some turns back.
+    assert 40 // (2 * aging) <= steps_with_long <= 40 // aging + 1
 
 
 def test_lower_priority_value_is_admitted_first():
@@ -207,7 +224,8 @@ def test_auto_budget_keeps_steps_with_decodes_under_the_target():
         output = step(scheduler)
         assert sum(1 for chunk in output.chunks if chunk.num_tokens == 1) >= 4
         step_cost = cost.predict(output.num_tokens, 0)
-        assert step_cost <= max(2 * decode_only, cost.predict(4 + 32, 0)) + 1e-9
+        min_chunk = scheduler.chunked_prefill.min_chunk_size
+        assert step_cost <= max(2 * decode_only, cost.predict(4 + min_chunk, 0)) + 1e-9
 
 
 def test_auto_budget_without_other_work_takes_the_largest_chunk():
