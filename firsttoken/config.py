@@ -169,8 +169,10 @@ class ChunkedPrefillConfig:
         default=2.0,
         metadata=_help("a step with prefill may take at most this many times the decodes' own step"),
     )
+    # Below ~128 tokens a chunk's step costs about as much as its weights' read: smaller chunks
+    # stretch a long prompt's prefill over many steps and starve the queue behind it.
     min_chunk_size: int = field(
-        default=32, metadata=_help("smallest prefill budget auto picks while decodes run, in tokens")
+        default=128, metadata=_help("smallest prefill budget auto picks while decodes run, in tokens")
     )
     aging_steps: int = field(
         default=32,
