@@ -2,7 +2,9 @@
 
 Synthetic steps (prefill chunks of several sizes, a chunk after cached context, a batch of
 decodes) run on scratch KV blocks before any request exists. The fitted model is cached per
-model, dtype, device and thread count, so later starts skip the measurement.
+model, dtype, device and thread count, so later starts skip the measurement; a cached model
+must still predict one fresh probe step within a factor of two, or it is measured again (a
+calibration taken while the machine was busy would otherwise mislead every later start).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from firsttoken.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 CALIBRATION_VERSION = 1
+# A cached model whose prediction of the probe step is off by more than this factor is refitted.
+PROBE_TOLERANCE = 2.0
 _GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
 
 
@@ -111,10 +115,41 @@ def calibrate(runner: ModelRunner, block_size: int, num_blocks: int, max_tokens:
     return model
 
 
+def probe_shape(max_tokens: int, capacity_tokens: int) -> StepShape:
+    """One cheap step of the calibration set: its largest fresh prefill of at most 256 tokens."""
+    fresh = [
+        shape
+        for shape in calibration_shapes(max_tokens, capacity_tokens)
+        if len(shape.chunks) == 1 and shape.chunks[0][0] == 0
+    ]
+    small = [shape for shape in fresh if shape.num_tokens <= 256] or fresh[:1]
+    return max(small, key=lambda shape: shape.num_tokens)
+
+
+def predicts_probe(model: StepCostModel, measured_seconds: float, shape: StepShape) -> bool:
+    predicted = model.predict(shape.num_tokens, shape.attention_pairs)
+    if predicted <= 0 or measured_seconds <= 0:
+        return False
+    return 1 / PROBE_TOLERANCE <= measured_seconds / predicted <= PROBE_TOLERANCE
+
+
 def load_or_calibrate(
     runner: ModelRunner, block_size: int, num_blocks: int, max_tokens: int, cache_file: str
 ) -> StepCostModel:
-    """The cached model for this engine's identity, or a fresh measurement (then cached)."""
+    """The cached model for this engine's identity if it still predicts a probe step, or a fresh
+    measurement (then cached)."""
+    cached = _load(cache_file)
+    if cached is not None:
+        shape = probe_shape(max_tokens, num_blocks * block_size)
+        if predicts_probe(cached, measure(runner, shape, block_size), shape):
+            return cached
+        logger.info("cached step cost model %s mispredicts this machine now; measuring again", cache_file)
+    model = calibrate(runner, block_size, num_blocks, max_tokens)
+    _save(model, cache_file)
+    return model
+
+
+def _load(cache_file: str) -> StepCostModel | None:
     try:
         with open(cache_file, encoding="utf-8") as handle:
             stored = json.load(handle)
@@ -122,7 +157,10 @@ def load_or_calibrate(
             return StepCostModel(**stored)
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    model = calibrate(runner, block_size, num_blocks, max_tokens)
+    return None
+
+
+def _save(model: StepCostModel, cache_file: str) -> None:
     try:
         os.makedirs(os.path.dirname(cache_file), exist_ok=True)
         temporary = f"{cache_file}.{os.getpid()}.partial"
@@ -131,4 +169,3 @@ def load_or_calibrate(
         os.replace(temporary, cache_file)
     except OSError as error:
         logger.warning("could not cache the step cost model at %s (%s)", cache_file, error)
-    return model

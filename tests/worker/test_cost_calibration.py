@@ -1,0 +1,63 @@
+"""A cached step cost model is trusted only while it predicts a fresh probe step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from firsttoken.core.cost_model import StepCostModel
+from firsttoken.worker import cost_calibration
+from firsttoken.worker.cost_calibration import CALIBRATION_VERSION, load_or_calibrate, probe_shape
+
+MACHINE_NOW = StepCostModel(seconds_fixed=0.02, seconds_per_token=2e-4, seconds_per_attention_pair=1e-7)
+REFITTED = StepCostModel(seconds_fixed=0.03, seconds_per_token=3e-4, seconds_per_attention_pair=2e-7)
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Steps take what MACHINE_NOW predicts; calibrating returns REFITTED and is counted."""
+    calls = {"calibrate": 0}
+
+    def measure(runner, shape, block_size, repeats=2):
+        return MACHINE_NOW.predict(shape.num_tokens, shape.attention_pairs)
+
+    def calibrate(runner, block_size, num_blocks, max_tokens):
+        calls["calibrate"] += 1
+        return REFITTED
+
+    monkeypatch.setattr(cost_calibration, "measure", measure)
+    monkeypatch.setattr(cost_calibration, "calibrate", calibrate)
+    return calls
+
+
+def _store(path, model: StepCostModel) -> None:
+    path.write_text(json.dumps({"version": CALIBRATION_VERSION, **model.__dict__}))
+
+
+def test_a_cached_model_that_still_predicts_the_probe_is_used(tmp_path, machine):
+    cache_file = tmp_path / "costs.json"
+    close = MACHINE_NOW.scaled(1.5)
+    _store(cache_file, close)
+    assert load_or_calibrate(None, 16, 4096, 2048, str(cache_file)) == close
+    assert machine["calibrate"] == 0
+
+
+def test_a_cached_model_from_a_busy_machine_is_measured_again(tmp_path, machine):
+    cache_file = tmp_path / "costs.json"
+    _store(cache_file, MACHINE_NOW.scaled(60))  # calibrated while something else ran
+    assert load_or_calibrate(None, 16, 4096, 2048, str(cache_file)) == REFITTED
+    assert machine["calibrate"] == 1
+    assert json.loads(cache_file.read_text())["seconds_fixed"] == REFITTED.seconds_fixed
+
+
+def test_without_a_cache_the_model_is_measured_and_saved(tmp_path, machine):
+    cache_file = tmp_path / "sub" / "costs.json"
+    assert load_or_calibrate(None, 16, 4096, 2048, str(cache_file)) == REFITTED
+    assert cache_file.exists()
+
+
+def test_probe_is_a_small_fresh_prefill_within_capacity():
+    assert probe_shape(2048, 65536).chunks == ((0, 256),)
+    assert probe_shape(2048, 300).chunks == ((0, 150),)
+    assert probe_shape(8, 65536).chunks == ((0, 8),)
