@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-# Ten times: allocates and fills tensors the sizes of a prefill step's activations (61 MiB in
-# all, each under glibc's mmap ceiling), then frees them; prints the page faults of the last nine.
+# Thirty times: allocates and fills tensors the sizes of a prefill step's activations (145 MiB in
+# all, each under glibc's mmap ceiling), then frees them; prints the mean page faults of the last 29.
 _FAULTS_PER_REPEAT = """
 import resource, sys, torch
 from firsttoken.worker.host_memory import keep_freed_host_memory
@@ -17,13 +17,13 @@ if sys.argv[1] == "tuned":
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def step():
-    live = [torch.empty(mib << 18).fill_(1.0) for mib in (4, 12, 12, 6, 24, 3)]
+    live = [torch.empty(mib << 18).fill_(1.0) for mib in (4, 24, 12, 24, 6, 24, 24, 3, 24)]
     del live
 step()
 start = faults()
-for _ in range(9):
+for _ in range(29):
     step()
-print((faults() - start) / 9)
+print((faults() - start) / 29)
 """
 
 
@@ -36,6 +36,7 @@ def _faults_per_repeat(mode: str) -> float:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_tuned_malloc_reuses_freed_pages():
-    pages_per_step = (61 << 20) // 4096
-    assert _faults_per_repeat("default") > pages_per_step / 2  # glibc unmaps or trims on free
-    assert _faults_per_repeat("tuned") < pages_per_step / 20
+    # glibc's default adapts its thresholds to the allocation history: this pattern measured
+    # 1,500 to 27,200 faults per repeat with it; tuned, 9 to 212 (a heap growth now and then).
+    pages_per_step = (145 << 20) // 4096
+    assert _faults_per_repeat("tuned") < pages_per_step / 40
