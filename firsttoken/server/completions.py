@@ -6,17 +6,15 @@ import time
 import uuid
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from firsttoken.core.batch import SampledToken
 from firsttoken.engine.async_engine import AsyncEngine, TokenizedPrompt
 from firsttoken.outputs import RequestDelta
-from firsttoken.server import sse
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.generation import (
     Choice,
     sampling_params,
-    server_timing,
     start_choices,
     ttft_extension,
     usage,
@@ -29,7 +27,7 @@ from firsttoken.server.protocol import (
     FirstTokenExtension,
     Usage,
 )
-from firsttoken.server.streaming import collect, stream_events
+from firsttoken.server.streaming import respond
 from firsttoken.tokenizer import Tokenizer
 
 
@@ -49,18 +47,7 @@ async def create_completion(
     reply = _CompletionReply(
         f"cmpl-{uuid.uuid4().hex}", int(time.time()), config.model_name, engine.tokenizer
     )
-    if body.stream:
-        events = stream_events(
-            choices, body.include_usage, reply.chunk, reply.usage_chunk, config.retry_after_s
-        )
-        return StreamingResponse(events, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
-    if not await collect(choices, request):
-        return Response(status_code=499)  # client closed the request; nobody reads this
-    return Response(
-        reply.whole(choices).model_dump_json(),
-        media_type="application/json",
-        headers={"Server-Timing": server_timing(choices)},
-    )
+    return await respond(choices, reply, body.stream, body.include_usage, config.retry_after_s, request)
 
 
 async def _tokenize_prompts(engine: AsyncEngine, body: CompletionRequest) -> list[TokenizedPrompt]:

@@ -7,10 +7,11 @@ server on disconnect; a non-streamed reply watches for the disconnect itself.
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Protocol
 
 from pydantic import BaseModel
 from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
 from firsttoken.outputs import RequestDelta
 from firsttoken.server import sse
@@ -20,6 +21,7 @@ from firsttoken.server.generation import (
     close_streams,
     merged_deltas,
     run_to_completion,
+    server_timing,
     ttft_extension,
     unless_disconnected,
     usage,
@@ -30,6 +32,39 @@ from firsttoken.server.protocol import FirstTokenExtension, Usage
 # chunk, or None when the delta has nothing to show yet (text held back, no logprobs asked).
 ChunkBuilder = Callable[[Choice, RequestDelta, FirstTokenExtension | None], BaseModel | None]
 UsageChunkBuilder = Callable[[Usage, FirstTokenExtension], BaseModel]
+
+
+class Reply(Protocol):
+    """One endpoint's response shapes: its stream chunks and its whole response."""
+
+    def chunk(
+        self, choice: Choice, delta: RequestDelta, extension: FirstTokenExtension | None
+    ) -> BaseModel | None: ...
+
+    def usage_chunk(self, total: Usage, extension: FirstTokenExtension) -> BaseModel: ...
+
+    def whole(self, choices: list[Choice]) -> BaseModel: ...
+
+
+async def respond(
+    choices: list[Choice],
+    reply: Reply,
+    stream: bool,
+    include_usage: bool,
+    retry_after_s: int,
+    request: Request,
+) -> Response:
+    """The started choices as server-sent events, or, run to their end, as one JSON body."""
+    if stream:
+        events = stream_events(choices, include_usage, reply.chunk, reply.usage_chunk, retry_after_s)
+        return StreamingResponse(events, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+    if not await collect(choices, request):
+        return Response(status_code=499)  # client closed the request; nobody reads this
+    return Response(
+        reply.whole(choices).model_dump_json(),
+        media_type="application/json",
+        headers={"Server-Timing": server_timing(choices)},
+    )
 
 
 async def stream_events(
