@@ -191,10 +191,6 @@ class _EngineStatsCollector:
             ),
             ("num_pinned_tokens", "Prompt tokens whose KV is pinned in the prefix cache.", stats.num_pinned_tokens),
         )
-        for name, documentation, value in gauges:
-            family = GaugeMetricFamily(PREFIX + name, documentation, labels=["model_name"])
-            family.add_metric([self._model_name], value)
-            yield family
         counters = (
             (
                 "prefix_cache_queries",
@@ -208,7 +204,8 @@ class _EngineStatsCollector:
             ),
             ("num_preemptions", "Cumulative number of preemptions from the engine.", stats.num_preemptions),
         )
-        for name, documentation, value in counters:
-            family = CounterMetricFamily(PREFIX + name, documentation, labels=["model_name"])
-            family.add_metric([self._model_name], value)
-            yield family
+        for family_type, entries in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, documentation, value in entries:
+                family = family_type(PREFIX + name, documentation, labels=["model_name"])
+                family.add_metric([self._model_name], value)
+                yield family
