@@ -10,8 +10,8 @@ this machine's speed hits all of them alike):
    of the bf16 matmul rate;
 3. the same prompts through transformers (bf16 and fp32) and llama.cpp (llama-cpp-python on
    the same GGUF file, when installed), as TTFT ratios;
-4. decode tokens/s at batch 1 after a 512-token prompt: firsttoken (bf16, and int8 weights)
-   against llama.cpp.
+4. decode tokens/s at batch 1 after a 512-token prompt: firsttoken (bf16, int8 and int4
+   weights for decode) against llama.cpp.
 """
 
 from __future__ import annotations
@@ -130,7 +130,10 @@ def main() -> None:
     max_len = max(max(args.lengths), DECODE_PROMPT_LEN + args.decode_tokens)
     engine_options = dict(enable_prompt_cache=False, chunk_size=max_len, max_num_batched_tokens=max_len)
     llm = LLM(path, dtype="bfloat16", **engine_options)
-    llm_int8 = LLM(path, dtype="bfloat16", quantization="int8", **engine_options)
+    quantized = {
+        quantization: LLM(path, dtype="bfloat16", quantization=quantization, **engine_options)
+        for quantization in ("int8", "int4")
+    }
     peers: dict[str, object] = {}
     if not args.skip_peers:
         peers["transformers bf16"] = load_transformers(path, torch.bfloat16)
@@ -174,7 +177,10 @@ def main() -> None:
 
     decode_runs = {
         "firsttoken bf16": firsttoken_decode_run(llm, args.decode_tokens),
-        "firsttoken int8": firsttoken_decode_run(llm_int8, args.decode_tokens),
+        **{
+            f"firsttoken {quantization}": firsttoken_decode_run(engine, args.decode_tokens)
+            for quantization, engine in quantized.items()
+        },
     }
     if "llama.cpp" in peers:
         decode_runs["llama.cpp"] = llama_cpp_decode_run(peers["llama.cpp"], args.decode_tokens)

@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 
 
@@ -59,8 +59,14 @@ class ModelConfig:
     )
     quantization: str | None = field(
         default=None,
-        metadata=_help("weight-only quantization of the projections: int8 (faster decode); default: none",
+        metadata=_help("weight-only quantization of the projections for decode: int8, or int4 (CPU; "
+                       "exact for a Q4_1 GGUF's layers; the LM head stays int8); default: none",
                        choices=QUANTIZATIONS),
+    )
+    quantized_prefill: bool = field(
+        default=False,
+        metadata=_help("with quantization, run prefill on the quantized weights too and drop the float "
+                       "copy (less memory, slower prefill); default: float weights serve prefill"),
     )
 
     def __post_init__(self) -> None:

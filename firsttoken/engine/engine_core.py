@@ -120,10 +120,10 @@ class EngineCore:
         model = build_model(
             self.checkpoint, backend, self.kernels, self.dtype, self.device, self.max_model_len, cache_dir=None
         )
-        if self.config.model_config.quantization == "int8":
-            model.quantize_int8()
-        elif onednn_packing_available(self.dtype, self.device):
-            model.pack_for_onednn()
+        model_config = self.config.model_config
+        model.prepare_projections(
+            model_config.quantization, model_config.quantized_prefill, onednn_packing_available(self.dtype, self.device)
+        )
         return model
 
     def _allocate_kv_cache(self, num_scratch_blocks: int) -> int:

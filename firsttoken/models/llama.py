@@ -17,13 +17,7 @@ from torch import nn
 from firsttoken.attention.backend import AttentionBackend
 from firsttoken.models.arch import ModelArch
 from firsttoken.ops.kernels import Kernels
-from firsttoken.ops.linear import (
-    Int8Linear,
-    Linear,
-    PackedLinear,
-    pack_linears_onednn,
-    quantize_linears_int8,
-)
+from firsttoken.ops.linear import Linear, convert_linears, fastest_linear
 from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin
 
 
@@ -143,15 +137,13 @@ class LlamaForCausalLM(nn.Module):
         normed = self.kernels.rms_norm(hidden, self.norm_weight, self.arch.rms_norm_eps)
         return self.lm_head(normed).float()
 
-    def pack_for_onednn(self) -> None:
-        """oneDNN-packed weights for every projection and the LM head (the embedding stays plain)."""
-        pack_linears_onednn(self.layers)
-        self.lm_head = PackedLinear(self.lm_head.weight.data, None)
-
-    def quantize_int8(self) -> None:
-        """Weight-only int8 for every projection and the LM head (the embedding stays float)."""
-        quantize_linears_int8(self.layers)
-        self.lm_head = Int8Linear.from_float(self.lm_head.weight.data, None)
+    def prepare_projections(self, quantization: str | None, quantized_prefill: bool, pack_onednn: bool) -> None:
+        """Every projection and the LM head in its fastest form here (the embedding stays as
+        loaded). The LM head is never quantized below int8: its logits pick the token, and a
+        tied embedding is often stored at 8 bits (SmolLM2's GGUF: Q8_0 beside Q4_1 layers)."""
+        convert_linears(self.layers, quantization, quantized_prefill, pack_onednn)
+        head_quantization = "int8" if quantization else None
+        self.lm_head = fastest_linear(self.lm_head, head_quantization, quantized_prefill, pack_onednn)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up on the way."""

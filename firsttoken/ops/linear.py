@@ -1,8 +1,11 @@
-"""Projections: the float Linear every layer starts as, and its weight-only int8 form.
+"""Projections: the float Linear every layer starts as, and its weight-only int8 and int4 forms.
 
 Decoding on a CPU reads every weight once per step, so its speed is bound by the bytes of
-the weights: int8 weights (per-output-channel scales, activations kept in float) halve what
-bf16 reads. The int8 matmul is PyTorch's own CPU kernel; its plain reference dequantizes.
+the weights: int8 weights (per-output-channel scales) halve what bf16 reads, int4 (groups of
+32 with a scale and a zero each) quarter it. The quantized matmuls are PyTorch's own CPU
+kernels; each plain reference dequantizes. Those kernels lose to the float (oneDNN, AMX)
+matmul once a step has more than a few rows, so by default a quantized projection keeps its
+float weights too and serves prefill-sized steps from them (`DecodeQuantizedLinear`).
 """
 
 from __future__ import annotations
@@ -53,11 +56,6 @@ class PackedLinear(nn.Module):
             x.reshape(-1, x.shape[-1]), self.packed_weight, self.bias, "none", [], ""
         )
         return output.reshape(*leading, self.out_features)
-
-
-def pack_linears_onednn(module: nn.Module) -> None:
-    """Replace every Linear below `module` with its PackedLinear (in place)."""
-    _replace_linears(module, lambda linear: PackedLinear(linear.weight.data, _bias_of(linear)))
 
 
 def _bias_of(linear: Linear) -> torch.Tensor | None:
@@ -111,6 +109,120 @@ class Int8Linear(nn.Module):
         return output.reshape(*leading, -1)
 
 
-def quantize_linears_int8(module: nn.Module) -> None:
-    """Replace every Linear below `module` with its Int8Linear (in place)."""
-    _replace_linears(module, lambda linear: Int8Linear.from_float(linear.weight.data, _bias_of(linear)))
+# GGUF's Q4_0/Q4_1 block size: a Q4_1 tensor (w = d * q + m per 32 weights, q in 0..15)
+# requantizes to exactly its own levels, since each block's min is m and its max is m + 15 d.
+INT4_GROUP_SIZE = 32
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise 4-bit: (levels int32 [out, in] in 0..15, float32 scales_and_zeros
+    [in / group_size, out, 2]) with W ~ (levels - 8) * scale + zero, PyTorch's int4 convention."""
+    out_features, in_features = weight.shape
+    groups = weight.float().view(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    levels = torch.round((groups - low[..., None]) / scales[..., None]).clamp(0, 15)
+    zeros = low + 8 * scales
+    scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+    return levels.to(torch.int32).view(out_features, in_features), scales_and_zeros
+
+
+def dequantize_int4(levels: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """float32 [out, in] weights from `quantize_int4`'s levels and scales_and_zeros."""
+    scales = scales_and_zeros[..., 0].float().t().repeat_interleave(group_size, dim=1)
+    zeros = scales_and_zeros[..., 1].float().t().repeat_interleave(group_size, dim=1)
+    return (levels.float() - 8) * scales + zeros
+
+
+def int4_linear_reference(
+    x: torch.Tensor, levels: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return F.linear(x, dequantize_int4(levels, scales_and_zeros, group_size).to(x.dtype), bias)
+
+
+def int4_supported(in_features: int) -> bool:
+    return in_features % INT4_GROUP_SIZE == 0
+
+
+class Int4Linear(nn.Module):
+    """Weight-only int4 projection (CPU); computes in bf16, the one activation dtype PyTorch's
+    int4 CPU kernel is fast in (float32 activations measured 25x slower)."""
+
+    def __init__(self, levels: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features = levels.shape[0]
+        self.register_buffer("packed_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
+        self.bias = bias
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Int4Linear:
+        if weight.device.type != "cpu":
+            raise ValueError(f"quantization: int4 runs on CPU only, not {weight.device.type}")
+        return cls(*quantize_int4(weight), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        leading = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        output = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            flat, self.packed_weight, INT4_GROUP_SIZE, self.scales_and_zeros
+        ).to(x.dtype)
+        if self.bias is not None:
+            output = output + self.bias
+        return output.reshape(*leading, self.out_features)
+
+
+# Most rows a step may have for its projections to take the quantized kernels. Past these,
+# PyTorch's int8/int4 CPU kernels cost more than the float (oneDNN) matmul: measured over
+# SmolLM2-135M's 120 projections, bf16 weights streamed from memory, 2 cores:
+# rows         1     4     8    16
+# bf16      20.8  21.0  21.5  21.5 ms
+# int8      13.7  18.3  27.9  47.2 ms
+# int4       7.2  10.5  18.6  34.9 ms
+QUANTIZED_MAX_ROWS = {"int8": 4, "int4": 8}
+
+
+class DecodeQuantizedLinear(nn.Module):
+    """Quantized weights for decode-sized steps (bound by reading the weights), float weights
+    for prefill-sized ones (bound by compute, where the float matmul is the faster kernel)."""
+
+    def __init__(self, quantized: nn.Module, full_precision: nn.Module, max_quantized_rows: int) -> None:
+        super().__init__()
+        self.quantized = quantized
+        self.full_precision = full_precision
+        self.max_quantized_rows = max_quantized_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows <= self.max_quantized_rows:
+            return self.quantized(x)
+        return self.full_precision(x)
+
+
+def quantized_linear(linear: nn.Module, quantization: str) -> nn.Module:
+    """`linear` (a Linear) in weight-only `quantization`; int4 needs whole groups along its
+    input, and a projection without them takes int8."""
+    weight, bias = linear.weight.data, _bias_of(linear)
+    if quantization == "int4" and int4_supported(weight.shape[1]):
+        return Int4Linear.from_float(weight, bias)
+    return Int8Linear.from_float(weight, bias)
+
+
+def convert_linears(
+    module: nn.Module, quantization: str | None, quantized_prefill: bool, pack_onednn: bool
+) -> None:
+    """Replace every Linear below `module` (in place) with the form that serves it fastest:
+    oneDNN-packed where available, and with quantized weights for decode when asked."""
+    _replace_linears(
+        module, lambda linear: fastest_linear(linear, quantization, quantized_prefill, pack_onednn)
+    )
+
+
+def fastest_linear(linear: Linear, quantization: str | None, quantized_prefill: bool, pack_onednn: bool) -> nn.Module:
+    full_precision = PackedLinear(linear.weight.data, _bias_of(linear)) if pack_onednn else linear
+    if quantization is None:
+        return full_precision
+    quantized = quantized_linear(linear, quantization)
+    if quantized_prefill:
+        return quantized
+    return DecodeQuantizedLinear(quantized, full_precision, QUANTIZED_MAX_ROWS[quantization])
