@@ -6,6 +6,8 @@
   them with their log-sum-exps, so no [query, context] mask is ever built.
 - Decodes are batched: their contexts are gathered through the block tables, padded to the
   longest, and masked.
+- A context whose blocks are one run of consecutive block ids (the pool hands out ascending
+  runs) is read in place, as a view of the cache: no per-layer copy of the context.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class PrefillSpan:
     query_len: int
     num_context_tokens: int
     context_block_ids: torch.Tensor | None  # long [ceil(num_context_tokens / block_size)]
+    context_first_block: int | None  # set when those blocks are consecutive ids
 
 
 @dataclass
@@ -37,6 +40,8 @@ class SDPAMetadata:
     # cut to its own length instead.
     decode_key_mask: torch.Tensor | None
     decode_num_keys: int  # keys each decode row attends over, padding included
+    # A lone decode whose blocks are consecutive ids: its first block (read in place).
+    decode_first_block: int | None
     prefills: list[PrefillSpan]
 
 
@@ -50,23 +55,29 @@ class SDPABackend:
         decodes = layout.sequences[: layout.num_decodes]
         decode_block_table = decode_key_mask = None
         decode_num_keys = 0
+        decode_first_block = None
         if len(decodes) == 1:
             decode_num_keys = decodes[0].seq_len
-            decode_block_table = _lone_decode_table(decodes[0], layout.block_size, self.device)
+            lone_blocks = decodes[0].block_table[: -(-decode_num_keys // layout.block_size)]
+            decode_first_block = first_of_run(lone_blocks)
+            if decode_first_block is None:
+                decode_block_table = torch.tensor([lone_blocks], dtype=torch.long, device=self.device)
         elif decodes:
             decode_block_table, decode_key_mask = _decode_tables(decodes, layout.block_size, self.device)
             decode_num_keys = decode_key_mask.shape[-1]
         prefills = []
         query_start = layout.num_decodes
         for sequence in layout.sequences[layout.num_decodes :]:
-            context_block_ids = None
+            context_block_ids = context_first_block = None
             if sequence.num_context_tokens:
-                num_context_blocks = -(-sequence.num_context_tokens // layout.block_size)
-                context_block_ids = torch.tensor(
-                    sequence.block_table[:num_context_blocks], dtype=torch.long, device=self.device
-                )
+                context_blocks = sequence.block_table[: -(-sequence.num_context_tokens // layout.block_size)]
+                context_first_block = first_of_run(context_blocks)
+                if context_first_block is None:
+                    context_block_ids = torch.tensor(context_blocks, dtype=torch.long, device=self.device)
             prefills.append(
-                PrefillSpan(query_start, sequence.query_len, sequence.num_context_tokens, context_block_ids)
+                PrefillSpan(
+                    query_start, sequence.query_len, sequence.num_context_tokens, context_block_ids, context_first_block
+                )
             )
             query_start += sequence.query_len
         return SDPAMetadata(
@@ -75,6 +86,7 @@ class SDPABackend:
             decode_block_table=decode_block_table,
             decode_key_mask=decode_key_mask,
             decode_num_keys=decode_num_keys,
+            decode_first_block=decode_first_block,
             prefills=prefills,
         )
 
@@ -105,17 +117,29 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
+def first_of_run(block_ids: list[int]) -> int | None:
+    """The first id when `block_ids` are consecutive ascending ids, else None."""
+    first = block_ids[0]
+    if block_ids[-1] - first != len(block_ids) - 1 or block_ids != list(range(first, first + len(block_ids))):
+        return None
+    return first
+
+
+def context_in_place(kv_cache: torch.Tensor, first_block: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [num_tokens, num_kv_heads, head_dim]: views of a run of blocks starting at `first_block`."""
+    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
+    start = first_block * kv_cache.shape[2]
+    keys = kv_cache[0].view(-1, num_kv_heads, head_dim)[start : start + num_tokens]
+    values = kv_cache[1].view(-1, num_kv_heads, head_dim)[start : start + num_tokens]
+    return keys, values
+
+
 def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [num_tokens, num_kv_heads, head_dim] of one sequence's first `num_tokens` tokens."""
     num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
     keys = kv_cache[0].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:num_tokens]
     values = kv_cache[1].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:num_tokens]
     return keys, values
-
-
-def _lone_decode_table(decode: SequenceLayout, block_size: int, device: torch.device) -> torch.Tensor:
-    num_blocks = -(-decode.seq_len // block_size)
-    return torch.tensor([decode.block_table[:num_blocks]], dtype=torch.long, device=device)
 
 
 def _decode_tables(
@@ -150,6 +174,9 @@ def _gather_decode_context(kv_cache: torch.Tensor, metadata: SDPAMetadata) -> tu
     index_select over whole blocks is a copy per block; indexing with the 2-D table instead
     costs three times as much, and the gather runs in every layer of every decode step.
     """
+    if metadata.decode_first_block is not None:
+        keys, values = context_in_place(kv_cache, metadata.decode_first_block, metadata.decode_num_keys)
+        return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
     table = metadata.decode_block_table
     num_decodes = table.shape[0]
     num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
@@ -170,7 +197,10 @@ def _prefill_attention(
     if not span.num_context_tokens:
         output = F.scaled_dot_product_attention(query_t, key_t, value_t, is_causal=True, enable_gqa=True)
         return output.squeeze(0).transpose(0, 1)
-    context_keys, context_values = gather_context(kv_cache, span.context_block_ids, span.num_context_tokens)
+    if span.context_first_block is not None:
+        context_keys, context_values = context_in_place(kv_cache, span.context_first_block, span.num_context_tokens)
+    else:
+        context_keys, context_values = gather_context(kv_cache, span.context_block_ids, span.num_context_tokens)
     context_output, context_lse = _flash_with_lse(
         query_t, context_keys.transpose(0, 1).unsqueeze(0), context_values.transpose(0, 1).unsqueeze(0), causal=False
     )

@@ -70,6 +70,9 @@ class BlockPool:
                 self._forget_hash(block)
             block.ref_cnt = 1
             allocated.append(block)
+        # Ascending ids: a sequence's blocks are then often one run of the cache, which
+        # attention reads in place instead of gathering (eviction hands out tails first).
+        allocated.sort(key=lambda block: block.block_id)
         return allocated
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:

@@ -31,8 +31,10 @@ def test_empty_blocks_go_first_most_recently_freed_first():
     pool.cache(a, b"hash-a")
     pool.release([a, b, c])
     assert pool.free_block_ids_in_eviction_order() == [c.block_id, b.block_id, 3, 4, a.block_id]
-    reused = pool.allocate(4)
-    assert [block.block_id for block in reused] == [c.block_id, b.block_id, 3, 4]
+    (warmest,) = pool.allocate(1)
+    assert warmest is c
+    reused = pool.allocate(3)
+    assert [block.block_id for block in reused] == [b.block_id, 3, 4]
     assert pool.cached_block(b"hash-a") is a
     (evicted,) = pool.allocate(1)
     assert evicted is a and pool.cached_block(b"hash-a") is None
@@ -48,11 +50,22 @@ def test_eviction_forgets_hash_and_revival_removes_from_free_list():
     pool.touch([a])  # revive a: out of the free list, referenced again
     assert a.ref_cnt == 1
     assert pool.free_block_ids_in_eviction_order() == [c.block_id, b.block_id]
-    empty, evicted = pool.allocate(2)
+    evicted, empty = pool.allocate(2)  # handed out in ascending ids
     assert empty is c and evicted is b
     assert pool.cached_block(b"hash-b") is None
     assert evicted.block_hash is None
     assert pool.cached_block(b"hash-a") is a
+
+
+def test_blocks_are_handed_out_in_ascending_ids():
+    """A request freed tail first, then evicted, comes back as one run of ids (read in place)."""
+    pool = BlockPool(4, enable_caching=True)
+    blocks = pool.allocate(4)
+    for index, block in enumerate(blocks):
+        pool.cache(block, f"hash-{index}".encode())
+    pool.release(reversed(blocks))
+    assert pool.free_block_ids_in_eviction_order() == [3, 2, 1, 0]
+    assert [block.block_id for block in pool.allocate(3)] == [1, 2, 3]
 
 
 def test_reset_turns_free_cached_blocks_into_empty_ones():

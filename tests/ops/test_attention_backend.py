@@ -7,18 +7,19 @@ import torch
 
 from firsttoken.attention.backend import BatchLayout, SequenceLayout
 from firsttoken.attention.reference import paged_attention_reference
-from firsttoken.attention.sdpa import SDPABackend, write_kv
+from firsttoken.attention.sdpa import SDPABackend, first_of_run, write_kv
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-def _random_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+def _random_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=0, in_order=False):
     """seqs: list of (num_context_tokens, query_len). Blocks are handed out shuffled, so
-    every block table is non-contiguous. The context K/V is written to the cache first."""
+    every block table is non-contiguous, or `in_order` (one run of ids per sequence, after
+    three leading blocks). The context K/V is written to the cache first."""
     generator = torch.Generator().manual_seed(seed)
     blocks_needed = [-(-(ctx + q) // block_size) for ctx, q in seqs]
     num_blocks = sum(blocks_needed) + 3
-    order = torch.randperm(num_blocks, generator=generator).tolist()
+    order = list(range(3, num_blocks)) if in_order else torch.randperm(num_blocks, generator=generator).tolist()
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     sequences, cursor = [], 0
     for (ctx, q), needed in zip(seqs, blocks_needed):
@@ -85,6 +86,30 @@ def test_lone_decode_cut_to_its_length_matches_reference(dtype, num_context_toke
     backend = SDPABackend(torch.device("cpu"))
     metadata = backend.build_metadata(layout, slot_mapping)
     assert metadata.decode_key_mask is None and metadata.decode_num_keys == num_context_tokens + 1
+    output = backend.forward(query, key, value, kv_cache, metadata)
+    expected = paged_attention_reference(query, kv_cache, layout)
+    torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_first_of_run_finds_consecutive_ids_only():
+    assert first_of_run([7]) == 7
+    assert first_of_run([4, 5, 6]) == 4
+    assert first_of_run([4, 6, 5]) is None
+    assert first_of_run([6, 5, 4]) is None
+    assert first_of_run([1, 3, 3]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqs", [[(40, 1)], [(31, 1), (0, 5)], [(16, 20), (33, 7)]])
+def test_contexts_in_consecutive_blocks_are_read_in_place_and_match_reference(dtype, seqs):
+    layout, slot_mapping, kv_cache, query, key, value = _random_batch(seqs, 16, 9, 3, 64, dtype, in_order=True)
+    backend = SDPABackend(torch.device("cpu"))
+    metadata = backend.build_metadata(layout, slot_mapping)
+    if layout.num_decodes == 1:
+        assert metadata.decode_first_block is not None and metadata.decode_block_table is None
+    for span in metadata.prefills:
+        if span.num_context_tokens:
+            assert span.context_first_block is not None and span.context_block_ids is None
     output = backend.forward(query, key, value, kv_cache, metadata)
     expected = paged_attention_reference(query, kv_cache, layout)
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
