@@ -50,7 +50,13 @@ class ModelConfig:
     )
     fuse_ops: bool = field(
         default=True,
-        metadata=_help("fuse norms, rotary and SwiGLU with torch.compile (C++ on CPU), compiled at start"),
+        metadata=_help("fuse norms, rotary, SwiGLU and the KV write (native kernels on CPU, else "
+                       "torch.compile from 512 tokens), built at start; off: plain torch ops"),
+    )
+    native_kernels: bool = field(
+        default=True,
+        metadata=_help("cpu: hand-written C kernels (norms, rotary, SwiGLU, KV write, AMX prefill attention) "
+                       "built with the machine's compiler at start; off: torch ops (compiled when fuse_ops)"),
     )
     cuda_graphs: bool = field(
         default=True,

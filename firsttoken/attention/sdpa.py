@@ -8,6 +8,7 @@
   longest, and masked.
 - A context whose blocks are one run of consecutive block ids (the pool hands out ascending
   runs) is read in place, as a view of the cache: no per-layer copy of the context.
+- With native kernels, a step's K/V go into the cache in one call instead of two index copies.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from firsttoken.attention.backend import BatchLayout, SequenceLayout
+from firsttoken.ops import native
 
 
 @dataclass
@@ -29,6 +31,8 @@ class PrefillSpan:
     num_context_tokens: int
     context_block_ids: torch.Tensor | None  # long [ceil(num_context_tokens / block_size)]
     context_first_block: int | None  # set when those blocks are consecutive ids
+    # Set when the blocks of context and new tokens together are consecutive ids.
+    sequence_first_block: int | None = None
 
 
 @dataclass
@@ -48,8 +52,9 @@ class SDPAMetadata:
 class SDPABackend:
     """Attention through torch's fused SDPA kernels over the paged KV cache."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, native_kernels: native.NativeKernels | None = None) -> None:
         self.device = device
+        self.native = native_kernels
 
     def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> SDPAMetadata:
         decodes = layout.sequences[: layout.num_decodes]
@@ -68,15 +73,19 @@ class SDPABackend:
         prefills = []
         query_start = layout.num_decodes
         for sequence in layout.sequences[layout.num_decodes :]:
-            context_block_ids = context_first_block = None
+            context_block_ids = context_first_block = sequence_first_block = None
             if sequence.num_context_tokens:
                 context_blocks = sequence.block_table[: -(-sequence.num_context_tokens // layout.block_size)]
                 context_first_block = first_of_run(context_blocks)
                 if context_first_block is None:
                     context_block_ids = torch.tensor(context_blocks, dtype=torch.long, device=self.device)
+                else:
+                    sequence_blocks = sequence.block_table[: -(-sequence.seq_len // layout.block_size)]
+                    sequence_first_block = first_of_run(sequence_blocks)
             prefills.append(
                 PrefillSpan(
-                    query_start, sequence.query_len, sequence.num_context_tokens, context_block_ids, context_first_block
+                    query_start, sequence.query_len, sequence.num_context_tokens, context_block_ids,
+                    context_first_block, sequence_first_block,
                 )
             )
             query_start += sequence.query_len
@@ -98,7 +107,10 @@ class SDPABackend:
         kv_cache: torch.Tensor,
         metadata: SDPAMetadata,
     ) -> torch.Tensor:
-        write_kv(kv_cache, key, value, metadata.slot_mapping)
+        if self.native is not None and _native_writable(kv_cache, key, value, metadata.slot_mapping):
+            self.native.write_kv(kv_cache, key, value, metadata.slot_mapping)
+        else:
+            write_kv(kv_cache, key, value, metadata.slot_mapping)
         output = torch.empty_like(query)
         if metadata.num_decodes:
             output[: metadata.num_decodes] = _decode_attention(
@@ -106,8 +118,18 @@ class SDPABackend:
             )
         for span in metadata.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
-            output[rows] = _prefill_attention(query[rows], key[rows], value[rows], kv_cache, span)
+            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span)
         return output
+
+    def _prefill(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
+    ) -> torch.Tensor:
+        """The native AMX kernel where it applies (bf16, all keys in one tensor), else SDPA."""
+        if self.native is not None and self.native.has_amx:
+            keys_values = _all_keys_values(key, value, kv_cache, span)
+            if keys_values is not None and self.native.prefill_attention_supports(query, *keys_values):
+                return self.native.prefill_attention(query, *keys_values, torch.get_num_threads())
+        return _prefill_attention(query, key, value, kv_cache, span)
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -115,6 +137,30 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def _native_writable(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """The native copy takes rows of contiguous heads into a contiguous cache."""
+    heads_contiguous = all(x.stride(1) == x.shape[2] and x.stride(2) == 1 for x in (key, value))
+    return (
+        native.supports(key) and kv_cache.dtype == key.dtype == value.dtype and kv_cache.is_contiguous()
+        and heads_contiguous and slot_mapping.dtype == torch.long and slot_mapping.is_contiguous()
+        and slot_mapping.shape[0] == key.shape[0]
+    )
+
+
+def _all_keys_values(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """K and V of every position the span attends to, as one tensor each: the fresh ones
+    alone, or (already written) the cache's run of blocks; None when they are scattered."""
+    if not span.num_context_tokens:
+        return key, value
+    if span.sequence_first_block is None:
+        return None
+    return context_in_place(kv_cache, span.sequence_first_block, span.num_context_tokens + span.query_len)
 
 
 def first_of_run(block_ids: list[int]) -> int | None:

@@ -8,12 +8,14 @@ from firsttoken.attention.backend import AttentionBackend
 from firsttoken.attention.sdpa import SDPABackend
 from firsttoken.config import AttentionConfig
 from firsttoken.models.arch import ModelArch
+from firsttoken.ops.native import NativeKernels
 
 
 def select_attention_backend(
-    config: AttentionConfig, device: torch.device, arch: ModelArch
+    config: AttentionConfig, device: torch.device, arch: ModelArch, native_kernels: NativeKernels | None = None
 ) -> AttentionBackend:
-    """cuda: SDPA flash prefills plus Triton paged attention; cpu (and npu): SDPA.
+    """cuda: SDPA flash prefills plus Triton paged attention; cpu (and npu): SDPA, writing
+    K/V into the cache with `native_kernels` when given.
 
     An NPU backend would be one module, chosen here for `device.type == "npu"`.
     """
@@ -31,4 +33,4 @@ def select_attention_backend(
         return CudaAttentionBackend(device, arch.num_heads, arch.num_kv_heads)
     if config.backend == "triton":
         raise ValueError(f"attention_backend: triton needs device cuda, not {device.type}")
-    return SDPABackend(device)
+    return SDPABackend(device, native_kernels)

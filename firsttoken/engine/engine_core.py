@@ -30,6 +30,7 @@ from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.models.registry import build_model, open_checkpoint, resolve_model_path
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
 from firsttoken.ops.linear import onednn_packing_available
+from firsttoken.ops.native import load_native_kernels
 from firsttoken.outputs import RequestDelta
 from firsttoken.request import Request, RequestStatus, RequestTimestamps
 from firsttoken.sample.sampler import Sampler
@@ -92,8 +93,11 @@ class EngineCore:
         self.checkpoint = open_checkpoint(self.model_path)
         self.tokenizer = self.checkpoint.tokenizer
         self.max_model_len = self._max_model_len()
-        backend = select_attention_backend(config.attention, self.device, self.checkpoint.arch)
-        self.kernels = Kernels(fused=model_config.fuse_ops)
+        native_kernels = None
+        if model_config.fuse_ops and model_config.native_kernels and self.device.type == "cpu":
+            native_kernels = load_native_kernels(os.path.join(default_cache_dir(), "native"))
+        backend = select_attention_backend(config.attention, self.device, self.checkpoint.arch, native_kernels)
+        self.kernels = Kernels(fused=model_config.fuse_ops, native_kernels=native_kernels)
         self.model = self._load_model(backend)
         # Decode graphs pad their batches with rows that write one scratch block past the manager's.
         use_graphs = self.device.type == "cuda" and model_config.cuda_graphs

@@ -135,3 +135,20 @@ def test_chat_uses_the_template(llm):
     assert prompt.endswith("<|im_start|>assistant\n")
     assert output.prompt_token_ids == llm.tokenizer.encode(prompt)
     assert "Paris" in output.text
+
+
+def test_fused_ops_give_the_plain_ops_tokens(llm, model_path):
+    """The fused path (compiled ops from 512 rows, native kernels below) against the plain
+    torch ops in float32: prompts short and long, chunked, batched and decoding."""
+    if llm.engine.kernels.native is None:
+        pytest.skip("no native kernels on this machine")
+    plain = LLM(model_path, dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=512, fuse_ops=False)
+    assert plain.engine.kernels.native is None
+    prompts = _mixed_prompts(llm, 6) + [llm.tokenizer.encode(long_prompt())]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    fused_outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    plain_outputs = plain.generate(prompt_token_ids=prompts, sampling_params=params)
+    for fused, reference in zip(fused_outputs, plain_outputs):
+        assert fused.token_ids == reference.token_ids
+        for ours, theirs in zip(fused.logprobs, reference.logprobs):
+            assert abs(ours.top_logprobs[0].logprob - theirs.top_logprobs[0].logprob) < 1e-4

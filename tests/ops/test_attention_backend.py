@@ -57,7 +57,10 @@ def _random_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype, se
     "num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 16)]
 )
 @pytest.mark.parametrize("block_size", [1, 16, 5])
-def test_sdpa_backend_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("with_native", [False, True])
+def test_sdpa_backend_matches_reference(
+    dtype, num_heads, num_kv_heads, head_dim, block_size, with_native, native_kernels
+):
     seqs = [
         (30, 1),  # decodes with different context lengths, including a block boundary
         (block_size * 2 - 1, 1),
@@ -69,11 +72,17 @@ def test_sdpa_backend_matches_reference(dtype, num_heads, num_kv_heads, head_dim
     layout, slot_mapping, kv_cache, query, key, value = _random_batch(
         seqs, block_size, num_heads, num_kv_heads, head_dim, dtype
     )
-    backend = SDPABackend(torch.device("cpu"))
+    backend = SDPABackend(torch.device("cpu"), _native_or_skip(native_kernels) if with_native else None)
     metadata = backend.build_metadata(layout, slot_mapping)
     output = backend.forward(query, key, value, kv_cache, metadata)
     expected = paged_attention_reference(query, kv_cache, layout)
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def _native_or_skip(native_kernels):
+    if native_kernels is None:
+        pytest.skip("no working C compiler on this machine")
+    return native_kernels
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -100,16 +109,27 @@ def test_first_of_run_finds_consecutive_ids_only():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seqs", [[(40, 1)], [(31, 1), (0, 5)], [(16, 20), (33, 7)]])
-def test_contexts_in_consecutive_blocks_are_read_in_place_and_match_reference(dtype, seqs):
+@pytest.mark.parametrize("seqs", [[(40, 1)], [(31, 1), (0, 5)], [(16, 20), (33, 7)], [(100, 200)]])
+@pytest.mark.parametrize("with_native", [False, True])
+def test_contexts_in_consecutive_blocks_are_read_in_place_and_match_reference(
+    dtype, seqs, with_native, native_kernels, monkeypatch
+):
+    """With native kernels on an AMX CPU, every bf16 prefill here takes one AMX call."""
     layout, slot_mapping, kv_cache, query, key, value = _random_batch(seqs, 16, 9, 3, 64, dtype, in_order=True)
-    backend = SDPABackend(torch.device("cpu"))
+    backend = SDPABackend(torch.device("cpu"), _native_or_skip(native_kernels) if with_native else None)
+    amx_calls = []
+    if with_native:
+        attend = native_kernels.prefill_attention
+        monkeypatch.setattr(native_kernels, "prefill_attention", lambda *args: amx_calls.append(1) or attend(*args))
     metadata = backend.build_metadata(layout, slot_mapping)
     if layout.num_decodes == 1:
         assert metadata.decode_first_block is not None and metadata.decode_block_table is None
     for span in metadata.prefills:
         if span.num_context_tokens:
             assert span.context_first_block is not None and span.context_block_ids is None
+            assert span.sequence_first_block == span.context_first_block
     output = backend.forward(query, key, value, kv_cache, metadata)
     expected = paged_attention_reference(query, kv_cache, layout)
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    uses_amx = with_native and dtype == torch.bfloat16 and native_kernels.has_amx
+    assert len(amx_calls) == (len(metadata.prefills) if uses_amx else 0)

@@ -1,0 +1,159 @@
+"""The compiled CPU kernels against their plain torch references, and their routing."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from firsttoken.attention.sdpa import write_kv
+from firsttoken.ops import native
+from firsttoken.ops.activation import silu_and_mul_reference
+from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
+from firsttoken.ops.norm import add_rms_norm_reference, rms_norm_reference
+from firsttoken.ops.rotary import apply_rotary_reference, cos_sin_table, inverse_frequencies, rotary_cos_sin
+
+# The kernels round where the references round; what is left is float32 summation order
+# (a norm's sum of squares, SwiGLU's exp), which can move a bf16 result by one step.
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
+ROW_COUNTS = [1, 3, 130, 700]  # 700: split over threads
+
+
+@pytest.fixture(scope="module")
+def kernels(native_kernels) -> native.NativeKernels:
+    if native_kernels is None:
+        pytest.skip("no working C compiler on this machine")
+    return native_kernels
+
+
+@pytest.fixture(scope="module")
+def amx_kernels(kernels) -> native.NativeKernels:
+    if not kernels.has_amx:
+        pytest.skip("no AMX tiles on this CPU")
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_norms_match_reference(kernels, dtype, rows):
+    x, residual = (torch.randn(rows, 576).to(dtype) for _ in range(2))
+    weight = torch.randn(576).to(dtype)
+    expected = rms_norm_reference(x, weight, 1e-5)
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), expected, **TOLERANCE[dtype])
+    normed, summed = kernels.add_rms_norm(x, residual, weight, 1e-6)
+    expected_normed, expected_summed = add_rms_norm_reference(x, residual, weight, 1e-6)
+    torch.testing.assert_close(summed, expected_summed, atol=0, rtol=0)
+    torch.testing.assert_close(normed, expected_normed, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_silu_and_mul_matches_reference(kernels, dtype, rows):
+    gate_up = (4 * torch.randn(rows, 2 * 1536)).to(dtype)
+    torch.testing.assert_close(kernels.silu_and_mul(gate_up), silu_and_mul_reference(gate_up), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_rotary_rotates_strided_heads_in_place(kernels, dtype, rows):
+    table = cos_sin_table(inverse_frequencies(64, 10000.0, None, None), 4096)
+    cos, sin = rotary_cos_sin(table, torch.randint(0, 4096, (rows,)), dtype)
+    qkv = torch.randn(rows, 15 * 64).to(dtype)
+    value_before = qkv[:, 12 * 64 :].clone()
+    query_key = qkv[:, : 12 * 64].view(rows, 12, 64)  # rows strided as in the model
+    expected = apply_rotary_reference(query_key, cos, sin)
+    rotated = kernels.apply_rotary_(query_key, cos, sin)
+    assert rotated.data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(rotated, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(qkv[:, 12 * 64 :], value_before, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_copy(kernels, dtype):
+    num_blocks, block_size, kv_heads, head_dim = 6, 4, 3, 64
+    qkv = torch.randn(5, 15 * 64).to(dtype)
+    key = qkv[:, 9 * 64 : 12 * 64].view(5, kv_heads, head_dim)
+    value = qkv[:, 12 * 64 :].contiguous().view(5, kv_heads, head_dim)  # a different row stride
+    slots = torch.tensor([23, 0, 7, 8, 12])
+    expected = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    ours = expected.clone()
+    write_kv(expected, key, value, slots)
+    kernels.write_kv(ours, key, value, slots)
+    torch.testing.assert_close(ours, expected, atol=0, rtol=0)
+
+
+def test_write_kv_rejects_a_slot_outside_the_cache_and_writes_nothing(kernels):
+    cache = torch.zeros(2, 2, 4, 1, 64)
+    key = value = torch.ones(2, 1, 64)
+    with pytest.raises(IndexError, match="slot_mapping"):
+        kernels.write_kv(cache, key, value, torch.tensor([1, 8]))
+    assert not cache.any()
+
+
+def test_every_step_size_takes_the_native_kernels_and_plain_ops_do_not(kernels):
+    routed = Kernels(fused=True, native_kernels=kernels)
+    table = cos_sin_table(inverse_frequencies(64, 10000.0, None, None), 4096)
+    for rows in [1, FUSED_MIN_TOKENS - 1, FUSED_MIN_TOKENS + 3]:
+        x = torch.randn(rows, 12, 64).to(torch.bfloat16)
+        cos, sin = rotary_cos_sin(table, torch.arange(rows), torch.bfloat16)
+        assert routed.apply_rotary(x, cos, sin).data_ptr() == x.data_ptr()  # rotated in place
+    half_precision = torch.randn(2, 12, 64).to(torch.float16)
+    cos, sin = rotary_cos_sin(table, torch.arange(2), torch.float16)
+    assert routed.apply_rotary(half_precision, cos, sin).data_ptr() != half_precision.data_ptr()
+    plain = Kernels(fused=False, native_kernels=kernels)
+    x = torch.randn(2, 12, 64)
+    cos, sin = rotary_cos_sin(table, torch.arange(2), torch.float32)
+    assert plain.apply_rotary(x, cos, sin).data_ptr() != x.data_ptr()
+
+
+def test_a_missing_compiler_leaves_the_torch_ops(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    native.load_native_kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert native.load_native_kernels(str(tmp_path / "cache")) is None
+    finally:
+        native.load_native_kernels.cache_clear()
+    assert "native CPU kernels unavailable" in caplog.text
+
+
+def _causal_attention_reference(query, key, value):
+    """float32 softmax(Q K^T / sqrt(d)) V, query i seeing keys up to i + (keys - queries)."""
+    num_queries, num_heads, head_dim = query.shape
+    num_keys, num_kv_heads = key.shape[0], key.shape[1]
+    group = num_heads // num_kv_heads
+    scores = torch.einsum("qhd,khd->hqk", query.float(), key.float().repeat_interleave(group, 1)) / head_dim**0.5
+    allowed = torch.arange(num_keys)[None, :] <= torch.arange(num_queries)[:, None] + (num_keys - num_queries)
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", weights, value.float().repeat_interleave(group, 1))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+@pytest.mark.parametrize(
+    "num_queries,num_keys",
+    [(1, 1), (5, 5), (33, 33), (64, 64), (65, 129), (100, 100), (17, 300), (700, 700)],
+)
+def test_amx_prefill_attention_matches_plain_math(
+    amx_kernels, num_heads, num_kv_heads, head_dim, num_queries, num_keys
+):
+    generator = torch.Generator().manual_seed(num_queries * 1000 + num_keys)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_keys, width, generator=generator).to(torch.bfloat16)  # rows strided as in the model
+    query = qkv[-num_queries:, : num_heads * head_dim].view(num_queries, num_heads, head_dim)
+    key = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_keys, num_kv_heads, head_dim)
+    value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_keys, num_kv_heads, head_dim)
+    assert amx_kernels.prefill_attention_supports(query, key, value)
+    output = amx_kernels.prefill_attention(query, key, value, num_threads=2)
+    expected = _causal_attention_reference(query, key, value)
+    # bf16 inputs, probabilities rounded to bf16 before P V (as torch's flash kernel does).
+    torch.testing.assert_close(output.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_amx_prefill_attention_declines_what_it_cannot_take_and_names_bad_shapes(amx_kernels):
+    query = torch.randn(4, 4, 16).to(torch.bfloat16)
+    assert not amx_kernels.prefill_attention_supports(query, query, query)  # head_dim 16
+    assert not amx_kernels.prefill_attention_supports(*(torch.randn(4, 4, 64) for _ in range(3)))  # float32
+    query, key = torch.randn(8, 4, 64).to(torch.bfloat16), torch.randn(4, 4, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="8 queries"):
+        amx_kernels.prefill_attention(query, key, key, num_threads=1)
