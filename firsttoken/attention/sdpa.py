@@ -111,6 +111,8 @@ class SDPABackend:
             self.native.write_kv(kv_cache, key, value, metadata.slot_mapping)
         else:
             write_kv(kv_cache, key, value, metadata.slot_mapping)
+        if not metadata.prefills:  # a decode-only step: no output to assemble
+            return _decode_attention(query, kv_cache, metadata)
         output = torch.empty_like(query)
         if metadata.num_decodes:
             output[: metadata.num_decodes] = _decode_attention(

@@ -139,7 +139,7 @@ class NativeKernels:
         rows, kv_heads, head_dim = key.shape
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
         copied = self._library.ft_write_kv(
-            kv_cache.data_ptr(), kv_cache[0].numel(), num_slots, key.data_ptr(), key.stride(0), value.data_ptr(),
+            kv_cache.data_ptr(), kv_cache.numel() // 2, num_slots, key.data_ptr(), key.stride(0), value.data_ptr(),
             value.stride(0), slot_mapping.data_ptr(), rows, kv_heads * head_dim, _code(key),
         )
         if not copied:
