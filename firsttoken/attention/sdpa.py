@@ -145,10 +145,10 @@ def _native_writable(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> bool:
     """The native copy takes rows of contiguous heads into a contiguous cache."""
-    heads_contiguous = all(x.stride(1) == x.shape[2] and x.stride(2) == 1 for x in (key, value))
     return (
         native.supports(key) and kv_cache.dtype == key.dtype == value.dtype and kv_cache.is_contiguous()
-        and heads_contiguous and slot_mapping.dtype == torch.long and slot_mapping.is_contiguous()
+        and native.heads_contiguous(key) and native.heads_contiguous(value)
+        and slot_mapping.dtype == torch.long and slot_mapping.is_contiguous()
         and slot_mapping.shape[0] == key.shape[0]
     )
 

@@ -79,8 +79,7 @@ class Kernels:
 
     def apply_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated; the native kernel rotates x in place."""
-        heads_contiguous = x.stride(1) == x.shape[2] and x.stride(2) == 1
-        if self._use_native(x) and heads_contiguous and cos.is_contiguous() and cos.dtype == x.dtype:
+        if self._use_native(x) and native.heads_contiguous(x) and cos.is_contiguous() and cos.dtype == x.dtype:
             return self.native.apply_rotary_(x, cos, sin)
         if self._use_compiled(x):
             return _fused_apply_rotary(x, cos, sin)

@@ -67,6 +67,12 @@ def supports(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.dtype in _DTYPE_CODES
 
 
+def heads_contiguous(x: torch.Tensor) -> bool:
+    """x [rows, heads, head_dim] with each row's heads one contiguous run (rows may be strided),
+    the layout every kernel here reads per-head tensors in."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 class NativeKernels:
     """Typed entry points into the compiled library; every tensor argument must pass `supports`."""
 
@@ -152,7 +158,7 @@ class NativeKernels:
         return (
             self.has_amx and query.dtype == key.dtype == value.dtype == torch.bfloat16
             and query.device.type == "cpu" and head_dim % AMX_HEAD_DIM_MULTIPLE == 0 and head_dim <= AMX_MAX_HEAD_DIM
-            and all(x.stride(2) == 1 and x.stride(1) == head_dim for x in (query, key, value))
+            and all(heads_contiguous(x) for x in (query, key, value))
         )
 
     def prefill_attention(
