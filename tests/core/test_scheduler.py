@@ -89,15 +89,19 @@ def test_short_prompts_overtake_remaining_chunks_of_a_long_one():
     assert scheduler.requests.get("short") is None  # finished after its single token
 
 
+def _step_with_a_new_short_prompt(scheduler, index):
+    """A step after one more short prompt arrives, one that alone fills the prefill budget."""
+    scheduler.add_request(make_request(f"s{index}", 8, max_tokens=1, first_token=10 * index))
+    return step(scheduler)
+
+
 def test_aging_bounds_the_wait_of_a_long_prompt_under_a_flood_of_short_ones():
     aging = 6
     scheduler = make_scheduler(num_blocks=256, chunk_size=8, max_batched=64, aging_steps=aging, max_num_seqs=8)
     scheduler.add_request(make_request("long", 400, max_tokens=1, first_token=5000))
     waited_steps = 0
     for index in range(200):
-        # Every step a new short prompt that alone fills the prefill budget.
-        scheduler.add_request(make_request(f"s{index}", 8, max_tokens=1, first_token=10 * index))
-        output = step(scheduler)
+        output = _step_with_a_new_short_prompt(scheduler, index)
         if any(chunk.req_id == "long" for chunk in output.chunks):
             break
         waited_steps += 1
@@ -114,8 +118,7 @@ def test_an_aged_prompt_shares_steps_with_short_ones():
     scheduler.add_request(make_request("long", 800, max_tokens=1, first_token=5000))
     steps_with_long = 0
     for index in range(40):
-        scheduler.add_request(make_request(f"s{index}", 8, max_tokens=1, first_token=10 * index))
-        output = step(scheduler)
+        output = _step_with_a_new_short_prompt(scheduler, index)
         steps_with_long += any(chunk.req_id == "long" for chunk in output.chunks)
     # Short prompts delayed by its turns age too and take some turns back.
     assert 40 // (2 * aging) <= steps_with_long <= 40 // aging + 1
