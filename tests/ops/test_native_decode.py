@@ -1,0 +1,184 @@
+"""The native int4/int8 projections and the whole-step native decode against the per-op path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from firsttoken.attention.backend import BatchLayout, SequenceLayout
+from firsttoken.attention.sdpa import SDPABackend
+from firsttoken.models.arch import ModelArch
+from firsttoken.models.llama import LlamaForCausalLM
+from firsttoken.ops.kernels import Kernels
+from firsttoken.ops.native import DECODE_MAX_ROWS
+from firsttoken.ops.linear import (
+    Int8Linear,
+    NativeInt4Linear,
+    dequantize_int4,
+    pack_int4,
+    quantize_int4,
+    unpack_int4,
+)
+from firsttoken.worker.kv_cache import allocate_kv_caches
+
+
+@pytest.fixture
+def int4_kernels(native_kernels):
+    if native_kernels is None or not native_kernels.has_int4:
+        pytest.skip("no native int4 kernels on this machine (needs a C compiler and AVX512-BF16)")
+    return native_kernels
+
+
+def _bf16_close(actual: torch.Tensor, product: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Within a few bf16 roundings of the float64 result: the product rounds once, and again
+    after the bias (bf16 keeps 8 significant bits)."""
+    magnitude = product.abs().clamp(min=product.abs().max() / 64)
+    exact = product
+    if bias is not None:
+        exact = product + bias.double()
+        magnitude = magnitude + bias.double().abs()
+    assert ((actual.double() - exact).abs() <= 2 * magnitude / 128).all()
+
+
+def test_int4_packing_round_trips():
+    weight = torch.randn(48, 128)
+    levels, scales_and_zeros = quantize_int4(weight)
+    unpacked_levels, unpacked_scales = unpack_int4(*pack_int4(levels, scales_and_zeros))
+    assert torch.equal(unpacked_levels, levels)
+    assert torch.equal(unpacked_scales, scales_and_zeros.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("in_features", [64, 576, 1536])
+@pytest.mark.parametrize("rows", [1, 3, 8, 12])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_int4_linear_matches_dequantized_weights(int4_kernels, in_features, rows, with_bias):
+    generator = torch.Generator().manual_seed(in_features + rows)
+    weight = torch.randn(200, in_features, generator=generator) * 0.05
+    bias = torch.randn(200, generator=generator).to(torch.bfloat16) if with_bias else None
+    linear = NativeInt4Linear.from_float(weight, bias, int4_kernels)
+    x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+    levels, scales_and_zeros = unpack_int4(linear.levels, linear.scales_zeros)
+    dequantized = dequantize_int4(levels, scales_and_zeros, 32).double()
+    if rows > DECODE_MAX_ROWS:  # past the kernel's rows: a bf16 matmul on the dequantized weights
+        dequantized = dequantized.to(torch.bfloat16).double()
+    _bf16_close(linear(x), x.double() @ dequantized.t(), bias)
+
+
+def test_native_int4_matmul_names_a_bad_shape(int4_kernels):
+    linear = NativeInt4Linear.from_float(torch.randn(8, 128), None, int4_kernels)
+    with pytest.raises(ValueError, match="int4_matmul: 1 rows of 64 inputs"):
+        int4_kernels.int4_matmul(linear.levels, linear.scales_zeros, None, torch.zeros(1, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_int8_linear_matches_torch_kernel(int4_kernels, rows, with_bias):
+    generator = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(300, 576, generator=generator) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(300, generator=generator).to(torch.bfloat16) if with_bias else None
+    linear = Int8Linear.from_float(weight, bias, int4_kernels)
+    assert linear.kernels is not None
+    x = torch.randn(rows, 576, generator=generator).to(torch.bfloat16)
+    product = x.double() @ (linear.weight.double() * linear.scales.double()[:, None]).t()
+    _bf16_close(linear(x), product, bias)
+    torch_kernel = torch.ops.aten._weight_int8pack_mm(x, linear.weight, linear.scales)
+    if bias is not None:
+        torch_kernel = torch_kernel + bias
+    # Same weights and roundings: at most one bf16 step apart (float32 summation order).
+    assert ((linear(x).float() - torch_kernel.float()).abs() <= torch_kernel.float().abs() / 128 + 1e-6).all()
+
+
+def _arch(head_dim: int, num_heads: int, num_kv_heads: int, attention_bias: bool) -> ModelArch:
+    return ModelArch(
+        architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=192, num_layers=2,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=256, tie_word_embeddings=False, attention_bias=attention_bias,
+    )
+
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 16
+
+
+def _int4_model(arch: ModelArch, kernels, quantization: str | None = "int4") -> LlamaForCausalLM:
+    backend = SDPABackend(torch.device("cpu"), kernels)
+    model = LlamaForCausalLM(arch, backend, Kernels(fused=True, native_kernels=kernels), torch.bfloat16, 256)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            parameter.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
+    model.prepare_projections(quantization, quantized_prefill=False, pack_onednn=False)
+    caches = allocate_kv_caches(arch, NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16, torch.device("cpu"))
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape, generator=generator))
+    model.bind_kv_caches(caches)
+    return model
+
+
+# Scattered, shuffled blocks; lengths include the new token.
+SEQUENCES = {
+    "batch": [(5, [7, 2]), (9, [0, 11, 5]), (1, [9])],
+    "lone": [(14, [3, 4, 5, 6])],
+}
+
+
+def _decode_inputs(model: LlamaForCausalLM, sequences):
+    layout = BatchLayout(
+        [SequenceLayout(1, seq_len - 1, blocks) for seq_len, blocks in sequences], len(sequences), BLOCK_SIZE
+    )
+    positions = torch.tensor([seq_len - 1 for seq_len, _ in sequences])
+    slot_mapping = torch.tensor(
+        [blocks[(seq_len - 1) // BLOCK_SIZE] * BLOCK_SIZE + (seq_len - 1) % BLOCK_SIZE for seq_len, blocks in sequences]
+    )
+    metadata = model.layers[0].self_attn.backend.build_metadata(layout, slot_mapping)
+    input_ids = torch.arange(len(sequences)) * 31 + 7
+    return input_ids, positions, metadata
+
+
+@pytest.mark.parametrize(
+    "head_dim, num_heads, num_kv_heads, attention_bias",
+    [(32, 4, 2, False), (64, 6, 2, True), (128, 2, 1, False)],
+    ids=["d32-gqa2", "d64-gqa3-bias", "d128"],
+)
+@pytest.mark.parametrize("sequences", SEQUENCES.values(), ids=SEQUENCES.keys())
+@torch.inference_mode()
+def test_native_decode_step_matches_the_per_op_layers(int4_kernels, head_dim, num_heads, num_kv_heads, attention_bias, sequences):
+    model = _int4_model(_arch(head_dim, num_heads, num_kv_heads, attention_bias), int4_kernels)
+    native_step = model.native_decode
+    assert native_step is not None
+    caches = [layer.self_attn.kv_cache for layer in model.layers]
+    before = [cache.clone() for cache in caches]
+    inputs = _decode_inputs(model, sequences)
+    assert inputs[2].decode_tables is not None
+
+    native_hidden = model(*inputs)
+    native_caches = [cache.clone() for cache in caches]
+    for cache, saved in zip(caches, before):
+        cache.copy_(saved)
+    model.native_decode = None
+    per_op_hidden = model(*inputs)
+
+    # The new K/V are the same bits (same int4 kernel, same rotary); nothing else is written.
+    for native_cache, cache in zip(native_caches, caches):
+        assert torch.equal(native_cache, cache)
+    # Attention sums in another order than SDPA: bf16 outputs a rounding or two apart.
+    scale = per_op_hidden.float().abs().max()
+    assert (native_hidden.float() - per_op_hidden.float()).abs().max() <= 0.02 * scale
+
+
+@torch.inference_mode()
+def test_native_decode_step_rejects_a_slot_outside_the_cache(int4_kernels):
+    model = _int4_model(_arch(32, 4, 2, False), int4_kernels)
+    caches = [layer.self_attn.kv_cache.clone() for layer in model.layers]
+    input_ids, positions, metadata = _decode_inputs(model, SEQUENCES["lone"])
+    metadata.decode_tables.block_table[0, -1] = NUM_BLOCKS  # one past the last block
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        model(input_ids, positions, metadata)
+    for layer, cache in zip(model.layers, caches):
+        assert torch.equal(layer.self_attn.kv_cache, cache)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_native_decode_needs_int4_projections(int4_kernels, quantization):
+    assert _int4_model(_arch(32, 4, 2, False), int4_kernels, quantization).native_decode is None
