@@ -11,7 +11,8 @@ this machine's speed hits all of them alike):
 3. the same prompts through transformers (bf16 and fp32) and llama.cpp (llama-cpp-python on
    the same GGUF file, when installed), as TTFT ratios;
 4. decode tokens/s at batch 1 after a 512-token prompt: firsttoken (bf16, int8 and int4
-   weights for decode) against llama.cpp.
+   weights for decode; int4 also stepping op by op instead of its whole-step native decode)
+   against llama.cpp.
 """
 
 from __future__ import annotations
@@ -79,11 +80,15 @@ def llama_cpp_ttft_run(model, length: int):
     return run
 
 
-def firsttoken_decode_run(llm: LLM, num_tokens: int):
-    """Seconds per decoded token at batch 1 after a 512-token prompt."""
+def firsttoken_decode_run(llm: LLM, num_tokens: int, native_step: bool = True):
+    """Seconds per decoded token at batch 1 after a 512-token prompt; `native_step=False`
+    sets the model's whole-step native decode aside for the run (the per-op path)."""
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    model = llm.engine.model
+    whole_step = model.native_decode
 
     def run(index: int) -> float:
+        model.native_decode = whole_step if native_step else None
         prompt = random_prompt(DECODE_PROMPT_LEN, seed=9_000 + index)
         (output,) = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
         return 1.0 / output.metrics.decode_tokens_per_s
@@ -182,9 +187,13 @@ def main() -> None:
             for quantization, engine in quantized.items()
         },
     }
+    if quantized["int4"].engine.model.native_decode is not None:
+        decode_runs["firsttoken int4, per-op decode"] = firsttoken_decode_run(
+            quantized["int4"], args.decode_tokens, native_step=False
+        )
     if "llama.cpp" in peers:
         decode_runs["llama.cpp"] = llama_cpp_decode_run(peers["llama.cpp"], args.decode_tokens)
-    decode = {name: 1.0 / seconds for name, seconds in interleaved_medians(decode_runs, repeats=3).items()}
+    decode = {name: 1.0 / seconds for name, seconds in interleaved_medians(decode_runs, args.repeats).items()}
     baseline = decode.get("llama.cpp")
     print_table(
         [f"decode at batch 1 after {DECODE_PROMPT_LEN} tokens", "tokens/s", "ratio vs llama.cpp"],

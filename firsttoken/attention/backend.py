@@ -39,6 +39,29 @@ class BatchLayout:
         return sum(sequence.query_len for sequence in self.sequences)
 
 
+@dataclass(frozen=True)
+class DecodeTables:
+    """A decode-only step's addressing as tensors, for a kernel that runs the whole step."""
+
+    slot_mapping: torch.Tensor  # long [B]
+    block_table: torch.Tensor  # long [B, max_blocks], short rows padded with block 0
+    seq_lens: torch.Tensor  # long [B]: keys each sequence attends over, its new one included
+
+
+def decode_tables(layout: BatchLayout, slot_mapping: torch.Tensor) -> DecodeTables:
+    """`layout` must hold only decodes."""
+    block_size = layout.block_size
+    seq_lens = [sequence.seq_len for sequence in layout.sequences]
+    max_blocks = -(-max(seq_lens) // block_size)
+    rows = [sequence.block_table[:max_blocks] for sequence in layout.sequences]
+    table = [row + [0] * (max_blocks - len(row)) for row in rows]
+    return DecodeTables(
+        slot_mapping.contiguous(),
+        torch.tensor(table, dtype=torch.long, device=slot_mapping.device),
+        torch.tensor(seq_lens, dtype=torch.long, device=slot_mapping.device),
+    )
+
+
 class AttentionBackend(Protocol):
     """Turns a BatchLayout into backend metadata once a step, then runs every layer with it."""
 

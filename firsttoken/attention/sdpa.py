@@ -8,7 +8,8 @@
   longest, and masked.
 - A context whose blocks are one run of consecutive block ids (the pool hands out ascending
   runs) is read in place, as a view of the cache: no per-layer copy of the context.
-- With native kernels, a step's K/V go into the cache in one call instead of two index copies.
+- With native kernels, a step's K/V go into the cache in one call instead of two index copies,
+  and a decode-only step carries `DecodeTables` for the model's whole-step native decode.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from firsttoken.attention.backend import BatchLayout, SequenceLayout
+from firsttoken.attention.backend import BatchLayout, DecodeTables, SequenceLayout, decode_tables
 from firsttoken.ops import native
 
 
@@ -47,6 +48,8 @@ class SDPAMetadata:
     # A lone decode whose blocks are consecutive ids: its first block (read in place).
     decode_first_block: int | None
     prefills: list[PrefillSpan]
+    # A decode-only step with native kernels: its addressing for the whole-step native decode.
+    decode_tables: DecodeTables | None = None
 
 
 class SDPABackend:
@@ -97,7 +100,14 @@ class SDPABackend:
             decode_num_keys=decode_num_keys,
             decode_first_block=decode_first_block,
             prefills=prefills,
+            decode_tables=self._native_decode_tables(layout, slot_mapping),
         )
+
+    def _native_decode_tables(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> DecodeTables | None:
+        decode_only = 0 < layout.num_decodes == len(layout.sequences) <= native.DECODE_MAX_ROWS
+        if self.native is None or not self.native.has_int4 or not decode_only:
+            return None
+        return decode_tables(layout, slot_mapping)
 
     def forward(
         self,

@@ -3,7 +3,8 @@
 forward(input_ids, positions, attn_metadata) runs every token of a step (many requests,
 prefilling and decoding) as one [T, hidden] batch with no padding; compute_logits runs the
 final norm and LM head only on the rows that sample a token. Q/K/V and gate/up projections
-are single fused matrices, built at load time.
+are single fused matrices, built at load time. With int4 projections on the native kernels,
+a decode-only step runs all its layers in one native call (`firsttoken.ops.native_decode`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from torch import nn
 from firsttoken.attention.backend import AttentionBackend
 from firsttoken.models.arch import ModelArch
 from firsttoken.ops.kernels import Kernels
-from firsttoken.ops.linear import Linear, convert_linears, fastest_linear
+from firsttoken.ops.linear import DecodeQuantizedLinear, Linear, NativeInt4Linear, convert_linears, fastest_linear
+from firsttoken.ops.native_decode import DecodeLayerWeights, DecodeShape, NativeDecodeStep, supports_layers
 from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin
 
 
@@ -118,15 +120,46 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_weight
         inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_frequency_divisors)
         self.register_buffer("rope_table", cos_sin_table(inv_freq, max_positions), persistent=False)
+        self.native_decode: NativeDecodeStep | None = None
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             layer.self_attn.kv_cache = kv_cache
+        self.native_decode = self._native_decode_step()
+
+    def _native_decode_step(self) -> NativeDecodeStep | None:
+        """The whole-step native decode where every projection is a `NativeInt4Linear` for decode."""
+        native_kernels = self.kernels.native
+        if native_kernels is None or not native_kernels.has_int4 or self.embed_weight.dtype != torch.bfloat16:
+            return None
+        layers = []
+        for layer in self.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            projections = [
+                _decode_form(module)
+                for module in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            ]
+            if not all(isinstance(projection, NativeInt4Linear) for projection in projections):
+                return None
+            layers.append(
+                DecodeLayerWeights(layer.input_norm_weight, layer.post_attention_norm_weight, *projections, attention.kv_cache)
+            )
+        arch = self.arch
+        shape = DecodeShape(
+            arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size, arch.rms_norm_eps
+        )
+        if not supports_layers(shape, layers):
+            return None
+        return NativeDecodeStep(native_kernels, shape, layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm."""
         hidden = F.embedding(input_ids, self.embed_weight)
         rotary = rotary_cos_sin(self.rope_table, positions, hidden.dtype)
+        # Backends without whole-step decode (CUDA) carry no decode tables.
+        decode_tables = getattr(attn_metadata, "decode_tables", None)
+        if self.native_decode is not None and decode_tables is not None and self.native_decode.takes(decode_tables):
+            return self.native_decode.run(hidden, *rotary, decode_tables)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rotary, attn_metadata)
@@ -141,13 +174,20 @@ class LlamaForCausalLM(nn.Module):
         """Every projection and the LM head in its fastest form here (the embedding stays as
         loaded). The LM head is never quantized below int8: its logits pick the token, and a
         tied embedding is often stored at 8 bits (SmolLM2's GGUF: Q8_0 beside Q4_1 layers)."""
-        convert_linears(self.layers, quantization, quantized_prefill, pack_onednn)
+        convert_linears(self.layers, quantization, quantized_prefill, pack_onednn, self.kernels.native)
         head_quantization = "int8" if quantization else None
-        self.lm_head = fastest_linear(self.lm_head, head_quantization, quantized_prefill, pack_onednn)
+        self.lm_head = fastest_linear(
+            self.lm_head, head_quantization, quantized_prefill, pack_onednn, self.kernels.native
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up on the way."""
         WeightLoader(self).load(weights)
+
+
+def _decode_form(projection: nn.Module) -> nn.Module:
+    """The module that serves a projection's decode-sized steps."""
+    return projection.quantized if isinstance(projection, DecodeQuantizedLinear) else projection
 
 
 _FUSED_PARTS = {"qkv_proj.weight": 3, "qkv_proj.bias": 3, "gate_up_proj.weight": 2}

@@ -3,7 +3,8 @@
 Decoding on a CPU reads every weight once per step, so its speed is bound by the bytes of
 the weights: int8 weights (per-output-channel scales) halve what bf16 reads, int4 (groups of
 32 with a scale and a zero each) quarter it. The quantized matmuls are PyTorch's own CPU
-kernels; each plain reference dequantizes. Those kernels lose to the float (oneDNN, AMX)
+kernels, or for int4 on CPUs with AVX512-BF16 our own (`NativeInt4Linear`); each plain
+reference dequantizes. Those kernels lose to the float (oneDNN, AMX)
 matmul once a step has more than a few rows, so by default a quantized projection keeps its
 float weights too and serves prefill-sized steps from them (`DecodeQuantizedLinear`).
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from firsttoken.ops import native
 
 
 class Linear(nn.Module):
@@ -86,27 +89,49 @@ def int8_linear_reference(
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8 projection; built from a loaded float Linear."""
+    """Weight-only int8 projection; built from a loaded float Linear. With native kernels,
+    bf16 steps of up to `native.DECODE_MAX_ROWS` rows take the native int8 kernel (the same
+    weights, scales and bf16 roundings as torch's)."""
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels: native.NativeKernels | None = None,
+    ) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.bias = bias
+        takes_native = kernels is not None and kernels.has_int4 and weight.shape[1] % native.INT8_INPUT_MULTIPLE == 0
+        self.kernels = kernels if takes_native and weight.device.type == "cpu" else None
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> Int8Linear:
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels | None = None
+    ) -> Int8Linear:
         quantized, scales = quantize_int8(weight)
-        return cls(quantized.to(weight.device), scales.to(device=weight.device, dtype=weight.dtype), bias)
+        return cls(quantized.to(weight.device), scales.to(device=weight.device, dtype=weight.dtype), bias, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             return int8_linear_reference(x, self.weight, self.scales, self.bias)
         leading = x.shape[:-1]
-        output = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales)
+        flat = x.reshape(-1, x.shape[-1])
+        if self._native_takes(flat):
+            return self.kernels.int8_matmul(self.weight, self.scales, self.bias, flat.contiguous()).reshape(*leading, -1)
+        output = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
         if self.bias is not None:
             output = output + self.bias
         return output.reshape(*leading, -1)
+
+    def _native_takes(self, flat: torch.Tensor) -> bool:
+        return (
+            self.kernels is not None and flat.shape[0] <= native.DECODE_MAX_ROWS
+            and flat.dtype == self.scales.dtype == torch.bfloat16
+            and (self.bias is None or self.bias.dtype == torch.bfloat16)
+        )
 
 
 # GGUF's Q4_0/Q4_1 block size: a Q4_1 tensor (w = d * q + m per 32 weights, q in 0..15)
@@ -177,6 +202,59 @@ class Int4Linear(nn.Module):
         return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
 
 
+def pack_int4(levels: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_int4`'s output in the native kernel's layout: levels uint8 [out, in / 2]
+    (byte j of each group of 32 holds level j in its low nibble, level j + 16 in its high
+    one) and bf16 scales_zeros [out, 2 * groups] (a row's group scales, then its zeros)."""
+    out_features, in_features = levels.shape
+    halves = levels.view(out_features, in_features // INT4_GROUP_SIZE, 2, INT4_GROUP_SIZE // 2).to(torch.uint8)
+    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out_features, in_features // 2)
+    scales_zeros = torch.cat([scales_and_zeros[..., 0].t(), scales_and_zeros[..., 1].t()], dim=1)
+    return packed.contiguous(), scales_zeros.to(torch.bfloat16).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_int4`'s inverse: (levels int32 [out, in], float32 scales_and_zeros [groups, out, 2])."""
+    out_features = packed.shape[0]
+    groups = packed.view(out_features, -1, INT4_GROUP_SIZE // 2)
+    levels = torch.stack([groups & 0x0F, groups >> 4], dim=2).reshape(out_features, -1).to(torch.int32)
+    scales, zeros = scales_zeros.float().chunk(2, dim=1)
+    return levels, torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+
+
+class NativeInt4Linear(nn.Module):
+    """Weight-only int4 projection on the native kernel (bf16 activations, float32 sums);
+    the same weights and rounding as `Int4Linear`, in the layout the whole-step decode
+    kernel (`firsttoken.ops.native_decode`) reads too. Steps of more rows than the kernel
+    takes multiply by the dequantized weights."""
+
+    def __init__(
+        self, levels: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels
+    ) -> None:
+        super().__init__()
+        self.out_features = levels.shape[0]
+        self.register_buffer("levels", levels)
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.bias = bias.to(torch.bfloat16).contiguous() if bias is not None else None
+        self.kernels = kernels
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels) -> NativeInt4Linear:
+        return cls(*pack_int4(*quantize_int4(weight)), bias, kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if flat.dtype != torch.bfloat16:
+            flat = flat.to(torch.bfloat16)
+        if flat.shape[0] <= native.DECODE_MAX_ROWS:
+            output = self.kernels.int4_matmul(self.levels, self.scales_zeros, self.bias, flat.contiguous())
+        else:
+            output = int4_linear_reference(flat, *unpack_int4(self.levels, self.scales_zeros), INT4_GROUP_SIZE, self.bias)
+        if output.dtype != x.dtype:
+            output = output.to(x.dtype)
+        return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
+
+
 # Most rows a step may have for its projections to take the quantized kernels. Past these,
 # PyTorch's int8/int4 CPU kernels cost more than the float (oneDNN) matmul: measured over
 # SmolLM2-135M's 120 projections, bf16 weights streamed from memory, 2 cores:
@@ -204,30 +282,53 @@ class DecodeQuantizedLinear(nn.Module):
         return self.full_precision(x)
 
 
-def quantized_linear(linear: nn.Module, quantization: str) -> nn.Module:
+def _native_int4_takes(weight: torch.Tensor, native_kernels: native.NativeKernels | None) -> bool:
+    return (
+        native_kernels is not None and native_kernels.has_int4 and weight.device.type == "cpu"
+        and weight.shape[1] % native.INT4_INPUT_MULTIPLE == 0
+    )
+
+
+def quantized_linear(
+    linear: nn.Module, quantization: str, native_kernels: native.NativeKernels | None = None
+) -> nn.Module:
     """`linear` (a Linear) in weight-only `quantization`; int4 needs whole groups along its
-    input, and a projection without them takes int8."""
+    input, and a projection without them takes int8. int4 takes the native kernel where
+    there is one."""
     weight, bias = linear.weight.data, _bias_of(linear)
     if quantization == "int4" and int4_supported(weight.shape[1]):
+        if _native_int4_takes(weight, native_kernels):
+            return NativeInt4Linear.from_float(weight, bias, native_kernels)
         return Int4Linear.from_float(weight, bias)
-    return Int8Linear.from_float(weight, bias)
+    return Int8Linear.from_float(weight, bias, native_kernels)
 
 
 def convert_linears(
-    module: nn.Module, quantization: str | None, quantized_prefill: bool, pack_onednn: bool
+    module: nn.Module,
+    quantization: str | None,
+    quantized_prefill: bool,
+    pack_onednn: bool,
+    native_kernels: native.NativeKernels | None = None,
 ) -> None:
     """Replace every Linear below `module` (in place) with the form that serves it fastest:
     oneDNN-packed where available, and with quantized weights for decode when asked."""
     _replace_linears(
-        module, lambda linear: fastest_linear(linear, quantization, quantized_prefill, pack_onednn)
+        module,
+        lambda linear: fastest_linear(linear, quantization, quantized_prefill, pack_onednn, native_kernels),
     )
 
 
-def fastest_linear(linear: Linear, quantization: str | None, quantized_prefill: bool, pack_onednn: bool) -> nn.Module:
+def fastest_linear(
+    linear: Linear,
+    quantization: str | None,
+    quantized_prefill: bool,
+    pack_onednn: bool,
+    native_kernels: native.NativeKernels | None = None,
+) -> nn.Module:
     full_precision = PackedLinear(linear.weight.data, _bias_of(linear)) if pack_onednn else linear
     if quantization is None:
         return full_precision
-    quantized = quantized_linear(linear, quantization)
+    quantized = quantized_linear(linear, quantization, native_kernels)
     if quantized_prefill:
         return quantized
     return DecodeQuantizedLinear(quantized, full_precision, QUANTIZED_MAX_ROWS[quantization])

@@ -1,4 +1,4 @@
-"""Hand-written CPU kernels, compiled from csrc/cpu_kernels.c with the machine's C compiler.
+"""Hand-written CPU kernels, compiled from csrc/ with the machine's C compiler.
 
 - Norms, rotary, SwiGLU and the KV write: a decode step spends more time dispatching torch's
   small ops than computing them (RMSNorm is eight ops, rotary seven, at a few microseconds
@@ -8,6 +8,8 @@
   eager torch: 79 / 324 / 1495); SwiGLU 78 / 374 / 1649 (229 / 571 / 2276; 114 / 498 / 2152);
   rotary 37 / 149 / 525 (104 / 344 / 981; 73 / 342 / 1358).
 - Causal prefill attention on AMX tiles (x86-64 CPUs with AMX-BF16), flash-style.
+- int4 and int8 projections for decode-sized steps and a whole int4 decode step in one call
+  (csrc/decode_step.c, x86-64 CPUs with AVX512-BF16; see `firsttoken.ops.native_decode`).
 
 The library is built once per source, compiler flags and CPU (cached in the folder the
 caller names); where no compiler works, `load_native_kernels` returns None and callers keep
@@ -30,7 +32,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+_SOURCE_DIR = Path(__file__).parent / "csrc"
+_SOURCES = [_SOURCE_DIR / "cpu_kernels.c", _SOURCE_DIR / "decode_step.c"]
+_HEADERS = [_SOURCE_DIR / "common.h"]
 # Reassociation lets sums vectorize. Not -ffast-math: a shared library built with it sets
 # flush-to-zero for the whole process when loaded (denormals would read as 0 everywhere).
 # OpenMP binds, by soname, to the libgomp torch has already loaded: one thread pool.
@@ -57,6 +61,18 @@ _AMX_SIGNATURES = {
     + [_INT64] * 5
     + [ctypes.c_float, _POINTER, ctypes.c_int],
 }
+# x86-64 with AVX512-BF16 only: int4 projections and the whole decode step.
+_DECODE_SIGNATURES = {
+    "ft_int4_matmul": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int],
+    "ft_int8_matmul": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int],
+    "ft_decode_step": [_POINTER, _POINTER, _POINTER, ctypes.c_int],
+}
+# Most rows the int4 and int8 kernels and the decode step take (their accumulators live in
+# registers).
+DECODE_MAX_ROWS = 8
+# The int4 kernel reads its inputs two groups of 32 at a time, the int8 one 16 at a time.
+INT4_INPUT_MULTIPLE = 64
+INT8_INPUT_MULTIPLE = 16
 # The AMX kernel's head sizes: whole tiles of 32 dims, at most 4 of them.
 AMX_HEAD_DIM_MULTIPLE = 32
 AMX_MAX_HEAD_DIM = 128
@@ -81,12 +97,15 @@ class NativeKernels:
         signatures = dict(_SIGNATURES)
         if hasattr(library, "ft_amx_available"):
             signatures.update(_AMX_SIGNATURES)
+        if hasattr(library, "ft_decode_step"):
+            signatures.update(_DECODE_SIGNATURES)
         for name, argument_types in signatures.items():
             function = getattr(library, name)
             function.argtypes = argument_types
             function.restype = ctypes.c_int
         # Asks the OS for the tile registers once for the process, as oneDNN does.
         self.has_amx = hasattr(library, "ft_amx_available") and bool(library.ft_amx_available())
+        self.has_int4 = hasattr(library, "ft_decode_step")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x contiguous [rows, cols]."""
@@ -185,6 +204,53 @@ class NativeKernels:
         return out
 
 
+    def int4_matmul(
+        self, levels: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
+    ) -> torch.Tensor:
+        """x [rows, in] . W^T for rows <= DECODE_MAX_ROWS, all bf16 and contiguous; W in the
+        layout of `firsttoken.ops.native_decode.pack_int4`: levels uint8 [out, in / 2],
+        scales_zeros [out, 2 * in / 32]."""
+        rows, in_features = x.shape
+        out_features = levels.shape[0]
+        if not 1 <= rows <= DECODE_MAX_ROWS or levels.shape[1] * 2 != in_features or in_features % INT4_INPUT_MULTIPLE:
+            raise ValueError(f"int4_matmul: {rows} rows of {in_features} inputs for weights {tuple(levels.shape)}")
+        out = x.new_empty(rows, out_features)
+        _check(
+            self._library.ft_int4_matmul(
+                levels.data_ptr(), scales_zeros.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
+                in_features, x.data_ptr(), rows, out.data_ptr(), torch.get_num_threads(),
+            )
+        )
+        return out
+
+    def int8_matmul(
+        self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
+    ) -> torch.Tensor:
+        """x [rows, in] . (scales * W)^T for int8 W [out, in] (in a multiple of 16), rows <=
+        DECODE_MAX_ROWS; x, scales [out] and bias bf16; all contiguous."""
+        rows, in_features = x.shape
+        out_features = weight.shape[0]
+        if not 1 <= rows <= DECODE_MAX_ROWS or weight.shape[1] != in_features or in_features % INT8_INPUT_MULTIPLE:
+            raise ValueError(f"int8_matmul: {rows} rows of {in_features} inputs for weights {tuple(weight.shape)}")
+        out = x.new_empty(rows, out_features)
+        _check(
+            self._library.ft_int8_matmul(
+                weight.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
+                in_features, x.data_ptr(), rows, out.data_ptr(), torch.get_num_threads(),
+            )
+        )
+        return out
+
+    def decode_step(self, model: ctypes.Structure, batch: ctypes.Structure, hidden: torch.Tensor) -> None:
+        """Runs `ft_decode_step` (see native_decode.NativeDecodeStep) on hidden in place."""
+        status = self._library.ft_decode_step(
+            ctypes.byref(model), ctypes.byref(batch), hidden.data_ptr(), torch.get_num_threads()
+        )
+        if status < 0:
+            raise IndexError("decode step: a slot, block id or sequence length lies outside the KV cache")
+        _check(status)
+
+
 def _code(tensor: torch.Tensor) -> int:
     return _DTYPE_CODES[tensor.dtype]
 
@@ -208,8 +274,8 @@ def load_native_kernels(cache_dir: str) -> NativeKernels | None:
 
 def _built_library(cache_dir: Path) -> Path:
     compiler = os.environ.get("CC", "cc")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join([compiler, *_COMPILE_FLAGS]).encode(), _cpu_identity()]))
+    sources = [path.read_bytes() for path in _SOURCES + _HEADERS]
+    key = hashlib.sha256(b"\0".join([*sources, " ".join([compiler, *_COMPILE_FLAGS]).encode(), _cpu_identity()]))
     library = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if library.exists():
         return library
@@ -218,7 +284,7 @@ def _built_library(cache_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=cache_dir) as build_dir:
         partial = Path(build_dir) / library.name
         subprocess.run(
-            [compiler, *_COMPILE_FLAGS, str(_SOURCE), "-o", str(partial), "-lm"],
+            [compiler, *_COMPILE_FLAGS, *map(str, _SOURCES), "-o", str(partial), "-lm"],
             check=True, capture_output=True, timeout=120,
         )
         os.replace(partial, library)

@@ -101,9 +101,12 @@ def test_bfloat16_logprobs_stay_close_to_float32(llm, llm_bf16, parity_prompts):
 # Quantized decode against the float32 reference, each prompt alone so every decode step takes
 # the quantized weights (a step of few rows). Measured worst top-5 log-prob differences over
 # 16 tokens of these prompts: bf16 unquantized 0.31, int4 0.54 (exact 4-bit levels of this
-# Q4_1 file, scales rounded to bf16 by PyTorch's kernel), int8 1.08 (per-row 8-bit steps
-# do not land on the file's 4-bit grid). A wrong scale or group layout moves them by units.
-QUANTIZED_LOGPROB_TOLERANCE = {"int4": 0.8, "int8": 1.5}
+# Q4_1 file, scales rounded to bf16; 0.55 through the native whole-step decode), int8 1.08
+# to 1.12 on PyTorch's int8 kernel and 1.85 on the native one (per-row 8-bit steps do not
+# land on the file's 4-bit grid; both kernels agree to a bf16 rounding, and the worst case is
+# a fifth alternative at log-prob -11.75, where such roundings add up over 30 layers). A
+# wrong scale or group layout moves them by units.
+QUANTIZED_LOGPROB_TOLERANCE = {"int4": 0.8, "int8": 2.2}
 QUANTIZED_NEAR_TIE = 0.4
 QUANTIZED_DECODE_TOKENS = 16
 

@@ -139,10 +139,15 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
-/* Row kernels of cpu_kernels.c that the decode step reuses. */
+/* Row kernels of cpu_kernels.c that the decode step reuses; each returns 0 when out of memory. */
 #define FT_INTERNAL __attribute__((visibility("hidden")))
 FT_INTERNAL void normalize_row(const float *x, const float *weight, int64_t cols, float eps, int dtype, float *out);
 FT_INTERNAL void silu_row(float *x, int64_t count);
+FT_INTERNAL int rms_norm_rows(const void *x, const void *weight, void *out, int64_t begin, int64_t end, int64_t cols,
+                              float eps, int dtype);
+FT_INTERNAL int add_rms_norm_rows(const void *x, const void *residual, const void *weight, void *out, void *summed,
+                                  int64_t begin, int64_t end, int64_t cols, float eps, int dtype);
+FT_INTERNAL int silu_and_mul_rows(const void *gate_up, void *out, int64_t begin, int64_t end, int64_t half, int dtype);
 FT_INTERNAL int rotary_rows(void *x, int64_t row_stride, int64_t begin, int64_t end, int64_t heads, int64_t head_dim,
                             const void *cos, const void *sin, int dtype);
 

@@ -9,111 +9,7 @@
  * Built at run time by firsttoken/ops/native.py with the machine's C compiler.
  */
 #define _GNU_SOURCE /* syscall() for the AMX permission */
-#include <math.h>
-#include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
-enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
-
-static inline float bf16_to_float(uint16_t bits) {
-    uint32_t widened = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &widened, sizeof value);
-    return value;
-}
-
-/* Round to nearest even, as torch does; NaN stays a quiet NaN. */
-static inline uint16_t float_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) {
-        return (uint16_t)((bits >> 16) | 0x40u);
-    }
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* The value a float32 result takes once stored in `dtype`, as a float32. */
-static inline float round_to(float value, int dtype) {
-    return dtype == DTYPE_BFLOAT16 ? bf16_to_float(float_to_bf16(value)) : value;
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define VECTOR_BF16 1
-/* Lanes [0, count) of 16, for a row's tail. */
-static inline __mmask16 tail_mask(int64_t count) {
-    return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
-}
-
-static inline __m512 load16_bf16(const uint16_t *source, __mmask16 lanes) {
-    __m256i bits = _mm256_maskz_loadu_epi16(lanes, source);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-/* Round to nearest even, as torch does (NaN stays NaN; a denormal input flushes to zero). */
-static inline __m256i round16_bf16(__m512 value) {
-    return (__m256i)_mm512_cvtneps_pbh(value);
-}
-#endif
-
-static void load_row(const void *source, int64_t offset, int64_t count, int dtype, float *destination) {
-    if (dtype == DTYPE_BFLOAT16) {
-        const uint16_t *bits = (const uint16_t *)source + offset;
-        int64_t i = 0;
-#if VECTOR_BF16
-        for (; i < count; i += 16) {
-            __mmask16 lanes = tail_mask(count - i);
-            _mm512_mask_storeu_ps(destination + i, lanes, load16_bf16(bits + i, lanes));
-        }
-#endif
-        for (; i < count; i++) {
-            destination[i] = bf16_to_float(bits[i]);
-        }
-    } else {
-        memcpy(destination, (const float *)source + offset, (size_t)count * sizeof(float));
-    }
-}
-
-static void store_row(const float *source, int64_t count, int dtype, void *destination, int64_t offset) {
-    if (dtype == DTYPE_BFLOAT16) {
-        uint16_t *bits = (uint16_t *)destination + offset;
-        int64_t i = 0;
-#if VECTOR_BF16
-        for (; i < count; i += 16) {
-            __mmask16 lanes = tail_mask(count - i);
-            _mm256_mask_storeu_epi16(bits + i, lanes, round16_bf16(_mm512_maskz_loadu_ps(lanes, source + i)));
-        }
-#endif
-        for (; i < count; i++) {
-            bits[i] = float_to_bf16(source[i]);
-        }
-    } else {
-        memcpy((float *)destination + offset, source, (size_t)count * sizeof(float));
-    }
-}
-
-/* Rounds every element to `dtype` in place (a no-op for float32). */
-static void round_row(float *row, int64_t count, int dtype) {
-    if (dtype != DTYPE_BFLOAT16) {
-        return;
-    }
-    int64_t i = 0;
-#if VECTOR_BF16
-    for (; i < count; i += 16) {
-        __mmask16 lanes = tail_mask(count - i);
-        __m256i rounded = round16_bf16(_mm512_maskz_loadu_ps(lanes, row + i));
-        _mm512_mask_storeu_ps(row + i, lanes, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
-    }
-#endif
-    for (; i < count; i++) {
-        row[i] = bf16_to_float(float_to_bf16(row[i]));
-    }
-}
+#include "common.h"
 
 static int scratch_rows(int64_t count, int64_t rows, float **scratch) {
     *scratch = malloc((size_t)(count * rows) * sizeof(float));
@@ -121,7 +17,7 @@ static int scratch_rows(int64_t count, int64_t rows, float **scratch) {
 }
 
 /* weight * to_dtype(x * rsqrt(mean(x^2) + eps)), x already in float32 (and in the dtype's values). */
-static void normalize_row(const float *x, const float *weight, int64_t cols, float eps, int dtype, float *out) {
+FT_INTERNAL void normalize_row(const float *x, const float *weight, int64_t cols, float eps, int dtype, float *out) {
     float sum_of_squares = 0.0f;
     for (int64_t c = 0; c < cols; c++) {
         sum_of_squares += x[c] * x[c];
@@ -132,17 +28,7 @@ static void normalize_row(const float *x, const float *weight, int64_t cols, flo
     }
 }
 
-/* Steps of fewer elements stay on the calling thread: waking the others costs more. */
-#define PARALLEL_MIN_ELEMENTS 65536
-
-/* This thread's share [begin, end) of `rows` inside an OpenMP parallel region. */
-static void thread_rows(int64_t rows, int64_t *begin, int64_t *end) {
-    int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-    *begin = rows * thread / threads;
-    *end = rows * (thread + 1) / threads;
-}
-
-static int rms_norm_rows(const void *x, const void *weight, void *out, int64_t begin, int64_t end, int64_t cols,
+FT_INTERNAL int rms_norm_rows(const void *x, const void *weight, void *out, int64_t begin, int64_t end, int64_t cols,
                          float eps, int dtype) {
     float *scratch;
     if (!scratch_rows(cols, 3, &scratch)) {
@@ -172,7 +58,7 @@ int ft_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int6
     return succeeded;
 }
 
-static int add_rms_norm_rows(const void *x, const void *residual, const void *weight, void *out, void *summed,
+FT_INTERNAL int add_rms_norm_rows(const void *x, const void *residual, const void *weight, void *out, void *summed,
                              int64_t begin, int64_t end, int64_t cols, float eps, int dtype) {
     float *scratch;
     if (!scratch_rows(cols, 4, &scratch)) {
@@ -209,27 +95,8 @@ int ft_add_rms_norm(const void *x, const void *residual, const void *weight, voi
     return succeeded;
 }
 
-#if defined(__AVX512F__)
-/* e^x for 16 floats: 2^n * e^r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
- * (relative error ~2e-7). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
-
 /* x / (1 + e^-x), in place. */
-static void silu_row(float *x, int64_t count) {
+FT_INTERNAL void silu_row(float *x, int64_t count) {
     int64_t c = 0;
 #if defined(__AVX512F__)
     for (; c + 16 <= count; c += 16) {
@@ -246,7 +113,7 @@ static void silu_row(float *x, int64_t count) {
     }
 }
 
-static int silu_and_mul_rows(const void *gate_up, void *out, int64_t begin, int64_t end, int64_t half, int dtype) {
+FT_INTERNAL int silu_and_mul_rows(const void *gate_up, void *out, int64_t begin, int64_t end, int64_t half, int dtype) {
     float *scratch;
     if (!scratch_rows(half, 2, &scratch)) {
         return 0;
@@ -278,7 +145,7 @@ int ft_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t half, 
     return succeeded;
 }
 
-static int rotary_rows(void *x, int64_t row_stride, int64_t begin, int64_t end, int64_t heads, int64_t head_dim,
+FT_INTERNAL int rotary_rows(void *x, int64_t row_stride, int64_t begin, int64_t end, int64_t heads, int64_t head_dim,
                        const void *cos, const void *sin, int dtype) {
     float *scratch;
     if (!scratch_rows(head_dim, 4, &scratch)) {

@@ -255,13 +255,14 @@ typedef struct {
     uint16_t *attended; /* [rows, heads * head_dim] */
     uint16_t *gate_up;  /* [rows, 2 * intermediate] */
     uint16_t *hidden;   /* [rows, hidden]: the caller's; a layer's output */
+    int failed;         /* set when a row kernel could not allocate its scratch */
 } Activations;
 
 typedef struct {
     float *sums;       /* [rows, max groups] */
     uint16_t *paired;  /* [rows, widest input] */
     float *row_scales; /* [2 * max groups] */
-    float *rows;       /* [4 * max(hidden, intermediate)] */
+    float *rows;       /* [2 * hidden]: the last residual add */
     float *scores;     /* [max seq_len] */
 } ThreadScratch;
 
@@ -288,25 +289,29 @@ static int batch_in_bounds(const DecodeModel *m, const DecodeBatch *b) {
     return 1;
 }
 
+static void note_failure(Activations *a) {
+#pragma omp atomic write
+    a->failed = 1;
+}
+
 /* hidden -> normed (first layer: residual = hidden) or hidden + residual -> residual, normed. */
 static void norm_rows(const DecodeModel *m, const uint16_t *norm_weight, int first_layer, Activations *a,
-                      ThreadScratch *t, int64_t rows) {
+                      int64_t rows) {
     int64_t hidden = m->hidden_size;
-    float *weight = t->rows, *row = t->rows + hidden, *residual = t->rows + 2 * hidden, *normed = t->rows + 3 * hidden;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        load_row(norm_weight, 0, hidden, DTYPE_BFLOAT16, weight);
-        load_row(a->hidden, r * hidden, hidden, DTYPE_BFLOAT16, row);
-        if (!first_layer) {
-            load_row(a->residual, r * hidden, hidden, DTYPE_BFLOAT16, residual);
-            for (int64_t c = 0; c < hidden; c++) {
-                row[c] += residual[c];
-            }
-            round_row(row, hidden, DTYPE_BFLOAT16);
+        int succeeded;
+        if (first_layer) {
+            memcpy(a->residual + r * hidden, a->hidden + r * hidden, (size_t)hidden * sizeof(uint16_t));
+            succeeded = rms_norm_rows(a->hidden, norm_weight, a->normed, r, r + 1, hidden, m->rms_norm_eps,
+                                      DTYPE_BFLOAT16);
+        } else {
+            succeeded = add_rms_norm_rows(a->hidden, a->residual, norm_weight, a->normed, a->residual, r, r + 1,
+                                          hidden, m->rms_norm_eps, DTYPE_BFLOAT16);
         }
-        store_row(row, hidden, DTYPE_BFLOAT16, a->residual, r * hidden);
-        normalize_row(row, weight, hidden, m->rms_norm_eps, DTYPE_BFLOAT16, normed);
-        store_row(normed, hidden, DTYPE_BFLOAT16, a->normed, r * hidden);
+        if (!succeeded) {
+            note_failure(a);
+        }
     }
 }
 
@@ -413,33 +418,26 @@ static void attend(const DecodeModel *m, const DecodeLayer *layer, const DecodeB
     }
 }
 
-static void silu_and_mul_rows_bf16(const DecodeModel *m, Activations *a, int64_t rows, ThreadScratch *t) {
-    int64_t half = m->intermediate_size;
-    float *gate = t->rows, *up = t->rows + half;
+static void silu_and_mul(const DecodeModel *m, Activations *a, int64_t rows) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        load_row(a->gate_up, r * 2 * half, half, DTYPE_BFLOAT16, gate);
-        load_row(a->gate_up, r * 2 * half + half, half, DTYPE_BFLOAT16, up);
-        silu_row(gate, half);
-        round_row(gate, half, DTYPE_BFLOAT16);
-        for (int64_t c = 0; c < half; c++) {
-            gate[c] *= up[c];
+        if (!silu_and_mul_rows(a->gate_up, a->normed, r, r + 1, m->intermediate_size, DTYPE_BFLOAT16)) {
+            note_failure(a);
         }
-        store_row(gate, half, DTYPE_BFLOAT16, a->normed, r * half);
     }
 }
 
 static void decoder_layer(const DecodeModel *m, const DecodeLayer *layer, int first_layer, const DecodeBatch *b,
                           Activations *a, ThreadScratch *t) {
     int64_t rows = b->num_sequences;
-    norm_rows(m, layer->input_norm, first_layer, a, t, rows);
+    norm_rows(m, layer->input_norm, first_layer, a, rows);
     project(&layer->qkv, a->normed, rows, t, a->qkv);
     rotate_and_store(m, layer, b, a, rows);
     attend(m, layer, b, a, rows, t);
     project(&layer->o, a->attended, rows, t, a->hidden);
-    norm_rows(m, layer->post_attention_norm, 0, a, t, rows);
+    norm_rows(m, layer->post_attention_norm, 0, a, rows);
     project(&layer->gate_up, a->normed, rows, t, a->gate_up);
-    silu_and_mul_rows_bf16(m, a, rows, t);
+    silu_and_mul(m, a, rows);
     project(&layer->down, a->normed, rows, t, a->hidden);
 }
 
@@ -470,7 +468,7 @@ static int thread_scratch(const DecodeModel *m, const DecodeBatch *b, ThreadScra
     }
     /* in floats; the paired inputs (bf16) take half a float each, rounded up */
     int64_t counts[5] = {b->num_sequences * max_groups, (b->num_sequences * widest + 1) / 2, 2 * max_groups,
-                         4 * widest, max_seq_len + 16};
+                         2 * m->hidden_size, max_seq_len + 16};
     int64_t total = 0;
     for (int i = 0; i < 5; i++) {
         total += counts[i];
@@ -508,7 +506,7 @@ int ft_decode_step(const DecodeModel *m, const DecodeBatch *b, uint16_t *hidden,
     if (memory == NULL) {
         return 0;
     }
-    Activations activations = {memory, memory + rows * widths[0], NULL, NULL, NULL, hidden};
+    Activations activations = {memory, memory + rows * widths[0], NULL, NULL, NULL, hidden, 0};
     activations.qkv = activations.normed + rows * widths[1];
     activations.attended = activations.qkv + rows * widths[2];
     activations.gate_up = activations.attended + rows * widths[3];
@@ -532,6 +530,6 @@ int ft_decode_step(const DecodeModel *m, const DecodeBatch *b, uint16_t *hidden,
         }
     }
     free(memory);
-    return all_allocated;
+    return all_allocated && !activations.failed;
 }
 #endif
