@@ -105,7 +105,7 @@ class SDPABackend:
 
     def _native_decode_tables(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> DecodeTables | None:
         decode_only = 0 < layout.num_decodes == len(layout.sequences) <= native.DECODE_MAX_ROWS
-        if self.native is None or not self.native.has_int4 or not decode_only:
+        if self.native is None or not self.native.has_decode_kernels or not decode_only:
             return None
         return decode_tables(layout, slot_mapping)
 

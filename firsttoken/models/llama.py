@@ -130,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
     def _native_decode_step(self) -> NativeDecodeStep | None:
         """The whole-step native decode where every projection is a `NativeInt4Linear` for decode."""
         native_kernels = self.kernels.native
-        if native_kernels is None or not native_kernels.has_int4 or self.embed_weight.dtype != torch.bfloat16:
+        if native_kernels is None or not native_kernels.has_decode_kernels or self.embed_weight.dtype != torch.bfloat16:
             return None
         layers = []
         for layer in self.layers:
@@ -156,9 +156,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] before the final norm."""
         hidden = F.embedding(input_ids, self.embed_weight)
         rotary = rotary_cos_sin(self.rope_table, positions, hidden.dtype)
-        # Backends without whole-step decode (CUDA) carry no decode tables.
+        # Decode tables come with decode-only steps the native step takes; backends without
+        # them (CUDA) carry none.
         decode_tables = getattr(attn_metadata, "decode_tables", None)
-        if self.native_decode is not None and decode_tables is not None and self.native_decode.takes(decode_tables):
+        if self.native_decode is not None and decode_tables is not None:
             return self.native_decode.run(hidden, *rotary, decode_tables)
         residual = None
         for layer in self.layers:

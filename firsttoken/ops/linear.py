@@ -3,8 +3,8 @@
 Decoding on a CPU reads every weight once per step, so its speed is bound by the bytes of
 the weights: int8 weights (per-output-channel scales) halve what bf16 reads, int4 (groups of
 32 with a scale and a zero each) quarter it. The quantized matmuls are PyTorch's own CPU
-kernels, or for int4 on CPUs with AVX512-BF16 our own (`NativeInt4Linear`); each plain
-reference dequantizes. Those kernels lose to the float (oneDNN, AMX)
+kernels, or on CPUs with AVX512-BF16 our own (`NativeInt4Linear`, and `Int8Linear` for
+decode-sized steps); each plain reference dequantizes. Those kernels lose to the float (oneDNN, AMX)
 matmul once a step has more than a few rows, so by default a quantized projection keeps its
 float weights too and serves prefill-sized steps from them (`DecodeQuantizedLinear`).
 """
@@ -104,7 +104,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.bias = bias
-        takes_native = kernels is not None and kernels.has_int4 and weight.shape[1] % native.INT8_INPUT_MULTIPLE == 0
+        takes_native = kernels is not None and kernels.has_decode_kernels and weight.shape[1] % native.INT8_INPUT_MULTIPLE == 0
         self.kernels = kernels if takes_native and weight.device.type == "cpu" else None
 
     @classmethod
@@ -284,7 +284,7 @@ class DecodeQuantizedLinear(nn.Module):
 
 def _native_int4_takes(weight: torch.Tensor, native_kernels: native.NativeKernels | None) -> bool:
     return (
-        native_kernels is not None and native_kernels.has_int4 and weight.device.type == "cpu"
+        native_kernels is not None and native_kernels.has_decode_kernels and weight.device.type == "cpu"
         and weight.shape[1] % native.INT4_INPUT_MULTIPLE == 0
     )
 

@@ -105,7 +105,7 @@ class NativeKernels:
             function.restype = ctypes.c_int
         # Asks the OS for the tile registers once for the process, as oneDNN does.
         self.has_amx = hasattr(library, "ft_amx_available") and bool(library.ft_amx_available())
-        self.has_int4 = hasattr(library, "ft_decode_step")
+        self.has_decode_kernels = hasattr(library, "ft_decode_step")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x contiguous [rows, cols]."""
@@ -207,34 +207,36 @@ class NativeKernels:
     def int4_matmul(
         self, levels: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
     ) -> torch.Tensor:
-        """x [rows, in] . W^T for rows <= DECODE_MAX_ROWS, all bf16 and contiguous; W in the
-        layout of `firsttoken.ops.native_decode.pack_int4`: levels uint8 [out, in / 2],
-        scales_zeros [out, 2 * in / 32]."""
-        rows, in_features = x.shape
-        out_features = levels.shape[0]
-        if not 1 <= rows <= DECODE_MAX_ROWS or levels.shape[1] * 2 != in_features or in_features % INT4_INPUT_MULTIPLE:
-            raise ValueError(f"int4_matmul: {rows} rows of {in_features} inputs for weights {tuple(levels.shape)}")
-        out = x.new_empty(rows, out_features)
-        _check(
-            self._library.ft_int4_matmul(
-                levels.data_ptr(), scales_zeros.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
-                in_features, x.data_ptr(), rows, out.data_ptr(), torch.get_num_threads(),
-            )
-        )
-        return out
+        """x [rows, in] . W^T for rows <= DECODE_MAX_ROWS, in a multiple of 64, all bf16 and
+        contiguous; W in the layout of `firsttoken.ops.linear.pack_int4`: levels uint8
+        [out, in / 2], scales_zeros [out, 2 * in / 32]."""
+        return self._quantized_matmul("int4_matmul", levels, scales_zeros, bias, x, 2 * levels.shape[1], INT4_INPUT_MULTIPLE)
 
     def int8_matmul(
         self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
     ) -> torch.Tensor:
         """x [rows, in] . (scales * W)^T for int8 W [out, in] (in a multiple of 16), rows <=
         DECODE_MAX_ROWS; x, scales [out] and bias bf16; all contiguous."""
+        return self._quantized_matmul("int8_matmul", weight, scales, bias, x, weight.shape[1], INT8_INPUT_MULTIPLE)
+
+    def _quantized_matmul(
+        self,
+        name: str,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        x: torch.Tensor,
+        weight_inputs: int,
+        input_multiple: int,
+    ) -> torch.Tensor:
         rows, in_features = x.shape
+        if not 1 <= rows <= DECODE_MAX_ROWS or weight_inputs != in_features or in_features % input_multiple:
+            raise ValueError(f"{name}: {rows} rows of {in_features} inputs for weights {tuple(weight.shape)}")
         out_features = weight.shape[0]
-        if not 1 <= rows <= DECODE_MAX_ROWS or weight.shape[1] != in_features or in_features % INT8_INPUT_MULTIPLE:
-            raise ValueError(f"int8_matmul: {rows} rows of {in_features} inputs for weights {tuple(weight.shape)}")
         out = x.new_empty(rows, out_features)
+        kernel = getattr(self._library, f"ft_{name}")
         _check(
-            self._library.ft_int8_matmul(
+            kernel(
                 weight.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
                 in_features, x.data_ptr(), rows, out.data_ptr(), torch.get_num_threads(),
             )
@@ -247,7 +249,10 @@ class NativeKernels:
             ctypes.byref(model), ctypes.byref(batch), hidden.data_ptr(), torch.get_num_threads()
         )
         if status < 0:
-            raise IndexError("decode step: a slot, block id or sequence length lies outside the KV cache")
+            raise IndexError(
+                f"decode step: more than {DECODE_MAX_ROWS} sequences, or a slot, block id or sequence length "
+                "outside the KV cache"
+            )
         _check(status)
 
 

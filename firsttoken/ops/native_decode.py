@@ -127,11 +127,8 @@ class NativeDecodeStep:
             self._layer_array,
         )
 
-    def takes(self, tables: DecodeTables) -> bool:
-        return tables.block_table.shape[0] <= native.DECODE_MAX_ROWS
-
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tables: DecodeTables) -> torch.Tensor:
-        """hidden: the step's embeddings, bf16 contiguous [rows, hidden_size], replaced by the
+        """tables: of at most `native.DECODE_MAX_ROWS` sequences. hidden: the step's embeddings, bf16 contiguous [rows, hidden_size], replaced by the
         last layer's output plus its residual; cos and sin contiguous bf16 [rows, 1, head_dim]."""
         num_sequences, max_blocks = tables.block_table.shape
         batch = _DecodeBatch(

@@ -24,7 +24,7 @@ from firsttoken.worker.kv_cache import allocate_kv_caches
 
 @pytest.fixture
 def int4_kernels(native_kernels):
-    if native_kernels is None or not native_kernels.has_int4:
+    if native_kernels is None or not native_kernels.has_decode_kernels:
         pytest.skip("no native int4 kernels on this machine (needs a C compiler and AVX512-BF16)")
     return native_kernels
 

@@ -23,6 +23,20 @@
 #define MAX_DECODE_ROWS 8
 #define MAX_HEAD_VECTORS 8 /* head_dim up to 128, in vectors of 16 */
 
+/* BLOCK(n) with n the compile-time constant equal to `rows` (1 to MAX_DECODE_ROWS), so that
+ * a kernel's per-row accumulators stay in registers. */
+#define DISPATCH_ROWS(rows, BLOCK) \
+    switch (rows) { \
+    case 1: BLOCK(1); break; \
+    case 2: BLOCK(2); break; \
+    case 3: BLOCK(3); break; \
+    case 4: BLOCK(4); break; \
+    case 5: BLOCK(5); break; \
+    case 6: BLOCK(6); break; \
+    case 7: BLOCK(7); break; \
+    case 8: BLOCK(8); break; \
+    }
+
 typedef struct {
     const uint8_t *levels;        /* [out, in / 2] */
     const uint16_t *scales_zeros; /* bf16 [out, 2 * in / 32]: a row's group scales, then its zeros */
@@ -139,21 +153,9 @@ static void int4_share(const Int4Weight *w, const uint16_t *paired, const float 
                        float *row_scales, uint16_t *out) {
     int64_t begin, end;
     thread_rows(w->out_features, &begin, &end);
-    switch (rows) {
-#define ROWS_CASE(n) \
-    case n: \
-        int4_block(w, paired, sums, n, begin, end, row_scales, out); \
-        break;
-        ROWS_CASE(1)
-        ROWS_CASE(2)
-        ROWS_CASE(3)
-        ROWS_CASE(4)
-        ROWS_CASE(5)
-        ROWS_CASE(6)
-        ROWS_CASE(7)
-        ROWS_CASE(8)
-#undef ROWS_CASE
-    }
+#define INT4_BLOCK(n) int4_block(w, paired, sums, n, begin, end, row_scales, out)
+    DISPATCH_ROWS(rows, INT4_BLOCK)
+#undef INT4_BLOCK
 }
 
 /* out = x . W^T for x contiguous bf16 [rows, in_features], rows <= 8, in_features a multiple
@@ -226,21 +228,9 @@ int ft_int8_matmul(const int8_t *weight, const uint16_t *scales, const uint16_t 
     {
         int64_t begin, end;
         thread_rows(out_features, &begin, &end);
-        switch (rows) {
-#define ROWS_CASE(n) \
-    case n: \
-        int8_block(weight, scales, bias, out_features, in_features, inputs, n, begin, end, out); \
-        break;
-            ROWS_CASE(1)
-            ROWS_CASE(2)
-            ROWS_CASE(3)
-            ROWS_CASE(4)
-            ROWS_CASE(5)
-            ROWS_CASE(6)
-            ROWS_CASE(7)
-            ROWS_CASE(8)
-#undef ROWS_CASE
-        }
+#define INT8_BLOCK(n) int8_block(weight, scales, bias, out_features, in_features, inputs, n, begin, end, out)
+        DISPATCH_ROWS(rows, INT8_BLOCK)
+#undef INT8_BLOCK
     }
     free(inputs);
     return 1;
