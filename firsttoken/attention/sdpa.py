@@ -136,8 +136,8 @@ class SDPABackend:
     def _prefill(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
     ) -> torch.Tensor:
-        """The native AMX kernel where it applies (bf16, all keys in one tensor), else SDPA."""
-        if self.native is not None and self.native.has_amx:
+        """The native kernel where it applies (bf16, all keys in one tensor), else SDPA."""
+        if self.native is not None and self.native.has_prefill_attention:
             keys_values = _all_keys_values(key, value, kv_cache, span)
             if keys_values is not None and self.native.prefill_attention_supports(query, *keys_values):
                 return self.native.prefill_attention(query, *keys_values, torch.get_num_threads())

@@ -7,7 +7,8 @@
   add+RMSNorm 46 / 173 / 607 us at 64 / 512 / 2048 rows (inductor-compiled: 90 / 271 / 710,
   eager torch: 79 / 324 / 1495); SwiGLU 78 / 374 / 1649 (229 / 571 / 2276; 114 / 498 / 2152);
   rotary 37 / 149 / 525 (104 / 344 / 981; 73 / 342 / 1358).
-- Causal prefill attention on AMX tiles (x86-64 CPUs with AMX-BF16), flash-style.
+- Causal prefill attention, flash-style (csrc/prefill_attention.c): on AMX tiles (x86-64
+  CPUs with AMX-BF16), else on AVX512-BF16.
 - int4 and int8 projections for decode-sized steps and a whole int4 decode step in one call
   (csrc/decode_step.c, x86-64 CPUs with AVX512-BF16; see `firsttoken.ops.native_decode`).
 
@@ -33,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).parent / "csrc"
-_SOURCES = [_SOURCE_DIR / "cpu_kernels.c", _SOURCE_DIR / "decode_step.c"]
+_SOURCES = [_SOURCE_DIR / "cpu_kernels.c", _SOURCE_DIR / "prefill_attention.c", _SOURCE_DIR / "decode_step.c"]
 _HEADERS = [_SOURCE_DIR / "common.h"]
 # Reassociation lets sums vectorize. Not -ffast-math: a shared library built with it sets
 # flush-to-zero for the whole process when loaded (denormals would read as 0 everywhere).
@@ -54,15 +55,14 @@ _SIGNATURES = {
     "ft_write_kv": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64, _INT64]
     + [ctypes.c_int],
 }
-# x86-64 only: causal prefill attention on AMX tiles.
-_AMX_SIGNATURES = {
-    "ft_amx_available": [],
+# x86-64 with AMX only: the permission for the tile registers.
+_AMX_SIGNATURES = {"ft_amx_available": []}
+# x86-64 with AVX512-BF16 only: causal prefill attention (on AMX tiles where the CPU has
+# them), int4 and int8 projections and the whole decode step.
+_VECTOR_BF16_SIGNATURES = {
     "ft_prefill_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64]
     + [_INT64] * 5
-    + [ctypes.c_float, _POINTER, ctypes.c_int],
-}
-# x86-64 with AVX512-BF16 only: int4 projections and the whole decode step.
-_DECODE_SIGNATURES = {
+    + [ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int],
     "ft_int4_matmul": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int],
     "ft_int8_matmul": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int],
     "ft_decode_step": [_POINTER, _POINTER, _POINTER, ctypes.c_int],
@@ -73,9 +73,9 @@ DECODE_MAX_ROWS = 8
 # The int4 kernel reads its inputs two groups of 32 at a time, the int8 one 16 at a time.
 INT4_INPUT_MULTIPLE = 64
 INT8_INPUT_MULTIPLE = 16
-# The AMX kernel's head sizes: whole tiles of 32 dims, at most 4 of them.
-AMX_HEAD_DIM_MULTIPLE = 32
-AMX_MAX_HEAD_DIM = 128
+# The prefill attention kernel's head sizes: whole tiles of 32 dims, at most 4 of them.
+PREFILL_HEAD_DIM_MULTIPLE = 32
+PREFILL_MAX_HEAD_DIM = 128
 
 
 def supports(tensor: torch.Tensor) -> bool:
@@ -98,7 +98,7 @@ class NativeKernels:
         if hasattr(library, "ft_amx_available"):
             signatures.update(_AMX_SIGNATURES)
         if hasattr(library, "ft_decode_step"):
-            signatures.update(_DECODE_SIGNATURES)
+            signatures.update(_VECTOR_BF16_SIGNATURES)
         for name, argument_types in signatures.items():
             function = getattr(library, name)
             function.argtypes = argument_types
@@ -106,6 +106,7 @@ class NativeKernels:
         # Asks the OS for the tile registers once for the process, as oneDNN does.
         self.has_amx = hasattr(library, "ft_amx_available") and bool(library.ft_amx_available())
         self.has_decode_kernels = hasattr(library, "ft_decode_step")
+        self.has_prefill_attention = hasattr(library, "ft_prefill_attention")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x contiguous [rows, cols]."""
@@ -175,17 +176,27 @@ class NativeKernels:
         size of whole 32-dim tiles."""
         head_dim = query.shape[2]
         return (
-            self.has_amx and query.dtype == key.dtype == value.dtype == torch.bfloat16
-            and query.device.type == "cpu" and head_dim % AMX_HEAD_DIM_MULTIPLE == 0 and head_dim <= AMX_MAX_HEAD_DIM
+            self.has_prefill_attention and query.dtype == key.dtype == value.dtype == torch.bfloat16
+            and query.device.type == "cpu" and head_dim % PREFILL_HEAD_DIM_MULTIPLE == 0
+            and head_dim <= PREFILL_MAX_HEAD_DIM
             and all(heads_contiguous(x) for x in (query, key, value))
         )
 
     def prefill_attention(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_threads: int
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        num_threads: int,
+        use_amx: bool | None = None,
     ) -> torch.Tensor:
         """Causal attention of query [n, heads, head_dim] over key and value [m, kv_heads,
         head_dim], m >= n, the queries being the last n of the m positions (new tokens after
-        m - n of context). Inputs must pass `prefill_attention_supports`."""
+        m - n of context). Inputs must pass `prefill_attention_supports`. On AMX tiles where
+        the CPU has them (`use_amx` None), else on AVX512-BF16."""
+        use_amx = self.has_amx if use_amx is None else use_amx
+        if use_amx and not self.has_amx:
+            raise ValueError("prefill_attention: use_amx asked for on a CPU without AMX tiles")
         num_queries, num_heads, head_dim = query.shape
         num_keys, num_kv_heads = key.shape[0], key.shape[1]
         if not 1 <= num_queries <= num_keys or value.shape[0] != num_keys or num_heads % num_kv_heads:
@@ -198,7 +209,7 @@ class NativeKernels:
             self._library.ft_prefill_attention(
                 query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                 num_queries, num_keys, num_heads, num_kv_heads, head_dim, head_dim**-0.5, out.data_ptr(),
-                max(1, num_threads),
+                max(1, num_threads), int(use_amx),
             )
         )
         return out

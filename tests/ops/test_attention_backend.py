@@ -114,13 +114,13 @@ def test_first_of_run_finds_consecutive_ids_only():
 def test_contexts_in_consecutive_blocks_are_read_in_place_and_match_reference(
     dtype, seqs, with_native, native_kernels, monkeypatch
 ):
-    """With native kernels on an AMX CPU, every bf16 prefill here takes one AMX call."""
+    """With native kernels (AVX512-BF16 or AMX), every bf16 prefill here takes one native call."""
     layout, slot_mapping, kv_cache, query, key, value = _random_batch(seqs, 16, 9, 3, 64, dtype, in_order=True)
     backend = SDPABackend(torch.device("cpu"), _native_or_skip(native_kernels) if with_native else None)
-    amx_calls = []
+    native_calls = []
     if with_native:
         attend = native_kernels.prefill_attention
-        monkeypatch.setattr(native_kernels, "prefill_attention", lambda *args: amx_calls.append(1) or attend(*args))
+        monkeypatch.setattr(native_kernels, "prefill_attention", lambda *args: native_calls.append(1) or attend(*args))
     metadata = backend.build_metadata(layout, slot_mapping)
     if layout.num_decodes == 1:
         assert metadata.decode_first_block is not None and metadata.decode_block_table is None
@@ -131,5 +131,5 @@ def test_contexts_in_consecutive_blocks_are_read_in_place_and_match_reference(
     output = backend.forward(query, key, value, kv_cache, metadata)
     expected = paged_attention_reference(query, kv_cache, layout)
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    uses_amx = with_native and dtype == torch.bfloat16 and native_kernels.has_amx
-    assert len(amx_calls) == (len(metadata.prefills) if uses_amx else 0)
+    uses_native = with_native and dtype == torch.bfloat16 and native_kernels.has_prefill_attention
+    assert len(native_calls) == (len(metadata.prefills) if uses_native else 0)

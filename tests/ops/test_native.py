@@ -28,10 +28,18 @@ def kernels(native_kernels) -> native.NativeKernels:
 
 
 @pytest.fixture(scope="module")
-def amx_kernels(kernels) -> native.NativeKernels:
-    if not kernels.has_amx:
-        pytest.skip("no AMX tiles on this CPU")
+def attention_kernels(kernels) -> native.NativeKernels:
+    if not kernels.has_prefill_attention:
+        pytest.skip("no native prefill attention on this CPU (needs AVX512-BF16)")
     return kernels
+
+
+@pytest.fixture(params=["avx512-bf16", "amx"])
+def use_amx(request, attention_kernels) -> bool:
+    """Each of the kernel's two forms this CPU can run."""
+    if request.param == "amx" and not attention_kernels.has_amx:
+        pytest.skip("no AMX tiles on this CPU")
+    return request.param == "amx"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -134,8 +142,8 @@ def _causal_attention_reference(query, key, value):
     "num_queries,num_keys",
     [(1, 1), (5, 5), (33, 33), (64, 64), (65, 129), (100, 100), (17, 300), (700, 700)],
 )
-def test_amx_prefill_attention_matches_plain_math(
-    amx_kernels, num_heads, num_kv_heads, head_dim, num_queries, num_keys
+def test_prefill_attention_matches_plain_math(
+    attention_kernels, use_amx, num_heads, num_kv_heads, head_dim, num_queries, num_keys
 ):
     generator = torch.Generator().manual_seed(num_queries * 1000 + num_keys)
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -143,17 +151,20 @@ def test_amx_prefill_attention_matches_plain_math(
     query = qkv[-num_queries:, : num_heads * head_dim].view(num_queries, num_heads, head_dim)
     key = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_keys, num_kv_heads, head_dim)
     value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_keys, num_kv_heads, head_dim)
-    assert amx_kernels.prefill_attention_supports(query, key, value)
-    output = amx_kernels.prefill_attention(query, key, value, num_threads=2)
+    assert attention_kernels.prefill_attention_supports(query, key, value)
+    output = attention_kernels.prefill_attention(query, key, value, num_threads=2, use_amx=use_amx)
     expected = _causal_attention_reference(query, key, value)
     # bf16 inputs, probabilities rounded to bf16 before P V (as torch's flash kernel does).
     torch.testing.assert_close(output.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-def test_amx_prefill_attention_declines_what_it_cannot_take_and_names_bad_shapes(amx_kernels):
+def test_prefill_attention_declines_what_it_cannot_take_and_names_bad_shapes(attention_kernels):
     query = torch.randn(4, 4, 16).to(torch.bfloat16)
-    assert not amx_kernels.prefill_attention_supports(query, query, query)  # head_dim 16
-    assert not amx_kernels.prefill_attention_supports(*(torch.randn(4, 4, 64) for _ in range(3)))  # float32
+    assert not attention_kernels.prefill_attention_supports(query, query, query)  # head_dim 16
+    assert not attention_kernels.prefill_attention_supports(*(torch.randn(4, 4, 64) for _ in range(3)))  # float32
     query, key = torch.randn(8, 4, 64).to(torch.bfloat16), torch.randn(4, 4, 64).to(torch.bfloat16)
     with pytest.raises(ValueError, match="8 queries"):
-        amx_kernels.prefill_attention(query, key, key, num_threads=1)
+        attention_kernels.prefill_attention(query, key, key, num_threads=1)
+    if not attention_kernels.has_amx:
+        with pytest.raises(ValueError, match="without AMX"):
+            attention_kernels.prefill_attention(key, key, key, num_threads=1, use_amx=True)
