@@ -235,11 +235,6 @@ static void softmax_block(float *scores, int64_t first_query, int64_t first_key,
     }
 }
 
-/* The packed row holding keys 16 * key_vector ..+16 at query dim pair `pair` (see pack_keys). */
-static inline const uint16_t *key_row(const uint16_t *packed_keys, int64_t chunks, int64_t key_vector, int64_t pair) {
-    return packed_keys + ((key_vector * chunks + pair / 16) * 16 + pair % 16) * 32;
-}
-
 /* scores [QUERY_BLOCK x KEY_BLOCK] = Q block . K^T for keys 32 * first_key_tile ..+KEY_BLOCK,
  * on VDPBF16PS: each query dim pair, broadcast, meets 16 keys' pairs; 4 queries x 64 keys of
  * sums stay in registers. */
@@ -253,17 +248,25 @@ static void score_block_vector(const uint16_t *queries, int64_t head_dim, const 
                 sums[i][v] = _mm512_setzero_ps();
             }
         }
-        for (int64_t pair = 0; pair < head_dim / 2; pair++) {
-            __m512bh keys[KEY_BLOCK / 16];
+        for (int64_t chunk = 0; chunk < chunks; chunk++) {
+            /* rows of 16 keys x one dim pair, 16 pairs per chunk of 32 dims (see pack_keys) */
+            const uint16_t *key_rows[KEY_BLOCK / 16];
             for (int v = 0; v < KEY_BLOCK / 16; v++) {
-                keys[v] = (__m512bh)_mm512_loadu_si512(key_row(packed_keys, chunks, first_vector + v, pair));
+                key_rows[v] = packed_keys + ((first_vector + v) * chunks + chunk) * 16 * 32;
             }
-            for (int i = 0; i < 4; i++) {
-                int32_t query_pair;
-                memcpy(&query_pair, queries + (q + i) * head_dim + 2 * pair, sizeof query_pair);
-                __m512bh broadcast = (__m512bh)_mm512_set1_epi32(query_pair);
+            const uint16_t *query_dims = queries + q * head_dim + chunk * 32;
+            for (int64_t pair = 0; pair < 16; pair++) {
+                __m512bh keys[KEY_BLOCK / 16];
                 for (int v = 0; v < KEY_BLOCK / 16; v++) {
-                    sums[i][v] = _mm512_dpbf16_ps(sums[i][v], broadcast, keys[v]);
+                    keys[v] = (__m512bh)_mm512_loadu_si512(key_rows[v] + pair * 32);
+                }
+                for (int i = 0; i < 4; i++) {
+                    int32_t query_pair;
+                    memcpy(&query_pair, query_dims + i * head_dim + 2 * pair, sizeof query_pair);
+                    __m512bh broadcast = (__m512bh)_mm512_set1_epi32(query_pair);
+                    for (int v = 0; v < KEY_BLOCK / 16; v++) {
+                        sums[i][v] = _mm512_dpbf16_ps(sums[i][v], broadcast, keys[v]);
+                    }
                 }
             }
         }
@@ -276,7 +279,8 @@ static void score_block_vector(const uint16_t *queries, int64_t head_dim, const 
 }
 
 /* products [32 x 32] = P [32 x KEY_BLOCK keys] . V [those keys x dims 32 * pass ..+32], on
- * VDPBF16PS: each probability key pair, broadcast, meets 16 dims of both keys' values. */
+ * VDPBF16PS: each probability key pair, broadcast, meets 16 dims of both keys' values; 8
+ * queries x 32 dims of sums stay in registers. */
 static void weigh_block_vector(const uint16_t *probabilities, const uint16_t *packed_values, int64_t dim_tiles,
                                int64_t first_key_tile, int64_t pass, float *products) {
     for (int64_t q = 0; q < QUERY_BLOCK; q += 8) {
@@ -284,16 +288,21 @@ static void weigh_block_vector(const uint16_t *probabilities, const uint16_t *pa
         for (int i = 0; i < 8; i++) {
             sums[i][0] = sums[i][1] = _mm512_setzero_ps();
         }
-        for (int64_t key_pair = 0; key_pair < KEY_BLOCK / 2; key_pair++) {
-            const uint16_t *block = packed_values + (first_key_tile + key_pair / 16) * dim_tiles * 16 * 32;
-            __m512bh low = (__m512bh)_mm512_loadu_si512(block + ((2 * pass) * 16 + key_pair % 16) * 32);
-            __m512bh high = (__m512bh)_mm512_loadu_si512(block + ((2 * pass + 1) * 16 + key_pair % 16) * 32);
-            for (int i = 0; i < 8; i++) {
-                int32_t probability_pair;
-                memcpy(&probability_pair, probabilities + (q + i) * KEY_BLOCK + 2 * key_pair, sizeof probability_pair);
-                __m512bh broadcast = (__m512bh)_mm512_set1_epi32(probability_pair);
-                sums[i][0] = _mm512_dpbf16_ps(sums[i][0], broadcast, low);
-                sums[i][1] = _mm512_dpbf16_ps(sums[i][1], broadcast, high);
+        const uint16_t *rows = probabilities + q * KEY_BLOCK;
+        for (int64_t tile = 0; tile < KEY_BLOCK / TILE_KEYS; tile++) {
+            const uint16_t *low_values = packed_values + ((first_key_tile + tile) * dim_tiles + 2 * pass) * 16 * 32;
+            const uint16_t *high_values = low_values + 16 * 32;
+            const uint16_t *tile_rows = rows + tile * TILE_KEYS;
+            for (int64_t key_pair = 0; key_pair < 16; key_pair++) {
+                __m512bh low = (__m512bh)_mm512_loadu_si512(low_values + key_pair * 32);
+                __m512bh high = (__m512bh)_mm512_loadu_si512(high_values + key_pair * 32);
+                for (int i = 0; i < 8; i++) {
+                    int32_t probability_pair;
+                    memcpy(&probability_pair, tile_rows + i * KEY_BLOCK + 2 * key_pair, sizeof probability_pair);
+                    __m512bh broadcast = (__m512bh)_mm512_set1_epi32(probability_pair);
+                    sums[i][0] = _mm512_dpbf16_ps(sums[i][0], broadcast, low);
+                    sums[i][1] = _mm512_dpbf16_ps(sums[i][1], broadcast, high);
+                }
             }
         }
         for (int i = 0; i < 8; i++) {
