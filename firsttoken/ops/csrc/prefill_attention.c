@@ -173,8 +173,10 @@ static inline __mmask16 valid_lanes(int64_t valid, int64_t first) {
 
 /* 2^x for 16 floats: 2^n * 2^f, |f| <= 1/2, 2^f by its degree-4 Taylor polynomial
  * (relative error ~4e-5, a hundredth of the bf16 rounding the probabilities then take);
- * a masked score (-1e30) gives 0. */
+ * 2^n built in the exponent bits (VSCALEFPS is slow on some CPUs). x <= -127, a masked score
+ * (-1e30) among them, gives exactly 0; x stays below 128 here (scores minus their max). */
 static inline __m512 exp2_16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT);
     __m512 f = _mm512_sub_ps(x, n);
     __m512 p = _mm512_set1_ps(9.61812911e-3f);
@@ -182,7 +184,8 @@ static inline __m512 exp2_16(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    __m512i biased = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(biased, 23)));
 }
 
 /* Online softmax over one block of raw scores [QUERY_BLOCK x KEY_BLOCK] (not yet scaled):
