@@ -38,49 +38,60 @@ typedef struct {
     int use_amx;
 } PrefillProblem;
 
-/* K^T as B tiles: for 16 keys and 32 dims, 16 rows of (dim pair) x (16 keys x 2). */
-static void pack_keys(const PrefillProblem *p, int64_t kv_head) {
+/* Lanes [0, valid) of a 16-lane vector starting at lane `first`. */
+static inline __mmask16 valid_lanes(int64_t valid, int64_t first) {
+    int64_t count = valid - first;
+    return count <= 0 ? 0 : (count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1));
+}
+
+/* K^T as B tiles: for 16 keys (from `first_key`) and 32 dims, 16 rows of (dim pair) x (16
+ * keys x 2), keys past num_keys zero: each row one gather of the keys' dim pair. */
+static void pack_keys(const PrefillProblem *p, int64_t kv_head, int64_t first_key) {
     int64_t chunks = p->head_dim / 32;
-    uint16_t *packed = p->packed_keys + kv_head * p->padded_keys * p->head_dim;
-    for (int64_t block = 0; block < p->padded_keys / 16; block++) {
-        for (int64_t n = 0; n < 16; n++) {
-            int64_t key_index = block * 16 + n;
-            const uint16_t *row = p->key + key_index * p->key_row_stride + kv_head * p->head_dim;
-            for (int64_t c = 0; c < chunks; c++) {
-                uint16_t *tile = packed + (block * chunks + c) * 16 * 32;
-                for (int64_t r = 0; r < 16; r++) {
-                    int valid = key_index < p->num_keys;
-                    tile[r * 32 + n * 2] = valid ? row[c * 32 + 2 * r] : 0;
-                    tile[r * 32 + n * 2 + 1] = valid ? row[c * 32 + 2 * r + 1] : 0;
-                }
-            }
-        }
+    uint16_t *packed = p->packed_keys + kv_head * p->padded_keys * p->head_dim + (first_key / 16) * chunks * 16 * 32;
+    const uint16_t *rows = p->key + first_key * p->key_row_stride + kv_head * p->head_dim;
+    __mmask16 valid = valid_lanes(p->num_keys, first_key);
+    __m512i row_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32((int)p->key_row_stride));
+    for (int64_t pair = 0; pair < p->head_dim / 2; pair++) {
+        __m512i pairs = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, row_offsets, rows + 2 * pair, 2);
+        _mm512_storeu_si512(packed + pair * 32, pairs);
     }
 }
 
-/* V as B tiles: for 32 keys and 16 dims, 16 rows of (key pair) x (16 dims x 2). */
-static void pack_values(const PrefillProblem *p, int64_t kv_head) {
+/* V as B tiles: for 32 keys (from `first_key`) and 16 dims, 16 rows of (key pair) x (16 dims
+ * x 2), keys past num_keys zero: each row two keys' 16 dims, interleaved. */
+static void pack_values(const PrefillProblem *p, int64_t kv_head, int64_t first_key) {
     int64_t dim_tiles = p->head_dim / 16;
-    uint16_t *packed = p->packed_values + kv_head * p->padded_keys * p->head_dim;
-    for (int64_t block = 0; block < p->padded_keys / TILE_KEYS; block++) {
-        for (int64_t k = 0; k < TILE_KEYS; k++) {
-            int64_t key_index = block * TILE_KEYS + k;
-            int valid = key_index < p->num_keys;
-            const uint16_t *row = p->value + key_index * p->value_row_stride + kv_head * p->head_dim;
-            for (int64_t t = 0; t < dim_tiles; t++) {
-                uint16_t *tile = packed + (block * dim_tiles + t) * 16 * 32;
-                for (int64_t n = 0; n < 16; n++) {
-                    tile[(k / 2) * 32 + n * 2 + (k % 2)] = valid ? row[t * 16 + n] : 0;
-                }
-            }
+    uint16_t *packed = p->packed_values + kv_head * p->padded_keys * p->head_dim
+                       + (first_key / TILE_KEYS) * dim_tiles * 16 * 32;
+    static const uint16_t interleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                            8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    __m512i order = _mm512_loadu_si512(interleave);
+    for (int64_t key_pair = 0; key_pair < TILE_KEYS / 2; key_pair++) {
+        int64_t even = first_key + 2 * key_pair;
+        const uint16_t *even_row = p->value + even * p->value_row_stride + kv_head * p->head_dim;
+        const uint16_t *odd_row = even_row + p->value_row_stride;
+        __mmask16 even_valid = even < p->num_keys ? 0xffff : 0, odd_valid = even + 1 < p->num_keys ? 0xffff : 0;
+        for (int64_t t = 0; t < dim_tiles; t++) {
+            __m512i low = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(even_valid, even_row + t * 16));
+            __m512i high = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(odd_valid, odd_row + t * 16));
+            _mm512_storeu_si512(packed + (t * 16 + key_pair) * 32, _mm512_permutex2var_epi16(low, order, high));
         }
     }
 }
 
+/* Work items of KEY_BLOCK keys of one KV head, spread over the threads. */
 static void pack_share(const PrefillProblem *p, int thread_index, int num_threads) {
-    for (int64_t kv_head = thread_index; kv_head < p->num_kv_heads; kv_head += num_threads) {
-        pack_keys(p, kv_head);
-        pack_values(p, kv_head);
+    int64_t blocks = p->padded_keys / KEY_BLOCK;
+    for (int64_t item = thread_index; item < p->num_kv_heads * blocks; item += num_threads) {
+        int64_t kv_head = item / blocks, first_key = (item % blocks) * KEY_BLOCK;
+        for (int64_t key = first_key; key < first_key + KEY_BLOCK; key += 16) {
+            pack_keys(p, kv_head, key);
+        }
+        for (int64_t key = first_key; key < first_key + KEY_BLOCK; key += TILE_KEYS) {
+            pack_values(p, kv_head, key);
+        }
     }
 }
 
@@ -165,11 +176,6 @@ static void weigh_tiles(const uint16_t *probabilities, const uint16_t *packed_va
 
 #endif
 
-/* Lanes [0, valid) of a 16-lane vector starting at lane `first`. */
-static inline __mmask16 valid_lanes(int64_t valid, int64_t first) {
-    int64_t count = valid - first;
-    return count <= 0 ? 0 : (count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1));
-}
 
 /* 2^x for 16 floats: 2^n * 2^f, |f| <= 1/2, 2^f by its degree-4 Taylor polynomial
  * (relative error ~4e-5, a hundredth of the bf16 rounding the probabilities then take);
