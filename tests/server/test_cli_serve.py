@@ -98,12 +98,18 @@ def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path):
     port = _free_port()
     (tmp_path / "system.txt").write_text(SYSTEM_PROMPT)
     log = open(tmp_path / "serve.log", "w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "firsttoken", "serve", "--port", str(port), "--served-model-name", "cli-model",
-         "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20), "--chunk-size", "64", "--max-model-len", "128",
-         "--pin-system-prompt", str(tmp_path / "system.txt")],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    # Ctrl-C as in a terminal: a test run started in the background ignores SIGINT, and a child
+    # would inherit that (shutting down cleanly but exiting 0). Handled signals reset at exec.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "firsttoken", "serve", "--port", str(port), "--served-model-name", "cli-model",
+             "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20), "--chunk-size", "64",
+             "--max-model-len", "128", "--pin-system-prompt", str(tmp_path / "system.txt")],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
