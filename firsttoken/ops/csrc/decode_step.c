@@ -11,14 +11,15 @@
  * int4 weights: groups of 32 inputs, w = (level - 8) * scale + zero (PyTorch's convention),
  * levels 0..15 packed two per byte (byte j of a group: level j low, level j + 16 high),
  * bf16 scales and zeros. x . w = sum over groups of scale * (levels . x) + (zero - 8 scale)
- * * sum(x): the levels become bf16 through a 16-entry table and meet x in VDPBF16PS
- * (exact products, float32 sums).
+ * * sum(x): the levels become bf16 128 + level by one OR of their bits and meet x in
+ * VDPBF16PS two groups at a time (exact products, float32 sums), the extra 128 folded into
+ * the offsets.
  *
  * Also the int8 projection (per-row scales) for decode-sized steps: the quantized LM head.
  */
 #include "common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#if VECTOR_BF16
 #define INT4_GROUP 32
 #define MAX_DECODE_ROWS 8
 #define MAX_HEAD_VECTORS 8 /* head_dim up to 128, in vectors of 16 */
