@@ -9,9 +9,8 @@ from firsttoken.config import (
     PromptCacheConfig,
     SchedulerConfig,
 )
-from firsttoken.engine.engine_core import EngineStats, PinnedPrefix
 from firsttoken.engine.llm import LLM
-from firsttoken.outputs import RequestDelta, RequestOutput
+from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta, RequestOutput
 from firsttoken.sampling_params import SamplingParams
 
 __version__ = "0.1.0"

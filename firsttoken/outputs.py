@@ -1,11 +1,114 @@
-"""What a request gives back: streamed deltas, and the accumulated RequestOutput."""
+"""What the engine gives back: a request's streamed deltas, its accumulated RequestOutput and
+its timing (RequestMetrics), pinned prefixes, and snapshots of the engine's counters."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from firsttoken.core.batch import SampledToken
-from firsttoken.metrics.request_metrics import RequestMetrics
+from firsttoken.request import RequestTimestamps
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """A sampled token, with its log-probability and the top alternatives when asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Timestamps (perf_counter seconds) and durations (seconds) of one request.
+
+    tokenize + queue + prefill = ttft: arrival -> tokenized -> first scheduled -> first token.
+    """
+
+    arrival_time: float
+    tokenized_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_cached_tokens: int
+    num_prefill_chunks: int
+    num_preemptions: int
+
+    @property
+    def tokenize_s(self) -> float:
+        return self.tokenized_time - self.arrival_time
+
+    @property
+    def queue_s(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.tokenized_time
+
+    @property
+    def prefill_s(self) -> float | None:
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def decode_s(self) -> float | None:
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
+
+    @property
+    def e2e_s(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        prefill = self.prefill_s
+        computed = self.num_prompt_tokens - self.num_cached_tokens
+        return computed / prefill if prefill else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        decode = self.decode_s
+        return (self.num_generation_tokens - 1) / decode if decode else None
+
+    @classmethod
+    def from_timestamps(
+        cls,
+        timestamps: RequestTimestamps,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        num_cached_tokens: int,
+        num_preemptions: int,
+    ) -> RequestMetrics:
+        return cls(
+            arrival_time=timestamps.arrival,
+            tokenized_time=timestamps.tokenized if timestamps.tokenized is not None else timestamps.arrival,
+            first_scheduled_time=timestamps.first_scheduled,
+            first_token_time=timestamps.first_token,
+            last_token_time=timestamps.last_token,
+            finished_time=timestamps.finished,
+            num_prompt_tokens=num_prompt_tokens,
+            num_generation_tokens=num_generation_tokens,
+            num_cached_tokens=num_cached_tokens,
+            num_prefill_chunks=len(timestamps.prefill_chunk_ends),
+            num_preemptions=num_preemptions,
+        )
 
 
 @dataclass
@@ -50,3 +153,34 @@ class RequestOutput:
         self.stop_reason = delta.stop_reason
         self.num_cached_tokens = delta.num_cached_tokens
         self.metrics = delta.metrics
+
+
+@dataclass(frozen=True)
+class PinnedPrefix:
+    """A prefix whose KV stays resident: its id and the tokens its full blocks hold."""
+
+    pin_id: str
+    token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's gauges and counters."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_steps: int
+    last_prefill_budget: int
+    num_pinned_tokens: int

@@ -30,7 +30,7 @@ from firsttoken.bench.stage_hooks import (
 from firsttoken.bench.stats import Distribution, summarize
 from firsttoken.bench.table import format_table
 from firsttoken.engine.llm import LLM
-from firsttoken.metrics.request_metrics import RequestMetrics
+from firsttoken.outputs import RequestMetrics
 from firsttoken.sampling_params import SamplingParams
 
 FIRST_TOKEN_ONLY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from firsttoken.metrics.request_metrics import RequestMetrics
+from firsttoken.outputs import RequestMetrics
 
 # The rows of a TTFT breakdown, in the order a request meets them.
 STAGES: tuple[str, ...] = (

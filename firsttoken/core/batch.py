@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from firsttoken.outputs import SampledToken
 from firsttoken.sampling_params import SamplingParams
 
 
@@ -45,21 +46,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    """A sampled token, with its log-probability and the top alternatives when asked for."""
-
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)

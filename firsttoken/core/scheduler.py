@@ -13,18 +13,16 @@ import time
 from dataclasses import dataclass
 
 from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
-from firsttoken.core.batch import ModelOutput, SampledToken, SampleSpec, ScheduledChunk, SchedulerOutput
+from firsttoken.core.batch import ModelOutput, SampleSpec, ScheduledChunk, SchedulerOutput
 from firsttoken.core.hashing import BlockHash, extend_block_hashes
 from firsttoken.core.kv_cache_manager import KVCacheManager, num_blocks_for
 from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
 from firsttoken.core.policy import LatencyTargets, StepLoad, adaptive_prefill_budget, prefill_order_key
+from firsttoken.errors import QueueFullError
+from firsttoken.outputs import SampledToken
 from firsttoken.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at `max_waiting_requests`; the caller should retry later."""
 
 
 @dataclass

@@ -20,9 +20,10 @@ from typing import Any, AsyncIterator, Protocol, Sequence, Union
 
 import jinja2
 
-from firsttoken.config import EngineConfig
-from firsttoken.engine.engine_core import EngineCore, EngineStats
-from firsttoken.outputs import RequestDelta
+from firsttoken.engine.engine_core import EngineCore
+from firsttoken.engine.llm import LLM
+from firsttoken.errors import EngineDeadError
+from firsttoken.outputs import EngineStats, RequestDelta
 from firsttoken.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,10 +39,6 @@ class TokenizedPrompt:
     token_ids: list[int]
     arrival_time: float
     tokenized_time: float
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (an unexpected error, or shutdown); no request can run."""
 
 
 class RequestObserver(Protocol):
@@ -173,6 +170,7 @@ class AsyncEngine:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.tokenizer = core.tokenizer
+        self.model_path = core.model_path
         self.max_model_len = core.max_model_len
         # The longest request (prompt + output) the KV cache can hold at all.
         self.max_request_tokens = min(
@@ -190,9 +188,15 @@ class AsyncEngine:
         )
 
     @classmethod
-    def from_options(cls, model: str | None = None, **engine_options: Any) -> AsyncEngine:
-        """Load a model with the same keywords as `LLM(...)`; call `start()` inside the event loop."""
-        return cls(EngineCore(EngineConfig.from_kwargs(model=model, **engine_options)))
+    def from_options(
+        cls, model: str | None = None, *, system_prompt: str | None = None, **engine_options: Any
+    ) -> AsyncEngine:
+        """Load a model with the same keywords as `LLM(...)`, pinning `system_prompt` (its chat
+        template rendering) when given; call `start()` inside the event loop."""
+        llm = LLM(model, **engine_options)
+        if system_prompt is not None:  # pinned before the step loop thread takes the engine over
+            llm.pin_system_prompt(system_prompt, pin_id="system-prompt")
+        return cls(llm.engine)
 
     # -- life cycle ----------------------------------------------------------------------------
 

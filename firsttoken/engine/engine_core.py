@@ -10,7 +10,6 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +30,7 @@ from firsttoken.models.registry import build_model, open_checkpoint, resolve_mod
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
 from firsttoken.ops.linear import onednn_packing_available
 from firsttoken.ops.native import load_native_kernels
-from firsttoken.outputs import RequestDelta
+from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.request import Request, RequestStatus, RequestTimestamps
 from firsttoken.sample.sampler import Sampler
 from firsttoken.sampling_params import SamplingParams
@@ -45,37 +44,6 @@ if TYPE_CHECKING:
     from firsttoken.worker.cuda_runner import CudaModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PinnedPrefix:
-    """A prefix whose KV stays resident: its id and the tokens its full blocks hold."""
-
-    pin_id: str
-    token_ids: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's gauges and counters."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_steps: int
-    last_prefill_budget: int
-    num_pinned_tokens: int
 
 
 class EngineCore:

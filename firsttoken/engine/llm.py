@@ -7,8 +7,8 @@ import time
 from typing import Any, Iterator, Sequence, Union
 
 from firsttoken.config import EngineConfig
-from firsttoken.engine.engine_core import EngineCore, EngineStats, PinnedPrefix
-from firsttoken.outputs import RequestDelta, RequestOutput
+from firsttoken.engine.engine_core import EngineCore
+from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta, RequestOutput
 from firsttoken.sampling_params import SamplingParams
 
 Messages = Sequence[dict[str, Any]]

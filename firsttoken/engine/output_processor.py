@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 from firsttoken.core.scheduler import RequestProgress
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from firsttoken.metrics.request_metrics import RequestMetrics
-from firsttoken.outputs import RequestDelta
+from firsttoken.outputs import RequestDelta, RequestMetrics
 from firsttoken.request import Request
 from firsttoken.tokenizer import Tokenizer
 

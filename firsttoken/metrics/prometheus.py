@@ -7,15 +7,12 @@ at scrape time. Everything lives in one CollectorRegistry per server, never the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from firsttoken.outputs import RequestDelta
-
-if TYPE_CHECKING:
-    from firsttoken.engine.engine_core import EngineStats
+from firsttoken.outputs import EngineStats, RequestDelta
 
 PREFIX = "firsttoken:"
 FINISH_REASONS = ("stop", "length", "abort")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from firsttoken.metrics.request_metrics import RequestMetrics
+from firsttoken.outputs import RequestMetrics
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from firsttoken.core.batch import SampledToken, SampleSpec, TokenLogprob
+from firsttoken.core.batch import SampleSpec
+from firsttoken.outputs import SampledToken, TokenLogprob
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1

@@ -8,9 +8,8 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response
 
-from firsttoken.core.batch import SampledToken, TokenLogprob
 from firsttoken.engine.async_engine import AsyncEngine
-from firsttoken.outputs import RequestDelta
+from firsttoken.outputs import RequestDelta, SampledToken, TokenLogprob
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.generation import (
     Choice,

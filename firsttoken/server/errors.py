@@ -15,8 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from firsttoken.core.scheduler import QueueFullError
-from firsttoken.engine.async_engine import EngineDeadError
+from firsttoken.engine import EngineDeadError, QueueFullError
 
 logger = logging.getLogger(__name__)
 

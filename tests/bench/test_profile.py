@@ -20,7 +20,7 @@ from firsttoken.bench.stage_hooks import (
     stage_seconds,
 )
 from firsttoken.bench.stats import summarize
-from firsttoken.metrics.request_metrics import RequestMetrics
+from firsttoken.outputs import RequestMetrics
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
-from firsttoken.core.batch import ModelOutput, SampledToken
+from firsttoken.core.batch import ModelOutput
+from firsttoken.outputs import SampledToken
 from firsttoken.core.hashing import root_hash
 from firsttoken.core.kv_cache_manager import KVCacheManager
-from firsttoken.core.scheduler import QueueFullError, Scheduler
+from firsttoken.core.scheduler import Scheduler
+from firsttoken.errors import QueueFullError
 from firsttoken.request import RequestStatus
 from tests.core.fakes import EOS, make_request
 

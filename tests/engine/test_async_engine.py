@@ -11,8 +11,8 @@ import pytest
 
 from firsttoken import SamplingParams
 from firsttoken.config import EngineConfig
-from firsttoken.core.scheduler import QueueFullError
-from firsttoken.engine.async_engine import AsyncEngine, EngineDeadError
+from firsttoken.engine.async_engine import AsyncEngine
+from firsttoken.errors import EngineDeadError, QueueFullError
 from firsttoken.engine.engine_core import EngineCore
 from tests.prompts import SHORT_PROMPTS, long_prompt
 

@@ -9,9 +9,9 @@ import re
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from firsttoken.engine.engine_core import EngineStats
+from firsttoken.outputs import EngineStats
 from firsttoken.metrics.prometheus import PrometheusMetrics
-from firsttoken.metrics.request_metrics import RequestMetrics
+from firsttoken.outputs import RequestMetrics
 from firsttoken.metrics.ttft_stages import TTFTStages
 from firsttoken.outputs import RequestDelta
 
