@@ -392,7 +392,7 @@ def run(
         llm = open_engine(folder, shape, plan, device, cuda_graphs=device.type == "cuda")
         say(
             f"\n== {shape.name}: weights seeded, saved and loaded in {time.perf_counter() - started:.1f} s; "
-            f"runner {type(llm.engine.runner).__name__}, {llm.stats().num_kv_blocks} KV blocks"
+            f"runner {type(llm.engine.worker.runner).__name__}, {llm.stats().num_kv_blocks} KV blocks"
         )
         parity = check_parity(llm, hf_model, shape, plan, device, seed)
         all_parity += parity

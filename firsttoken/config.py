@@ -74,6 +74,11 @@ class ModelConfig:
         metadata=_help("with quantization, run prefill on the quantized weights too and drop the float "
                        "copy (less memory, slower prefill); default: float weights serve prefill"),
     )
+    cache_dir: str | None = field(
+        default=None,
+        metadata=_help("folder for converted weights, built kernels and measured step costs; default: "
+                       "$XDG_CACHE_HOME/firsttoken, else ~/.cache/firsttoken"),
+    )
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")

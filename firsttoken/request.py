@@ -69,7 +69,6 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    num_prefill_tokens_computed: int = 0
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     # The step since which it has waited for prefill progress: set on arrival and whenever a

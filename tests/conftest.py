@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 
 import pytest
 import torch
+
+# Converted weights, built kernels and step costs go to a cache of this run, never the user's
+# (engines started by tests, and the servers they spawn, read XDG_CACHE_HOME).
+_RUN_CACHE = tempfile.TemporaryDirectory(prefix="firsttoken-tests-")
+os.environ["XDG_CACHE_HOME"] = _RUN_CACHE.name
 
 # Importing firsttoken compiles kernels, which imports triton; without a GPU, tests/cuda needs
 # triton's interpreter, and triton reads that choice once, when it is first imported.

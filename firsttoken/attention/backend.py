@@ -65,6 +65,9 @@ def decode_tables(layout: BatchLayout, slot_mapping: torch.Tensor) -> DecodeTabl
 class AttentionBackend(Protocol):
     """Turns a BatchLayout into backend metadata once a step, then runs every layer with it."""
 
+    # The integer type its step inputs (ids, positions, slot mapping) must have.
+    index_dtype: torch.dtype
+
     def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> Any: ...
 
     def forward(

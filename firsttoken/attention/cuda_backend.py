@@ -29,7 +29,7 @@ from firsttoken.attention.triton_kernels import (
     prefill_tile_shape,
     store_kv,
 )
-from firsttoken.worker.host_buffers import StagingBuffer
+from firsttoken.attention.staging import StagingBuffer
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class CudaAttentionBackend:
 
     Owns the staging buffer its per-step tables travel through.
     """
+
+    index_dtype = torch.int32  # what the Triton kernels read
 
     def __init__(self, device: torch.device, num_heads: int, num_kv_heads: int) -> None:
         self.device = device

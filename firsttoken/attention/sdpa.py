@@ -55,6 +55,8 @@ class SDPAMetadata:
 class SDPABackend:
     """Attention through torch's fused SDPA kernels over the paged KV cache."""
 
+    index_dtype = torch.long  # index_copy_ and the native KV write take int64 slots
+
     def __init__(self, device: torch.device, native_kernels: native.NativeKernels | None = None) -> None:
         self.device = device
         self.native = native_kernels

@@ -265,7 +265,7 @@ def run_compare(args: argparse.Namespace) -> int:
     )
     llm = _bench_llm(args, dtype="float32")
     model_path = llm.engine.model_path
-    peers = [FirsttokenPeer(llm), TransformersPeer.load(model_path, llm.engine.dtype)]
+    peers = [FirsttokenPeer(llm), TransformersPeer.load(model_path, llm.engine.worker.dtype)]
     llama_cpp = (
         None if args.no_llama_cpp else _llama_cpp_peer(model_path, max(spec.input_lens) + spec.output_len)
     )

@@ -136,7 +136,7 @@ def profile_ttft(llm: LLM, spec: ProfileSpec) -> ProfileResult:
 def _instrumented_run(
     llm: LLM, parts: EngineParts, prompt: str, trace: bool = False
 ) -> tuple[float, dict[str, float]]:
-    with instrumented(parts, StageClock(llm.engine.device, trace)) as clock:
+    with instrumented(parts, StageClock(llm.engine.worker.device, trace)) as clock:
         result = first_token(llm, prompt)
     return result.ttft_s, stage_seconds(parts, clock, result.ttft_s, result.metrics)
 
@@ -144,7 +144,7 @@ def _instrumented_run(
 def write_trace(llm: LLM, parts: EngineParts, prompt: str, path: str) -> None:
     """A Chrome trace (chrome://tracing, Perfetto) of one instrumented request, with a scope per stage."""
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if llm.engine.device.type == "cuda":
+    if llm.engine.worker.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with (
         torch.profiler.profile(activities=activities, record_shapes=True) as profiler,

@@ -64,12 +64,13 @@ class EngineParts:
 
 def find_engine_parts(engine: Any) -> EngineParts:
     """The timed parts of an EngineCore, found by attribute name; a ValueError names what is missing."""
-    model = _attribute(engine, "model", "the engine")
+    worker = _attribute(engine, "worker", "the engine")
+    model = _attribute(worker, "model", "the worker")
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise ValueError(f"profile: {type(model).__name__} has no `layers` ModuleList of decoder layers")
     _attribute(model, "compute_logits", type(model).__name__)
-    runner = _attribute(engine, "runner", "the engine")
+    runner = _attribute(worker, "runner", "the worker")
     sampler = _attribute(runner, "sampler", type(runner).__name__)
     _attribute(sampler, "sample", type(sampler).__name__)
     output_processor = _attribute(engine, "output_processor", "the engine")

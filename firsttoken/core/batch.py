@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from firsttoken.outputs import SampledToken
 from firsttoken.sampling_params import SamplingParams
@@ -36,8 +36,6 @@ class SchedulerOutput:
     """Everything the runner needs for one step."""
 
     chunks: list[ScheduledChunk]
-    token_budget: int
-    preempted_req_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

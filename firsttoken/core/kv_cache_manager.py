@@ -20,10 +20,6 @@ class PrefixCacheStats:
     num_query_tokens: int = 0
     num_hit_tokens: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
-
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -135,10 +131,6 @@ class KVCacheManager:
         if blocks is None:
             raise ValueError(f"no pinned prefix {pin_id!r}")
         self.pool.release(reversed(blocks))
-
-    @property
-    def pin_ids(self) -> list[str]:
-        return list(self._pins)
 
     def pinned_block_ids(self, pin_id: str) -> list[int]:
         return [block.block_id for block in self._pins[pin_id]]

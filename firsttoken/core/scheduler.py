@@ -18,7 +18,7 @@ from firsttoken.core.hashing import BlockHash, extend_block_hashes
 from firsttoken.core.kv_cache_manager import KVCacheManager, num_blocks_for
 from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
 from firsttoken.core.policy import LatencyTargets, StepLoad, adaptive_prefill_budget, prefill_order_key
-from firsttoken.errors import QueueFullError
+from firsttoken.errors import InvalidInputError, QueueFullError
 from firsttoken.outputs import SampledToken
 from firsttoken.request import Request, RequestStatus
 
@@ -54,11 +54,15 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_model_len: int,
         hash_root: BlockHash,
+        step_times: StepTimeTracker | None = None,
     ) -> None:
+        """`step_times`: this device's measured step cost, which sizes prefill chunks when the
+        chunk size is auto (without it an auto step takes the whole token budget)."""
         if config.max_num_batched_tokens < config.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens: must be >= max_num_seqs ({config.max_num_seqs}) so that "
-                f"every running decode fits in a step, got {config.max_num_batched_tokens}"
+            raise InvalidInputError(
+                "max_num_batched_tokens",
+                f"must be >= max_num_seqs ({config.max_num_seqs}) so that every running decode fits "
+                f"in a step, got {config.max_num_batched_tokens}",
             )
         self.config = config
         self.chunked_prefill = chunked_prefill
@@ -66,7 +70,7 @@ class Scheduler:
         self.block_size = kv_manager.block_size
         self.max_model_len = max_model_len
         self.hash_root = hash_root
-        self.step_times: StepTimeTracker | None = None  # set by the engine when chunk_size is auto
+        self.step_times = step_times
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -78,7 +82,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.validate_capacity(request.num_prompt_tokens, request.max_total_tokens - request.num_prompt_tokens)
         if request.req_id in self.requests:
-            raise ValueError(f"request_id: {request.req_id!r} is already in use")
+            raise InvalidInputError("request_id", f"{request.req_id!r} is already in use")
         limit = self.config.max_waiting_requests
         if limit is not None and len(self.waiting) >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests)")
@@ -88,20 +92,22 @@ class Scheduler:
         self.waiting.append(request)
 
     def validate_capacity(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ValueError if a request of this size could never run, whatever the load."""
+        """Raise InvalidInputError if a request of this size could never run, whatever the load."""
         if num_prompt_tokens < 1:
-            raise ValueError("prompt: must hold at least one token")
+            raise InvalidInputError("prompt", "must hold at least one token")
         total = num_prompt_tokens + max_tokens
         if total > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is "
-                f"{total}, longer than max_model_len ({self.max_model_len})"
+            raise InvalidInputError(
+                "max_tokens",
+                f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {total}, "
+                f"longer than max_model_len ({self.max_model_len})",
             )
         needed = num_blocks_for(total, self.block_size)
         if needed > self.kv.num_blocks:
-            raise ValueError(
-                f"max_tokens: prompt plus max_tokens needs {needed} KV blocks, but the KV cache "
-                f"holds {self.kv.num_blocks}; raise kv_cache_memory_bytes or lower max_tokens"
+            raise InvalidInputError(
+                "max_tokens",
+                f"prompt plus max_tokens needs {needed} KV blocks, but the KV cache holds "
+                f"{self.kv.num_blocks}; raise kv_cache_memory_bytes or lower max_tokens",
             )
 
     def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
@@ -132,9 +138,7 @@ class Scheduler:
         token_budget = min(self.config.max_num_batched_tokens, len(scheduled) + prefill_budget)
         self._schedule_prefills(scheduled, preempted, token_budget - len(scheduled))
         self.stats.last_prefill_budget = prefill_budget
-        return SchedulerOutput(
-            chunks=self._build_chunks(scheduled), token_budget=token_budget, preempted_req_ids=preempted
-        )
+        return SchedulerOutput(chunks=self._build_chunks(scheduled))
 
     def _schedule_decodes(self, scheduled: dict[str, int], preempted: list[str]) -> None:
         for request in list(self.running):
@@ -276,7 +280,6 @@ class Scheduler:
                 self.stats.num_decode_tokens += num_new
             else:
                 self.stats.num_prefill_tokens += num_new
-                request.num_prefill_tokens_computed += num_new
             request.num_computed_tokens = end
         self.stats.num_steps += 1
         return chunks

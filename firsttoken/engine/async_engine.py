@@ -22,7 +22,7 @@ import jinja2
 
 from firsttoken.engine.engine_core import EngineCore
 from firsttoken.engine.llm import LLM
-from firsttoken.errors import EngineDeadError
+from firsttoken.errors import EngineDeadError, InvalidInputError
 from firsttoken.outputs import EngineStats, RequestDelta
 from firsttoken.sampling_params import SamplingParams
 
@@ -130,6 +130,10 @@ class RequestStream:
             self._ended = True
         return item
 
+    async def admitted(self) -> None:
+        """Return once the engine accepted the request; raise what it rejected it with."""
+        await self._admission
+
     async def aclose(self) -> None:
         """Abort the request unless it already finished (closing the stream early cancels it)."""
         self._ended = True
@@ -172,10 +176,7 @@ class AsyncEngine:
         self.tokenizer = core.tokenizer
         self.model_path = core.model_path
         self.max_model_len = core.max_model_len
-        # The longest request (prompt + output) the KV cache can hold at all.
-        self.max_request_tokens = min(
-            core.max_model_len, core.kv_manager.num_blocks * core.config.cache.block_size
-        )
+        self.max_request_tokens = core.max_request_tokens
         self._observers: list[RequestObserver] = []
         self._inbox = _Inbox()
         self._streams: dict[str, RequestStream] = {}
@@ -237,7 +238,7 @@ class AsyncEngine:
         """
         arrival_time = time.perf_counter()
         if (prompt is None) == (messages is None):
-            raise ValueError("prompt: give either a prompt or messages")
+            raise InvalidInputError("prompt", "give either a prompt or messages")
         if messages is None and not isinstance(prompt, str):
             token_ids = list(prompt)
         else:
@@ -255,7 +256,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a tokenized request; returns once the engine accepted it.
 
-        Raises ValueError for bad input, QueueFullError when the waiting queue is full and
+        Raises InvalidInputError for bad input, QueueFullError when the waiting queue is full and
         EngineDeadError when the loop is gone; in each case nothing stays allocated.
         """
         if self._loop is None:
@@ -264,7 +265,7 @@ class AsyncEngine:
             raise self._dead
         request_id = request_id or self.core.new_request_id()
         if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise InvalidInputError("request_id", f"{request_id!r} is already in use")
         stream = RequestStream(request_id, prompt.arrival_time, self)
         self._streams[request_id] = stream
         self._inbox.put(
@@ -278,7 +279,7 @@ class AsyncEngine:
             )
         )
         try:
-            await stream._admission
+            await stream.admitted()
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
@@ -321,9 +322,9 @@ class AsyncEngine:
             try:
                 prompt = self.tokenizer.apply_chat_template(messages)
             except jinja2.TemplateError as error:  # a model's template refusing this conversation
-                raise ValueError(f"messages: the chat template failed: {error}") from error
+                raise InvalidInputError("messages", f"the chat template failed: {error}") from error
         if not prompt:
-            raise ValueError("prompt: must not be empty")
+            raise InvalidInputError("prompt", "must not be empty")
         return self.tokenizer.encode(prompt)
 
     # -- the loop thread -----------------------------------------------------------------------

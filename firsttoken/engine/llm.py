@@ -8,6 +8,7 @@ from typing import Any, Iterator, Sequence, Union
 
 from firsttoken.config import EngineConfig
 from firsttoken.engine.engine_core import EngineCore
+from firsttoken.errors import InvalidInputError
 from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta, RequestOutput
 from firsttoken.sampling_params import SamplingParams
 
@@ -164,23 +165,23 @@ def _normalize_prompts(
     prompts: PromptInput, prompt_token_ids: Sequence[Sequence[int]] | None
 ) -> tuple[list[str | None], list[list[int] | None]]:
     if (prompts is None) == (prompt_token_ids is None):
-        raise ValueError("prompts: give either prompts or prompt_token_ids")
+        raise InvalidInputError("prompts", "give either prompts or prompt_token_ids")
     if prompts is not None:
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         for index, text in enumerate(texts):
             if not isinstance(text, str) or not text:
-                raise ValueError(f"prompts[{index}]: must be a non-empty string")
+                raise InvalidInputError(f"prompts[{index}]", "must be a non-empty string")
         return texts, [None] * len(texts)
     token_lists = [list(ids) for ids in prompt_token_ids]
     for index, ids in enumerate(token_lists):
         if not ids:
-            raise ValueError(f"prompt_token_ids[{index}]: must not be empty")
+            raise InvalidInputError(f"prompt_token_ids[{index}]", "must not be empty")
     return [None] * len(token_lists), token_lists
 
 
 def _per_prompt(value: Any, count: int, field_name: str) -> list[Any]:
     if isinstance(value, (list, tuple)):
         if len(value) != count:
-            raise ValueError(f"{field_name}: got {len(value)} values for {count} prompts")
+            raise InvalidInputError(field_name, f"got {len(value)} values for {count} prompts")
         return list(value)
     return [value] * count

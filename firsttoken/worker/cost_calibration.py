@@ -31,6 +31,22 @@ _GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
 
 
 @dataclass(frozen=True)
+class CalibrationLimits:
+    """What bounds the synthetic steps: the scratch blocks, the step and context sizes, the
+    token ids."""
+
+    block_size: int
+    num_blocks: int
+    max_batched_tokens: int
+    max_model_len: int
+    vocab_size: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
 class StepShape:
     """A synthetic step: (start position, token count) of each of its sequences."""
 
@@ -45,40 +61,42 @@ class StepShape:
         return sum(attention_pairs(start, count) for start, count in self.chunks)
 
 
-def calibration_shapes(max_tokens: int, capacity_tokens: int) -> list[StepShape]:
-    """Steps spanning the sizes the scheduler chooses between, within the cache's capacity."""
-    limit = min(max_tokens, capacity_tokens // 2)
+def calibration_shapes(limits: CalibrationLimits) -> list[StepShape]:
+    """Steps spanning the sizes the scheduler chooses between, within the cache's capacity and
+    the model's context length."""
+    capacity_tokens = limits.capacity_tokens
+    limit = min(limits.max_batched_tokens, capacity_tokens // 2, limits.max_model_len)
     sizes = sorted({size for size in (16, 64, 256, 1024) if size <= limit} | {min(limit, 1024)})
     shapes = [StepShape(((0, size),)) for size in sizes]
-    context = min(1024, capacity_tokens // 2 - 256)
+    context = min(1024, capacity_tokens // 2 - 256, limits.max_model_len - 256)
     if context > 0 and limit >= 256:
         shapes.append(StepShape(((context, 256),)))
-    decode_context = min(256, capacity_tokens // 16)
+    decode_context = min(256, capacity_tokens // 16, limits.max_model_len - 1)
     if decode_context > 0:
         shapes.append(StepShape(tuple((decode_context, 1) for _ in range(8))))
     return shapes
 
 
-def _scheduler_output(shape: StepShape, block_size: int) -> SchedulerOutput:
+def _scheduler_output(shape: StepShape, limits: CalibrationLimits) -> SchedulerOutput:
     chunks, next_block = [], 0
     for index, (start, count) in enumerate(shape.chunks):
-        num_blocks = -(-(start + count) // block_size)
+        num_blocks = -(-(start + count) // limits.block_size)
         chunks.append(
             ScheduledChunk(
                 req_id=f"calibration-{index}",
-                token_ids=[1 + (index + position) % 1000 for position in range(count)],
+                token_ids=[(1 + index + position) % limits.vocab_size for position in range(count)],
                 start_position=start,
                 block_table=list(range(next_block, next_block + num_blocks)),
                 sample=SampleSpec(_GREEDY_ONE, 0),
             )
         )
         next_block += num_blocks
-    return SchedulerOutput(chunks=chunks, token_budget=shape.num_tokens)
+    return SchedulerOutput(chunks=chunks)
 
 
-def measure(runner: ModelRunner, shape: StepShape, block_size: int, repeats: int = 2) -> float:
+def measure(runner: ModelRunner, shape: StepShape, limits: CalibrationLimits, repeats: int = 2) -> float:
     """Fastest of `repeats` timed runs of the step, after one untimed run."""
-    output = _scheduler_output(shape, block_size)
+    output = _scheduler_output(shape, limits)
     runner.execute(output)
     timings = []
     for _ in range(repeats):
@@ -107,19 +125,19 @@ def fit(shapes: list[StepShape], seconds: list[float]) -> StepCostModel:
     )
 
 
-def calibrate(runner: ModelRunner, block_size: int, num_blocks: int, max_tokens: int) -> StepCostModel:
-    shapes = calibration_shapes(max_tokens, num_blocks * block_size)
-    seconds = [measure(runner, shape, block_size) for shape in shapes]
+def calibrate(runner: ModelRunner, limits: CalibrationLimits) -> StepCostModel:
+    shapes = calibration_shapes(limits)
+    seconds = [measure(runner, shape, limits) for shape in shapes]
     model = fit(shapes, seconds)
     logger.info("step cost model: %s (from %d synthetic steps)", model, len(shapes))
     return model
 
 
-def probe_shape(max_tokens: int, capacity_tokens: int) -> StepShape:
+def probe_shape(limits: CalibrationLimits) -> StepShape:
     """One cheap step of the calibration set: its largest fresh prefill of at most 256 tokens."""
     fresh = [
         shape
-        for shape in calibration_shapes(max_tokens, capacity_tokens)
+        for shape in calibration_shapes(limits)
         if len(shape.chunks) == 1 and shape.chunks[0][0] == 0
     ]
     small = [shape for shape in fresh if shape.num_tokens <= 256] or fresh[:1]
@@ -133,18 +151,16 @@ def predicts_probe(model: StepCostModel, measured_seconds: float, shape: StepSha
     return 1 / PROBE_TOLERANCE <= measured_seconds / predicted <= PROBE_TOLERANCE
 
 
-def load_or_calibrate(
-    runner: ModelRunner, block_size: int, num_blocks: int, max_tokens: int, cache_file: str
-) -> StepCostModel:
+def load_or_calibrate(runner: ModelRunner, limits: CalibrationLimits, cache_file: str) -> StepCostModel:
     """The cached model for this engine's identity if it still predicts a probe step, or a fresh
     measurement (then cached)."""
     cached = _load(cache_file)
     if cached is not None:
-        shape = probe_shape(max_tokens, num_blocks * block_size)
-        if predicts_probe(cached, measure(runner, shape, block_size), shape):
+        shape = probe_shape(limits)
+        if predicts_probe(cached, measure(runner, shape, limits), shape):
             return cached
         logger.info("cached step cost model %s mispredicts this machine now; measuring again", cache_file)
-    model = calibrate(runner, block_size, num_blocks, max_tokens)
+    model = calibrate(runner, limits)
     _save(model, cache_file)
     return model
 

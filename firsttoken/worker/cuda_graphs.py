@@ -19,7 +19,8 @@ import torch
 
 from firsttoken.attention.cuda_backend import CudaAttentionBackend
 from firsttoken.models.llama import LlamaForCausalLM
-from firsttoken.worker.host_buffers import HostStep, wait_for_copy
+from firsttoken.attention.staging import wait_for_copy
+from firsttoken.worker.step_inputs import HostStep
 
 Forward = Callable[[], torch.Tensor]
 

@@ -1,69 +1,32 @@
 """ModelRunner: execute(SchedulerOutput) -> ModelOutput.
 
-The one place a batch description becomes tensors: flat input ids, positions and slot
-mapping (decodes first, then prefill chunks), attention metadata, and logits only for the
-rows that sample.
+The one place a scheduled batch runs: its inputs are built on the host (step_inputs.py),
+staged to the device in one copy, run through the model eagerly or, for decode-only steps
+on CUDA, replayed from a captured graph; logits are computed only for the rows that sample.
+Nothing synchronises the host with the device before the sampler hands back the ids.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from firsttoken.attention.backend import AttentionBackend, BatchLayout, SequenceLayout
-from firsttoken.core.batch import ModelOutput, ScheduledChunk, SchedulerOutput
+from firsttoken.attention.backend import AttentionBackend
+from firsttoken.attention.staging import StagingBuffer
+from firsttoken.core.batch import ModelOutput, SchedulerOutput
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.sample.sampler import Sampler
+from firsttoken.worker.step_inputs import HostStep, build_host_step
 
-
-@dataclass
-class StepInputs:
-    """Host-built tensors of one step, in batch order."""
-
-    input_ids: torch.Tensor  # long [T]
-    positions: torch.Tensor  # long [T]
-    slot_mapping: torch.Tensor  # long [T]
-    sample_rows: torch.Tensor  # long [R]: last row of each chunk that samples
-    layout: BatchLayout
-    ordered_chunks: list[ScheduledChunk]
-
-
-def order_decodes_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-    decodes = [chunk for chunk in chunks if chunk.num_tokens == 1]
-    prefills = [chunk for chunk in chunks if chunk.num_tokens > 1]
-    return decodes + prefills
-
-
-def build_step_inputs(chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> StepInputs:
-    ordered = order_decodes_first(chunks)
-    input_ids: list[int] = []
-    positions: list[torch.Tensor] = []
-    slots: list[torch.Tensor] = []
-    sample_rows: list[int] = []
-    sequences = []
-    for chunk in ordered:
-        chunk_positions = torch.arange(chunk.start_position, chunk.start_position + chunk.num_tokens)
-        block_table = torch.tensor(chunk.block_table, dtype=torch.long)
-        slots.append(block_table[chunk_positions // block_size] * block_size + chunk_positions % block_size)
-        positions.append(chunk_positions)
-        input_ids.extend(chunk.token_ids)
-        if chunk.sample is not None:
-            sample_rows.append(len(input_ids) - 1)
-        sequences.append(SequenceLayout(chunk.num_tokens, chunk.start_position, chunk.block_table))
-    num_decodes = sum(1 for chunk in ordered if chunk.num_tokens == 1)
-    return StepInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.cat(positions).to(device),
-        slot_mapping=torch.cat(slots).to(device),
-        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
-        layout=BatchLayout(sequences, num_decodes, block_size),
-        ordered_chunks=ordered,
-    )
+if TYPE_CHECKING:
+    from firsttoken.worker.cuda_graphs import DecodeGraphs, GraphCapture
 
 
 class ModelRunner:
-    """Runs the model on a scheduled batch and samples; holds the model, backend and sampler."""
+    """Runs the model on a scheduled batch and samples; owns the model, attention backend and
+    sampler, the staging buffer of step inputs, and the decode graphs once captured."""
 
     def __init__(
         self,
@@ -78,20 +41,63 @@ class ModelRunner:
         self.sampler = sampler
         self.block_size = block_size
         self.device = device
+        self.index_dtype = np.dtype(str(backend.index_dtype).removeprefix("torch."))
+        self.staging = StagingBuffer(device, backend.index_dtype)
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        scratch_block_id: int,
+        capture: GraphCapture | None = None,
+    ) -> None:
+        """Capture decode graphs up to `max_num_seqs` rows; their padding rows write only
+        `scratch_block_id`, a block the KV cache manager never hands out."""
+        # Imported here: the graphs need the CUDA backend, which needs triton.
+        from firsttoken.attention.cuda_backend import CudaAttentionBackend
+        from firsttoken.worker.cuda_graphs import CudaGraphCapture, DecodeGraphs, graph_batch_sizes
+
+        if not isinstance(self.backend, CudaAttentionBackend):
+            raise ValueError("cuda graphs: the attention backend must be the CUDA one")
+        with torch.inference_mode():
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.backend,
+                capture or CudaGraphCapture(self.device),
+                graph_batch_sizes(max_num_seqs),
+                max_blocks_per_seq=-(-max_model_len // self.block_size),
+                scratch_block_id=scratch_block_id,
+                block_size=self.block_size,
+                device=self.device,
+            )
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         if scheduler_output.is_empty:
             return ModelOutput(sampled={})
-        inputs = build_step_inputs(scheduler_output.chunks, self.block_size, self.device)
-        hidden = self.forward(inputs)
-        sampling_chunks = [chunk for chunk in inputs.ordered_chunks if chunk.sample is not None]
+        step = build_host_step(scheduler_output.chunks, self.block_size, self.index_dtype)
+        sampling_chunks = [chunk for chunk in step.chunks if chunk.sample is not None]
+        hidden = self.forward_sampled_rows(step)
         if not sampling_chunks:
             return ModelOutput(sampled={})
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        logits = self.model.compute_logits(hidden)
+        # The step's one synchronisation: the sampler hands the ids to Python.
         sampled = self.sampler.sample(logits, [chunk.sample for chunk in sampling_chunks])
         return ModelOutput(sampled={chunk.req_id: token for chunk, token in zip(sampling_chunks, sampled)})
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        metadata = self.backend.build_metadata(inputs.layout, inputs.slot_mapping)
-        return self.model(inputs.input_ids, inputs.positions, metadata)
+    def forward_sampled_rows(self, step: HostStep) -> torch.Tensor:
+        """Run the step; hidden states [R, hidden] of the rows that sample, still on the device."""
+        size = self.graphs.padded_size(step) if self.graphs is not None else None
+        if size is not None:
+            hidden = self.graphs.run(step, size)
+            if step.samples_every_row:
+                return hidden
+            (sample_rows,) = self.staging.stage([step.sample_rows])
+            return hidden[sample_rows]
+        input_ids, positions, slot_mapping, sample_rows = self.staging.stage(
+            [step.input_ids, step.positions, step.slot_mapping, step.sample_rows]
+        )
+        metadata = self.backend.build_metadata(step.layout, slot_mapping)
+        hidden = self.model(input_ids, positions, metadata)
+        return hidden if step.samples_every_row else hidden[sample_rows]

@@ -77,10 +77,10 @@ def test_a_breakdown_that_misses_the_ttft_says_so():
 def test_profiling_leaves_no_hook_or_wrapper_behind(profiled_llm):
     engine = profiled_llm.engine
     profile_ttft(profiled_llm, ProfileSpec(input_len=16, runs=1, warmup_runs=0))
-    for module in engine.model.modules():
+    for module in engine.worker.model.modules():
         assert not module._forward_hooks and not module._forward_pre_hooks
-    assert "compute_logits" not in vars(engine.model)
-    assert "sample" not in vars(engine.runner.sampler)
+    assert "compute_logits" not in vars(engine.worker.model)
+    assert "sample" not in vars(engine.worker.runner.sampler)
     assert "detokenize" not in vars(engine.output_processor)
 
 
@@ -113,8 +113,9 @@ class _DirectCallModel(nn.Module):
 
 def _fake_engine(model: nn.Module) -> SimpleNamespace:
     return SimpleNamespace(
-        model=model,
-        runner=SimpleNamespace(sampler=SimpleNamespace(sample=lambda logits: [0])),
+        worker=SimpleNamespace(
+            model=model, runner=SimpleNamespace(sampler=SimpleNamespace(sample=lambda logits: [0]))
+        ),
         output_processor=SimpleNamespace(detokenize=lambda progress: None),
     )
 
@@ -132,7 +133,7 @@ def test_hooks_the_model_bypasses_fail_instead_of_misreporting():
     parts = find_engine_parts(engine)
     with instrumented(parts, StageClock(torch.device("cpu"))) as clock:
         hidden = model(torch.ones(2, 4))
-        engine.runner.sampler.sample(model.compute_logits(hidden))
+        engine.worker.runner.sampler.sample(model.compute_logits(hidden))
         engine.output_processor.detokenize(None)
     metrics = RequestMetrics(0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 4, 1, 0, 1, 0)
     with pytest.raises(ValueError, match="no longer calls its layers"):

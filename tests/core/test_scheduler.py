@@ -75,9 +75,20 @@ def test_token_budget_is_never_exceeded():
     scheduler = make_scheduler(chunk_size=24, max_batched=32, max_num_seqs=8)
     for index in range(12):
         scheduler.add_request(make_request(f"r{index}", 7 + 11 * index, max_tokens=9, first_token=100 * index))
-    for output in run_to_completion(scheduler):
-        assert output.num_tokens <= output.token_budget <= 32
+    for output, token_budget in _steps_with_their_token_budgets(scheduler):
+        assert output.num_tokens <= token_budget <= 32
         assert len(output.chunks) <= 8
+
+
+def _steps_with_their_token_budgets(scheduler):
+    """Each step to completion, with its token budget: the decodes it may run plus its prefill budget."""
+    steps = []
+    while scheduler.has_unfinished_requests():
+        running_decodes = sum(1 for r in scheduler.running if r.num_uncomputed_tokens == 1)
+        output = step(scheduler)
+        token_budget = min(scheduler.config.max_num_batched_tokens, running_decodes + scheduler.stats.last_prefill_budget)
+        steps.append((output, token_budget))
+    return steps
 
 
 def test_short_prompts_overtake_remaining_chunks_of_a_long_one():
@@ -138,12 +149,13 @@ def test_lower_priority_value_is_admitted_first():
 def test_preemption_frees_the_newest_request_and_everything_finishes():
     # 12 blocks of 4 tokens; 4 requests that each grow to 20 tokens (5 blocks) cannot all fit.
     scheduler = make_scheduler(num_blocks=12, chunk_size=64, max_batched=64, caching=False)
-    for index in range(4):
-        scheduler.add_request(make_request(f"r{index}", 8, max_tokens=12, first_token=100 * index))
-    outputs = run_to_completion(scheduler)
+    requests = [make_request(f"r{index}", 8, max_tokens=12, first_token=100 * index) for index in range(4)]
+    for request in requests:
+        scheduler.add_request(request)
+    run_to_completion(scheduler)
     assert scheduler.stats.num_preemptions > 0
     assert scheduler.kv.pool.num_free_blocks == 12
-    preempted = [req_id for output in outputs for req_id in output.preempted_req_ids]
+    preempted = [request.req_id for request in requests if request.num_preemptions > 0]
     assert "r0" not in preempted  # the oldest request is never the victim
 
 

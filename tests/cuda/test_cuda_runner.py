@@ -1,5 +1,5 @@
-"""The CUDA runner (pinned staging, Triton backend, padded decode graphs) gives the CPU path's
-greedy tokens; padding rows write only the scratch block.
+"""The runner on the CUDA path (pinned staging, Triton backend, padded decode graphs) gives the
+CPU path's greedy tokens; padding rows write only the scratch block.
 
 Without a GPU, graph capture is replaced by eager replays of the same static-buffer forward
 (EagerCapture), which exercises the ladder, the static inputs and the padding rows; the CUDA
@@ -17,7 +17,6 @@ from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput
 from firsttoken.sample.sampler import Sampler
 from firsttoken.sampling_params import SamplingParams
 from firsttoken.worker.cuda_graphs import Forward
-from firsttoken.worker.cuda_runner import CudaModelRunner
 from firsttoken.worker.kv_cache import allocate_kv_caches
 from firsttoken.worker.model_runner import ModelRunner
 from tests.cuda.tiny_engine import TINY_ARCH, greedy_generate, random_model
@@ -56,22 +55,17 @@ def _runners(device, dtype):
     reference_model.bind_kv_caches(reference_caches)
     model.bind_kv_caches(caches)
     reference = ModelRunner(reference_model, SDPABackend(device), Sampler(0, device), BLOCK_SIZE, device)
-    inner = ModelRunner(model, backend, Sampler(0, device), BLOCK_SIZE, device)
-    return reference, reference_caches, inner, caches
+    runner = ModelRunner(model, backend, Sampler(0, device), BLOCK_SIZE, device)
+    return reference, reference_caches, runner, caches
 
 
 @pytest.mark.parametrize("use_graphs", [True, False])
 def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(use_graphs):
     device = torch.device("cpu")
-    reference, reference_caches, inner, caches = _runners(device, torch.float32)
+    reference, reference_caches, runner, caches = _runners(device, torch.float32)
     capture = EagerCapture()
-    runner = CudaModelRunner.build(
-        inner,
-        max_num_seqs=8,
-        max_model_len=512,
-        scratch_block_id=NUM_BLOCKS if use_graphs else None,
-        capture=capture,
-    )
+    if use_graphs:
+        runner.capture_decode_graphs(max_num_seqs=8, max_model_len=512, scratch_block_id=NUM_BLOCKS, capture=capture)
     expected = greedy_generate(reference, PROMPTS, 6, NUM_BLOCKS, BLOCK_SIZE, chunk_size=16)
     generated = greedy_generate(runner, PROMPTS, 6, NUM_BLOCKS, BLOCK_SIZE, chunk_size=16)
     assert generated == expected
@@ -86,11 +80,9 @@ def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(use_graphs):
 
 def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots():
     device = torch.device("cpu")
-    _, _, inner, caches = _runners(device, torch.float32)
+    _, _, runner, caches = _runners(device, torch.float32)
     capture = EagerCapture()
-    runner = CudaModelRunner.build(
-        inner, max_num_seqs=8, max_model_len=512, scratch_block_id=NUM_BLOCKS, capture=capture
-    )
+    runner.capture_decode_graphs(max_num_seqs=8, max_model_len=512, scratch_block_id=NUM_BLOCKS, capture=capture)
     assert runner.graphs.sizes == [1, 2, 4, 8]
     greedy = SampleSpec(SamplingParams(temperature=0, max_tokens=4), 0)
     positions = [0, 3, 4, 9, 17]  # 5 decodes: padded to 8
@@ -104,7 +96,7 @@ def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots
         )
         for row, position in enumerate(positions)
     ]
-    output = runner.execute(SchedulerOutput(chunks, token_budget=5))
+    output = runner.execute(SchedulerOutput(chunks))
 
     assert capture.num_replays == 1 and sorted(output.sampled) == [chunk.req_id for chunk in chunks]
     scalars = runner.graphs.host_scalars

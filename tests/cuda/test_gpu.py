@@ -10,7 +10,7 @@ import torch
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.core.batch import SampleSpec, ScheduledChunk
-from firsttoken.worker.host_buffers import build_host_step
+from firsttoken.worker.step_inputs import build_host_step
 from tests.model.tiny_models import save_hf_folder, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -35,21 +35,21 @@ def test_cuda_engine_gives_the_cpu_engines_greedy_tokens_with_and_without_graphs
     )
     for cuda_graphs in (True, False):
         llm = LLM(tiny_folder, device="cuda", cuda_graphs=cuda_graphs, **OPTIONS)
-        assert llm.engine.kv_caches[0].device.type == "cuda"
+        assert llm.engine.worker.kv_caches[0].device.type == "cuda"
         outputs = llm.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY)
         assert [o.token_ids for o in outputs] == [o.token_ids for o in expected], f"cuda_graphs={cuda_graphs}"
 
 
 def test_cuda_defaults_to_bfloat16_and_sizes_the_cache_from_free_memory(tiny_folder):
     llm = LLM(tiny_folder, device="cuda", gpu_memory_utilization=0.05, chunk_size=32)
-    assert llm.engine.dtype == torch.bfloat16
-    cache_bytes = sum(cache.numel() * cache.element_size() for cache in llm.engine.kv_caches)
+    assert llm.engine.worker.dtype == torch.bfloat16
+    cache_bytes = sum(cache.numel() * cache.element_size() for cache in llm.engine.worker.kv_caches)
     assert 0 < cache_bytes <= 0.05 * torch.cuda.get_device_properties(0).total_memory
 
 
 def test_a_step_does_not_synchronise_before_sampling(tiny_folder):
     llm = LLM(tiny_folder, device="cuda", **OPTIONS)
-    runner = llm.engine.runner
+    runner = llm.engine.worker.runner
     spec = SampleSpec(GREEDY, 0)
     steps = [
         [ScheduledChunk("a", [3], 5, [0], spec), ScheduledChunk("b", [4], 9, [1, 2], spec)],  # graph replay
@@ -66,6 +66,6 @@ def test_a_step_does_not_synchronise_before_sampling(tiny_folder):
         torch.cuda.set_sync_debug_mode("error")
         try:
             hidden = runner.forward_sampled_rows(step)
-            runner.runner.model.compute_logits(hidden)
+            runner.model.compute_logits(hidden)
         finally:
             torch.cuda.set_sync_debug_mode("default")

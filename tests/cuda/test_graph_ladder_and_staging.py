@@ -9,8 +9,9 @@ import torch
 from firsttoken.core.batch import SampleSpec, ScheduledChunk
 from firsttoken.sampling_params import SamplingParams
 from firsttoken.worker.cuda_graphs import graph_batch_sizes, padded_batch_size
-from firsttoken.worker.host_buffers import StagingBuffer, build_host_step
-from firsttoken.worker.model_runner import build_step_inputs
+from firsttoken.attention.backend import SequenceLayout
+from firsttoken.attention.staging import StagingBuffer
+from firsttoken.worker.step_inputs import build_host_step
 
 
 @pytest.mark.parametrize(
@@ -50,20 +51,38 @@ def _chunk(req_id, token_ids, start, table, samples=True):
     return ScheduledChunk(req_id, token_ids, start, table, spec)
 
 
-def test_host_step_matches_the_cpu_runner_inputs():
+def _plain_step_inputs(chunks, block_size):
+    """Per token, in batch order (one-token chunks first): id, position, slot; the sampling rows."""
+    ordered = [c for c in chunks if c.num_tokens == 1] + [c for c in chunks if c.num_tokens > 1]
+    input_ids, positions, slots, sample_rows = [], [], [], []
+    for chunk in ordered:
+        for offset, token_id in enumerate(chunk.token_ids):
+            position = chunk.start_position + offset
+            input_ids.append(token_id)
+            positions.append(position)
+            slots.append(chunk.block_table[position // block_size] * block_size + position % block_size)
+        if chunk.sample is not None:
+            sample_rows.append(len(input_ids) - 1)
+    layout = [SequenceLayout(c.num_tokens, c.start_position, c.block_table) for c in ordered]
+    return input_ids, positions, slots, sample_rows, layout
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_host_step_matches_the_plain_per_token_inputs(index_dtype):
     chunks = [
         _chunk("prefill", list(range(40, 50)), 3, [7, 2, 9, 4], samples=False),
         _chunk("decode-a", [5], 6, [1, 8]),
         _chunk("decode-b", [6], 0, [3]),
         _chunk("prompt", list(range(60, 65)), 0, [11, 12]),
     ]
-    step = build_host_step(chunks, block_size=4)
-    expected = build_step_inputs(chunks, 4, torch.device("cpu"))
-    assert step.input_ids.tolist() == expected.input_ids.tolist()
-    assert step.positions.tolist() == expected.positions.tolist()
-    assert step.slot_mapping.tolist() == expected.slot_mapping.tolist()
-    assert step.sample_rows.tolist() == expected.sample_rows.tolist() == [0, 1, 16]
-    assert step.layout == expected.layout
+    step = build_host_step(chunks, block_size=4, index_dtype=index_dtype)
+    input_ids, positions, slots, sample_rows, sequences = _plain_step_inputs(chunks, 4)
+    assert step.input_ids.dtype == index_dtype
+    assert step.input_ids.tolist() == input_ids
+    assert step.positions.tolist() == positions
+    assert step.slot_mapping.tolist() == slots
+    assert step.sample_rows.tolist() == sample_rows == [0, 1, 16]
+    assert step.layout.sequences == sequences and step.layout.num_decodes == 2
     assert not step.is_decode_only and not step.samples_every_row
 
 

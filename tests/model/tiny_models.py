@@ -15,8 +15,8 @@ from gguf.quants import quantize
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.models.registry import default_model_path, open_checkpoint
 
-# Resolved at import, before any test points XDG_CACHE_HOME at a temporary folder.
-_USER_CACHE_DIR = default_cache_dir()
+# Resolved at import (the test run's cache), before a test points XDG_CACHE_HOME elsewhere.
+_RUN_CACHE_DIR = default_cache_dir()
 
 TINY = dict(
     hidden_size=64,
@@ -31,7 +31,7 @@ TINY = dict(
 
 @functools.lru_cache(maxsize=1)
 def _smollm_tokenizer_text() -> str:
-    return open_checkpoint(default_model_path(), cache_dir=_USER_CACHE_DIR).tokenizer.backend.to_str()
+    return open_checkpoint(default_model_path(), cache_dir=_RUN_CACHE_DIR).tokenizer.backend.to_str()
 
 
 def smollm_tokenizer_json() -> dict:

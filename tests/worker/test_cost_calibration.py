@@ -8,7 +8,13 @@ import pytest
 
 from firsttoken.core.cost_model import StepCostModel
 from firsttoken.worker import cost_calibration
-from firsttoken.worker.cost_calibration import CALIBRATION_VERSION, load_or_calibrate, probe_shape
+from firsttoken.worker.cost_calibration import (
+    CALIBRATION_VERSION,
+    CalibrationLimits,
+    calibration_shapes,
+    load_or_calibrate,
+    probe_shape,
+)
 
 MACHINE_NOW = StepCostModel(seconds_fixed=0.02, seconds_per_token=2e-4, seconds_per_attention_pair=1e-7)
 REFITTED = StepCostModel(seconds_fixed=0.03, seconds_per_token=3e-4, seconds_per_attention_pair=2e-7)
@@ -19,16 +25,20 @@ def machine(monkeypatch):
     """Steps take what MACHINE_NOW predicts; calibrating returns REFITTED and is counted."""
     calls = {"calibrate": 0}
 
-    def measure(runner, shape, block_size, repeats=2):
+    def measure(runner, shape, limits, repeats=2):
         return MACHINE_NOW.predict(shape.num_tokens, shape.attention_pairs)
 
-    def calibrate(runner, block_size, num_blocks, max_tokens):
+    def calibrate(runner, limits):
         calls["calibrate"] += 1
         return REFITTED
 
     monkeypatch.setattr(cost_calibration, "measure", measure)
     monkeypatch.setattr(cost_calibration, "calibrate", calibrate)
     return calls
+
+
+def _limits(max_batched_tokens: int, capacity_tokens: int, max_model_len: int = 8192, vocab_size: int = 49152):
+    return CalibrationLimits(1, capacity_tokens, max_batched_tokens, max_model_len, vocab_size)
 
 
 def _store(path, model: StepCostModel) -> None:
@@ -39,25 +49,38 @@ def test_a_cached_model_that_still_predicts_the_probe_is_used(tmp_path, machine)
     cache_file = tmp_path / "costs.json"
     close = MACHINE_NOW.scaled(1.5)
     _store(cache_file, close)
-    assert load_or_calibrate(None, 16, 4096, 2048, str(cache_file)) == close
+    assert load_or_calibrate(None, _limits(2048, 65536), str(cache_file)) == close
     assert machine["calibrate"] == 0
 
 
 def test_a_cached_model_from_a_busy_machine_is_measured_again(tmp_path, machine):
     cache_file = tmp_path / "costs.json"
     _store(cache_file, MACHINE_NOW.scaled(60))  # calibrated while something else ran
-    assert load_or_calibrate(None, 16, 4096, 2048, str(cache_file)) == REFITTED
+    assert load_or_calibrate(None, _limits(2048, 65536), str(cache_file)) == REFITTED
     assert machine["calibrate"] == 1
     assert json.loads(cache_file.read_text())["seconds_fixed"] == REFITTED.seconds_fixed
 
 
 def test_without_a_cache_the_model_is_measured_and_saved(tmp_path, machine):
     cache_file = tmp_path / "sub" / "costs.json"
-    assert load_or_calibrate(None, 16, 4096, 2048, str(cache_file)) == REFITTED
+    assert load_or_calibrate(None, _limits(2048, 65536), str(cache_file)) == REFITTED
     assert cache_file.exists()
 
 
 def test_probe_is_a_small_fresh_prefill_within_capacity():
-    assert probe_shape(2048, 65536).chunks == ((0, 256),)
-    assert probe_shape(2048, 300).chunks == ((0, 150),)
-    assert probe_shape(8, 65536).chunks == ((0, 8),)
+    assert probe_shape(_limits(2048, 65536)).chunks == ((0, 256),)
+    assert probe_shape(_limits(2048, 300)).chunks == ((0, 150),)
+    assert probe_shape(_limits(8, 65536)).chunks == ((0, 8),)
+
+
+@pytest.mark.parametrize("max_model_len", [8, 256, 512, 1024, 2048])
+def test_no_calibration_step_reaches_past_the_context_length(max_model_len):
+    for shape in calibration_shapes(_limits(2048, 65536, max_model_len=max_model_len)):
+        assert all(start + count <= max_model_len for start, count in shape.chunks), shape
+
+
+def test_calibration_token_ids_are_in_a_small_vocabulary():
+    limits = _limits(2048, 65536, vocab_size=300)
+    for shape in calibration_shapes(limits):
+        output = cost_calibration._scheduler_output(shape, limits)
+        assert all(0 <= token < 300 for chunk in output.chunks for token in chunk.token_ids)

@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from firsttoken.errors import InvalidInputError
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = "1"
@@ -46,7 +48,7 @@ class StoredPrefix:
 
 def validate_pin_id(pin_id: str) -> None:
     if not _PIN_ID.match(pin_id):
-        raise ValueError(f"pin_id: must be 1-128 letters, digits, '_', '.' or '-', got {pin_id!r}")
+        raise InvalidInputError("pin_id", f"must be 1-128 letters, digits, '_', '.' or '-', got {pin_id!r}")
 
 
 class PinnedPrefixStore:

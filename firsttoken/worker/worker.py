@@ -1,0 +1,199 @@
+"""Worker: everything of one engine that holds or touches tensors.
+
+The engine core (engine/engine_core.py) schedules and bookkeeps in plain Python; it hands the
+worker a SchedulerOutput per step and gets a ModelOutput back, and asks it for block copies
+of pinned prefixes by block id.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from firsttoken.attention.backend import AttentionBackend
+from firsttoken.attention.selector import select_attention_backend
+from firsttoken.config import EngineConfig
+from firsttoken.core.batch import ModelOutput, SampleSpec, ScheduledChunk, SchedulerOutput
+from firsttoken.core.cost_model import StepCostModel
+from firsttoken.errors import InvalidInputError
+from firsttoken.models.llama import LlamaForCausalLM
+from firsttoken.models.loaders.conversion_cache import default_cache_dir
+from firsttoken.models.registry import build_model, open_checkpoint, resolve_model_path
+from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
+from firsttoken.ops.linear import onednn_packing_available
+from firsttoken.ops.native import load_native_kernels
+from firsttoken.sample.sampler import Sampler
+from firsttoken.sampling_params import SamplingParams
+from firsttoken.tokenizer import Tokenizer
+from firsttoken.worker.cost_calibration import CalibrationLimits, load_or_calibrate
+from firsttoken.worker.device import physical_core_count, resolve_device, resolve_dtype
+from firsttoken.worker.host_memory import keep_freed_host_memory
+from firsttoken.worker.kv_cache import allocate_kv_caches, num_kv_blocks
+from firsttoken.worker.model_runner import ModelRunner
+from firsttoken.worker.pinned_prefix_store import KVIdentity, PinnedPrefixStore, StoredPrefix
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """Owns the device and its threads, the kernels, the model, the paged KV tensors and block
+    copies, the runner, the warm-up and the step-cost calibration, and the pinned-prefix files."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_config = config.model_config
+        self.device = resolve_device(model_config.device)
+        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(model_config.num_threads or physical_core_count())
+            keep_freed_host_memory()
+        self.cache_dir = model_config.cache_dir or default_cache_dir()
+        self.model_path = resolve_model_path(model_config.model)
+        self.checkpoint = open_checkpoint(self.model_path, self.cache_dir)
+        self.max_model_len = self._max_model_len()
+        native_kernels = None
+        if model_config.fuse_ops and model_config.native_kernels and self.device.type == "cpu":
+            native_kernels = load_native_kernels(os.path.join(self.cache_dir, "native"))
+        arch = self.checkpoint.arch
+        backend = select_attention_backend(config.attention, self.device, arch, native_kernels)
+        self.kernels = Kernels(fused=model_config.fuse_ops, native_kernels=native_kernels)
+        self.model = self._load_model(backend)
+        # Decode graphs pad their batches with rows that write one scratch block past the manager's.
+        use_graphs = self.device.type == "cuda" and model_config.cuda_graphs
+        self.num_kv_blocks = num_kv_blocks(config.cache, arch, self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(
+            arch, self.num_kv_blocks + int(use_graphs), config.cache.block_size, self.dtype, self.device
+        )
+        self.model.bind_kv_caches(self.kv_caches)
+        self.runner = ModelRunner(
+            self.model, backend, Sampler(model_config.seed, self.device), config.cache.block_size, self.device
+        )
+        if use_graphs:
+            self.runner.capture_decode_graphs(
+                config.scheduler.max_num_seqs, self.max_model_len, scratch_block_id=self.num_kv_blocks
+            )
+        self.prefix_store = self._open_prefix_store()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.checkpoint.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.checkpoint.arch.vocab_size
+
+    @property
+    def kv_identity(self) -> str:
+        """What makes this worker's KV of a token sequence the same as another's."""
+        return f"{self.checkpoint.fingerprint}|{self.dtype}|{self.config.cache.block_size}"
+
+    def describe(self) -> str:
+        return f"{self.model_path} ({self.checkpoint.arch.architecture}, {self.dtype} on {self.device})"
+
+    def _load_model(self, backend: AttentionBackend) -> LlamaForCausalLM:
+        """The model's weights in this engine's dtype, then in their fastest layout here."""
+        model = build_model(
+            self.checkpoint, backend, self.kernels, self.dtype, self.device, self.max_model_len, self.cache_dir
+        )
+        model_config = self.config.model_config
+        model.prepare_projections(
+            model_config.quantization, model_config.quantized_prefill, onednn_packing_available(self.dtype, self.device)
+        )
+        return model
+
+    def _max_model_len(self) -> int:
+        arch = self.checkpoint.arch
+        limit = arch.max_position_embeddings
+        if arch.sliding_window:
+            limit = min(limit, arch.sliding_window)  # full attention is exact up to the window
+        requested = self.config.model_config.max_model_len
+        if requested is not None and requested > limit:
+            raise InvalidInputError("max_model_len", f"{requested} exceeds the model's limit of {limit} tokens")
+        return requested or limit
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        return self.runner.execute(scheduler_output)
+
+    def warm_up(self) -> None:
+        """Compile the fused ops and run a prefill and a decode on scratch blocks, so the first
+        request pays no one-time cost. Call before any request holds a block."""
+        self.kernels.warm_up(lambda num_tokens: self._run_scratch_step(0, num_tokens))
+        num_tokens = min(FUSED_MIN_TOKENS, self.max_model_len - 1)
+        self._run_scratch_step(0, num_tokens)
+        self._run_scratch_step(num_tokens, 1)
+
+    def _run_scratch_step(self, start: int, num_tokens: int) -> None:
+        block_size = self.config.cache.block_size
+        num_blocks = -(-(start + num_tokens) // block_size)
+        if num_blocks > self.num_kv_blocks or start + num_tokens > self.max_model_len:
+            return
+        chunk = ScheduledChunk(
+            req_id="warm-up",
+            token_ids=[0] * num_tokens,
+            start_position=start,
+            block_table=list(range(num_blocks)),
+            sample=SampleSpec(SamplingParams(temperature=0, max_tokens=1), 0),
+        )
+        self.runner.execute(SchedulerOutput(chunks=[chunk]))
+
+    def step_cost_model(self) -> StepCostModel:
+        """This device's step cost, measured on scratch blocks (or cached from an earlier
+        measurement that still holds). Call before any request holds a block."""
+        threads = torch.get_num_threads() if self.device.type == "cpu" else 0
+        name = (
+            f"{self.checkpoint.fingerprint}-{str(self.dtype).removeprefix('torch.')}-{self.device.type}"
+            f"-t{threads}-b{self.config.cache.block_size}.json"
+        )
+        limits = CalibrationLimits(
+            block_size=self.config.cache.block_size,
+            num_blocks=self.num_kv_blocks,
+            max_batched_tokens=self.config.scheduler.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+        )
+        return load_or_calibrate(self.runner, limits, os.path.join(self.cache_dir, "step_costs", name))
+
+    # -- pinned prefixes on disk ---------------------------------------------------------
+
+    def _open_prefix_store(self) -> PinnedPrefixStore | None:
+        folder = self.config.prompt_cache.persist_dir
+        if folder is None or not self.config.prompt_cache.enable:
+            return None
+        arch = self.checkpoint.arch
+        identity = KVIdentity(
+            model_fingerprint=self.checkpoint.fingerprint,
+            dtype=str(self.dtype).removeprefix("torch."),
+            block_size=self.config.cache.block_size,
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+        )
+        return PinnedPrefixStore(folder, identity)
+
+    def stored_prefixes(self) -> list[StoredPrefix]:
+        """The pinned prefixes saved by earlier engines of the same KV identity."""
+        return self.prefix_store.load_all() if self.prefix_store is not None else []
+
+    def save_prefix(self, pin_id: str, token_ids: list[int], block_hashes: list[bytes], block_ids: list[int]) -> None:
+        """Write a pinned prefix's KV blocks to its file (when pinned prefixes persist)."""
+        if self.prefix_store is not None:
+            self.prefix_store.save(pin_id, token_ids, block_hashes, self._read_blocks(block_ids))
+
+    def delete_prefix(self, pin_id: str) -> None:
+        if self.prefix_store is not None:
+            self.prefix_store.delete(pin_id)
+
+    def restore_prefix(self, stored: StoredPrefix, block_ids: list[int]) -> None:
+        """Copy a stored prefix's KV into the blocks given to it."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for layer, kv_cache in enumerate(self.kv_caches):
+            kv_cache.index_copy_(1, index, stored.kv[layer].to(device=self.device, dtype=kv_cache.dtype))
+
+    def _read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[layers, 2, blocks, block_size, kv_heads, head_dim] copy of those blocks' KV."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([kv_cache.index_select(1, index) for kv_cache in self.kv_caches])

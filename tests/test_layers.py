@@ -1,0 +1,136 @@
+"""The package's imports point down its layers, and the server talks to the engine only.
+
+Layers, top to bottom (DESIGN.md section 3): the command line; the server and the benchmarks;
+the public API (`firsttoken/__init__.py`); the engine; the worker; the sampler; models, core
+and metrics; attention; ops; then the plain modules everything may use (config, errors,
+outputs, request, sampling parameters, the tokenizer). A module may import its own part of
+the package and any part on a lower layer; every import counts, those inside functions and
+under TYPE_CHECKING too.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+import firsttoken.engine
+
+PACKAGE_DIR = pathlib.Path(firsttoken.engine.__file__).parent.parent
+
+LAYERS: list[set[str]] = [
+    {"__main__"},
+    {"cli"},
+    {"server", "bench"},
+    {"firsttoken"},
+    {"engine"},
+    {"worker"},
+    {"sample"},
+    {"models", "core", "metrics"},
+    {"attention"},
+    {"ops"},
+    {"config", "engine_args", "errors", "outputs", "request", "sampling_params", "tokenizer"},
+]
+RANK = {part: len(LAYERS) - index for index, parts in enumerate(LAYERS) for part in parts}
+BASE_RANK = 1
+
+# What the server may import besides itself: the engine's public API (its __all__), the
+# package's version, observability and plain data; a package here includes its modules.
+SERVER_MAY_IMPORT_MODULES = {"firsttoken", "firsttoken.engine", "firsttoken.outputs", "firsttoken.sampling_params"}
+SERVER_MAY_IMPORT_PACKAGES = {"firsttoken.metrics", "firsttoken.engine_args"}
+NO_TORCH_PACKAGES = ("core", "engine")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _part(module: str) -> str:
+    """The layer unit of a firsttoken module: its first component below the package."""
+    components = module.split(".")
+    return components[1] if len(components) > 1 else "firsttoken"
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str, list[str]]]:
+    """(line, imported module, imported names) of every import statement in the file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module, [alias.name for alias in node.names]))
+    return found
+
+
+def _sources() -> list[pathlib.Path]:
+    return sorted(PACKAGE_DIR.rglob("*.py"))
+
+
+def _package_imports():
+    for path in _sources():
+        module = _module_name(path)
+        for line, imported, names in _imports(path):
+            if imported == "firsttoken" or imported.startswith("firsttoken."):
+                yield path, line, module, imported, names
+
+
+def test_every_part_of_the_package_has_a_layer():
+    parts = {_part(_module_name(path)) for path in _sources()}
+    assert parts <= set(RANK), f"no layer for {sorted(parts - set(RANK))}: add them to LAYERS"
+
+
+def test_imports_point_down_the_layers():
+    upward = []
+    for path, line, module, imported, _ in _package_imports():
+        source, target = _part(module), _part(imported)
+        if source == target or RANK[source] == RANK[target] == BASE_RANK:
+            continue
+        if RANK[target] >= RANK[source]:
+            upward.append(f"{path.relative_to(PACKAGE_DIR.parent)}:{line}: {source} imports {imported}")
+    assert not upward, "imports that do not point down:\n" + "\n".join(upward)
+
+
+def test_the_plain_modules_import_one_another_without_a_cycle():
+    graph: dict[str, set[str]] = {}
+    for _, _, module, imported, _ in _package_imports():
+        if RANK[_part(module)] == RANK[_part(imported)] == BASE_RANK and module != imported:
+            graph.setdefault(module, set()).add(imported)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for neighbour in graph.get(start, ()):
+            if neighbour == goal or (neighbour not in seen and reaches(neighbour, goal, seen | {neighbour})):
+                return True
+        return False
+
+    cycles = sorted(module for module in graph if reaches(module, module, {module}))
+    assert not cycles, f"plain modules in an import cycle: {cycles}"
+
+
+def test_the_server_talks_to_the_engines_public_api_only():
+    public = set(firsttoken.engine.__all__)
+    strays = []
+    for path, line, module, imported, names in _package_imports():
+        if _part(module) != "server" or imported.startswith("firsttoken.server"):
+            continue
+        allowed = imported in SERVER_MAY_IMPORT_MODULES or any(
+            imported == package or imported.startswith(package + ".") for package in SERVER_MAY_IMPORT_PACKAGES
+        )
+        private = imported == "firsttoken.engine" and not set(names) <= public
+        if not allowed or private:
+            strays.append(f"{path.relative_to(PACKAGE_DIR.parent)}:{line}: {imported} {names}")
+    assert not strays, "the server reaches past the engine's public API:\n" + "\n".join(strays)
+
+
+@pytest.mark.parametrize("package", NO_TORCH_PACKAGES)
+def test_bookkeeping_holds_no_tensor(package):
+    tensor_imports = [
+        f"{path.relative_to(PACKAGE_DIR.parent)}:{line}: {imported}"
+        for path in sorted((PACKAGE_DIR / package).rglob("*.py"))
+        for line, imported, _ in _imports(path)
+        if imported.split(".")[0] in {"torch", "numpy", "triton"}
+    ]
+    assert not tensor_imports, f"{package}/ imports a tensor library:\n" + "\n".join(tensor_imports)
