@@ -8,7 +8,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response
 
-from firsttoken.engine.async_engine import AsyncEngine
+from firsttoken.engine import AsyncEngine, Tokenizer
 from firsttoken.outputs import RequestDelta, SampledToken, TokenLogprob
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.generation import (
@@ -35,7 +35,6 @@ from firsttoken.server.protocol import (
     TokenLogprob as TokenLogprobModel,
 )
 from firsttoken.server.streaming import respond
-from firsttoken.tokenizer import Tokenizer
 
 
 async def create_chat_completion(

@@ -94,17 +94,13 @@ def read_system_prompt(path: str) -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from firsttoken.engine.async_engine import AsyncEngine
-    from firsttoken.engine.llm import LLM
+    from firsttoken.engine import AsyncEngine
     from firsttoken.server.app import create_app
     from firsttoken.server.http_server import build_server
 
     system_prompt = read_system_prompt(args.pin_system_prompt) if args.pin_system_prompt else None
-    llm = LLM(args.model, **engine_options(args))
-    if system_prompt is not None:  # pinned before the step loop thread takes the engine over
-        llm.pin_system_prompt(system_prompt, pin_id="system-prompt")
-    engine = AsyncEngine(llm.engine)
-    config = server_config(args, engine.core.model_path)
+    engine = AsyncEngine.from_options(args.model, system_prompt=system_prompt, **engine_options(args))
+    config = server_config(args, engine.model_path)
     server = build_server(create_app(engine, config), config)
     print(
         f"firsttoken: serving {config.model_name} on http://{config.host}:{config.port}",

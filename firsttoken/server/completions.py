@@ -8,7 +8,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response
 
-from firsttoken.engine.async_engine import AsyncEngine, TokenizedPrompt
+from firsttoken.engine import AsyncEngine, TokenizedPrompt, Tokenizer
 from firsttoken.outputs import RequestDelta, SampledToken
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.generation import (
@@ -27,7 +27,6 @@ from firsttoken.server.protocol import (
     Usage,
 )
 from firsttoken.server.streaming import respond
-from firsttoken.tokenizer import Tokenizer
 
 
 async def create_completion(

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Coroutine
 
 from starlette.requests import Request
 
-from firsttoken.engine.async_engine import AsyncEngine, RequestStream, TokenizedPrompt
+from firsttoken.engine import AsyncEngine, RequestStream, TokenizedPrompt
 from firsttoken.metrics.ttft_stages import TTFTStages
 from firsttoken.outputs import RequestDelta, RequestOutput
 from firsttoken.sampling_params import SamplingParams

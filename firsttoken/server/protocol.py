@@ -19,7 +19,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from firsttoken.tokenizer import CHAT_ROLES
+from firsttoken.engine import CHAT_ROLES
 
 MAX_N = 16  # choices per prompt; each one is an independent engine request
 MAX_LOGPROBS = 20

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import httpx
 import uvicorn
 
-from firsttoken.engine.async_engine import AsyncEngine
+from firsttoken.engine import AsyncEngine
 from firsttoken.server.app import create_app
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.http_server import build_server
