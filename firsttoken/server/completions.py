@@ -8,7 +8,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import Response
 
-from firsttoken.engine import AsyncEngine, TokenizedPrompt, Tokenizer
+from firsttoken.engine import AsyncEngine, InvalidInputError, TokenizedPrompt, Tokenizer
 from firsttoken.outputs import RequestDelta, SampledToken
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.generation import (
@@ -49,13 +49,13 @@ async def create_completion(
 
 
 async def _tokenize_prompts(engine: AsyncEngine, body: CompletionRequest) -> list[TokenizedPrompt]:
-    """One TokenizedPrompt per prompt: text, token ids, or a list of either."""
+    """One TokenizedPrompt per prompt: text, token ids, or a list of either; none may be empty."""
     prompt = body.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [await engine.tokenize(prompt)]
-    if not prompt:
-        raise ValueError("prompt: must not be empty")
-    return [await engine.tokenize(item) for item in prompt]
+    is_one_prompt = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
+    prompts = [prompt] if is_one_prompt else prompt
+    if not prompts or not all(prompts):
+        raise InvalidInputError("prompt", "must not be empty")
+    return [await engine.tokenize(item) for item in prompts]
 
 
 class _CompletionReply:

@@ -350,6 +350,24 @@ def test_invalid_fields_get_400_naming_the_field(server, path, body, param):
 
 
 @pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
+        ("/v1/completions", {"prompt": ["hi", ""]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+def test_typed_errors_give_exactly_their_field_as_param(server, path, body, param):
+    """The server's checks and its request validators raise InvalidInputError, which names the field."""
+    response = httpx.post(server.base_url + path, json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param}: "), error
+
+
+@pytest.mark.parametrize(
     "content,headers",
     [
         (b'{"prompt": "hi", "max_tok', {"Content-Type": "application/json"}),  # truncated JSON
