@@ -8,7 +8,13 @@ import sys
 from typing import Sequence
 
 from firsttoken.bench.cli import register_bench_verbs
-from firsttoken.engine_args import add_engine_args, engine_kwargs
+from firsttoken.engine_args import (
+    add_engine_args,
+    add_model_arg,
+    add_pin_system_prompt_arg,
+    engine_kwargs,
+    read_system_prompt,
+)
 from firsttoken.server.cli import register_serve_verb
 
 
@@ -35,10 +41,6 @@ def sampling_params_from(args: argparse.Namespace):
     )
 
 
-def _add_model_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="firsttoken", description="LLM inference built for the shortest time to first token."
@@ -49,16 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     generate = verbs.add_parser("generate", help="generate from one prompt, streaming to stdout")
     generate.add_argument("prompt", help="the prompt text")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    _add_model_arg(generate)
-    _add_pin_arg(generate)
+    add_model_arg(generate)
+    add_pin_system_prompt_arg(generate)
     add_sampling_args(generate)
     add_engine_args(generate)
     generate.set_defaults(handler=run_generate)
 
     chat = verbs.add_parser("chat", help="an interactive chat in the terminal")
     chat.add_argument("--system", default=None, help="system prompt")
-    _add_model_arg(chat)
-    _add_pin_arg(chat)
+    add_model_arg(chat)
+    add_pin_system_prompt_arg(chat)
     add_sampling_args(chat)
     add_engine_args(chat)
     chat.set_defaults(handler=run_chat)
@@ -66,25 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     register_serve_verb(verbs)
     register_bench_verbs(verbs)
     return parser
-
-
-def _add_pin_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--pin-system-prompt",
-        metavar="FILE",
-        default=None,
-        help="keep the KV of this system prompt (a text file) resident in the prompt cache",
-    )
-
-
-def _pinned_system_prompt(args: argparse.Namespace) -> str | None:
-    if not args.pin_system_prompt:
-        return None
-    try:
-        with open(args.pin_system_prompt, encoding="utf-8") as handle:
-            return handle.read()
-    except OSError as error:
-        raise ValueError(f"pin_system_prompt: cannot read {args.pin_system_prompt} ({error.strerror})") from error
 
 
 def _open_llm(args: argparse.Namespace, system_prompt: str | None):
@@ -128,7 +111,7 @@ def _stream_reply(llm, prompt: str, params) -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from(args)
-    system_prompt = _pinned_system_prompt(args)
+    system_prompt = read_system_prompt(args)
     llm = _open_llm(args, system_prompt)
     prompt = args.prompt
     if args.chat:
@@ -140,7 +123,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_chat(args: argparse.Namespace) -> int:
     params = sampling_params_from(args)
-    system_prompt = _pinned_system_prompt(args) or args.system
+    system_prompt = read_system_prompt(args) or args.system
     llm = _open_llm(args, system_prompt if args.pin_system_prompt else None)
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     print("Type a message; an empty line or Ctrl-D quits.", file=sys.stderr)

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
+from firsttoken.errors import InvalidInputError
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 QUANTIZATIONS = ("int8", "int4")
@@ -22,7 +24,7 @@ def _help(text: str, **extra: Any) -> dict[str, Any]:
 
 def _require(condition: bool, field_name: str, message: str) -> None:
     if not condition:
-        raise ValueError(f"{field_name}: {message}")
+        raise InvalidInputError(field_name, message)
 
 
 @dataclass(frozen=True)
@@ -291,6 +293,8 @@ class EngineConfig:
         for section, section_cls in SUBCONFIGS.items():
             base = sections.get(section, section_cls())
             if not isinstance(base, section_cls):
-                raise ValueError(f"{section}: expected {section_cls.__name__}, got {type(base).__name__}")
+                raise InvalidInputError(
+                    section, f"expected {section_cls.__name__}, got {type(base).__name__}"
+                )
             built[section] = dataclasses.replace(base, **per_section[section])
         return cls(**built)

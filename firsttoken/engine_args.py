@@ -1,4 +1,5 @@
-"""Command-line flags for every engine option, generated from the config dataclasses."""
+"""Command-line flags for every engine option (generated from the config dataclasses), and the
+flags of the verbs that load a model: which model, and which system prompt to pin."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import dataclasses
 from typing import Any
 
 from firsttoken.config import SUBCONFIGS, flat_name
+from firsttoken.errors import InvalidInputError
 
-# Flags a verb defines itself.
+# Flags a verb defines itself (add_model_arg where it loads a model).
 _NOT_FLAGS = {"model"}
 # Engine options whose plain name a verb uses for something else (`--seed` seeds one request).
 _CLI_RENAMES = {
@@ -71,6 +73,37 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                     metavar=None if field.metadata.get("choices") else name.upper(),
                     help=help_text,
                 )
+
+
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)",
+    )
+
+
+def add_pin_system_prompt_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pin-system-prompt",
+        metavar="FILE",
+        default=None,
+        help="keep the KV of this system prompt (a text file) resident in the prompt cache; "
+        "chats that start with it reuse it",
+    )
+
+
+def read_system_prompt(args: argparse.Namespace) -> str | None:
+    """The text of the --pin-system-prompt file; None without the flag."""
+    if not args.pin_system_prompt:
+        return None
+    try:
+        with open(args.pin_system_prompt, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as error:
+        raise InvalidInputError(
+            "pin_system_prompt", f"cannot read {args.pin_system_prompt} ({error.strerror})"
+        ) from error
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from firsttoken.errors import InvalidInputError
 
 GREEDY_TEMPERATURE = 1e-5
 
@@ -12,7 +13,7 @@ GREEDY_TEMPERATURE = 1e-5
 class SamplingParams:
     """Sampling and stopping rules of one request; temperature 0 means greedy.
 
-    Validated on construction: a bad value raises ValueError naming the field and its limit.
+    Validated on construction: a bad value raises InvalidInputError naming the field and its limit.
     """
 
     max_tokens: int = 16
@@ -37,21 +38,21 @@ class SamplingParams:
 
     def _validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise ValueError(f"max_tokens: must be an integer, got {self.max_tokens!r}")
+            raise InvalidInputError("max_tokens", f"must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {self.max_tokens}")
+            raise InvalidInputError("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+            raise InvalidInputError("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+            raise InvalidInputError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k: must be -1 (off) or >= 1, got {self.top_k}")
+            raise InvalidInputError("top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs: must be in [0, 20], got {self.logprobs}")
+            raise InvalidInputError("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError("stop: every stop string must be a non-empty string")
+            raise InvalidInputError("stop", "every stop string must be a non-empty string")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids: every id must be an integer >= 0")
+            raise InvalidInputError("stop_token_ids", "every id must be an integer >= 0")
 
     @property
     def greedy(self) -> bool:

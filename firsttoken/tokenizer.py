@@ -9,9 +9,11 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as RustTokenizer
 
+from firsttoken.errors import InvalidInputError
+
 
 def _raise_template_exception(message: str) -> None:
-    raise ValueError(f"messages: {message}")
+    raise InvalidInputError("messages", message)
 
 
 def _strftime_now(format_string: str) -> str:
@@ -80,7 +82,7 @@ class Tokenizer:
         self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
         if self.chat_template is None:
-            raise ValueError("messages: this model has no chat template; send a plain prompt")
+            raise InvalidInputError("messages", "this model has no chat template; send a plain prompt")
         _validate_messages(messages)
         return self.chat_template.render(messages, add_generation_prompt)
 
@@ -90,12 +92,12 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 def _validate_messages(messages: Sequence[dict[str, Any]]) -> None:
     if not messages:
-        raise ValueError("messages: must hold at least one message")
+        raise InvalidInputError("messages", "must hold at least one message")
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"messages[{index}]: must be an object with role and content")
+            raise InvalidInputError(f"messages[{index}]", "must be an object with role and content")
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise ValueError(f"messages[{index}].role: must be one of {CHAT_ROLES}, got {role!r}")
+            raise InvalidInputError(f"messages[{index}].role", f"must be one of {CHAT_ROLES}, got {role!r}")
         if not isinstance(message.get("content"), str):
-            raise ValueError(f"messages[{index}].content: must be a string")
+            raise InvalidInputError(f"messages[{index}].content", "must be a string")

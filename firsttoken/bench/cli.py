@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from firsttoken.engine_args import add_engine_args, engine_kwargs
+from firsttoken.engine_args import add_engine_args, add_model_arg, engine_kwargs
 
 COMPARE_DESCRIPTION = (
     "TTFT and decode tokens/s of firsttoken, transformers and (when installed) llama.cpp on the same "
@@ -31,7 +31,7 @@ def register_bench_verbs(verbs: argparse._SubParsersAction) -> None:
     latency = bench_verbs.add_parser(
         "latency", help="TTFT, TPOT, end-to-end and token rates of one batch, offline"
     )
-    _add_model_arg(latency)
+    add_model_arg(latency)
     latency.add_argument(
         "--input-len", type=int, default=512, help="prompt tokens per request (default: 512)"
     )
@@ -61,7 +61,7 @@ def register_bench_verbs(verbs: argparse._SubParsersAction) -> None:
     profile = verbs.add_parser(
         "profile", help="TTFT statistics and a measured per-stage breakdown of one request"
     )
-    _add_model_arg(profile)
+    add_model_arg(profile)
     profile.add_argument("--input-len", type=int, default=512, help="prompt tokens (default: 512)")
     _add_run_args(profile, runs=10)
     profile.add_argument(
@@ -76,14 +76,6 @@ def register_bench_verbs(verbs: argparse._SubParsersAction) -> None:
     profile.set_defaults(handler=run_profile)
 
 
-def _add_model_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)",
-    )
-
-
 def _add_run_args(parser: argparse.ArgumentParser, runs: int) -> None:
     parser.add_argument("--runs", type=int, default=runs, help=f"timed runs (default: {runs})")
     parser.add_argument("--warmup-runs", type=int, default=1, help="untimed runs first (default: 1)")
@@ -91,7 +83,7 @@ def _add_run_args(parser: argparse.ArgumentParser, runs: int) -> None:
 
 
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
-    _add_model_arg(parser)
+    add_model_arg(parser)
     parser.add_argument(
         "--input-lens",
         type=int,

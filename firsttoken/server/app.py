@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from firsttoken import __version__
-from firsttoken.engine.async_engine import AsyncEngine
+from firsttoken.engine import AsyncEngine
 from firsttoken.metrics.prometheus import PrometheusMetrics
 from firsttoken.server.auth import api_key_dependency
 from firsttoken.server.body_limit import BodySizeLimit

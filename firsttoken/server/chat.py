@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import time
-import uuid
-
 from starlette.requests import Request
 from starlette.responses import Response
 
-from firsttoken.engine.async_engine import AsyncEngine
+from firsttoken.engine import AsyncEngine
 from firsttoken.outputs import RequestDelta, SampledToken, TokenLogprob
 from firsttoken.server.config import ServerConfig
-from firsttoken.server.generation import (
-    Choice,
-    sampling_params,
-    start_choices,
-    ttft_extension,
-    usage,
-)
+from firsttoken.server.generation import Choice, sampling_params, start_choices
 from firsttoken.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -27,15 +18,13 @@ from firsttoken.server.protocol import (
     ChatCompletionResponse,
     ChoiceLogprobs,
     DeltaMessage,
-    FirstTokenExtension,
     TopLogprob,
-    Usage,
 )
 from firsttoken.server.protocol import (
     TokenLogprob as TokenLogprobModel,
 )
+from firsttoken.server.reply import Reply
 from firsttoken.server.streaming import respond
-from firsttoken.tokenizer import Tokenizer
 
 
 async def create_chat_completion(
@@ -50,71 +39,37 @@ async def create_chat_completion(
         for index in range(body.n)
     ]
     choices = await start_choices(engine, requests, body.priority)
-    reply = _ChatReply(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), config.model_name, engine.tokenizer)
+    reply = _ChatReply(config.model_name, engine.tokenizer)
     return await respond(choices, reply, body.stream, body.include_usage, config.retry_after_s, request)
 
 
-class _ChatReply:
-    """Builds the chunks and the whole response of one chat completion request."""
+class _ChatReply(Reply):
+    """A chat completion's choices: an assistant message, its content streamed as deltas."""
 
-    def __init__(self, response_id: str, created: int, model: str, tokenizer: Tokenizer) -> None:
-        self.response_id = response_id
-        self.created = created
-        self.model = model
-        self.tokenizer = tokenizer
+    id_prefix = "chatcmpl"
+    chunk_model = ChatCompletionChunk
+    response_model = ChatCompletionResponse
 
-    def chunk(
-        self, choice: Choice, delta: RequestDelta, extension: FirstTokenExtension | None
-    ) -> ChatCompletionChunk | None:
+    def chunk_choice(self, choice: Choice, delta: RequestDelta) -> ChatChunkChoice:
         """The role goes out with the first content, never alone before it."""
-        if not delta.text and not delta.finished and delta.logprobs is None:
-            return None
         is_first = choice.num_chunks_sent == 0
         message = DeltaMessage(
             role="assistant" if is_first else None,
             content=delta.text if delta.text or is_first else None,
         )
-        return ChatCompletionChunk(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=[
-                ChatChunkChoice(
-                    index=choice.index,
-                    delta=message,
-                    logprobs=self._logprobs(delta.logprobs),
-                    finish_reason=delta.finish_reason,
-                )
-            ],
-            firsttoken=extension,
+        return ChatChunkChoice(
+            index=choice.index,
+            delta=message,
+            logprobs=self._logprobs(delta.logprobs),
+            finish_reason=delta.finish_reason,
         )
 
-    def usage_chunk(self, total: Usage, extension: FirstTokenExtension) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=[],
-            usage=total,
-            firsttoken=extension,
-        )
-
-    def whole(self, choices: list[Choice]) -> ChatCompletionResponse:
-        return ChatCompletionResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=[
-                ChatChoice(
-                    index=choice.index,
-                    message=AssistantMessage(content=choice.output.text),
-                    logprobs=self._logprobs(choice.output.logprobs),
-                    finish_reason=choice.output.finish_reason,
-                )
-                for choice in choices
-            ],
-            usage=usage(choices),
-            firsttoken=ttft_extension(choices),
+    def whole_choice(self, choice: Choice) -> ChatChoice:
+        return ChatChoice(
+            index=choice.index,
+            message=AssistantMessage(content=choice.output.text),
+            logprobs=self._logprobs(choice.output.logprobs),
+            finish_reason=choice.output.finish_reason,
         )
 
     def _logprobs(self, sampled: list[SampledToken] | None) -> ChoiceLogprobs | None:
@@ -132,5 +87,5 @@ class _ChatReply:
         return ChoiceLogprobs(content=content)
 
     def _top_logprob(self, token: TokenLogprob) -> TopLogprob:
-        text = self.tokenizer.decode([token.token_id], skip_special_tokens=False)
+        text = self.token_text(token.token_id)
         return TopLogprob(token=text, logprob=token.logprob, bytes=list(text.encode("utf-8")))

@@ -7,7 +7,13 @@ import os
 import sys
 from typing import Any
 
-from firsttoken.engine_args import add_engine_args, engine_kwargs
+from firsttoken.engine_args import (
+    add_engine_args,
+    add_model_arg,
+    add_pin_system_prompt_arg,
+    engine_kwargs,
+    read_system_prompt,
+)
 from firsttoken.server.config import ServerConfig
 
 _DEFAULTS = ServerConfig()
@@ -16,11 +22,8 @@ _DEFAULTS = ServerConfig()
 def register_serve_verb(subparsers: Any) -> None:
     """Add `serve` to the `firsttoken` command's verbs: every LLM(...) option is a flag."""
     serve = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    serve.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)",
-    )
+    add_model_arg(serve)
+    add_pin_system_prompt_arg(serve)
     group = serve.add_argument_group("server")
     group.add_argument(
         "--host", default=_DEFAULTS.host, help=f"address to listen on (default: {_DEFAULTS.host})"
@@ -54,12 +57,6 @@ def register_serve_verb(subparsers: Any) -> None:
         default=False,
         help="log each request (default: off)",
     )
-    group.add_argument(
-        "--pin-system-prompt",
-        metavar="FILE",
-        default=None,
-        help="keep the KV of this system prompt (a text file) resident; chats that start with it reuse it",
-    )
     add_engine_args(serve)
     serve.set_defaults(handler=run_serve)
 
@@ -85,26 +82,14 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
     )
 
 
-def read_system_prompt(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read()
-    except OSError as error:
-        raise ValueError(f"pin_system_prompt: cannot read {path} ({error.strerror})") from error
-
-
 def run_serve(args: argparse.Namespace) -> int:
-    from firsttoken.engine.async_engine import AsyncEngine
-    from firsttoken.engine.llm import LLM
+    from firsttoken.engine import AsyncEngine
     from firsttoken.server.app import create_app
     from firsttoken.server.http_server import build_server
 
-    system_prompt = read_system_prompt(args.pin_system_prompt) if args.pin_system_prompt else None
-    llm = LLM(args.model, **engine_options(args))
-    if system_prompt is not None:  # pinned before the step loop thread takes the engine over
-        llm.pin_system_prompt(system_prompt, pin_id="system-prompt")
-    engine = AsyncEngine(llm.engine)
-    config = server_config(args, engine.core.model_path)
+    system_prompt = read_system_prompt(args)
+    engine = AsyncEngine.from_options(args.model, system_prompt=system_prompt, **engine_options(args))
+    config = server_config(args, engine.model_path)
     server = build_server(create_app(engine, config), config)
     print(
         f"firsttoken: serving {config.model_name} on http://{config.host}:{config.port}",

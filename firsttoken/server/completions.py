@@ -2,32 +2,21 @@
 
 from __future__ import annotations
 
-import time
-import uuid
-
 from starlette.requests import Request
 from starlette.responses import Response
 
-from firsttoken.engine.async_engine import AsyncEngine, TokenizedPrompt
+from firsttoken.engine import AsyncEngine, InvalidInputError, TokenizedPrompt
 from firsttoken.outputs import RequestDelta, SampledToken
 from firsttoken.server.config import ServerConfig
-from firsttoken.server.generation import (
-    Choice,
-    sampling_params,
-    start_choices,
-    ttft_extension,
-    usage,
-)
+from firsttoken.server.generation import Choice, sampling_params, start_choices
 from firsttoken.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    FirstTokenExtension,
-    Usage,
 )
+from firsttoken.server.reply import Reply
 from firsttoken.server.streaming import respond
-from firsttoken.tokenizer import Tokenizer
 
 
 async def create_completion(
@@ -43,85 +32,49 @@ async def create_completion(
         for index in range(body.n)
     ]
     choices = await start_choices(engine, requests, body.priority)
-    reply = _CompletionReply(
-        f"cmpl-{uuid.uuid4().hex}", int(time.time()), config.model_name, engine.tokenizer
-    )
+    reply = _CompletionReply(config.model_name, engine.tokenizer)
     return await respond(choices, reply, body.stream, body.include_usage, config.retry_after_s, request)
 
 
 async def _tokenize_prompts(engine: AsyncEngine, body: CompletionRequest) -> list[TokenizedPrompt]:
-    """One TokenizedPrompt per prompt: text, token ids, or a list of either."""
+    """One TokenizedPrompt per prompt: text, token ids, or a list of either; none may be empty."""
     prompt = body.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [await engine.tokenize(prompt)]
-    if not prompt:
-        raise ValueError("prompt: must not be empty")
-    return [await engine.tokenize(item) for item in prompt]
+    is_one_prompt = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
+    prompts = [prompt] if is_one_prompt else prompt
+    if not prompts or not all(prompts):
+        raise InvalidInputError("prompt", "must not be empty")
+    return [await engine.tokenize(item) for item in prompts]
 
 
-class _CompletionReply:
-    """Builds the chunks and the whole response of one completion request."""
+class _CompletionReply(Reply):
+    """A completion's choices: text, one object for a chunk and for the whole response."""
 
-    def __init__(self, response_id: str, created: int, model: str, tokenizer: Tokenizer) -> None:
-        self.response_id = response_id
-        self.created = created
-        self.model = model
-        self.tokenizer = tokenizer
+    id_prefix = "cmpl"
+    chunk_model = CompletionResponse
+    response_model = CompletionResponse
 
-    def chunk(
-        self, choice: Choice, delta: RequestDelta, extension: FirstTokenExtension | None
-    ) -> CompletionResponse | None:
-        if not delta.text and not delta.finished and delta.logprobs is None:
-            return None
+    def chunk_choice(self, choice: Choice, delta: RequestDelta) -> CompletionChoice:
         text_start = len(choice.output.text) - len(delta.text)
-        return CompletionResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=[
-                CompletionChoice(
-                    index=choice.index,
-                    text=delta.text,
-                    logprobs=self._logprobs(delta.logprobs, text_start),
-                    finish_reason=delta.finish_reason,
-                )
-            ],
-            firsttoken=extension,
+        return CompletionChoice(
+            index=choice.index,
+            text=delta.text,
+            logprobs=self._logprobs(delta.logprobs, text_start),
+            finish_reason=delta.finish_reason,
         )
 
-    def usage_chunk(self, total: Usage, extension: FirstTokenExtension) -> CompletionResponse:
-        return CompletionResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=[],
-            usage=total,
-            firsttoken=extension,
-        )
-
-    def whole(self, choices: list[Choice]) -> CompletionResponse:
-        return CompletionResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=[
-                CompletionChoice(
-                    index=choice.index,
-                    text=choice.output.text,
-                    logprobs=self._logprobs(choice.output.logprobs, 0),
-                    finish_reason=choice.output.finish_reason,
-                )
-                for choice in choices
-            ],
-            usage=usage(choices),
-            firsttoken=ttft_extension(choices),
+    def whole_choice(self, choice: Choice) -> CompletionChoice:
+        return CompletionChoice(
+            index=choice.index,
+            text=choice.output.text,
+            logprobs=self._logprobs(choice.output.logprobs, 0),
+            finish_reason=choice.output.finish_reason,
         )
 
     def _logprobs(self, sampled: list[SampledToken] | None, text_start: int) -> CompletionLogprobs | None:
         """OpenAI's legacy shape; text_offset counts the decoded token strings from `text_start`."""
         if sampled is None:
             return None
-        tokens = [self._token_text(token.token_id) for token in sampled]
+        tokens = [self.token_text(token.token_id) for token in sampled]
         offsets = []
         for token_text in tokens:
             offsets.append(text_start)
@@ -130,11 +83,8 @@ class _CompletionReply:
             tokens=tokens,
             token_logprobs=[token.logprob for token in sampled],
             top_logprobs=[
-                {self._token_text(top.token_id): top.logprob for top in token.top_logprobs or ()}
+                {self.token_text(top.token_id): top.logprob for top in token.top_logprobs or ()}
                 for token in sampled
             ],
             text_offset=offsets,
         )
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from firsttoken.engine import InvalidInputError
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -23,15 +25,15 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+            raise InvalidInputError("port", f"must be in [0, 65535], got {self.port}")
         if not self.served_model_names or not all(self.served_model_names):
-            raise ValueError("served_model_names: give at least one non-empty name")
+            raise InvalidInputError("served_model_names", "give at least one non-empty name")
         if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key: must not be empty (omit it to serve without a key)")
+            raise InvalidInputError("api_key", "must not be empty (omit it to serve without a key)")
         if self.max_request_bytes < 1:
-            raise ValueError(f"max_request_bytes: must be >= 1, got {self.max_request_bytes}")
+            raise InvalidInputError("max_request_bytes", f"must be >= 1, got {self.max_request_bytes}")
         if self.retry_after_s < 1:
-            raise ValueError(f"retry_after_s: must be >= 1, got {self.retry_after_s}")
+            raise InvalidInputError("retry_after_s", f"must be >= 1, got {self.retry_after_s}")
 
     @property
     def model_name(self) -> str:

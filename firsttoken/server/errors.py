@@ -15,12 +15,10 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from firsttoken.engine import EngineDeadError, QueueFullError
+from firsttoken.engine import EngineDeadError, InvalidInputError, QueueFullError
 
 logger = logging.getLogger(__name__)
 
-# "field: message", as SamplingParams, the config and the engine phrase their ValueErrors.
-_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 _NOT_AN_OBJECT = {"model_type", "model_attributes_type", "dict_type"}
 _JSON_CONTENT_TYPE = re.compile(r"^application/([\w.+-]+\+)?json\s*(;|$)", re.IGNORECASE)
 
@@ -62,10 +60,9 @@ class APIError(Exception):
 
 
 def bad_request(error: ValueError) -> APIError:
-    """A 400 from a ValueError phrased "field: message"."""
-    message = str(error)
-    match = _FIELD_PREFIX.match(message)
-    return APIError(400, message, param=match.group(1) if match else None)
+    """A 400 with the error's message; `param` is the field an InvalidInputError names."""
+    param = error.field if isinstance(error, InvalidInputError) else None
+    return APIError(400, str(error), param=param)
 
 
 def queue_full(error: QueueFullError, retry_after_s: int) -> APIError:
@@ -104,11 +101,11 @@ def validation_error(error: RequestValidationError) -> APIError:
         return APIError(400, "body: malformed JSON", param=None, code="invalid_json")
     if not location and first.get("type") in _NOT_AN_OBJECT:
         return APIError(400, "body: must be a JSON object", code="invalid_body")
-    message = first.get("msg", "invalid value")
-    if message.startswith("Value error, "):  # a model validator's ValueError, already "field: message"
-        return bad_request(ValueError(message.removeprefix("Value error, ")))
+    raised = first.get("ctx", {}).get("error")
+    if isinstance(raised, ValueError):  # our own validator's error: its message is for the client
+        return bad_request(raised)
     param = _dotted(location) if location else None
-    return APIError(400, f"{param or 'body'}: {message}", param=param)
+    return APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid value')}", param=param)
 
 
 def _dotted(location: list) -> str:

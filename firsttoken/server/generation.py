@@ -14,7 +14,7 @@ from typing import AsyncIterator, Coroutine
 
 from starlette.requests import Request
 
-from firsttoken.engine.async_engine import AsyncEngine, RequestStream, TokenizedPrompt
+from firsttoken.engine import AsyncEngine, InvalidInputError, RequestStream, TokenizedPrompt
 from firsttoken.metrics.ttft_stages import TTFTStages
 from firsttoken.outputs import RequestDelta, RequestOutput
 from firsttoken.sampling_params import SamplingParams
@@ -54,15 +54,25 @@ def sampling_params(
     logprobs: int | None,
     choice_index: int,
 ) -> SamplingParams:
-    """One choice's parameters; a missing max_tokens means the rest of the context (as vLLM)."""
+    """One choice's parameters; a missing max_tokens means the rest of the context (as vLLM).
+
+    A request larger than the engine could ever hold is refused here, naming the field to blame.
+    """
     num_prompt_tokens = len(prompt.token_ids)
     if max_tokens is None:
         max_tokens = max_request_tokens - num_prompt_tokens
         if max_tokens < 1:
-            raise ValueError(
-                f"prompt: {num_prompt_tokens} tokens leave no room for output within the "
-                f"{max_request_tokens} tokens a request may hold"
+            raise InvalidInputError(
+                "prompt",
+                f"{num_prompt_tokens} tokens leave no room for output within the "
+                f"{max_request_tokens} tokens a request may hold",
             )
+    elif num_prompt_tokens + max_tokens > max_request_tokens:
+        raise InvalidInputError(
+            "max_tokens",
+            f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is "
+            f"{num_prompt_tokens + max_tokens}, more than the {max_request_tokens} tokens a request may hold",
+        )
     temperature = 1.0 if request.temperature is None else request.temperature
     stop = request.stop if request.stop is not None else ()
     return SamplingParams(

@@ -19,7 +19,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from firsttoken.tokenizer import CHAT_ROLES
+from firsttoken.engine import CHAT_ROLES, InvalidInputError
 
 MAX_N = 16  # choices per prompt; each one is an independent engine request
 MAX_LOGPROBS = 20
@@ -118,9 +118,9 @@ class GenerationRequest(_StrictModel):
         for name, value in (self.model_extra or {}).items():
             neutral = _UNSUPPORTED_UNLESS_NEUTRAL.get(name)
             if neutral is not None and value not in neutral:
-                raise ValueError(f"{name}: is not supported (leave it unset)")
+                raise InvalidInputError(name, "is not supported (leave it unset)")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options: only allowed when stream is true")
+            raise InvalidInputError("stream_options", "only allowed when stream is true")
         return self
 
     @property
@@ -148,7 +148,7 @@ class ChatCompletionRequest(GenerationRequest):
     @model_validator(mode="after")
     def _check_top_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs: requires logprobs to be true")
+            raise InvalidInputError("top_logprobs", "requires logprobs to be true")
         return self
 
 

@@ -7,13 +7,11 @@ server on disconnect; a non-streamed reply watches for the disconnect itself.
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncIterator
 
-from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from firsttoken.outputs import RequestDelta
 from firsttoken.server import sse
 from firsttoken.server.errors import from_exception
 from firsttoken.server.generation import (
@@ -26,24 +24,7 @@ from firsttoken.server.generation import (
     unless_disconnected,
     usage,
 )
-from firsttoken.server.protocol import FirstTokenExtension, Usage
-
-# (choice, its new delta, the TTFT extension when this is the response's last delta) -> a
-# chunk, or None when the delta has nothing to show yet (text held back, no logprobs asked).
-ChunkBuilder = Callable[[Choice, RequestDelta, FirstTokenExtension | None], BaseModel | None]
-UsageChunkBuilder = Callable[[Usage, FirstTokenExtension], BaseModel]
-
-
-class Reply(Protocol):
-    """One endpoint's response shapes: its stream chunks and its whole response."""
-
-    def chunk(
-        self, choice: Choice, delta: RequestDelta, extension: FirstTokenExtension | None
-    ) -> BaseModel | None: ...
-
-    def usage_chunk(self, total: Usage, extension: FirstTokenExtension) -> BaseModel: ...
-
-    def whole(self, choices: list[Choice]) -> BaseModel: ...
+from firsttoken.server.reply import Reply
 
 
 async def respond(
@@ -56,7 +37,7 @@ async def respond(
 ) -> Response:
     """The started choices as server-sent events, or, run to their end, as one JSON body."""
     if stream:
-        events = stream_events(choices, include_usage, reply.chunk, reply.usage_chunk, retry_after_s)
+        events = stream_events(choices, reply, include_usage, retry_after_s)
         return StreamingResponse(events, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
     if not await collect(choices, request):
         return Response(status_code=499)  # client closed the request; nobody reads this
@@ -68,11 +49,7 @@ async def respond(
 
 
 async def stream_events(
-    choices: list[Choice],
-    include_usage: bool,
-    chunk_for: ChunkBuilder,
-    usage_chunk: UsageChunkBuilder,
-    retry_after_s: int,
+    choices: list[Choice], reply: Reply, include_usage: bool, retry_after_s: int
 ) -> AsyncIterator[bytes]:
     """The SSE body: a chunk per delta with something to show, the usage chunk if asked, [DONE].
 
@@ -83,12 +60,12 @@ async def stream_events(
             async for choice, delta in deltas:
                 is_last = all(c.output.finished for c in choices)
                 extension = ttft_extension(choices) if is_last and not include_usage else None
-                chunk = chunk_for(choice, delta, extension)
+                chunk = reply.chunk(choice, delta, extension)
                 if chunk is not None:
                     choice.num_chunks_sent += 1
                     yield sse.model_event(chunk, include_usage)
         if include_usage:
-            yield sse.model_event(usage_chunk(usage(choices), ttft_extension(choices)), include_usage)
+            yield sse.model_event(reply.usage_chunk(usage(choices), ttft_extension(choices)), include_usage)
     except Exception as error:  # the engine stopped mid-stream: say so in-band, then end
         yield sse.event(from_exception(error, retry_after_s).body())
     finally:

@@ -8,6 +8,7 @@ import pytest
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.config import CacheConfig, ChunkedPrefillConfig, EngineConfig, SchedulerConfig
+from firsttoken.engine import InvalidInputError
 
 
 def _all_blocks_free(llm: LLM) -> bool:
@@ -15,24 +16,32 @@ def _all_blocks_free(llm: LLM) -> bool:
     return stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0 and stats.num_waiting == 0
 
 
-@pytest.mark.parametrize(
-    "kwargs,field",
-    [
-        (dict(max_tokens=0), "max_tokens"),
-        (dict(max_tokens=-3), "max_tokens"),
-        (dict(temperature=-0.1), "temperature"),
-        (dict(temperature=float("nan")), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(top_k=0), "top_k"),
-        (dict(top_k=-2), "top_k"),
-        (dict(logprobs=21), "logprobs"),
-        (dict(stop=[""]), "stop"),
-    ],
-)
+BAD_SAMPLING_PARAMS = [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=-2), "top_k"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(stop=[""]), "stop"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD_SAMPLING_PARAMS)
 def test_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}: "):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,field", BAD_SAMPLING_PARAMS)
+def test_sampling_params_errors_carry_the_field(kwargs, field):
+    """Front ends read the field from the error, not from its message."""
+    with pytest.raises(InvalidInputError) as raised:
+        SamplingParams(**kwargs)
+    assert raised.value.field == field
 
 
 def test_empty_prompts_are_refused(llm):

@@ -12,7 +12,8 @@ from typing import Any, Iterator
 import httpx
 import uvicorn
 
-from firsttoken.engine.async_engine import AsyncEngine
+from firsttoken.engine import AsyncEngine
+from firsttoken.outputs import EngineStats
 from firsttoken.server.app import create_app
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.http_server import build_server
@@ -40,19 +41,30 @@ class RunningServer:
                     return sample.value
         raise KeyError(name)
 
-    def wait_for_idle_kv(self, timeout_s: float = 1.0) -> float:
-        """Seconds until /metrics shows no KV block in use and no request (raises on timeout)."""
+    def wait_for_idle_kv(self, timeout_s: float = 1.0, *, since: EngineStats | None = None) -> float:
+        """Seconds until /metrics shows no KV block in use and no request, and the engine has
+        every one of its KV blocks free (raises on timeout).
+
+        `since`, the engine's stats taken at the test's start, makes a test that ran requests
+        prove their end: only a snapshot from after a later engine step counts, never the idle
+        state the test started from.
+        """
         start = time.monotonic()
         while True:
+            stats = self.engine.stats()
             usage = self.metric("firsttoken:kv_cache_usage_perc")
             running = self.metric("firsttoken:num_requests_running")
             waiting = self.metric("firsttoken:num_requests_waiting")
             elapsed = time.monotonic() - start
-            if usage == 0 and running == 0 and waiting == 0:
+            has_stepped = since is None or stats.num_steps > since.num_steps
+            all_blocks_free = stats.num_free_kv_blocks == stats.num_kv_blocks
+            if usage == 0 and running == 0 and waiting == 0 and all_blocks_free and has_stepped:
                 return elapsed
             if elapsed > timeout_s:
                 raise AssertionError(
-                    f"KV usage {usage}, {running} running, {waiting} waiting after {elapsed:.2f}s"
+                    f"KV usage {usage}, {running} running, {waiting} waiting, "
+                    f"{stats.num_free_kv_blocks} of {stats.num_kv_blocks} blocks free, "
+                    f"{'a' if has_stepped else 'no'} step since the test's start, after {elapsed:.2f}s"
                 )
             time.sleep(0.02)
 

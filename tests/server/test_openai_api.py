@@ -233,6 +233,7 @@ def test_extreme_sampling_values_act_greedy_and_keep_the_engine_alive(client, ll
 
 
 def test_32_concurrent_streams_get_their_own_outputs(server, llm):
+    start = server.engine.stats()
     prompts = [f"Item {index}: the number after {index} is" for index in range(32)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     expected = [output.text for output in llm.generate(prompts, params)]
@@ -255,10 +256,11 @@ def test_32_concurrent_streams_get_their_own_outputs(server, llm):
             return await asyncio.gather(*(stream_one(client, prompt) for prompt in prompts))
 
     assert asyncio.run(run_all()) == expected
-    server.wait_for_idle_kv()
+    server.wait_for_idle_kv(since=start)
 
 
 def test_disconnect_mid_stream_frees_kv_within_a_second(server):
+    start = server.engine.stats()
     aborted_before = server.metric("firsttoken:request_success_total", finished_reason="abort")
     with httpx.Client(base_url=server.base_url, timeout=120) as http:
         body = {"prompt": "Tell me a long story.", "max_tokens": 400, "stream": True, "ignore_eos": True}
@@ -266,7 +268,7 @@ def test_disconnect_mid_stream_frees_kv_within_a_second(server):
             lines = response.iter_lines()
             assert next(line for line in lines if line).startswith("data: {")
             assert server.metric("firsttoken:kv_cache_usage_perc") > 0
-    assert server.wait_for_idle_kv(timeout_s=1.0) < 1.0
+    assert server.wait_for_idle_kv(timeout_s=1.0, since=start) < 1.0
     assert server.metric("firsttoken:request_success_total", finished_reason="abort") == aborted_before + 1
 
 
@@ -290,6 +292,7 @@ def test_disconnect_before_the_first_token_aborts(server):
 
 
 def test_disconnect_during_a_non_streamed_request_aborts(server):
+    start = server.engine.stats()
     aborted_before = server.metric("firsttoken:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.TimeoutException):
         httpx.post(
@@ -301,43 +304,44 @@ def test_disconnect_during_a_non_streamed_request_aborts(server):
     while server.metric("firsttoken:request_success_total", finished_reason="abort") == aborted_before:
         assert time.monotonic() < deadline, "the request was not aborted"
         time.sleep(0.02)
-    server.wait_for_idle_kv()
+    server.wait_for_idle_kv(since=start)
 
 
 # -- bad input ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "path,body,param",
-    [
-        ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
-        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-        ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
-        ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
-        ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
-        ("/v1/completions", {"prompt": "hi", "top_k": 0}, "top_k"),
-        ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
-        ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
-        ("/v1/completions", {"prompt": "hi", "max_tokens": "12"}, "max_tokens"),
-        ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
-        ("/v1/completions", {"prompt": 42}, "prompt"),
-        ("/v1/completions", {"prompt": ""}, "prompt"),
-        ("/v1/completions", {"prompt": []}, "prompt"),
-        ("/v1/completions", {"prompt": [[]]}, "prompt"),
-        ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop"),
-        ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
-        ("/v1/completions", {"prompt": "word " * 9000}, "prompt"),
-        ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
-        ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-        ("/v1/completions", {}, "prompt"),
-        ("/v1/chat/completions", {"messages": []}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
-        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
-        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
-        ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -5}, "max_completion_tokens"),
-    ],
-)
+# (path, body, the field the 400 must name: its param starts with it)
+INVALID_REQUESTS = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 0}, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "12"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": 42}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
+    ("/v1/completions", {"prompt": "word " * 9000}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -5}, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", INVALID_REQUESTS)
 def test_invalid_fields_get_400_naming_the_field(server, path, body, param):
     response = httpx.post(server.base_url + path, json=body, timeout=60)
     assert response.status_code == 400, response.text
@@ -347,6 +351,24 @@ def test_invalid_fields_get_400_naming_the_field(server, path, body, param):
     assert error["param"] is not None and error["param"].startswith(param), error
     assert error["message"].startswith(error["param"]), error
     assert "pydantic" not in error["message"] and "errors.pydantic.dev" not in response.text
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
+        ("/v1/completions", {"prompt": ["hi", ""]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+def test_typed_errors_give_exactly_their_field_as_param(server, path, body, param):
+    """The server's checks and its request validators raise InvalidInputError, which names the field."""
+    response = httpx.post(server.base_url + path, json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param}: "), error
 
 
 @pytest.mark.parametrize(
@@ -382,7 +404,14 @@ def test_unknown_route_and_method_answer_in_the_openai_shape(server):
 
 
 def test_bad_input_leaves_no_kv_allocated(server):
-    server.wait_for_idle_kv()
+    """Nothing stays allocated, not even the good prompt admitted beside one the engine refuses."""
+    start = server.engine.stats()
+    for path, body, _ in INVALID_REQUESTS:
+        assert httpx.post(server.base_url + path, json=body, timeout=60).status_code == 400
+    good_and_bad_prompt = {"prompt": [[1, 2, 3], [-1]], "max_tokens": 4}
+    refused = httpx.post(server.base_url + "/v1/completions", json=good_and_bad_prompt, timeout=60)
+    assert refused.status_code == 400, refused.text
+    server.wait_for_idle_kv(since=start)
 
 
 # -- the other endpoints and the socket ----------------------------------------------------------

@@ -6,6 +6,9 @@ answers are deterministic; the 48-token context keeps every fuzzed request short
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import httpx
 import openai
 import pytest
@@ -15,7 +18,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
 from firsttoken.server.config import ServerConfig
-from tests.server.conftest import MODEL_NAME, running_server
+from tests.server.conftest import MODEL_NAME, RunningServer, running_server
 
 API_KEY = "s3cret-key"
 MAX_MODEL_LEN = 48
@@ -23,14 +26,27 @@ MAX_REQUEST_BYTES = 2048
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
-@pytest.fixture(scope="module")
-def server(model_path):
+@contextlib.contextmanager
+def _limited_server(model_path: str) -> Iterator[RunningServer]:
     config = ServerConfig(
         port=0, served_model_names=(MODEL_NAME,), api_key=API_KEY, max_request_bytes=MAX_REQUEST_BYTES
     )
     with running_server(
         model_path, config, max_model_len=MAX_MODEL_LEN, max_num_seqs=1, max_waiting_requests=1
     ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    with _limited_server(model_path) as running:
+        yield running
+
+
+@pytest.fixture
+def server_to_break(model_path):
+    """A server of its own for a test that kills its engine: the module's server stays healthy."""
+    with _limited_server(model_path) as running:
         yield running
 
 
@@ -116,11 +132,12 @@ def test_prompt_longer_than_the_context_gets_400(server):
 def test_full_queue_gets_429_with_retry_after_and_keeps_nothing(server):
     """Three choices cannot all fit one running slot and one waiting place: the request is
     refused whole, and the choices admitted before the refusal are withdrawn."""
+    start = server.engine.stats()
     response = _post(server, {"prompt": "Once upon a time", "max_tokens": 20, "n": 3})
     assert response.status_code == 429
     assert response.headers["Retry-After"] == "1"
     assert response.json()["error"]["code"] == "queue_full"
-    server.wait_for_idle_kv()
+    server.wait_for_idle_kv(since=start)
 
 
 # -- fuzzing the schema -------------------------------------------------------------------------------
@@ -163,25 +180,23 @@ def test_schemathesis_finds_no_server_error_long(server):
     _fuzz(server, max_examples=500)
 
 
-# -- last: an engine failure (the engine stays dead for the rest of the module) -------------------
+# -- an engine failure, on a server of its own (its engine stays dead) -----------------------------
 
 
-def test_engine_failure_ends_streams_in_band_and_health_turns_503(server):
-    core = server.engine.core
-
+def test_engine_failure_ends_streams_in_band_and_health_turns_503(server_to_break, monkeypatch):
     def failing_step():
         raise RuntimeError("simulated device failure")
 
-    core.step = failing_step
+    monkeypatch.setattr(server_to_break.engine.core, "step", failing_step)
     body = {"prompt": "Hello", "max_tokens": 5, "stream": True}
     with httpx.stream(
-        "POST", server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=60
+        "POST", server_to_break.base_url + "/v1/completions", json=body, headers=AUTH, timeout=60
     ) as response:
         assert response.status_code == 200
         events = [line for line in response.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
     assert '"code":"engine_unavailable"' in events[-2]
-    assert httpx.get(server.base_url + "/health").status_code == 503
-    refused = _post(server, {"prompt": "Hello", "max_tokens": 5})
+    assert httpx.get(server_to_break.base_url + "/health").status_code == 503
+    refused = _post(server_to_break, {"prompt": "Hello", "max_tokens": 5})
     assert refused.status_code == 503
     assert refused.json()["error"]["type"] == "server_error"

@@ -1,0 +1,68 @@
+"""What the chat and the completions replies share: the envelope of every chunk and of the whole
+response (id, creation time, model, usage, the TTFT extension), and the text of one token."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from firsttoken.engine import Tokenizer
+from firsttoken.outputs import RequestDelta
+from firsttoken.server.generation import Choice, ttft_extension, usage
+from firsttoken.server.protocol import FirstTokenExtension, Usage
+
+
+class Reply(ABC):
+    """Builds the stream chunks and the whole response of one request; owns the response's id,
+    creation time and model name, which every chunk repeats. An endpoint says how a choice looks."""
+
+    id_prefix: ClassVar[str]
+    chunk_model: ClassVar[type[BaseModel]]
+    response_model: ClassVar[type[BaseModel]]
+
+    def __init__(self, model: str, tokenizer: Tokenizer) -> None:
+        self.response_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.tokenizer = tokenizer
+
+    @abstractmethod
+    def chunk_choice(self, choice: Choice, delta: RequestDelta) -> BaseModel:
+        """What `delta` adds to `choice`, as its part of a stream chunk."""
+
+    @abstractmethod
+    def whole_choice(self, choice: Choice) -> BaseModel:
+        """A finished choice, as its part of the whole response."""
+
+    def chunk(
+        self, choice: Choice, delta: RequestDelta, extension: FirstTokenExtension | None
+    ) -> BaseModel | None:
+        """The chunk of `delta` (`extension` when it is the response's last), or None while it
+        has nothing to show (text held back by a stop string, no logprobs asked)."""
+        if not delta.text and not delta.finished and delta.logprobs is None:
+            return None
+        return self.chunk_model(
+            **self._envelope(), choices=[self.chunk_choice(choice, delta)], firsttoken=extension
+        )
+
+    def usage_chunk(self, total: Usage, extension: FirstTokenExtension) -> BaseModel:
+        return self.chunk_model(**self._envelope(), choices=[], usage=total, firsttoken=extension)
+
+    def whole(self, choices: list[Choice]) -> BaseModel:
+        return self.response_model(
+            **self._envelope(),
+            choices=[self.whole_choice(choice) for choice in choices],
+            usage=usage(choices),
+            firsttoken=ttft_extension(choices),
+        )
+
+    def token_text(self, token_id: int) -> str:
+        """One token as logprobs name it: its own text, special tokens included."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _envelope(self) -> dict[str, Any]:
+        return {"id": self.response_id, "created": self.created, "model": self.model}
