@@ -55,9 +55,7 @@ def sampling_params(
     choice_index: int,
 ) -> SamplingParams:
     """One choice's parameters; a missing max_tokens means the rest of the context (as vLLM).
-
-    A request larger than the engine could ever hold is refused here, naming the field to blame.
-    """
+    A given max_tokens that does not fit is the engine's to refuse (InvalidInputError)."""
     num_prompt_tokens = len(prompt.token_ids)
     if max_tokens is None:
         max_tokens = max_request_tokens - num_prompt_tokens
@@ -67,12 +65,6 @@ def sampling_params(
                 f"{num_prompt_tokens} tokens leave no room for output within the "
                 f"{max_request_tokens} tokens a request may hold",
             )
-    elif num_prompt_tokens + max_tokens > max_request_tokens:
-        raise InvalidInputError(
-            "max_tokens",
-            f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is "
-            f"{num_prompt_tokens + max_tokens}, more than the {max_request_tokens} tokens a request may hold",
-        )
     temperature = 1.0 if request.temperature is None else request.temperature
     stop = request.stop if request.stop is not None else ()
     return SamplingParams(
