@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from firsttoken.attention.backend import BatchLayout, DecodeTables, SequenceLayout, decode_tables
-from firsttoken.ops import native
+from firsttoken.ops import native, native_abi
 
 
 @dataclass
@@ -104,7 +104,7 @@ class SDPABackend:
         )
 
     def _native_decode_tables(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> DecodeTables | None:
-        decode_only = 0 < layout.num_decodes == len(layout.sequences) <= native.DECODE_MAX_ROWS
+        decode_only = 0 < layout.num_decodes == len(layout.sequences) <= native_abi.DECODE_MAX_ROWS
         if self.native is None or not self.native.has_decode_kernels or not decode_only:
             return None
         return decode_tables(layout, slot_mapping)

@@ -12,6 +12,9 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+/* The limits and structs Python shares with these kernels, written by the build from
+ * firsttoken/ops/native_abi.py (their one definition). */
+#include "native_abi.h"
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
