@@ -48,7 +48,7 @@ _COMPILE_FLAGS = [
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
     "-fopenmp", "-shared", "-fPIC", "-std=c11",
 ]
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPE_CODES = {torch.float32: native_abi.DTYPE_FLOAT32, torch.bfloat16: native_abi.DTYPE_BFLOAT16}
 
 _INT64 = ctypes.c_int64
 _POINTER = ctypes.c_void_p

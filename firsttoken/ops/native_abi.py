@@ -1,9 +1,10 @@
 """What Python and the compiled kernels (csrc/) must agree on, declared once for both sides.
 
-The kernels' limits and the structs the decode step reads are defined here only: the build
-(`native.py`) writes `c_header()` into the build folder as native_abi.h, which csrc/common.h
-includes, and Python fills the ctypes classes below. A limit or a field cannot change on one
-side alone; the header's text is part of the build's cache key, so a change rebuilds.
+The kernels' limits, their dtype codes and the structs the decode step reads are defined
+here only: the build (`native.py`) writes `c_header()` into the build folder as
+native_abi.h, which csrc/common.h includes, and Python fills the ctypes classes below. A
+constant or a field cannot change on one side alone; the header's text is part of the
+build's cache key, so a change rebuilds.
 """
 
 from __future__ import annotations
@@ -18,11 +19,16 @@ DECODE_MAX_HEAD_DIM = 128
 # Prefill attention holds a block of queries and their outputs on the stack, sized for this
 # head size. A separate limit from the decode step's, equal today.
 PREFILL_MAX_HEAD_DIM = 128
+# The `dtype` argument of the kernels that take either (bf16 as its raw uint16 bits).
+DTYPE_FLOAT32 = 0
+DTYPE_BFLOAT16 = 1
 
-_C_LIMITS = {
+_C_CONSTANTS = {
     "DECODE_MAX_ROWS": DECODE_MAX_ROWS,
     "DECODE_MAX_HEAD_DIM": DECODE_MAX_HEAD_DIM,
     "PREFILL_MAX_HEAD_DIM": PREFILL_MAX_HEAD_DIM,
+    "DTYPE_FLOAT32": DTYPE_FLOAT32,
+    "DTYPE_BFLOAT16": DTYPE_BFLOAT16,
 }
 
 # A field's C type: scalar text ("int64_t"), pointer text ("const uint16_t *": a c_void_p in
@@ -123,14 +129,14 @@ def _c_typedef(struct: type[ctypes.Structure]) -> str:
 
 
 def c_header() -> str:
-    """native_abi.h: the limits as macros and the shared structs as typedefs."""
+    """native_abi.h: the constants as macros and the shared structs as typedefs."""
     return "\n".join(
         [
             "/* Written at build time from firsttoken/ops/native_abi.py: edit that file, not this one. */",
             "#ifndef FIRSTTOKEN_NATIVE_ABI_H",
             "#define FIRSTTOKEN_NATIVE_ABI_H",
             "#include <stdint.h>",
-            *(f"#define {name} {value}" for name, value in _C_LIMITS.items()),
+            *(f"#define {name} {value}" for name, value in _C_CONSTANTS.items()),
             *(_c_typedef(struct) for struct in _SHARED_STRUCTS),
             "#endif",
             "",
