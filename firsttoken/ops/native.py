@@ -288,6 +288,10 @@ def load_native_kernels(cache_dir: str) -> NativeKernels | None:
         return None
     try:
         return NativeKernels(ctypes.CDLL(str(_built_library(Path(cache_dir)))))
+    except subprocess.CalledProcessError as error:
+        compiler_errors = error.stderr.decode(errors="replace").strip()
+        logger.warning("native CPU kernels unavailable, using torch ops (the build failed: %s)", compiler_errors)
+        return None
     except (OSError, subprocess.SubprocessError) as error:
         logger.warning("native CPU kernels unavailable, using torch ops (%s)", error)
         return None

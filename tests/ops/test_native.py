@@ -126,6 +126,20 @@ def test_a_missing_compiler_leaves_the_torch_ops(tmp_path, monkeypatch, caplog):
     assert "native CPU kernels unavailable" in caplog.text
 
 
+def test_a_failed_build_leaves_the_torch_ops_and_shows_the_compiler_errors(tmp_path, monkeypatch, caplog):
+    failing_compiler = tmp_path / "failing-cc"
+    failing_compiler.write_text("#!/bin/sh\necho 'decode_step.c:1: error: a static assertion failed' >&2\nexit 1\n")
+    failing_compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(failing_compiler))
+    native.load_native_kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert native.load_native_kernels(str(tmp_path / "cache")) is None
+    finally:
+        native.load_native_kernels.cache_clear()
+    assert "a static assertion failed" in caplog.text
+
+
 def _causal_attention_reference(query, key, value):
     """float32 softmax(Q K^T / sqrt(d)) V, query i seeing keys up to i + (keys - queries)."""
     num_queries, num_heads, head_dim = query.shape
