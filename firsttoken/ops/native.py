@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from firsttoken.ops import native_abi
+from firsttoken.ops.cpu_info import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -321,9 +322,4 @@ def _built_library(cache_dir: Path) -> Path:
 
 def _cpu_identity() -> bytes:
     """-march=native code runs only on CPUs with these features: key the build by them."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine().encode()
-    flags = next((line for line in cpuinfo.splitlines() if line.startswith(("flags", "Features"))), "")
-    return f"{platform.machine()}|{flags}".encode()
+    return f"{platform.machine()}|{' '.join(sorted(cpu_flags()))}".encode()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
+
+from firsttoken.ops.cpu_info import cpu_flags
+# Re-exported: the engine sizes torch's thread pool by it.
+from firsttoken.ops.cpu_info import physical_core_count as physical_core_count
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,39 +51,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions and oneDNN can use them."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     has_instructions = "avx512_bf16" in flags or "amx_bf16" in flags
     return has_instructions and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return set()
-
-
-def physical_core_count() -> int:
-    """Cores this process may run on, counting hyperthread siblings once."""
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        with open("/proc/cpuinfo", encoding="ascii") as cpuinfo:
-            cores = set()
-            physical_id = core_id = None
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "physical id":
-                    physical_id = value.strip()
-                elif key == "core id":
-                    core_id = value.strip()
-                    cores.add((physical_id, core_id))
-        if cores:
-            return max(1, min(allowed, len(cores)))
-    except OSError:
-        pass
-    return max(1, allowed)
