@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from firsttoken.attention.backend import BatchLayout, DecodeTables, SequenceLayout, decode_tables
+from firsttoken.attention.reference import write_kv_reference
 from firsttoken.ops import native, native_abi
 
 
@@ -120,7 +121,7 @@ class SDPABackend:
         if self.native is not None and _native_writable(kv_cache, key, value, metadata.slot_mapping):
             self.native.write_kv(kv_cache, key, value, metadata.slot_mapping)
         else:
-            write_kv(kv_cache, key, value, metadata.slot_mapping)
+            write_kv_reference(kv_cache, key, value, metadata.slot_mapping)
         if not metadata.prefills:  # a decode-only step: no output to assemble
             return _decode_attention(query, kv_cache, metadata)
         output = torch.empty_like(query)
@@ -142,13 +143,6 @@ class SDPABackend:
             if keys_values is not None and self.native.prefill_attention_supports(query, *keys_values):
                 return self.native.prefill_attention(query, *keys_values, torch.get_num_threads())
         return _prefill_attention(query, key, value, kv_cache, span)
-
-
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V at their slots (block_id * block_size + offset)."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
 def _native_writable(
