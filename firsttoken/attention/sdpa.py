@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from firsttoken.attention.backend import BatchLayout, DecodeTables, SequenceLayout, decode_tables
+from firsttoken.attention.backend import BatchLayout, SequenceLayout, decode_tables
 from firsttoken.attention.reference import write_kv_reference
 from firsttoken.ops import native, native_abi
+from firsttoken.ops.native_decode import DecodeTables
 
 
 @dataclass

@@ -16,9 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
-from firsttoken.attention.backend import DecodeTables
 from firsttoken.ops import native, native_abi
 from firsttoken.ops.linear import NativeInt4Linear
+
+
+@dataclass(frozen=True)
+class DecodeTables:
+    """A decode-only step's addressing as tensors, for a kernel that runs the whole step."""
+
+    slot_mapping: torch.Tensor  # long [B]
+    block_table: torch.Tensor  # long [B, max_blocks], short rows padded with block 0
+    seq_lens: torch.Tensor  # long [B]: keys each sequence attends over, its new one included
 
 
 @dataclass
