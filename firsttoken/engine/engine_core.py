@@ -64,7 +64,10 @@ class EngineCore:
         native_kernels = None
         if model_config.fuse_ops and model_config.native_kernels and self.device.type == "cpu":
             native_kernels = load_native_kernels(os.path.join(default_cache_dir(), "native"))
-        backend = select_attention_backend(config.attention, self.device, self.checkpoint.arch, native_kernels)
+        backend = select_attention_backend(
+            config.attention, self.device, self.checkpoint.arch.num_heads, self.checkpoint.arch.num_kv_heads,
+            native_kernels,
+        )
         self.kernels = Kernels(fused=model_config.fuse_ops, native_kernels=native_kernels)
         self.model = self._load_model(backend)
         # Decode graphs pad their batches with rows that write one scratch block past the manager's.

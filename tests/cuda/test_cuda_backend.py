@@ -59,9 +59,9 @@ def test_metadata_routes_each_sequence_to_its_kernel(device):
 
 
 def test_selector_picks_by_device_and_refuses_mismatches():
-    arch = TINY_ARCH
-    assert isinstance(select_attention_backend(AttentionConfig(), torch.device("cpu"), arch), SDPABackend)
+    heads = (TINY_ARCH.num_heads, TINY_ARCH.num_kv_heads)
+    assert isinstance(select_attention_backend(AttentionConfig(), torch.device("cpu"), *heads), SDPABackend)
     with pytest.raises(ValueError, match="triton needs device cuda"):
-        select_attention_backend(AttentionConfig(backend="triton"), torch.device("cpu"), arch)
+        select_attention_backend(AttentionConfig(backend="triton"), torch.device("cpu"), *heads)
     with pytest.raises(ValueError, match="sdpa runs on the CPU"):
-        select_attention_backend(AttentionConfig(backend="sdpa"), torch.device("cuda"), arch)
+        select_attention_backend(AttentionConfig(backend="sdpa"), torch.device("cuda"), *heads)
