@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda", "npu")
+DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 
@@ -38,7 +38,7 @@ class ModelConfig:
         metadata=_help("compute dtype: auto | float32 | bfloat16 | float16", choices=DTYPES),
     )
     device: str = field(
-        default="auto", metadata=_help("device: auto | cpu | cuda | npu", choices=DEVICES)
+        default="auto", metadata=_help("device: auto | cpu | cuda", choices=DEVICES)
     )
     max_model_len: int | None = field(
         default=None,

@@ -17,11 +17,8 @@ def select_attention_backend(
     num_kv_heads: int,
     native_kernels: NativeKernels | None = None,
 ) -> AttentionBackend:
-    """cuda: SDPA flash prefills plus Triton paged attention; cpu (and npu): SDPA, writing
-    K/V into the cache with `native_kernels` when given.
-
-    An NPU backend would be one module, chosen here for `device.type == "npu"`.
-    """
+    """cuda: SDPA flash prefills plus Triton paged attention; cpu: SDPA, writing K/V into the
+    cache with `native_kernels` when given."""
     if device.type == "cuda":
         if config.backend == "sdpa":
             raise ValueError("attention_backend: sdpa runs on the CPU; on cuda choose auto or triton")

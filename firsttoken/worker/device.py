@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from firsttoken.ops.cpu_info import cpu_flags
@@ -14,29 +12,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(name: str) -> torch.device:
-    """'auto' picks CUDA, then NPU, then CPU; an explicit device that is missing is an error."""
+    """'auto' picks CUDA, else the CPU; an explicit device that is missing is an error."""
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if _npu_available():
-            return torch.device("npu")
-        return torch.device("cpu")
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: cuda was asked for, but torch sees no CUDA device")
-    if name == "npu":
-        if importlib.util.find_spec("torch_npu") is None:
-            raise ValueError("device: npu needs the torch_npu package, which is not installed")
-        if not _npu_available():
-            raise ValueError("device: npu was asked for, but torch_npu sees no NPU")
     return torch.device(name)
-
-
-def _npu_available() -> bool:
-    if importlib.util.find_spec("torch_npu") is None:
-        return False
-    import torch_npu  # noqa: F401  (registers torch.npu)
-
-    return bool(torch.npu.is_available())
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
