@@ -13,7 +13,7 @@ from typing import Any, Literal, Union
 from firsttoken.errors import InvalidInputError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda", "npu")
+DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 
@@ -40,7 +40,7 @@ class ModelConfig:
         metadata=_help("compute dtype: auto | float32 | bfloat16 | float16", choices=DTYPES),
     )
     device: str = field(
-        default="auto", metadata=_help("device: auto | cpu | cuda | npu", choices=DEVICES)
+        default="auto", metadata=_help("device: auto | cpu | cuda", choices=DEVICES)
     )
     max_model_len: int | None = field(
         default=None,

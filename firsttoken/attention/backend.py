@@ -12,6 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
+from firsttoken.ops.native_decode import DecodeTables
+
 
 @dataclass(frozen=True)
 class SequenceLayout:
@@ -37,15 +39,6 @@ class BatchLayout:
     @property
     def num_tokens(self) -> int:
         return sum(sequence.query_len for sequence in self.sequences)
-
-
-@dataclass(frozen=True)
-class DecodeTables:
-    """A decode-only step's addressing as tensors, for a kernel that runs the whole step."""
-
-    slot_mapping: torch.Tensor  # long [B]
-    block_table: torch.Tensor  # long [B, max_blocks], short rows padded with block 0
-    seq_lens: torch.Tensor  # long [B]: keys each sequence attends over, its new one included
 
 
 def decode_tables(layout: BatchLayout, slot_mapping: torch.Tensor) -> DecodeTables:

@@ -1,10 +1,23 @@
-"""Plain-math paged attention: the definition every fast backend is tested against."""
+"""Plain-math paged attention and KV write: the definitions every fast backend is tested against."""
 
 from __future__ import annotations
 
 import torch
 
 from firsttoken.attention.backend import BatchLayout
+
+
+def write_kv_reference(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T], any integer dtype
+) -> None:
+    """Store a step's K/V at their slots (block_id * block_size + offset)."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    slots = slot_mapping.long()
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
 
 def paged_attention_reference(

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from firsttoken.attention.backend import BatchLayout, DecodeTables, SequenceLayout, decode_tables
-from firsttoken.ops import native
+from firsttoken.attention.backend import BatchLayout, SequenceLayout, decode_tables
+from firsttoken.attention.reference import write_kv_reference
+from firsttoken.ops import native, native_abi
+from firsttoken.ops.native_decode import DecodeTables
 
 
 @dataclass
@@ -106,7 +108,7 @@ class SDPABackend:
         )
 
     def _native_decode_tables(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> DecodeTables | None:
-        decode_only = 0 < layout.num_decodes == len(layout.sequences) <= native.DECODE_MAX_ROWS
+        decode_only = 0 < layout.num_decodes == len(layout.sequences) <= native_abi.DECODE_MAX_ROWS
         if self.native is None or not self.native.has_decode_kernels or not decode_only:
             return None
         return decode_tables(layout, slot_mapping)
@@ -122,7 +124,7 @@ class SDPABackend:
         if self.native is not None and _native_writable(kv_cache, key, value, metadata.slot_mapping):
             self.native.write_kv(kv_cache, key, value, metadata.slot_mapping)
         else:
-            write_kv(kv_cache, key, value, metadata.slot_mapping)
+            write_kv_reference(kv_cache, key, value, metadata.slot_mapping)
         if not metadata.prefills:  # a decode-only step: no output to assemble
             return _decode_attention(query, kv_cache, metadata)
         output = torch.empty_like(query)
@@ -144,13 +146,6 @@ class SDPABackend:
             if keys_values is not None and self.native.prefill_attention_supports(query, *keys_values):
                 return self.native.prefill_attention(query, *keys_values, torch.get_num_threads())
         return _prefill_attention(query, key, value, kv_cache, span)
-
-
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V at their slots (block_id * block_size + offset)."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
 def _native_writable(

@@ -7,18 +7,18 @@ import torch
 from firsttoken.attention.backend import AttentionBackend
 from firsttoken.attention.sdpa import SDPABackend
 from firsttoken.config import AttentionConfig
-from firsttoken.models.arch import ModelArch
 from firsttoken.ops.native import NativeKernels
 
 
 def select_attention_backend(
-    config: AttentionConfig, device: torch.device, arch: ModelArch, native_kernels: NativeKernels | None = None
+    config: AttentionConfig,
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    native_kernels: NativeKernels | None = None,
 ) -> AttentionBackend:
-    """cuda: SDPA flash prefills plus Triton paged attention; cpu (and npu): SDPA, writing
-    K/V into the cache with `native_kernels` when given.
-
-    An NPU backend would be one module, chosen here for `device.type == "npu"`.
-    """
+    """cuda: SDPA flash prefills plus Triton paged attention; cpu: SDPA, writing K/V into the
+    cache with `native_kernels` when given."""
     if device.type == "cuda":
         if config.backend == "sdpa":
             raise ValueError("attention_backend: sdpa runs on the CPU; on cuda choose auto or triton")
@@ -30,7 +30,7 @@ def select_attention_backend(
             raise ValueError(
                 "device: cuda needs the triton package (pip install 'firsttoken[cuda]')"
             ) from error
-        return CudaAttentionBackend(device, arch.num_heads, arch.num_kv_heads)
+        return CudaAttentionBackend(device, num_heads, num_kv_heads)
     if config.backend == "triton":
         raise ValueError(f"attention_backend: triton needs device cuda, not {device.type}")
     return SDPABackend(device, native_kernels)

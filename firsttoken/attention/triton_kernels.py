@@ -1,7 +1,7 @@
-"""Triton kernels of the CUDA attention path, each beside its plain-PyTorch reference.
+"""Triton kernels of the CUDA attention path; their plain-PyTorch references are in `reference`.
 
-- `store_kv` (reference: `store_kv_reference`): one kernel writes a step's K and V at their
-  slots (block_id * block_size + offset).
+- `store_kv` (reference: `attention.reference.write_kv_reference`): one kernel writes a
+  step's K and V at their slots (block_id * block_size + offset).
 - `paged_decode_attention` and `paged_chunk_attention` (reference:
   `attention.reference.paged_attention_reference`): queries attend causally to their
   sequence's keys, read from the paged cache through its block table. One kernel serves both:
@@ -48,16 +48,6 @@ def prefill_tile_shape(group: int) -> TileShape:
 
 
 # -- KV write -------------------------------------------------------------------------------
-
-
-def store_kv_reference(
-    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """kv_cache [2, num_blocks, block_size, kv_heads, D]; key/value [T, kv_heads, D]; slots [T]."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    slots = slot_mapping.long()
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from firsttoken.ops import native
+from firsttoken.ops import native, native_abi
 
 
 class Linear(nn.Module):
@@ -90,7 +90,7 @@ def int8_linear_reference(
 
 class Int8Linear(nn.Module):
     """Weight-only int8 projection; built from a loaded float Linear. With native kernels,
-    bf16 steps of up to `native.DECODE_MAX_ROWS` rows take the native int8 kernel (the same
+    bf16 steps of up to `native_abi.DECODE_MAX_ROWS` rows take the native int8 kernel (the same
     weights, scales and bf16 roundings as torch's)."""
 
     def __init__(
@@ -128,7 +128,7 @@ class Int8Linear(nn.Module):
 
     def _native_takes(self, flat: torch.Tensor) -> bool:
         return (
-            self.kernels is not None and flat.shape[0] <= native.DECODE_MAX_ROWS
+            self.kernels is not None and flat.shape[0] <= native_abi.DECODE_MAX_ROWS
             and flat.dtype == self.scales.dtype == torch.bfloat16
             and (self.bias is None or self.bias.dtype == torch.bfloat16)
         )
@@ -246,7 +246,7 @@ class NativeInt4Linear(nn.Module):
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if flat.dtype != torch.bfloat16:
             flat = flat.to(torch.bfloat16)
-        if flat.shape[0] <= native.DECODE_MAX_ROWS:
+        if flat.shape[0] <= native_abi.DECODE_MAX_ROWS:
             output = self.kernels.int4_matmul(self.levels, self.scales_zeros, self.bias, flat.contiguous())
         else:
             output = int4_linear_reference(flat, *unpack_int4(self.levels, self.scales_zeros), INT4_GROUP_SIZE, self.bias)

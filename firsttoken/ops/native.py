@@ -13,8 +13,9 @@
   (csrc/decode_step.c, x86-64 CPUs with AVX512-BF16; see `firsttoken.ops.native_decode`).
 
 The library is built once per source, compiler flags and CPU (cached in the folder the
-caller names); where no compiler works, `load_native_kernels` returns None and callers keep
-the torch ops.
+caller names), with the limits and structs Python shares with it written from `native_abi`
+into a header of the build; where no compiler works, `load_native_kernels` returns None and
+callers keep the torch ops.
 """
 
 from __future__ import annotations
@@ -31,11 +32,16 @@ from pathlib import Path
 
 import torch
 
+from firsttoken.ops import native_abi
+from firsttoken.ops.cpu_info import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).parent / "csrc"
 _SOURCES = [_SOURCE_DIR / "cpu_kernels.c", _SOURCE_DIR / "prefill_attention.c", _SOURCE_DIR / "decode_step.c"]
 _HEADERS = [_SOURCE_DIR / "common.h"]
+# Written into the build folder from `native_abi` (common.h includes it).
+_ABI_HEADER_NAME = "native_abi.h"
 # Reassociation lets sums vectorize. Not -ffast-math: a shared library built with it sets
 # flush-to-zero for the whole process when loaded (denormals would read as 0 everywhere).
 # OpenMP binds, by soname, to the libgomp torch has already loaded: one thread pool.
@@ -43,7 +49,7 @@ _COMPILE_FLAGS = [
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
     "-fopenmp", "-shared", "-fPIC", "-std=c11",
 ]
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPE_CODES = {torch.float32: native_abi.DTYPE_FLOAT32, torch.bfloat16: native_abi.DTYPE_BFLOAT16}
 
 _INT64 = ctypes.c_int64
 _POINTER = ctypes.c_void_p
@@ -67,15 +73,12 @@ _VECTOR_BF16_SIGNATURES = {
     "ft_int8_matmul": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int],
     "ft_decode_step": [_POINTER, _POINTER, _POINTER, ctypes.c_int],
 }
-# Most rows the int4 and int8 kernels and the decode step take (their accumulators live in
-# registers).
-DECODE_MAX_ROWS = 8
 # The int4 kernel reads its inputs two groups of 32 at a time, the int8 one 16 at a time.
 INT4_INPUT_MULTIPLE = 64
 INT8_INPUT_MULTIPLE = 16
-# The prefill attention kernel's head sizes: whole tiles of 32 dims, at most 4 of them.
+# The prefill attention kernel's head sizes: whole tiles of 32 dims (at most
+# `native_abi.PREFILL_MAX_HEAD_DIM`).
 PREFILL_HEAD_DIM_MULTIPLE = 32
-PREFILL_MAX_HEAD_DIM = 128
 
 
 def supports(tensor: torch.Tensor) -> bool:
@@ -178,7 +181,7 @@ class NativeKernels:
         return (
             self.has_prefill_attention and query.dtype == key.dtype == value.dtype == torch.bfloat16
             and query.device.type == "cpu" and head_dim % PREFILL_HEAD_DIM_MULTIPLE == 0
-            and head_dim <= PREFILL_MAX_HEAD_DIM
+            and head_dim <= native_abi.PREFILL_MAX_HEAD_DIM
             and all(heads_contiguous(x) for x in (query, key, value))
         )
 
@@ -218,8 +221,8 @@ class NativeKernels:
     def int4_matmul(
         self, levels: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
     ) -> torch.Tensor:
-        """x [rows, in] . W^T for rows <= DECODE_MAX_ROWS, in a multiple of 64, all bf16 and
-        contiguous; W in the layout of `firsttoken.ops.linear.pack_int4`: levels uint8
+        """x [rows, in] . W^T for rows <= `native_abi.DECODE_MAX_ROWS`, in a multiple of 64, all
+        bf16 and contiguous; W in the layout of `firsttoken.ops.linear.pack_int4`: levels uint8
         [out, in / 2], scales_zeros [out, 2 * in / 32]."""
         return self._quantized_matmul("int4_matmul", levels, scales_zeros, bias, x, 2 * levels.shape[1], INT4_INPUT_MULTIPLE)
 
@@ -227,7 +230,7 @@ class NativeKernels:
         self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
     ) -> torch.Tensor:
         """x [rows, in] . (scales * W)^T for int8 W [out, in] (in a multiple of 16), rows <=
-        DECODE_MAX_ROWS; x, scales [out] and bias bf16; all contiguous."""
+        `native_abi.DECODE_MAX_ROWS`; x, scales [out] and bias bf16; all contiguous."""
         return self._quantized_matmul("int8_matmul", weight, scales, bias, x, weight.shape[1], INT8_INPUT_MULTIPLE)
 
     def _quantized_matmul(
@@ -241,7 +244,8 @@ class NativeKernels:
         input_multiple: int,
     ) -> torch.Tensor:
         rows, in_features = x.shape
-        if not 1 <= rows <= DECODE_MAX_ROWS or weight_inputs != in_features or in_features % input_multiple:
+        takes_rows = 1 <= rows <= native_abi.DECODE_MAX_ROWS
+        if not takes_rows or weight_inputs != in_features or in_features % input_multiple:
             raise ValueError(f"{name}: {rows} rows of {in_features} inputs for weights {tuple(weight.shape)}")
         out_features = weight.shape[0]
         out = x.new_empty(rows, out_features)
@@ -254,15 +258,17 @@ class NativeKernels:
         )
         return out
 
-    def decode_step(self, model: ctypes.Structure, batch: ctypes.Structure, hidden: torch.Tensor) -> None:
+    def decode_step(
+        self, model: native_abi.DecodeModel, batch: native_abi.DecodeBatch, hidden: torch.Tensor
+    ) -> None:
         """Runs `ft_decode_step` (see native_decode.NativeDecodeStep) on hidden in place."""
         status = self._library.ft_decode_step(
             ctypes.byref(model), ctypes.byref(batch), hidden.data_ptr(), torch.get_num_threads()
         )
         if status < 0:
             raise IndexError(
-                f"decode step: more than {DECODE_MAX_ROWS} sequences, or a slot, block id or sequence length "
-                "outside the KV cache"
+                f"decode step: more than {native_abi.DECODE_MAX_ROWS} sequences, or a slot, block id or "
+                "sequence length outside the KV cache"
             )
         _check(status)
 
@@ -283,6 +289,10 @@ def load_native_kernels(cache_dir: str) -> NativeKernels | None:
         return None
     try:
         return NativeKernels(ctypes.CDLL(str(_built_library(Path(cache_dir)))))
+    except subprocess.CalledProcessError as error:
+        compiler_errors = error.stderr.decode(errors="replace").strip()
+        logger.warning("native CPU kernels unavailable, using torch ops (the build failed: %s)", compiler_errors)
+        return None
     except (OSError, subprocess.SubprocessError) as error:
         logger.warning("native CPU kernels unavailable, using torch ops (%s)", error)
         return None
@@ -291,16 +301,19 @@ def load_native_kernels(cache_dir: str) -> NativeKernels | None:
 def _built_library(cache_dir: Path) -> Path:
     compiler = os.environ.get("CC", "cc")
     sources = [path.read_bytes() for path in _SOURCES + _HEADERS]
-    key = hashlib.sha256(b"\0".join([*sources, " ".join([compiler, *_COMPILE_FLAGS]).encode(), _cpu_identity()]))
+    abi_header = native_abi.c_header()
+    build_command = " ".join([compiler, *_COMPILE_FLAGS]).encode()
+    key = hashlib.sha256(b"\0".join([*sources, abi_header.encode(), build_command, _cpu_identity()]))
     library = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if library.exists():
         return library
     cache_dir.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent processes never load a half-written file.
     with tempfile.TemporaryDirectory(dir=cache_dir) as build_dir:
+        (Path(build_dir) / _ABI_HEADER_NAME).write_text(abi_header)
         partial = Path(build_dir) / library.name
         subprocess.run(
-            [compiler, *_COMPILE_FLAGS, *map(str, _SOURCES), "-o", str(partial), "-lm"],
+            [compiler, *_COMPILE_FLAGS, f"-I{build_dir}", *map(str, _SOURCES), "-o", str(partial), "-lm"],
             check=True, capture_output=True, timeout=120,
         )
         os.replace(partial, library)
@@ -309,9 +322,4 @@ def _built_library(cache_dir: Path) -> Path:
 
 def _cpu_identity() -> bytes:
     """-march=native code runs only on CPUs with these features: key the build by them."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine().encode()
-    flags = next((line for line in cpuinfo.splitlines() if line.startswith(("flags", "Features"))), "")
-    return f"{platform.machine()}|{flags}".encode()
+    return f"{platform.machine()}|{' '.join(sorted(cpu_flags()))}".encode()

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from firsttoken.config import CacheConfig
+from firsttoken.errors import InvalidInputError
 from firsttoken.models.arch import ModelArch
 
 
@@ -19,7 +20,6 @@ def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int
 
 def available_memory_bytes(device: torch.device) -> int:
     if device.type != "cpu":
-        # torch.cuda, or the module a device plug-in registers (torch.npu)
         free, _total = torch.get_device_module(device).mem_get_info(device)
         return free
     try:
@@ -41,8 +41,8 @@ def num_kv_blocks(config: CacheConfig, arch: ModelArch, dtype: torch.dtype, devi
     per_block = bytes_per_block(arch, config.block_size, dtype)
     num_blocks = budget // per_block
     if num_blocks < 1:
-        raise ValueError(
-            f"kv_cache_memory_bytes: {budget} bytes hold no KV block; one block needs {per_block} bytes"
+        raise InvalidInputError(
+            "kv_cache_memory_bytes", f"{budget} bytes hold no KV block; one block needs {per_block} bytes"
         )
     return int(num_blocks)
 

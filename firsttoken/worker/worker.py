@@ -28,7 +28,8 @@ from firsttoken.sample.sampler import Sampler
 from firsttoken.sampling_params import SamplingParams
 from firsttoken.tokenizer import Tokenizer
 from firsttoken.worker.cost_calibration import CalibrationLimits, load_or_calibrate
-from firsttoken.worker.device import physical_core_count, resolve_device, resolve_dtype
+from firsttoken.ops.cpu_info import physical_core_count
+from firsttoken.worker.device import resolve_device, resolve_dtype
 from firsttoken.worker.host_memory import keep_freed_host_memory
 from firsttoken.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from firsttoken.worker.model_runner import ModelRunner
@@ -57,7 +58,7 @@ class Worker:
         if model_config.fuse_ops and model_config.native_kernels and self.device.type == "cpu":
             native_kernels = load_native_kernels(os.path.join(self.cache_dir, "native"))
         arch = self.checkpoint.arch
-        backend = select_attention_backend(config.attention, self.device, arch, native_kernels)
+        backend = select_attention_backend(config.attention, self.device, arch.num_heads, arch.num_kv_heads, native_kernels)
         self.kernels = Kernels(fused=model_config.fuse_ops, native_kernels=native_kernels)
         self.model = self._load_model(backend)
         # Decode graphs pad their batches with rows that write one scratch block past the manager's.

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from firsttoken.attention.backend import BatchLayout, SequenceLayout
-from firsttoken.attention.triton_kernels import store_kv_reference
+from firsttoken.attention.reference import write_kv_reference
 
 
 @dataclass
@@ -52,7 +52,7 @@ def random_paged_inputs(
         sequences.append(sequence)
         if context:
             shape = (context, num_kv_heads, head_dim)
-            store_kv_reference(
+            write_kv_reference(
                 kv_cache,
                 torch.randn(shape, generator=generator).to(dtype),
                 torch.randn(shape, generator=generator).to(dtype),

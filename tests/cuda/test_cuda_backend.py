@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from firsttoken.attention.cuda_backend import CudaAttentionBackend
-from firsttoken.attention.reference import paged_attention_reference
+from firsttoken.attention.reference import paged_attention_reference, write_kv_reference
 from firsttoken.attention.sdpa import SDPABackend
 from firsttoken.attention.selector import select_attention_backend
-from firsttoken.attention.triton_kernels import store_kv_reference
 from firsttoken.config import AttentionConfig
 from tests.cuda.paged_inputs import random_paged_inputs
 from tests.cuda.tiny_engine import TINY_ARCH
@@ -34,7 +33,7 @@ def test_cuda_backend_matches_reference_on_a_mixed_step(
     ]
     inputs = random_paged_inputs(seqs, 3, block_size, num_heads, num_kv_heads, head_dim, dtype, device)
     expected_cache = inputs.kv_cache.cpu().clone()
-    store_kv_reference(expected_cache, inputs.key.cpu(), inputs.value.cpu(), inputs.slot_mapping.cpu())
+    write_kv_reference(expected_cache, inputs.key.cpu(), inputs.value.cpu(), inputs.slot_mapping.cpu())
 
     backend = CudaAttentionBackend(device, num_heads, num_kv_heads)
     metadata = backend.build_metadata(inputs.layout, inputs.slot_mapping)
@@ -60,9 +59,9 @@ def test_metadata_routes_each_sequence_to_its_kernel(device):
 
 
 def test_selector_picks_by_device_and_refuses_mismatches():
-    arch = TINY_ARCH
-    assert isinstance(select_attention_backend(AttentionConfig(), torch.device("cpu"), arch), SDPABackend)
+    heads = (TINY_ARCH.num_heads, TINY_ARCH.num_kv_heads)
+    assert isinstance(select_attention_backend(AttentionConfig(), torch.device("cpu"), *heads), SDPABackend)
     with pytest.raises(ValueError, match="triton needs device cuda"):
-        select_attention_backend(AttentionConfig(backend="triton"), torch.device("cpu"), arch)
+        select_attention_backend(AttentionConfig(backend="triton"), torch.device("cpu"), *heads)
     with pytest.raises(ValueError, match="sdpa runs on the CPU"):
-        select_attention_backend(AttentionConfig(backend="sdpa"), torch.device("cuda"), arch)
+        select_attention_backend(AttentionConfig(backend="sdpa"), torch.device("cuda"), *heads)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from firsttoken.attention.backend import BatchLayout
-from firsttoken.attention.reference import paged_attention_reference
+from firsttoken.attention.reference import paged_attention_reference, write_kv_reference
 from firsttoken.attention.triton_kernels import (
     ChunkQueries,
     DecodeQueries,
@@ -19,7 +19,6 @@ from firsttoken.attention.triton_kernels import (
     paged_decode_attention,
     prefill_tile_shape,
     store_kv,
-    store_kv_reference,
 )
 from tests.cuda.paged_inputs import random_paged_inputs
 
@@ -81,7 +80,7 @@ def test_store_kv_matches_reference(device, dtype, num_kv_heads, head_dim, block
         .to(device)
     )
     expected = cache.clone()
-    store_kv_reference(expected, key, value, slot_mapping)
+    write_kv_reference(expected, key, value, slot_mapping)
     store_kv(cache, key, value, slot_mapping.to(torch.int32))
     assert torch.equal(cache, expected)
 

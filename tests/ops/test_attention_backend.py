@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from firsttoken.attention.backend import BatchLayout, SequenceLayout
-from firsttoken.attention.reference import paged_attention_reference
-from firsttoken.attention.sdpa import SDPABackend, first_of_run, write_kv
+from firsttoken.attention.reference import paged_attention_reference, write_kv_reference
+from firsttoken.attention.sdpa import SDPABackend, first_of_run
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -29,7 +29,7 @@ def _random_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype, se
         if ctx:
             positions = torch.arange(ctx)
             slots = torch.tensor(table)[positions // block_size] * block_size + positions % block_size
-            write_kv(
+            write_kv_reference(
                 kv_cache,
                 torch.randn(ctx, num_kv_heads, head_dim, generator=generator).to(dtype),
                 torch.randn(ctx, num_kv_heads, head_dim, generator=generator).to(dtype),

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from firsttoken.attention.sdpa import write_kv
+from firsttoken.attention.reference import write_kv_reference
 from firsttoken.ops import native
 from firsttoken.ops.activation import silu_and_mul_reference
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
@@ -86,7 +86,7 @@ def test_write_kv_matches_index_copy(kernels, dtype):
     slots = torch.tensor([23, 0, 7, 8, 12])
     expected = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
     ours = expected.clone()
-    write_kv(expected, key, value, slots)
+    write_kv_reference(expected, key, value, slots)
     kernels.write_kv(ours, key, value, slots)
     torch.testing.assert_close(ours, expected, atol=0, rtol=0)
 
@@ -124,6 +124,20 @@ def test_a_missing_compiler_leaves_the_torch_ops(tmp_path, monkeypatch, caplog):
     finally:
         native.load_native_kernels.cache_clear()
     assert "native CPU kernels unavailable" in caplog.text
+
+
+def test_a_failed_build_leaves_the_torch_ops_and_shows_the_compiler_errors(tmp_path, monkeypatch, caplog):
+    failing_compiler = tmp_path / "failing-cc"
+    failing_compiler.write_text("#!/bin/sh\necho 'decode_step.c:1: error: a static assertion failed' >&2\nexit 1\n")
+    failing_compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(failing_compiler))
+    native.load_native_kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert native.load_native_kernels(str(tmp_path / "cache")) is None
+    finally:
+        native.load_native_kernels.cache_clear()
+    assert "a static assertion failed" in caplog.text
 
 
 def _causal_attention_reference(query, key, value):

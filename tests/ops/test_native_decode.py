@@ -10,7 +10,6 @@ from firsttoken.attention.sdpa import SDPABackend
 from firsttoken.models.arch import ModelArch
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.ops.kernels import Kernels
-from firsttoken.ops.native import DECODE_MAX_ROWS
 from firsttoken.ops.linear import (
     Int8Linear,
     NativeInt4Linear,
@@ -19,6 +18,7 @@ from firsttoken.ops.linear import (
     quantize_int4,
     unpack_int4,
 )
+from firsttoken.ops.native_abi import DECODE_MAX_ROWS
 from firsttoken.worker.kv_cache import allocate_kv_caches
 
 

@@ -1,6 +1,6 @@
-/* What every kernel source shares: bf16 conversions, row loads and stores in either dtype,
- * a vector exp and the split of rows over OpenMP threads. dtype: 0 = float32, 1 = bfloat16
- * (raw uint16 bits). */
+/* What every kernel source shares: bf16 conversions, row loads and stores in either dtype
+ * (DTYPE_FLOAT32 or DTYPE_BFLOAT16, raw uint16 bits), a vector exp and the split of rows over
+ * OpenMP threads. */
 #ifndef FIRSTTOKEN_COMMON_H
 #define FIRSTTOKEN_COMMON_H
 
@@ -12,8 +12,9 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
-
-enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
+/* The limits, dtype codes and structs Python shares with these kernels, written by the
+ * build from firsttoken/ops/native_abi.py (their one definition). */
+#include "native_abi.h"
 
 static inline float bf16_to_float(uint16_t bits) {
     uint32_t widened = (uint32_t)bits << 16;

@@ -4,7 +4,7 @@
  * arithmetic (RMSNorm alone is eight ops, rotary seven); each function here is one call,
  * one pass over memory. Every kernel computes in float32 and rounds to the tensor's dtype
  * exactly where the plain torch reference rounds, so bf16 results agree with it up to
- * float32 summation order. dtype: 0 = float32, 1 = bfloat16 (raw uint16 bits).
+ * float32 summation order. dtype: DTYPE_FLOAT32 or DTYPE_BFLOAT16 (raw uint16 bits).
  *
  * Built at run time by firsttoken/ops/native.py with the machine's C compiler.
  */

@@ -21,10 +21,11 @@
 
 #if VECTOR_BF16
 #define INT4_GROUP 32
-#define MAX_DECODE_ROWS 8
-#define MAX_HEAD_VECTORS 8 /* head_dim up to 128, in vectors of 16 */
+#define MAX_HEAD_VECTORS (DECODE_MAX_HEAD_DIM / 16)
+_Static_assert(DECODE_MAX_ROWS == 8, "DISPATCH_ROWS has a case for each row count 1 to 8");
+_Static_assert(DECODE_MAX_HEAD_DIM == 128, "attend_head has a case for each head size 32, 64, 96, 128");
 
-/* BLOCK(n) with n the compile-time constant equal to `rows` (1 to MAX_DECODE_ROWS), so that
+/* BLOCK(n) with n the compile-time constant equal to `rows` (1 to DECODE_MAX_ROWS), so that
  * a kernel's per-row accumulators stay in registers. */
 #define DISPATCH_ROWS(rows, BLOCK) \
     switch (rows) { \
@@ -38,32 +39,8 @@
     case 8: BLOCK(8); break; \
     }
 
-typedef struct {
-    const uint8_t *levels;        /* [out, in / 2] */
-    const uint16_t *scales_zeros; /* bf16 [out, 2 * in / 32]: a row's group scales, then its zeros */
-    const uint16_t *bias;         /* bf16 [out], or NULL */
-    int64_t out_features, in_features;
-} Int4Weight;
-
-typedef struct {
-    const uint16_t *input_norm, *post_attention_norm; /* bf16 [hidden] */
-    Int4Weight qkv, o, gate_up, down;
-    uint16_t *kv_cache; /* bf16 [2, num_slots, kv_heads * head_dim] */
-} DecodeLayer;
-
-typedef struct {
-    int64_t num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, num_slots;
-    float rms_norm_eps, attention_scale;
-    const DecodeLayer *layers;
-} DecodeModel;
-
-typedef struct {
-    int64_t num_sequences, max_blocks, block_size;
-    const int64_t *slot_mapping; /* [num_sequences] */
-    const int64_t *block_table;  /* [num_sequences, max_blocks] */
-    const int64_t *seq_lens;     /* [num_sequences]: keys each sequence attends over, its new one included */
-    const uint16_t *cos, *sin;   /* bf16 [num_sequences, head_dim] */
-} DecodeBatch;
+/* Int4Weight, DecodeLayer, DecodeModel and DecodeBatch, the structs Python fills, come from
+ * native_abi.h. */
 
 /* Two groups' levels as bf16 128 + level (0x4300 is 128.0 and a level fits its mantissa):
  * `low` holds levels 0-15 of both groups, `high` levels 16-31, the first group in lanes 0-15. */
@@ -115,7 +92,7 @@ static inline __attribute__((always_inline)) void int4_block(const Int4Weight *w
             _mm512_mask_storeu_ps(offsets + g, lanes, _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), scale, zero));
         }
         const uint8_t *levels = w->levels + o * (in_features / 2);
-        __m512 totals[MAX_DECODE_ROWS];
+        __m512 totals[DECODE_MAX_ROWS];
         for (int64_t r = 0; r < rows; r++) {
             totals[r] = _mm512_setzero_ps();
         }
@@ -148,7 +125,7 @@ static inline __attribute__((always_inline)) void int4_block(const Int4Weight *w
 }
 
 /* This thread's share of out [rows, out_features] = x [rows, in_features] . W^T (bf16),
- * rows <= MAX_DECODE_ROWS; `paired` and `sums` from prepare_inputs; `row_scales` scratch of
+ * rows <= DECODE_MAX_ROWS; `paired` and `sums` from prepare_inputs; `row_scales` scratch of
  * 2 * groups floats. */
 static void int4_share(const Int4Weight *w, const uint16_t *paired, const float *sums, int64_t rows,
                        float *row_scales, uint16_t *out) {
@@ -159,8 +136,9 @@ static void int4_share(const Int4Weight *w, const uint16_t *paired, const float 
 #undef INT4_BLOCK
 }
 
-/* out = x . W^T for x contiguous bf16 [rows, in_features], rows <= 8, in_features a multiple
- * of 64, out contiguous bf16 [rows, out_features]. Returns 0 when out of memory. */
+/* out = x . W^T for x contiguous bf16 [rows, in_features], rows <= DECODE_MAX_ROWS,
+ * in_features a multiple of 64, out contiguous bf16 [rows, out_features]. Returns 0 when out
+ * of memory. */
 int ft_int4_matmul(const uint8_t *levels, const uint16_t *scales_zeros, const uint16_t *bias, int64_t out_features,
                    int64_t in_features, const uint16_t *x, int64_t rows, uint16_t *out, int num_threads) {
     Int4Weight weight = {levels, scales_zeros, bias, out_features, in_features};
@@ -187,8 +165,8 @@ int ft_int4_matmul(const uint8_t *levels, const uint16_t *scales_zeros, const ui
 }
 
 /* out[r, o] = scale[o] * (x[r] . W[o]) for int8 W [out, in] (in a multiple of 16), x
- * contiguous bf16 [rows <= 8, in], bf16 scales, out bf16 [rows, out]; `inputs` holds x in
- * float32. `rows` is a compile-time constant at each call site. */
+ * contiguous bf16 [rows <= DECODE_MAX_ROWS, in], bf16 scales, out bf16 [rows, out]; `inputs`
+ * holds x in float32. `rows` is a compile-time constant at each call site. */
 static inline __attribute__((always_inline)) void int8_block(const int8_t *weight, const uint16_t *scales,
                                                               const uint16_t *bias, int64_t out_features,
                                                               int64_t in_features, const float *inputs,
@@ -196,7 +174,7 @@ static inline __attribute__((always_inline)) void int8_block(const int8_t *weigh
                                                               uint16_t *out) {
     for (int64_t o = begin; o < end; o++) {
         const int8_t *row = weight + o * in_features;
-        __m512 totals[MAX_DECODE_ROWS];
+        __m512 totals[DECODE_MAX_ROWS];
         for (int64_t r = 0; r < rows; r++) {
             totals[r] = _mm512_setzero_ps();
         }
@@ -483,7 +461,7 @@ static int thread_scratch(const DecodeModel *m, const DecodeBatch *b, ThreadScra
  * memory, -1 (touching nothing) when a slot, block id or length lies outside the cache. */
 int ft_decode_step(const DecodeModel *m, const DecodeBatch *b, uint16_t *hidden, int num_threads) {
     int64_t rows = b->num_sequences;
-    if (rows < 1 || rows > MAX_DECODE_ROWS || !batch_in_bounds(m, b)) {
+    if (rows < 1 || rows > DECODE_MAX_ROWS || !batch_in_bounds(m, b)) {
         return -1;
     }
     int64_t widest = widest_input(m);

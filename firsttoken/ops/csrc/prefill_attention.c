@@ -19,7 +19,6 @@
 #define QUERY_BLOCK 32
 #define KEY_BLOCK 64
 #define TILE_KEYS 32 /* keys per packed block of V (16 rows of key pairs) */
-#define MAX_HEAD_DIM 128
 #define MASKED_SCORE (-1.0e30f)
 
 typedef struct {
@@ -351,11 +350,11 @@ static void weigh_block(int use_amx, const uint16_t *probabilities, const uint16
 static void attend_query_block(const PrefillProblem *p, int64_t head, int64_t query_block) {
     int64_t head_dim = p->head_dim, group = p->num_heads / p->num_kv_heads, kv_head = head / group;
     int64_t causal_offset = p->num_keys - p->num_queries, first_query = query_block * QUERY_BLOCK;
-    uint16_t queries[QUERY_BLOCK * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    uint16_t queries[QUERY_BLOCK * PREFILL_MAX_HEAD_DIM] __attribute__((aligned(64)));
     uint16_t probabilities[QUERY_BLOCK * KEY_BLOCK] __attribute__((aligned(64)));
     float scores[QUERY_BLOCK * KEY_BLOCK] __attribute__((aligned(64)));
     float products[QUERY_BLOCK * 32] __attribute__((aligned(64)));
-    float output[QUERY_BLOCK * MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float output[QUERY_BLOCK * PREFILL_MAX_HEAD_DIM] __attribute__((aligned(64)));
     float row_max[QUERY_BLOCK] __attribute__((aligned(64)));
     float row_sums[QUERY_BLOCK * 16] __attribute__((aligned(64)));
     float rescale[QUERY_BLOCK] __attribute__((aligned(64)));
@@ -421,8 +420,8 @@ static void attend_share(const PrefillProblem *p, int thread_index, int num_thre
 
 /* query [num_queries, num_heads, head_dim], key and value [num_keys, num_kv_heads, head_dim]
  * (heads contiguous, rows strided), out contiguous [num_queries, num_heads, head_dim], all
- * bf16; head_dim a multiple of 32 up to 128; num_threads >= 1; use_amx only where
- * ft_amx_available said 1. Returns 0 when out of memory. */
+ * bf16; head_dim a multiple of 32 up to PREFILL_MAX_HEAD_DIM; num_threads >= 1; use_amx only
+ * where ft_amx_available said 1. Returns 0 when out of memory. */
 int ft_prefill_attention(const void *query, int64_t query_row_stride, const void *key, int64_t key_row_stride,
                          const void *value, int64_t value_row_stride, int64_t num_queries, int64_t num_keys,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, void *out,
