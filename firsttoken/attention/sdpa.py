@@ -32,10 +32,11 @@ class PrefillSpan:
     query_start: int
     query_len: int
     num_context_tokens: int
-    context_block_ids: torch.Tensor | None  # long [ceil(num_context_tokens / block_size)]
-    context_first_block: int | None  # set when those blocks are consecutive ids
+    context_first_block: int | None  # set when the context's blocks are consecutive ids
     # Set when the blocks of context and new tokens together are consecutive ids.
     sequence_first_block: int | None = None
+    # Otherwise, with context: every block of the sequence, long [ceil(seq_len / block_size)].
+    sequence_block_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -80,19 +81,17 @@ class SDPABackend:
         prefills = []
         query_start = layout.num_decodes
         for sequence in layout.sequences[layout.num_decodes :]:
-            context_block_ids = context_first_block = sequence_first_block = None
+            context_first_block = sequence_first_block = sequence_block_ids = None
             if sequence.num_context_tokens:
-                context_blocks = sequence.block_table[: -(-sequence.num_context_tokens // layout.block_size)]
-                context_first_block = first_of_run(context_blocks)
-                if context_first_block is None:
-                    context_block_ids = torch.tensor(context_blocks, dtype=torch.long, device=self.device)
-                else:
-                    sequence_blocks = sequence.block_table[: -(-sequence.seq_len // layout.block_size)]
-                    sequence_first_block = first_of_run(sequence_blocks)
+                sequence_blocks = sequence.block_table[: -(-sequence.seq_len // layout.block_size)]
+                context_first_block = first_of_run(sequence_blocks[: -(-sequence.num_context_tokens // layout.block_size)])
+                sequence_first_block = first_of_run(sequence_blocks)
+                if sequence_first_block is None:
+                    sequence_block_ids = torch.tensor(sequence_blocks, dtype=torch.long, device=self.device)
             prefills.append(
                 PrefillSpan(
-                    query_start, sequence.query_len, sequence.num_context_tokens, context_block_ids,
-                    context_first_block, sequence_first_block,
+                    query_start, sequence.query_len, sequence.num_context_tokens, context_first_block,
+                    sequence_first_block, sequence_block_ids,
                 )
             )
             query_start += sequence.query_len
@@ -140,10 +139,10 @@ class SDPABackend:
     def _prefill(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
     ) -> torch.Tensor:
-        """The native kernel where it applies (bf16, all keys in one tensor), else SDPA."""
+        """The native kernel where it applies (bf16, heads of 32 to 128), else SDPA."""
         if self.native is not None and self.native.has_prefill_attention:
             keys_values = _all_keys_values(key, value, kv_cache, span)
-            if keys_values is not None and self.native.prefill_attention_supports(query, *keys_values):
+            if self.native.prefill_attention_supports(query, *keys_values):
                 return self.native.prefill_attention(query, *keys_values, torch.get_num_threads())
         return _prefill_attention(query, key, value, kv_cache, span)
 
@@ -162,14 +161,16 @@ def _native_writable(
 
 def _all_keys_values(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of every position the span attends to, as one tensor each: the fresh ones
-    alone, or (already written) the cache's run of blocks; None when they are scattered."""
+    alone, or (already written) the cache's run of blocks, or one gather of its scattered
+    blocks (a copy per layer, far cheaper than attending to context and new keys apart)."""
     if not span.num_context_tokens:
         return key, value
+    num_keys = span.num_context_tokens + span.query_len
     if span.sequence_first_block is None:
-        return None
-    return context_in_place(kv_cache, span.sequence_first_block, span.num_context_tokens + span.query_len)
+        return gather_context(kv_cache, span.sequence_block_ids, num_keys)
+    return context_in_place(kv_cache, span.sequence_first_block, num_keys)
 
 
 def first_of_run(block_ids: list[int]) -> int | None:
@@ -255,7 +256,9 @@ def _prefill_attention(
     if span.context_first_block is not None:
         context_keys, context_values = context_in_place(kv_cache, span.context_first_block, span.num_context_tokens)
     else:
-        context_keys, context_values = gather_context(kv_cache, span.context_block_ids, span.num_context_tokens)
+        num_context_blocks = -(-span.num_context_tokens // kv_cache.shape[2])
+        context_block_ids = span.sequence_block_ids[:num_context_blocks]
+        context_keys, context_values = gather_context(kv_cache, context_block_ids, span.num_context_tokens)
     context_output, context_lse = _flash_with_lse(
         query_t, context_keys.transpose(0, 1).unsqueeze(0), context_values.transpose(0, 1).unsqueeze(0), causal=False
     )

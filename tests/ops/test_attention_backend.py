@@ -126,10 +126,49 @@ def test_contexts_in_consecutive_blocks_are_read_in_place_and_match_reference(
         assert metadata.decode_first_block is not None and metadata.decode_block_table is None
     for span in metadata.prefills:
         if span.num_context_tokens:
-            assert span.context_first_block is not None and span.context_block_ids is None
+            assert span.context_first_block is not None and span.sequence_block_ids is None
             assert span.sequence_first_block == span.context_first_block
     output = backend.forward(query, key, value, kv_cache, metadata)
     expected = paged_attention_reference(query, kv_cache, layout)
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     uses_native = with_native and dtype == torch.bfloat16 and native_kernels.has_prefill_attention
     assert len(native_calls) == (len(metadata.prefills) if uses_native else 0)
+
+
+def _relabelled(layout, slot_mapping, kv_cache, generator):
+    """The same batch with its blocks moved to shuffled ids: same K/V, scattered block tables."""
+    block_size, num_blocks = layout.block_size, kv_cache.shape[1]
+    new_id = torch.randperm(num_blocks, generator=generator)
+    moved_cache = torch.empty_like(kv_cache)
+    moved_cache[:, new_id] = kv_cache
+    sequences = [
+        SequenceLayout(s.query_len, s.num_context_tokens, [int(new_id[b]) for b in s.block_table])
+        for s in layout.sequences
+    ]
+    moved_slots = new_id[slot_mapping // block_size] * block_size + slot_mapping % block_size
+    return BatchLayout(sequences, layout.num_decodes, block_size), moved_slots, moved_cache
+
+
+@pytest.mark.parametrize("seqs", [[(16, 20), (33, 7)], [(31, 1), (100, 200)], [(5, 40)]])
+def test_scattered_context_takes_the_native_kernel_with_the_in_place_bits(seqs, native_kernels, monkeypatch):
+    """A chunk on cached context whose blocks are scattered gathers them once and runs the same
+    native kernel: the bits of the same step laid out in consecutive blocks."""
+    native_kernels = _native_or_skip(native_kernels)
+    if not native_kernels.has_prefill_attention:
+        pytest.skip("no native prefill attention on this CPU")
+    layout, slot_mapping, kv_cache, query, key, value = _random_batch(seqs, 16, 9, 3, 64, torch.bfloat16, in_order=True)
+    scattered = _relabelled(layout, slot_mapping, kv_cache, torch.Generator().manual_seed(1))
+    assert all(first_of_run(s.block_table) is None for s in scattered[0].sequences if len(s.block_table) > 1)
+    native_calls = []
+    attend = native_kernels.prefill_attention
+    monkeypatch.setattr(native_kernels, "prefill_attention", lambda *args: native_calls.append(1) or attend(*args))
+    backend = SDPABackend(torch.device("cpu"), native_kernels)
+    outputs = []
+    for step_layout, step_slots, step_cache in [(layout, slot_mapping, kv_cache), scattered]:
+        metadata = backend.build_metadata(step_layout, step_slots)
+        outputs.append(backend.forward(query, key, value, step_cache, metadata))
+    num_prefills = sum(1 for s in layout.sequences if s.query_len > 1)
+    assert len(native_calls) == 2 * num_prefills
+    assert torch.equal(outputs[0], outputs[1])
+    expected = paged_attention_reference(query, scattered[2], scattered[0])
+    torch.testing.assert_close(outputs[1].float(), expected.float(), atol=TOLERANCE[torch.bfloat16], rtol=0)
