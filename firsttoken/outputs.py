@@ -10,6 +10,8 @@ from firsttoken.request import RequestTimestamps
 
 @dataclass(frozen=True)
 class TokenLogprob:
+    """One alternative token and its log-probability."""
+
     token_id: int
     logprob: float
 

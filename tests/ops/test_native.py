@@ -115,29 +115,29 @@ def test_every_step_size_takes_the_native_kernels_and_plain_ops_do_not(kernels):
     assert plain.apply_rotary(x, cos, sin).data_ptr() != x.data_ptr()
 
 
-def test_a_missing_compiler_leaves_the_torch_ops(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+def _load_with_compiler(compiler: str, cache_dir: str, monkeypatch, caplog) -> str:
+    """What a fresh kernel load with `compiler` as CC logs (the load must fall back to torch)."""
+    monkeypatch.setenv("CC", compiler)
     native.load_native_kernels.cache_clear()
     try:
         with caplog.at_level(logging.WARNING):
-            assert native.load_native_kernels(str(tmp_path / "cache")) is None
+            assert native.load_native_kernels(cache_dir) is None
     finally:
         native.load_native_kernels.cache_clear()
-    assert "native CPU kernels unavailable" in caplog.text
+    return caplog.text
+
+
+def test_a_missing_compiler_leaves_the_torch_ops(tmp_path, monkeypatch, caplog):
+    log = _load_with_compiler(str(tmp_path / "no-such-compiler"), str(tmp_path / "cache"), monkeypatch, caplog)
+    assert "native CPU kernels unavailable" in log
 
 
 def test_a_failed_build_leaves_the_torch_ops_and_shows_the_compiler_errors(tmp_path, monkeypatch, caplog):
     failing_compiler = tmp_path / "failing-cc"
     failing_compiler.write_text("#!/bin/sh\necho 'decode_step.c:1: error: a static assertion failed' >&2\nexit 1\n")
     failing_compiler.chmod(0o755)
-    monkeypatch.setenv("CC", str(failing_compiler))
-    native.load_native_kernels.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING):
-            assert native.load_native_kernels(str(tmp_path / "cache")) is None
-    finally:
-        native.load_native_kernels.cache_clear()
-    assert "a static assertion failed" in caplog.text
+    log = _load_with_compiler(str(failing_compiler), str(tmp_path / "cache"), monkeypatch, caplog)
+    assert "a static assertion failed" in log
 
 
 def _causal_attention_reference(query, key, value):
