@@ -20,18 +20,22 @@ def step_seed(seed: int, output_index: int) -> int:
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Logits [V] with every token outside the top-k and the top-p nucleus set to -inf."""
-    if top_k > 0 and top_k < logits.shape[-1]:
+    """Logits [V] with every token outside the top-k and the top-p nucleus set to -inf.
+
+    Both filters are floors on the value (the k-th largest logit; the logit of the token whose
+    cumulative probability crosses top_p), so tokens with equal logits share one fate."""
+    vocab_size = logits.shape[-1]
+    if 0 < top_k < vocab_size:
         kth_largest = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # Keep the smallest prefix whose mass reaches top_p (the crossing token included).
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        # The likeliest token always stays: a tiny top_p rounds to 0 in float32, masking all.
-        outside[0] = False
-        logits = logits.masked_fill(torch.zeros_like(outside).scatter(0, order, outside), float("-inf"))
+        sorted_logits = torch.sort(logits, descending=True).values
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # The smallest prefix whose mass reaches top_p, the crossing token included, ends at the
+        # first token whose cumulative mass reaches top_p. With a tiny top_p (0 in float32) that
+        # is the likeliest token, so one token always stays.
+        crossing = min(int((cumulative < top_p).sum()), vocab_size - 1)
+        logits = logits.masked_fill(logits < sorted_logits[crossing], float("-inf"))
     return logits
 
 

@@ -22,6 +22,18 @@ def test_top_p_one_keeps_everything():
     assert torch.equal(filter_logits(logits, top_k=-1, top_p=1.0), logits)
 
 
+def _finite_token_ids(filtered: torch.Tensor) -> list[int]:
+    return torch.isfinite(filtered).nonzero().flatten().tolist()
+
+
+def test_tokens_tied_with_the_crossing_token_are_all_kept():
+    logits = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.0])
+    probs = logits.softmax(-1)
+    top_p = float(probs[0] + probs[1] / 2)  # crosses at the first of the three tied tokens
+    assert _finite_token_ids(filter_logits(logits, top_k=-1, top_p=top_p)) == [0, 1, 2, 3]
+    assert _finite_token_ids(filter_logits(logits, top_k=2, top_p=1.0)) == [0, 1, 2, 3]
+
+
 def test_near_zero_temperature_is_greedy_not_nan():
     from firsttoken.core.batch import SampleSpec
     from firsttoken.sample.sampler import Sampler
