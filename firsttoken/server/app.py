@@ -20,6 +20,7 @@ from firsttoken.server.chat import create_chat_completion
 from firsttoken.server.completions import create_completion
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.errors import APIError, install_error_handlers
+from firsttoken.server.json_body import checked_json_route
 from firsttoken.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -72,7 +73,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
 
     auth = [Depends(api_key_dependency(config.api_key))] if config.api_key is not None else []
-    v1 = APIRouter(prefix="/v1", dependencies=auth, responses=_ERROR_RESPONSES)
+    v1 = APIRouter(
+        prefix="/v1",
+        dependencies=auth,
+        responses=_ERROR_RESPONSES,
+        route_class=checked_json_route(config.json_limits),
+    )
 
     @v1.post("/completions", response_model=CompletionResponse, responses={200: _STREAMED})
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -389,6 +389,27 @@ def test_malformed_bodies_get_400(server, content, headers):
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize(
+    "path,content,param",
+    [
+        ("/v1/completions", rb'{"prompt": "hi \ud800", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", rb'{"prompt": ["hi", "\udfff"], "max_tokens": 2}', "prompt[1]"),
+        ("/v1/completions", rb'{"prompt": "hi", "model": "\ud800"}', "model"),
+        ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\ud800"}]}',
+         "messages[0].content"),
+        ("/v1/chat/completions",
+         rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}',
+         "messages[0].content[0].text"),
+    ],
+)  # fmt: skip
+def test_a_lone_surrogate_is_a_400_naming_its_field_and_the_connection_lives_on(server, path, content, param):
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        response = http.post(path, content=content, headers={"Content-Type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
 def test_unknown_model_gets_404(client):
     with pytest.raises(openai.NotFoundError) as raised:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
