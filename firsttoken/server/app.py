@@ -6,7 +6,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import APIRouter, FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from firsttoken import __version__
 from firsttoken.engine import AsyncEngine
 from firsttoken.metrics.prometheus import PrometheusMetrics
-from firsttoken.server.auth import api_key_dependency
+from firsttoken.server.auth import ApiKeyGate
 from firsttoken.server.body_limit import BodySizeLimit
 from firsttoken.server.chat import create_chat_completion
 from firsttoken.server.completions import create_completion
@@ -66,16 +66,16 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+    if config.api_key is not None:  # added last, so it runs first: before the body's size is known
+        app.add_middleware(ApiKeyGate, api_key=config.api_key)
     install_error_handlers(app, config.retry_after_s)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in config.served_model_names:
             raise APIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
 
-    auth = [Depends(api_key_dependency(config.api_key))] if config.api_key is not None else []
     v1 = APIRouter(
         prefix="/v1",
-        dependencies=auth,
         responses=_ERROR_RESPONSES,
         route_class=checked_json_route(config.json_limits),
     )

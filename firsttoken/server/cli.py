@@ -14,7 +14,7 @@ from firsttoken.engine_args import (
     engine_kwargs,
     read_system_prompt,
 )
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.config import JSONLimits, ServerConfig
 
 _DEFAULTS = ServerConfig()
 
@@ -52,6 +52,13 @@ def register_serve_verb(subparsers: Any) -> None:
         help=f"larger request bodies get 413 (default: {_DEFAULTS.max_request_bytes})",
     )
     group.add_argument(
+        "--max-json-values",
+        type=int,
+        default=_DEFAULTS.json_limits.max_values,
+        help="JSON values (numbers, strings, arrays, objects) a request body may hold; more get 400 "
+        f"before the body is parsed (default: {_DEFAULTS.json_limits.max_values})",
+    )
+    group.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -78,6 +85,7 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
         served_model_names=tuple(names),
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
+        json_limits=JSONLimits(max_values=args.max_json_values),
         access_log=args.access_log,
     )
 

@@ -410,6 +410,15 @@ def test_a_lone_surrogate_is_a_400_naming_its_field_and_the_connection_lives_on(
         assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
 
 
+def test_a_body_of_a_million_values_is_refused_before_it_is_parsed(server):
+    body = b'{"prompt": [' + b",".join([b"[1]"] * 1_000_000) + b"]}"
+    response = httpx.post(
+        server.base_url + "/v1/completions", content=body, headers={"Content-Type": "application/json"}, timeout=60
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "body_too_complex"
+
+
 def test_unknown_model_gets_404(client):
     with pytest.raises(openai.NotFoundError) as raised:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)

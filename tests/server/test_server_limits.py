@@ -71,6 +71,19 @@ def test_missing_or_wrong_key_gets_401(server, headers):
     response = _post(server, {"prompt": "hi", "max_tokens": 1}, headers=headers)
     assert response.status_code == 401
     assert response.json()["error"]["code"] == "invalid_api_key"
+    assert response.headers["WWW-Authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize(
+    "content", [b"{not json", b"x" * (MAX_REQUEST_BYTES + 1), b"[" + b"[1]," * 400 + b"[1]]"]
+)
+def test_the_key_is_checked_before_the_body(server, content):
+    """Malformed, oversized or costly bodies without the key are 401s: nothing was read."""
+    response = httpx.post(
+        server.base_url + "/v1/completions", content=content, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_the_right_key_is_accepted_by_the_openai_client(server):
