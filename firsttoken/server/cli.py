@@ -59,6 +59,13 @@ def register_serve_verb(subparsers: Any) -> None:
         f"before the body is parsed (default: {_DEFAULTS.json_limits.max_values})",
     )
     group.add_argument(
+        "--max-choices",
+        type=int,
+        default=_DEFAULTS.max_choices_per_request,
+        help="choices (prompts x n) one request may ask for; more get 400 "
+        f"(default: {_DEFAULTS.max_choices_per_request})",
+    )
+    group.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -86,6 +93,7 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
         json_limits=JSONLimits(max_values=args.max_json_values),
+        max_choices_per_request=args.max_choices,
         access_log=args.access_log,
     )
 

@@ -8,7 +8,7 @@ from starlette.responses import Response
 from firsttoken.engine import AsyncEngine, InvalidInputError, TokenizedPrompt
 from firsttoken.outputs import RequestDelta, SampledToken
 from firsttoken.server.config import ServerConfig
-from firsttoken.server.generation import Choice, sampling_params, start_choices
+from firsttoken.server.generation import Choice, check_num_choices, sampling_params, start_choices
 from firsttoken.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -22,7 +22,7 @@ from firsttoken.server.streaming import respond
 async def create_completion(
     engine: AsyncEngine, config: ServerConfig, body: CompletionRequest, request: Request
 ) -> Response:
-    prompts = await _tokenize_prompts(engine, body)
+    prompts = await _tokenize_prompts(engine, body, config.max_choices_per_request)
     requests = [
         (
             prompt,
@@ -36,13 +36,16 @@ async def create_completion(
     return await respond(choices, reply, body.stream, body.include_usage, config.retry_after_s, request)
 
 
-async def _tokenize_prompts(engine: AsyncEngine, body: CompletionRequest) -> list[TokenizedPrompt]:
+async def _tokenize_prompts(
+    engine: AsyncEngine, body: CompletionRequest, max_choices: int
+) -> list[TokenizedPrompt]:
     """One TokenizedPrompt per prompt: text, token ids, or a list of either; none may be empty."""
     prompt = body.prompt
     is_one_prompt = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
     prompts = [prompt] if is_one_prompt else prompt
     if not prompts or not all(prompts):
         raise InvalidInputError("prompt", "must not be empty")
+    check_num_choices(len(prompts), body.n, max_choices)
     return [await engine.tokenize(item) for item in prompts]
 
 

@@ -39,6 +39,8 @@ class ServerConfig:
     # Seconds a client told "queue full" (429) should wait before retrying.
     retry_after_s: int = 1
     json_limits: JSONLimits = JSONLimits()
+    # Choices (prompts x n) one request may ask for; each is an engine request.
+    max_choices_per_request: int = 128
     access_log: bool = False
 
     def __post_init__(self) -> None:
@@ -50,6 +52,10 @@ class ServerConfig:
             raise InvalidInputError("api_key", "must not be empty (omit it to serve without a key)")
         if self.max_request_bytes < 1:
             raise InvalidInputError("max_request_bytes", f"must be >= 1, got {self.max_request_bytes}")
+        if self.max_choices_per_request < 1:
+            raise InvalidInputError(
+                "max_choices_per_request", f"must be >= 1, got {self.max_choices_per_request}"
+            )
         if self.retry_after_s < 1:
             raise InvalidInputError("retry_after_s", f"must be >= 1, got {self.retry_after_s}")
 

@@ -80,6 +80,16 @@ def sampling_params(
     )
 
 
+def check_num_choices(num_prompts: int, n: int, max_choices: int) -> None:
+    """Every choice is an engine request: refuse a request that asks for more than `max_choices`."""
+    if num_prompts * n > max_choices:
+        raise InvalidInputError(
+            "n",
+            f"{num_prompts} prompt(s) x n={n} is {num_prompts * n} choices, "
+            f"more than the {max_choices} allowed",
+        )
+
+
 async def start_choices(
     engine: AsyncEngine, requests: list[tuple[TokenizedPrompt, SamplingParams]], priority: int
 ) -> list[Choice]:
@@ -194,14 +204,15 @@ def ttft_extension(choices: list[Choice]) -> FirstTokenExtension:
 
 
 def server_timing(choices: list[Choice]) -> str:
-    """The TTFT stages as a Server-Timing header (milliseconds), one set per choice."""
+    """The TTFT stages as a Server-Timing header (milliseconds): one choice's as they are, several
+    choices' as the slowest of each stage, so the header stays a few hundred bytes however many."""
+    durations_per_choice = [stages.durations() for choice in choices if (stages := choice.ttft_stages())]
+    if not durations_per_choice:
+        return ""
+    description = f';desc="slowest of {len(choices)} choices"' if len(choices) > 1 else ""
     entries = []
-    for choice in choices:
-        stages = choice.ttft_stages()
-        if stages is None:
-            continue
-        description = f';desc="choice {choice.index}"' if len(choices) > 1 else ""
-        for name, seconds in stages.durations().items():
-            if seconds is not None:
-                entries.append(f"{name};dur={seconds * 1000:.3f}{description}")
+    for name in durations_per_choice[0]:
+        measured = [durations[name] for durations in durations_per_choice if durations[name] is not None]
+        if measured:
+            entries.append(f"{name};dur={max(measured) * 1000:.3f}{description}")
     return ", ".join(entries)

@@ -119,7 +119,8 @@ def find_lone_surrogate(value: Any, path: str = "body") -> str | None:
             if not _is_encodable(item):
                 return where
         elif isinstance(item, list):
-            pending.extend((f"{where}[{index}]", element) for index, element in reversed(list(enumerate(item))))
+            indexed = reversed(list(enumerate(item)))
+            pending.extend((f"{where}[{index}]", element) for index, element in indexed)
         elif isinstance(item, dict):
             for key in reversed(list(item)):
                 if not _is_encodable(key):

@@ -138,6 +138,30 @@ def test_non_streamed_reply_has_server_timing_matching_the_extension(server):
     assert stages["num_cached_tokens"] == response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def test_server_timing_of_many_choices_stays_short(server):
+    """64 prompts x n=2: the header holds the slowest of each stage, not a set per choice."""
+    prompts = [f"Number {index}" for index in range(64)]
+    response = httpx.post(
+        server.base_url + "/v1/completions", json={"prompt": prompts, "n": 2, "max_tokens": 1}, timeout=120
+    )
+    assert response.status_code == 200
+    header = response.headers["server-timing"]
+    assert len(header) < 600
+    stages = response.json()["firsttoken"]["choices"]
+    ttft_ms = float(header.split("ttft;dur=")[1].split(";")[0])
+    assert ttft_ms == pytest.approx(max(stage["ttft_s"] for stage in stages) * 1000, abs=1e-3)
+
+
+def test_too_many_choices_get_400_before_any_work(server):
+    response = httpx.post(
+        server.base_url + "/v1/completions",
+        json={"prompt": [f"Number {index}" for index in range(64)], "n": 16, "max_tokens": 1},
+        timeout=60,
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "n"
+
+
 def test_repeated_prompt_reports_cached_tokens(client):
     prompt = "A shared prefix that spans more than one block of sixteen tokens, so it can be cached. " * 2
     _completion(client, prompt=prompt)
@@ -413,7 +437,10 @@ def test_a_lone_surrogate_is_a_400_naming_its_field_and_the_connection_lives_on(
 def test_a_body_of_a_million_values_is_refused_before_it_is_parsed(server):
     body = b'{"prompt": [' + b",".join([b"[1]"] * 1_000_000) + b"]}"
     response = httpx.post(
-        server.base_url + "/v1/completions", content=body, headers={"Content-Type": "application/json"}, timeout=60
+        server.base_url + "/v1/completions",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "body_too_complex"
