@@ -30,7 +30,7 @@ from firsttoken.server.streaming import respond
 async def create_chat_completion(
     engine: AsyncEngine, config: ServerConfig, body: ChatCompletionRequest, request: Request
 ) -> Response:
-    check_num_choices(1, body.n, config.max_choices_per_request)
+    check_num_choices(engine, 1, body.n, config.max_choices_per_request)
     messages = [{"role": message.role, "content": message.text()} for message in body.messages]
     prompt = await engine.tokenize(messages=messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

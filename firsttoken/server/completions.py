@@ -45,7 +45,7 @@ async def _tokenize_prompts(
     prompts = [prompt] if is_one_prompt else prompt
     if not prompts or not all(prompts):
         raise InvalidInputError("prompt", "must not be empty")
-    check_num_choices(len(prompts), body.n, max_choices)
+    check_num_choices(engine, len(prompts), body.n, max_choices)
     return [await engine.tokenize(item) for item in prompts]
 
 

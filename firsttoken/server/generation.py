@@ -80,14 +80,29 @@ def sampling_params(
     )
 
 
-def check_num_choices(num_prompts: int, n: int, max_choices: int) -> None:
-    """Every choice is an engine request: refuse a request that asks for more than `max_choices`."""
-    if num_prompts * n > max_choices:
+def check_num_choices(engine: AsyncEngine, num_prompts: int, n: int, max_choices: int) -> None:
+    """Every choice is an engine request, all submitted at once: refuse a request that asks for
+    more than `max_choices`, or for more than the waiting queue could ever take (it would be
+    refused as "queue full" however long the client retried)."""
+    num_choices = num_prompts * n
+    if num_choices > max_choices:
         raise InvalidInputError(
             "n",
-            f"{num_prompts} prompt(s) x n={n} is {num_prompts * n} choices, "
-            f"more than the {max_choices} allowed",
+            f"{num_prompts} prompt(s) x n={n} is {num_choices} choices, more than the {max_choices} allowed",
         )
+    max_waiting = max_waiting_requests(engine)
+    if max_waiting is not None and num_choices > max_waiting:
+        raise InvalidInputError(
+            "n",
+            f"{num_prompts} prompt(s) x n={n} is {num_choices} choices, submitted together, and the "
+            f"waiting queue holds {max_waiting}: this request could never be admitted",
+        )
+
+
+def max_waiting_requests(engine: AsyncEngine) -> int | None:
+    """The engine's waiting-queue limit (--max-queue), None for none. AsyncEngine does not
+    expose it, so it is read from its core's configuration."""
+    return engine.core.config.scheduler.max_waiting_requests
 
 
 async def start_choices(
