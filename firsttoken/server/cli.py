@@ -66,6 +66,14 @@ def register_serve_verb(subparsers: Any) -> None:
         f"(default: {_DEFAULTS.max_choices_per_request})",
     )
     group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=_DEFAULTS.shutdown_timeout_s,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, how long in-flight requests may finish before they are ended "
+        f"with an error; a second signal ends them at once (default: {_DEFAULTS.shutdown_timeout_s:g})",
+    )
+    group.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -94,6 +102,7 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
         max_request_bytes=args.max_request_bytes,
         json_limits=JSONLimits(max_values=args.max_json_values),
         max_choices_per_request=args.max_choices,
+        shutdown_timeout_s=args.shutdown_timeout,
         access_log=args.access_log,
     )
 
@@ -106,11 +115,11 @@ def run_serve(args: argparse.Namespace) -> int:
     system_prompt = read_system_prompt(args)
     engine = AsyncEngine.from_options(args.model, system_prompt=system_prompt, **engine_options(args))
     config = server_config(args, engine.model_path)
-    server = build_server(create_app(engine, config), config)
+    server = build_server(create_app(engine, config), config, abort_in_flight=engine.shutdown)
     print(
         f"firsttoken: serving {config.model_name} on http://{config.host}:{config.port}",
         file=sys.stderr,
         flush=True,
     )
     server.run()
-    return 0
+    return 1 if server.aborted_in_flight else 0

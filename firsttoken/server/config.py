@@ -41,6 +41,8 @@ class ServerConfig:
     json_limits: JSONLimits = JSONLimits()
     # Choices (prompts x n) one request may ask for; each is an engine request.
     max_choices_per_request: int = 128
+    # Seconds a shutdown waits for in-flight requests before ending them with an error.
+    shutdown_timeout_s: float = 30.0
     access_log: bool = False
 
     def __post_init__(self) -> None:
@@ -56,6 +58,8 @@ class ServerConfig:
             raise InvalidInputError(
                 "max_choices_per_request", f"must be >= 1, got {self.max_choices_per_request}"
             )
+        if self.shutdown_timeout_s < 0:
+            raise InvalidInputError("shutdown_timeout_s", f"must be >= 0, got {self.shutdown_timeout_s}")
         if self.retry_after_s < 1:
             raise InvalidInputError("retry_after_s", f"must be >= 1, got {self.retry_after_s}")
 
