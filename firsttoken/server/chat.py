@@ -88,5 +88,8 @@ class _ChatReply(Reply):
         return ChoiceLogprobs(content=content)
 
     def _top_logprob(self, token: TokenLogprob) -> TopLogprob:
-        text = self.token_text(token.token_id)
-        return TopLogprob(token=text, logprob=token.logprob, bytes=list(text.encode("utf-8")))
+        return TopLogprob(
+            token=self.token_text(token.token_id),
+            logprob=token.logprob,
+            bytes=list(self.tokenizer.token_bytes(token.token_id)),
+        )

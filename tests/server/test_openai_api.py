@@ -229,6 +229,13 @@ def test_completion_logprobs_stream(client):
     assert len(tokens) == MAX_TOKENS
     assert all(len(chunk.choices[0].logprobs.top_logprobs[0]) == 1 for chunk in chunks)
     assert all(lp <= 0 for chunk in chunks for lp in chunk.choices[0].logprobs.token_logprobs)
+    offsets = [offset for chunk in chunks for offset in chunk.choices[0].logprobs.text_offset]
+    text = "".join(chunk.choices[0].text for chunk in chunks)
+    assert offsets[0] == len(SHORT_PROMPTS[0]), "OpenAI counts offsets from the prompt's start"
+    assert [offset - offsets[0] for offset in offsets] == [
+        len("".join(tokens[:index])) for index in range(len(tokens))
+    ]
+    assert len(text) == len("".join(tokens))
 
 
 def test_stop_string(client, llm):
