@@ -92,6 +92,10 @@ class Tokenizer:
             return bytes([int(byte_fallback.group(1), 16)])
         return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece's word-start mark
 
+    def longest_token_bytes(self) -> int:
+        """The most bytes any one token stands for: a text of n bytes is at least n / this tokens."""
+        return max(len(self.token_bytes(token_id)) for token_id in self.backend.get_vocab().values())
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 

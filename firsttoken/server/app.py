@@ -21,6 +21,7 @@ from firsttoken.server.completions import create_completion
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.errors import APIError, install_error_handlers
 from firsttoken.server.json_body import checked_json_route
+from firsttoken.server.request_checks import RequestChecks
 from firsttoken.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -50,6 +51,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     metrics = PrometheusMetrics(config.model_name, engine.stats)
     engine.add_observer(metrics)
     created = int(time.time())
+    checks = RequestChecks(engine, config.strict_fields)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -83,12 +85,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @v1.post("/completions", response_model=CompletionResponse, responses={200: _STREAMED})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        return await create_completion(engine, config, body, request)
+        return await create_completion(engine, config, checks, body, request)
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses={200: _STREAMED})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        return await create_chat_completion(engine, config, body, request)
+        return await create_chat_completion(engine, config, checks, body, request)
 
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -106,6 +108,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if not engine.is_running:
             raise APIError(503, "the engine is not running", "server_error", code="engine_unavailable")
         return Response(status_code=200)
+
+    # Load balancers probe with HEAD; one operation in the schema is enough.
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/version")
     async def version() -> JSONResponse:

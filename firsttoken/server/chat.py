@@ -24,14 +24,21 @@ from firsttoken.server.protocol import (
     TokenLogprob as TokenLogprobModel,
 )
 from firsttoken.server.reply import Reply
+from firsttoken.server.request_checks import RequestChecks
 from firsttoken.server.streaming import respond
 
 
 async def create_chat_completion(
-    engine: AsyncEngine, config: ServerConfig, body: ChatCompletionRequest, request: Request
+    engine: AsyncEngine,
+    config: ServerConfig,
+    checks: RequestChecks,
+    body: ChatCompletionRequest,
+    request: Request,
 ) -> Response:
+    checks.check_fields(body)
     check_num_choices(engine, 1, body.n, config.max_choices_per_request)
     messages = [{"role": message.role, "content": message.text()} for message in body.messages]
+    checks.check_prompt_bytes("messages", [message["content"] for message in messages])
     prompt = await engine.tokenize(messages=messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -74,6 +74,13 @@ def register_serve_verb(subparsers: Any) -> None:
         f"with an error; a second signal ends them at once (default: {_DEFAULTS.shutdown_timeout_s:g})",
     )
     group.add_argument(
+        "--strict-fields",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.strict_fields,
+        help="refuse request fields the API does not define with 400 (default: ignore them, "
+        "logging each new name once at debug level)",
+    )
+    group.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -103,6 +110,7 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
         json_limits=JSONLimits(max_values=args.max_json_values),
         max_choices_per_request=args.max_choices,
         shutdown_timeout_s=args.shutdown_timeout,
+        strict_fields=args.strict_fields,
         access_log=args.access_log,
     )
 

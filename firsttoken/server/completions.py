@@ -18,14 +18,23 @@ from firsttoken.server.protocol import (
     CompletionResponse,
 )
 from firsttoken.server.reply import Reply
+from firsttoken.server.request_checks import RequestChecks
 from firsttoken.server.streaming import respond
 
 
 async def create_completion(
-    engine: AsyncEngine, config: ServerConfig, body: CompletionRequest, request: Request
+    engine: AsyncEngine,
+    config: ServerConfig,
+    checks: RequestChecks,
+    body: CompletionRequest,
+    request: Request,
 ) -> Response:
+    checks.check_fields(body)
     items = _prompt_items(body)
     check_num_choices(engine, len(items), body.n, config.max_choices_per_request)
+    for index, item in enumerate(items):
+        if isinstance(item, str):
+            checks.check_prompt_bytes("prompt" if len(items) == 1 else f"prompt[{index}]", [item])
     prompts = [await engine.tokenize(item) for item in items]
     requests = [
         (

@@ -41,6 +41,8 @@ class ServerConfig:
     json_limits: JSONLimits = JSONLimits()
     # Choices (prompts x n) one request may ask for; each is an engine request.
     max_choices_per_request: int = 128
+    # Refuse request fields the API does not define (400) instead of ignoring them.
+    strict_fields: bool = False
     # Seconds a shutdown waits for in-flight requests before ending them with an error.
     shutdown_timeout_s: float = 30.0
     access_log: bool = False

@@ -44,6 +44,7 @@ def test_every_engine_option_is_a_serve_flag():
         "--max-json-values",
         "--max-choices",
         "--shutdown-timeout",
+        "--strict-fields",
     ):
         assert flag in flags
 

@@ -360,6 +360,9 @@ INVALID_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
     ("/v1/completions", {"prompt": "word " * 9000}, "prompt"),
+    ("/v1/completions", {"prompt": "x" * 3_000_000}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["s"] * 300}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 3_000_000}]}, "messages"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {}, "prompt"),
@@ -484,6 +487,7 @@ def test_bad_input_leaves_no_kv_allocated(server):
 def test_models_health_version(client, server):
     assert [model.id for model in client.models.list()] == [MODEL_NAME, "alias"]
     assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.head(server.base_url + "/health").status_code == 200
     assert httpx.get(server.base_url + "/version").json()["version"]
 
 
