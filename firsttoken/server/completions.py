@@ -22,6 +22,9 @@ from firsttoken.server.request_checks import RequestChecks
 from firsttoken.server.streaming import respond
 
 
+_ENGINE_PROMPT_FIELD = "prompt_token_ids"
+
+
 async def create_completion(
     engine: AsyncEngine,
     config: ServerConfig,
@@ -44,7 +47,12 @@ async def create_completion(
         for prompt in prompts
         for index in range(body.n)
     ]
-    choices = await start_choices(engine, requests, body.priority)
+    try:
+        choices = await start_choices(engine, requests, body.priority)
+    except InvalidInputError as error:
+        if error.field != _ENGINE_PROMPT_FIELD:
+            raise
+        raise InvalidInputError("prompt", str(error)) from error  # the client knows it as `prompt`
     prompt_lengths = _prompt_lengths(engine, items) if body.logprobs is not None else [0] * len(items)
     reply = _CompletionReply(
         config.model_name, engine.tokenizer, [length for length in prompt_lengths for _ in range(body.n)]
