@@ -21,7 +21,6 @@ from firsttoken.server.completions import create_completion
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.errors import APIError, install_error_handlers
 from firsttoken.server.json_body import checked_json_route
-from firsttoken.server.request_checks import RequestChecks
 from firsttoken.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -31,6 +30,7 @@ from firsttoken.server.protocol import (
     ModelCard,
     ModelList,
 )
+from firsttoken.server.request_checks import RequestChecks
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request (the message names the field)"},
