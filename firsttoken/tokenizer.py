@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import re
 from typing import Any, Sequence
 
 import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders
 
 from firsttoken.errors import InvalidInputError
 
@@ -62,6 +64,8 @@ class Tokenizer:
         self.chat_template = (
             ChatTemplate(chat_template, bos_text or "", eos_text or "") if chat_template else None
         )
+        self._added_token_ids = frozenset(backend.get_added_tokens_decoder())
+        self._is_byte_level = isinstance(backend.decoder, decoders.ByteLevel)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # `encode_batch` releases the GIL while it works and `encode` does not: a long prompt
@@ -71,6 +75,26 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for. A token may hold part of a UTF-8 character, which
+        decoding it alone turns into U+FFFD; its bytes are exact. Raises InvalidInputError for
+        an id outside the vocabulary."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            raise InvalidInputError("token_id", f"{token_id} is not in the vocabulary")
+        if token_id in self._added_token_ids:
+            return piece.encode("utf-8")
+        if self._is_byte_level:
+            return bytes(_BYTE_LEVEL_BYTES[char] for char in piece)
+        byte_fallback = _BYTE_FALLBACK_PIECE.fullmatch(piece)
+        if byte_fallback:
+            return bytes([int(byte_fallback.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece's word-start mark
+
+    def longest_token_bytes(self) -> int:
+        """The most bytes any one token stands for: a text of n bytes is at least n / this tokens."""
+        return max(len(self.token_bytes(token_id)) for token_id in self.backend.get_vocab().values())
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
@@ -88,6 +112,26 @@ class Tokenizer:
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for themselves,
+    the others (controls, space, some Latin-1) for the characters from U+0100 on, in order."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\N{INVERTED EXCLAMATION MARK}"), ord("\N{NOT SIGN}") + 1),
+        *range(ord("\N{REGISTERED SIGN}"), ord("\N{LATIN SMALL LETTER Y WITH DIAERESIS}") + 1),
+    ]
+    alphabet = {chr(byte): byte for byte in printable}
+    shifted = (byte for byte in range(256) if byte not in alphabet.values())
+    for offset, byte in enumerate(shifted):
+        alphabet[chr(256 + offset)] = byte
+    return alphabet
+
+
+_BYTE_LEVEL_BYTES = _byte_level_alphabet()
 
 
 def _validate_messages(messages: Sequence[dict[str, Any]]) -> None:

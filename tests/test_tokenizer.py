@@ -98,3 +98,19 @@ def test_chat_template_matches_transformers(tokenizer, hf_tokenizer):
 def test_special_tokens_and_eos(tokenizer):
     assert tokenizer.eos_token_ids == frozenset({2})
     assert tokenizer.encode("<|im_end|>") == [2]
+
+
+def test_token_bytes_join_to_the_text_even_where_a_token_splits_a_character(tokenizer):
+    for text in STRINGS:
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        assert b"".join(tokenizer.token_bytes(token_id) for token_id in token_ids) == text.encode(), text
+    rocket_ids = tokenizer.encode("🚀", add_special_tokens=False)
+    split = [token_id for token_id in rocket_ids if "\ufffd" in tokenizer.decode([token_id])]
+    assert split and all(len(tokenizer.token_bytes(token_id)) < 4 for token_id in split)
+
+
+def test_token_bytes_of_special_tokens_are_their_text(tokenizer):
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    assert tokenizer.token_bytes(im_end) == b"<|im_end|>"
+    with pytest.raises(ValueError):
+        tokenizer.token_bytes(tokenizer.vocab_size + 5)

@@ -6,7 +6,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import APIRouter, FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -14,12 +14,13 @@ from starlette.responses import JSONResponse, Response
 from firsttoken import __version__
 from firsttoken.engine import AsyncEngine
 from firsttoken.metrics.prometheus import PrometheusMetrics
-from firsttoken.server.auth import api_key_dependency
+from firsttoken.server.auth import ApiKeyGate
 from firsttoken.server.body_limit import BodySizeLimit
 from firsttoken.server.chat import create_chat_completion
 from firsttoken.server.completions import create_completion
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.errors import APIError, install_error_handlers
+from firsttoken.server.json_body import checked_json_route
 from firsttoken.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -29,6 +30,7 @@ from firsttoken.server.protocol import (
     ModelCard,
     ModelList,
 )
+from firsttoken.server.request_checks import RequestChecks
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request (the message names the field)"},
@@ -49,6 +51,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     metrics = PrometheusMetrics(config.model_name, engine.stats)
     engine.add_observer(metrics)
     created = int(time.time())
+    checks = RequestChecks(engine, config.strict_fields)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -65,24 +68,29 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+    if config.api_key is not None:  # added last, so it runs first: before the body's size is known
+        app.add_middleware(ApiKeyGate, api_key=config.api_key)
     install_error_handlers(app, config.retry_after_s)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in config.served_model_names:
             raise APIError(404, f"The model `{name}` does not exist", param="model", code="model_not_found")
 
-    auth = [Depends(api_key_dependency(config.api_key))] if config.api_key is not None else []
-    v1 = APIRouter(prefix="/v1", dependencies=auth, responses=_ERROR_RESPONSES)
+    v1 = APIRouter(
+        prefix="/v1",
+        responses=_ERROR_RESPONSES,
+        route_class=checked_json_route(config.json_limits),
+    )
 
     @v1.post("/completions", response_model=CompletionResponse, responses={200: _STREAMED})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        return await create_completion(engine, config, body, request)
+        return await create_completion(engine, config, checks, body, request)
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses={200: _STREAMED})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        return await create_chat_completion(engine, config, body, request)
+        return await create_chat_completion(engine, config, checks, body, request)
 
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -100,6 +108,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if not engine.is_running:
             raise APIError(503, "the engine is not running", "server_error", code="engine_unavailable")
         return Response(status_code=200)
+
+    # Load balancers probe with HEAD; one operation in the schema is enough.
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/version")
     async def version() -> JSONResponse:

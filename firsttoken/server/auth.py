@@ -1,25 +1,43 @@
-"""Bearer-token authentication of the /v1 routes, compared in constant time."""
+"""Bearer-token authentication of the /v1 routes: checked before the body is read, compared in
+constant time."""
 
 from __future__ import annotations
 
 import hmac
-from typing import Awaitable, Callable
 
-from fastapi import Depends
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from firsttoken.server.errors import APIError
 
+PROTECTED_PREFIX = "/v1"
 
-def api_key_dependency(api_key: str) -> Callable[..., Awaitable[None]]:
-    """A FastAPI dependency that lets a request through only with `Authorization: Bearer <api_key>`."""
-    expected = api_key.encode("utf-8")
-    bearer = HTTPBearer(auto_error=False, description="the server's --api-key")
 
-    async def require_api_key(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        presented = credentials.credentials.encode("utf-8") if credentials is not None else b""
+class ApiKeyGate:
+    """ASGI middleware: a /v1 request without `Authorization: Bearer <api_key>` gets a 401 before
+    any of its body is read or parsed, so an unauthenticated client costs only its headers."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode("utf-8")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _is_protected(scope["path"]) and not self._authorized(scope):
+            refusal = APIError(
+                401,
+                "Incorrect or missing API key",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await refusal.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        authorization = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        scheme, _, credentials = authorization.partition(b" ")
         # compare_digest takes as long whatever the first differing byte, so timing leaks nothing.
-        if not hmac.compare_digest(presented, expected):
-            raise APIError(401, "Incorrect or missing API key", param=None, code="invalid_api_key")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), self.api_key)
 
-    return require_api_key
+
+def _is_protected(path: str) -> bool:
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")

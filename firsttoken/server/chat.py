@@ -8,7 +8,7 @@ from starlette.responses import Response
 from firsttoken.engine import AsyncEngine
 from firsttoken.outputs import RequestDelta, SampledToken, TokenLogprob
 from firsttoken.server.config import ServerConfig
-from firsttoken.server.generation import Choice, sampling_params, start_choices
+from firsttoken.server.generation import Choice, check_num_choices, sampling_params, start_choices
 from firsttoken.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -24,13 +24,21 @@ from firsttoken.server.protocol import (
     TokenLogprob as TokenLogprobModel,
 )
 from firsttoken.server.reply import Reply
+from firsttoken.server.request_checks import RequestChecks
 from firsttoken.server.streaming import respond
 
 
 async def create_chat_completion(
-    engine: AsyncEngine, config: ServerConfig, body: ChatCompletionRequest, request: Request
+    engine: AsyncEngine,
+    config: ServerConfig,
+    checks: RequestChecks,
+    body: ChatCompletionRequest,
+    request: Request,
 ) -> Response:
+    checks.check_fields(body)
+    check_num_choices(engine, 1, body.n, config.max_choices_per_request)
     messages = [{"role": message.role, "content": message.text()} for message in body.messages]
+    checks.check_prompt_bytes("messages", [message["content"] for message in messages])
     prompt = await engine.tokenize(messages=messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -87,5 +95,8 @@ class _ChatReply(Reply):
         return ChoiceLogprobs(content=content)
 
     def _top_logprob(self, token: TokenLogprob) -> TopLogprob:
-        text = self.token_text(token.token_id)
-        return TopLogprob(token=text, logprob=token.logprob, bytes=list(text.encode("utf-8")))
+        return TopLogprob(
+            token=self.token_text(token.token_id),
+            logprob=token.logprob,
+            bytes=list(self.tokenizer.token_bytes(token.token_id)),
+        )

@@ -14,7 +14,7 @@ from firsttoken.engine_args import (
     engine_kwargs,
     read_system_prompt,
 )
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.config import JSONLimits, ServerConfig
 
 _DEFAULTS = ServerConfig()
 
@@ -52,6 +52,35 @@ def register_serve_verb(subparsers: Any) -> None:
         help=f"larger request bodies get 413 (default: {_DEFAULTS.max_request_bytes})",
     )
     group.add_argument(
+        "--max-json-values",
+        type=int,
+        default=_DEFAULTS.json_limits.max_values,
+        help="JSON values (numbers, strings, arrays, objects) a request body may hold; more get 400 "
+        f"before the body is parsed (default: {_DEFAULTS.json_limits.max_values})",
+    )
+    group.add_argument(
+        "--max-choices",
+        type=int,
+        default=_DEFAULTS.max_choices_per_request,
+        help="choices (prompts x n) one request may ask for; more get 400 "
+        f"(default: {_DEFAULTS.max_choices_per_request})",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=_DEFAULTS.shutdown_timeout_s,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, how long in-flight requests may finish before they are ended "
+        f"with an error; a second signal ends them at once (default: {_DEFAULTS.shutdown_timeout_s:g})",
+    )
+    group.add_argument(
+        "--strict-fields",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.strict_fields,
+        help="refuse request fields the API does not define with 400 (default: ignore them, "
+        "logging each new name once at debug level)",
+    )
+    group.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -78,6 +107,10 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
         served_model_names=tuple(names),
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
+        json_limits=JSONLimits(max_values=args.max_json_values),
+        max_choices_per_request=args.max_choices,
+        shutdown_timeout_s=args.shutdown_timeout,
+        strict_fields=args.strict_fields,
         access_log=args.access_log,
     )
 
@@ -90,11 +123,11 @@ def run_serve(args: argparse.Namespace) -> int:
     system_prompt = read_system_prompt(args)
     engine = AsyncEngine.from_options(args.model, system_prompt=system_prompt, **engine_options(args))
     config = server_config(args, engine.model_path)
-    server = build_server(create_app(engine, config), config)
+    server = build_server(create_app(engine, config), config, abort_in_flight=engine.shutdown)
     print(
         f"firsttoken: serving {config.model_name} on http://{config.host}:{config.port}",
         file=sys.stderr,
         flush=True,
     )
     server.run()
-    return 0
+    return 1 if server.aborted_in_flight else 0

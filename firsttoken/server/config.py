@@ -8,6 +8,23 @@ from firsttoken.engine import InvalidInputError
 
 
 @dataclass(frozen=True)
+class JSONLimits:
+    """How much structure a JSON request body may hold, and which bodies are parsed off the loop."""
+
+    # Values (numbers, strings, arrays, objects) one body may hold; parsing cost grows with
+    # this count, not with bytes. Room for a prompt of this many token ids.
+    max_values: int = 1 << 17
+    # Bodies up to this many bytes are parsed on the event loop; larger ones on a thread.
+    inline_parse_bytes: int = 64 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_values < 1:
+            raise InvalidInputError("max_json_values", f"must be >= 1, got {self.max_values}")
+        if self.inline_parse_bytes < 0:
+            raise InvalidInputError("inline_parse_bytes", f"must be >= 0, got {self.inline_parse_bytes}")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The HTTP side's settings; the engine's own live in EngineConfig."""
 
@@ -21,6 +38,13 @@ class ServerConfig:
     max_request_bytes: int = 4 * 1024 * 1024
     # Seconds a client told "queue full" (429) should wait before retrying.
     retry_after_s: int = 1
+    json_limits: JSONLimits = JSONLimits()
+    # Choices (prompts x n) one request may ask for; each is an engine request.
+    max_choices_per_request: int = 128
+    # Refuse request fields the API does not define (400) instead of ignoring them.
+    strict_fields: bool = False
+    # Seconds a shutdown waits for in-flight requests before ending them with an error.
+    shutdown_timeout_s: float = 30.0
     access_log: bool = False
 
     def __post_init__(self) -> None:
@@ -32,6 +56,12 @@ class ServerConfig:
             raise InvalidInputError("api_key", "must not be empty (omit it to serve without a key)")
         if self.max_request_bytes < 1:
             raise InvalidInputError("max_request_bytes", f"must be >= 1, got {self.max_request_bytes}")
+        if self.max_choices_per_request < 1:
+            raise InvalidInputError(
+                "max_choices_per_request", f"must be >= 1, got {self.max_choices_per_request}"
+            )
+        if self.shutdown_timeout_s < 0:
+            raise InvalidInputError("shutdown_timeout_s", f"must be >= 0, got {self.shutdown_timeout_s}")
         if self.retry_after_s < 1:
             raise InvalidInputError("retry_after_s", f"must be >= 1, got {self.retry_after_s}")
 

@@ -46,9 +46,9 @@ class APIError(Exception):
     def body(self) -> dict:
         return {
             "error": {
-                "message": self.message,
+                "message": _encodable(self.message),
                 "type": self.error_type,
-                "param": self.param,
+                "param": None if self.param is None else _encodable(self.param),
                 "code": self.code,
             }
         }
@@ -57,6 +57,17 @@ class APIError(Exception):
         return Response(
             orjson.dumps(self.body()), self.status_code, headers=self.headers, media_type="application/json"
         )
+
+
+def is_json_content_type(content_type: str) -> bool:
+    """application/json or a +json type, with or without parameters (charset)."""
+    return _JSON_CONTENT_TYPE.match(content_type) is not None
+
+
+def _encodable(text: str) -> str:
+    """`text` with any lone surrogate (which orjson, rightly, refuses to write) escaped: an error
+    that echoes client input must still be sendable."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(error: ValueError) -> APIError:
@@ -123,7 +134,7 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
     async def on_validation_error(request: Request, error: RequestValidationError) -> Response:
         content_type = request.headers.get("content-type", "")
-        if not _JSON_CONTENT_TYPE.match(content_type):
+        if not is_json_content_type(content_type):
             return APIError(
                 400, "Content-Type: must be application/json", code="invalid_content_type"
             ).response()

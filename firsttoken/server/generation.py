@@ -80,6 +80,31 @@ def sampling_params(
     )
 
 
+def check_num_choices(engine: AsyncEngine, num_prompts: int, n: int, max_choices: int) -> None:
+    """Every choice is an engine request, all submitted at once: refuse a request that asks for
+    more than `max_choices`, or for more than the waiting queue could ever take (it would be
+    refused as "queue full" however long the client retried)."""
+    num_choices = num_prompts * n
+    if num_choices > max_choices:
+        raise InvalidInputError(
+            "n",
+            f"{num_prompts} prompt(s) x n={n} is {num_choices} choices, more than the {max_choices} allowed",
+        )
+    max_waiting = max_waiting_requests(engine)
+    if max_waiting is not None and num_choices > max_waiting:
+        raise InvalidInputError(
+            "n",
+            f"{num_prompts} prompt(s) x n={n} is {num_choices} choices, submitted together, and the "
+            f"waiting queue holds {max_waiting}: this request could never be admitted",
+        )
+
+
+def max_waiting_requests(engine: AsyncEngine) -> int | None:
+    """The engine's waiting-queue limit (--max-queue), None for none. AsyncEngine does not
+    expose it, so it is read from its core's configuration."""
+    return engine.core.config.scheduler.max_waiting_requests
+
+
 async def start_choices(
     engine: AsyncEngine, requests: list[tuple[TokenizedPrompt, SamplingParams]], priority: int
 ) -> list[Choice]:
@@ -194,14 +219,15 @@ def ttft_extension(choices: list[Choice]) -> FirstTokenExtension:
 
 
 def server_timing(choices: list[Choice]) -> str:
-    """The TTFT stages as a Server-Timing header (milliseconds), one set per choice."""
+    """The TTFT stages as a Server-Timing header (milliseconds): one choice's as they are, several
+    choices' as the slowest of each stage, so the header stays a few hundred bytes however many."""
+    durations_per_choice = [stages.durations() for choice in choices if (stages := choice.ttft_stages())]
+    if not durations_per_choice:
+        return ""
+    description = f';desc="slowest of {len(choices)} choices"' if len(choices) > 1 else ""
     entries = []
-    for choice in choices:
-        stages = choice.ttft_stages()
-        if stages is None:
-            continue
-        description = f';desc="choice {choice.index}"' if len(choices) > 1 else ""
-        for name, seconds in stages.durations().items():
-            if seconds is not None:
-                entries.append(f"{name};dur={seconds * 1000:.3f}{description}")
+    for name in durations_per_choice[0]:
+        measured = [durations[name] for durations in durations_per_choice if durations[name] is not None]
+        if measured:
+            entries.append(f"{name};dur={max(measured) * 1000:.3f}{description}")
     return ", ".join(entries)

@@ -23,6 +23,9 @@ from firsttoken.engine import CHAT_ROLES, InvalidInputError
 
 MAX_N = 16  # choices per prompt; each one is an independent engine request
 MAX_LOGPROBS = 20
+# Every stop string is searched for in every request's new text at every step.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 
 
 def _one_error_for_union(expected: str) -> WrapValidator:
@@ -121,11 +124,30 @@ class GenerationRequest(_StrictModel):
                 raise InvalidInputError(name, "is not supported (leave it unset)")
         if self.stream_options is not None and not self.stream:
             raise InvalidInputError("stream_options", "only allowed when stream is true")
+        _check_stop_strings(self.stop)
         return self
+
+    def unknown_fields(self) -> list[str]:
+        """Fields the request holds that the API does not define (accepted, and ignored)."""
+        return [name for name in self.model_extra or {} if name not in _UNSUPPORTED_UNLESS_NEUTRAL]
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _check_stop_strings(stop: str | list[str] | None) -> None:
+    stop_strings = [stop] if isinstance(stop, str) else stop or []
+    if len(stop_strings) > MAX_STOP_STRINGS:
+        raise InvalidInputError(
+            "stop", f"{len(stop_strings)} strings, more than the {MAX_STOP_STRINGS} allowed"
+        )
+    for index, text in enumerate(stop_strings):
+        if len(text) > MAX_STOP_STRING_CHARS:
+            raise InvalidInputError(
+                "stop" if isinstance(stop, str) else f"stop[{index}]",
+                f"{len(text)} characters, more than the {MAX_STOP_STRING_CHARS} allowed",
+            )
 
 
 class CompletionRequest(GenerationRequest):

@@ -61,8 +61,9 @@ class Reply(ABC):
         )
 
     def token_text(self, token_id: int) -> str:
-        """One token as logprobs name it: its own text, special tokens included."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """One token as logprobs name it: its own text, special tokens included. A token holding
+        part of a UTF-8 character shows those bytes escaped (`\\xe2\\x80`), as OpenAI does."""
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", "backslashreplace")
 
     def _envelope(self) -> dict[str, Any]:
         return {"id": self.response_id, "created": self.created, "model": self.model}

@@ -73,7 +73,7 @@ class RunningServer:
 def running_server(model_path: str, config: ServerConfig, **engine_options: Any) -> Iterator[RunningServer]:
     """Load the model, serve it on a free port of 127.0.0.1, and stop it afterwards."""
     engine = AsyncEngine.from_options(model_path, **{**SERVER_ENGINE_OPTIONS, **engine_options})
-    server = build_server(create_app(engine, config), config)
+    server = build_server(create_app(engine, config), config, abort_in_flight=engine.shutdown)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -41,6 +41,10 @@ def test_every_engine_option_is_a_serve_flag():
         "--served-model-name",
         "--max-queue",
         "--max-request-bytes",
+        "--max-json-values",
+        "--max-choices",
+        "--shutdown-timeout",
+        "--strict-fields",
     ):
         assert flag in flags
 
@@ -65,6 +69,8 @@ def test_serve_flags_map_to_engine_and_server_settings():
             "0.0.0.0",
             "--max-request-bytes",
             "1000",
+            "--shutdown-timeout",
+            "2.5",
         ]
     )
     assert engine_options(args) == dict(
@@ -78,6 +84,7 @@ def test_serve_flags_map_to_engine_and_server_settings():
         "k",
         1000,
     )
+    assert config.shutdown_timeout_s == 2.5
     named = build_parser().parse_args(["serve", "--served-model-name", "a", "b"])
     assert server_config(named, "/models/x.gguf").served_model_names == ("a", "b")
 

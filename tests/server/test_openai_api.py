@@ -138,6 +138,30 @@ def test_non_streamed_reply_has_server_timing_matching_the_extension(server):
     assert stages["num_cached_tokens"] == response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def test_server_timing_of_many_choices_stays_short(server):
+    """64 prompts x n=2: the header holds the slowest of each stage, not a set per choice."""
+    prompts = [f"Number {index}" for index in range(64)]
+    response = httpx.post(
+        server.base_url + "/v1/completions", json={"prompt": prompts, "n": 2, "max_tokens": 1}, timeout=120
+    )
+    assert response.status_code == 200
+    header = response.headers["server-timing"]
+    assert len(header) < 600
+    stages = response.json()["firsttoken"]["choices"]
+    ttft_ms = float(header.split("ttft;dur=")[1].split(";")[0])
+    assert ttft_ms == pytest.approx(max(stage["ttft_s"] for stage in stages) * 1000, abs=1e-3)
+
+
+def test_too_many_choices_get_400_before_any_work(server):
+    response = httpx.post(
+        server.base_url + "/v1/completions",
+        json={"prompt": [f"Number {index}" for index in range(64)], "n": 16, "max_tokens": 1},
+        timeout=60,
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "n"
+
+
 def test_repeated_prompt_reports_cached_tokens(client):
     prompt = "A shared prefix that spans more than one block of sixteen tokens, so it can be cached. " * 2
     _completion(client, prompt=prompt)
@@ -205,6 +229,13 @@ def test_completion_logprobs_stream(client):
     assert len(tokens) == MAX_TOKENS
     assert all(len(chunk.choices[0].logprobs.top_logprobs[0]) == 1 for chunk in chunks)
     assert all(lp <= 0 for chunk in chunks for lp in chunk.choices[0].logprobs.token_logprobs)
+    offsets = [offset for chunk in chunks for offset in chunk.choices[0].logprobs.text_offset]
+    text = "".join(chunk.choices[0].text for chunk in chunks)
+    assert offsets[0] == len(SHORT_PROMPTS[0]), "OpenAI counts offsets from the prompt's start"
+    assert [offset - offsets[0] for offset in offsets] == [
+        len("".join(tokens[:index])) for index in range(len(tokens))
+    ]
+    assert len(text) == len("".join(tokens))
 
 
 def test_stop_string(client, llm):
@@ -329,6 +360,9 @@ INVALID_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stop": [1]}, "stop"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
     ("/v1/completions", {"prompt": "word " * 9000}, "prompt"),
+    ("/v1/completions", {"prompt": "x" * 3_000_000}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["s"] * 300}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 3_000_000}]}, "messages"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {}, "prompt"),
@@ -389,6 +423,39 @@ def test_malformed_bodies_get_400(server, content, headers):
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize(
+    "path,content,param",
+    [
+        ("/v1/completions", rb'{"prompt": "hi \ud800", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", rb'{"prompt": ["hi", "\udfff"], "max_tokens": 2}', "prompt[1]"),
+        ("/v1/completions", rb'{"prompt": "hi", "model": "\ud800"}', "model"),
+        ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\ud800"}]}',
+         "messages[0].content"),
+        ("/v1/chat/completions",
+         rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}',
+         "messages[0].content[0].text"),
+    ],
+)  # fmt: skip
+def test_a_lone_surrogate_is_a_400_naming_its_field_and_the_connection_lives_on(server, path, content, param):
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        response = http.post(path, content=content, headers={"Content-Type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_a_body_of_a_million_values_is_refused_before_it_is_parsed(server):
+    body = b'{"prompt": [' + b",".join([b"[1]"] * 1_000_000) + b"]}"
+    response = httpx.post(
+        server.base_url + "/v1/completions",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "body_too_complex"
+
+
 def test_unknown_model_gets_404(client):
     with pytest.raises(openai.NotFoundError) as raised:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
@@ -420,6 +487,7 @@ def test_bad_input_leaves_no_kv_allocated(server):
 def test_models_health_version(client, server):
     assert [model.id for model in client.models.list()] == [MODEL_NAME, "alias"]
     assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.head(server.base_url + "/health").status_code == 200
     assert httpx.get(server.base_url + "/version").json()["version"]
 
 

@@ -7,6 +7,7 @@ answers are deterministic; the 48-token context keeps every fuzzed request short
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator
 
 import httpx
@@ -71,6 +72,19 @@ def test_missing_or_wrong_key_gets_401(server, headers):
     response = _post(server, {"prompt": "hi", "max_tokens": 1}, headers=headers)
     assert response.status_code == 401
     assert response.json()["error"]["code"] == "invalid_api_key"
+    assert response.headers["WWW-Authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize(
+    "content", [b"{not json", b"x" * (MAX_REQUEST_BYTES + 1), b"[" + b"[1]," * 400 + b"[1]]"]
+)
+def test_the_key_is_checked_before_the_body(server, content):
+    """Malformed, oversized or costly bodies without the key are 401s: nothing was read."""
+    response = httpx.post(
+        server.base_url + "/v1/completions", content=content, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_the_right_key_is_accepted_by_the_openai_client(server):
@@ -129,15 +143,39 @@ def test_prompt_longer_than_the_context_gets_400(server):
     assert too_long_to_answer.json()["error"]["param"] == "prompt"
 
 
-def test_full_queue_gets_429_with_retry_after_and_keeps_nothing(server):
-    """Three choices cannot all fit one running slot and one waiting place: the request is
-    refused whole, and the choices admitted before the refusal are withdrawn."""
+def test_more_choices_than_the_queue_holds_get_400_and_keep_nothing(server):
+    """Three choices, submitted together, could never fit one waiting place: a 400, not a 429
+    the client would retry forever."""
     start = server.engine.stats()
     response = _post(server, {"prompt": "Once upon a time", "max_tokens": 20, "n": 3})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "n"
+    assert _post(server, {"prompt": "Once upon a time", "max_tokens": 2}).status_code == 200
+    server.wait_for_idle_kv(since=start)
+
+
+def test_full_queue_gets_429_with_retry_after_and_keeps_nothing(server, monkeypatch):
+    """One request running, one waiting: a third is refused with 429, and nothing of it stays."""
+    start = server.engine.stats()
+    step = server.engine.core.step
+
+    def slow_step():  # the running request outlasts the test's requests, however fast the machine
+        time.sleep(0.1)
+        return step()
+
+    monkeypatch.setattr(server.engine.core, "step", slow_step)
+    long_stream = {"prompt": "Once upon a time", "max_tokens": 30, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=long_stream) as running:
+            lines = running.iter_lines()  # kept: a dropped line iterator closes the response
+            assert next(line for line in lines if line).startswith('data: {"id"')
+            with http.stream("POST", "/v1/completions", json=long_stream) as waiting:
+                assert waiting.status_code == 200  # admitted: it holds the one waiting place
+                response = _post(server, {"prompt": "Once upon a time", "max_tokens": 20})
     assert response.status_code == 429
     assert response.headers["Retry-After"] == "1"
     assert response.json()["error"]["code"] == "queue_full"
-    server.wait_for_idle_kv(since=start)
+    server.wait_for_idle_kv(timeout_s=5.0, since=start)
 
 
 # -- fuzzing the schema -------------------------------------------------------------------------------

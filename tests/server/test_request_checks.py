@@ -1,0 +1,56 @@
+"""Up-front checks: unknown fields (logged once, or refused when strict) and prompt bytes."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from firsttoken.engine import InvalidInputError
+from firsttoken.server.protocol import CompletionRequest
+from firsttoken.server.request_checks import RequestChecks
+
+
+def _checks(strict_fields: bool) -> RequestChecks:
+    tokenizer = SimpleNamespace(longest_token_bytes=lambda: 10)
+    return RequestChecks(SimpleNamespace(max_request_tokens=100, tokenizer=tokenizer), strict_fields)
+
+
+def _request(**fields) -> CompletionRequest:
+    return CompletionRequest.model_validate({"prompt": "hi", **fields})
+
+
+def test_unknown_fields_are_logged_once_each(caplog):
+    checks = _checks(strict_fields=False)
+    with caplog.at_level(logging.DEBUG, logger="firsttoken.server.request_checks"):
+        for _ in range(3):
+            checks.check_fields(_request(metadata={"a": 1}, store=False, presence_penalty=0))
+    assert sorted(record.getMessage() for record in caplog.records) == [
+        "ignoring the unknown request field 'metadata'",
+        "ignoring the unknown request field 'store'",
+    ]
+
+
+def test_strict_fields_refuse_an_unknown_field_by_name():
+    with pytest.raises(InvalidInputError) as raised:
+        _checks(strict_fields=True).check_fields(_request(metadata={}))
+    assert raised.value.field == "metadata"
+    _checks(strict_fields=True).check_fields(_request(presence_penalty=0))  # defined, at its neutral value
+
+
+def test_prompt_bytes_that_cannot_fit_are_refused_before_tokenizing():
+    checks = _checks(strict_fields=False)
+    checks.check_prompt_bytes("prompt", ["x" * 989])  # at least 99 tokens: one left for output
+    with pytest.raises(InvalidInputError) as raised:
+        checks.check_prompt_bytes("prompt[1]", ["x" * 500, "é" * 250])
+    assert raised.value.field == "prompt[1]"
+
+
+@pytest.mark.parametrize(
+    "stop,field", [(["s"] * 17, "stop"), ("x" * 257, "stop"), (["ok", "x" * 257], "stop[1]")]
+)
+def test_stop_strings_are_capped_in_count_and_length(stop, field):
+    with pytest.raises(ValueError) as raised:
+        _request(stop=stop)
+    assert f"{field}:" in str(raised.value)
