@@ -177,6 +177,8 @@ class AsyncEngine:
         self.model_path = core.model_path
         self.max_model_len = core.max_model_len
         self.max_request_tokens = core.max_request_tokens
+        # Requests allowed to wait for admission (None: no limit); more raise QueueFullError.
+        self.max_waiting_requests = core.config.scheduler.max_waiting_requests
         self._observers: list[RequestObserver] = []
         self._inbox = _Inbox()
         self._streams: dict[str, RequestStream] = {}

@@ -90,19 +90,13 @@ def check_num_choices(engine: AsyncEngine, num_prompts: int, n: int, max_choices
             "n",
             f"{num_prompts} prompt(s) x n={n} is {num_choices} choices, more than the {max_choices} allowed",
         )
-    max_waiting = max_waiting_requests(engine)
+    max_waiting = engine.max_waiting_requests
     if max_waiting is not None and num_choices > max_waiting:
         raise InvalidInputError(
             "n",
             f"{num_prompts} prompt(s) x n={n} is {num_choices} choices, submitted together, and the "
             f"waiting queue holds {max_waiting}: this request could never be admitted",
         )
-
-
-def max_waiting_requests(engine: AsyncEngine) -> int | None:
-    """The engine's waiting-queue limit (--max-queue), None for none. AsyncEngine does not
-    expose it, so it is read from its core's configuration."""
-    return engine.core.config.scheduler.max_waiting_requests
 
 
 async def start_choices(
