@@ -42,15 +42,24 @@ def scattered_chunk(num_context: int, num_queries: int, seed: int):
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(torch.bfloat16)
 
-    write_kv_reference(cache, randn(num_context, NUM_KV_HEADS, HEAD_DIM), randn(num_context, NUM_KV_HEADS, HEAD_DIM), slots[:num_context])
-    query, key, value = randn(num_queries, NUM_HEADS, HEAD_DIM), randn(num_queries, NUM_KV_HEADS, HEAD_DIM), randn(num_queries, NUM_KV_HEADS, HEAD_DIM)
+    context_keys, context_values = (
+        randn(num_context, NUM_KV_HEADS, HEAD_DIM),
+        randn(num_context, NUM_KV_HEADS, HEAD_DIM),
+    )
+    write_kv_reference(cache, context_keys, context_values, slots[:num_context])
+    query = randn(num_queries, NUM_HEADS, HEAD_DIM)
+    key, value = randn(num_queries, NUM_KV_HEADS, HEAD_DIM), randn(num_queries, NUM_KV_HEADS, HEAD_DIM)
     layout = BatchLayout([SequenceLayout(num_queries, num_context, block_table)], 0, BLOCK_SIZE)
     return layout, slots[num_context:], cache, query, key, value
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=["512:128", "1024:256", "2048:512"], help="context:chunk tokens")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--shapes", nargs="+", default=["512:128", "1024:256", "2048:512"], help="context:chunk tokens"
+    )
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     native = load_native_kernels(os.path.join(default_cache_dir(), "native"))

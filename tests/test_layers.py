@@ -37,7 +37,12 @@ BASE_RANK = 1
 
 # What the server may import besides itself: the engine's public API (its __all__), the
 # package's version, observability and plain data; a package here includes its modules.
-SERVER_MAY_IMPORT_MODULES = {"firsttoken", "firsttoken.engine", "firsttoken.outputs", "firsttoken.sampling_params"}
+SERVER_MAY_IMPORT_MODULES = {
+    "firsttoken",
+    "firsttoken.engine",
+    "firsttoken.outputs",
+    "firsttoken.sampling_params",
+}
 SERVER_MAY_IMPORT_PACKAGES = {"firsttoken.metrics", "firsttoken.engine_args"}
 NO_TORCH_PACKAGES = ("core", "engine")
 
@@ -117,7 +122,8 @@ def test_the_server_talks_to_the_engines_public_api_only():
         if _part(module) != "server" or imported.startswith("firsttoken.server"):
             continue
         allowed = imported in SERVER_MAY_IMPORT_MODULES or any(
-            imported == package or imported.startswith(package + ".") for package in SERVER_MAY_IMPORT_PACKAGES
+            imported == package or imported.startswith(package + ".")
+            for package in SERVER_MAY_IMPORT_PACKAGES
         )
         private = imported == "firsttoken.engine" and not set(names) <= public
         if not allowed or private:

@@ -84,7 +84,8 @@ class SDPABackend:
             context_first_block = sequence_first_block = sequence_block_ids = None
             if sequence.num_context_tokens:
                 sequence_blocks = sequence.block_table[: -(-sequence.seq_len // layout.block_size)]
-                context_first_block = first_of_run(sequence_blocks[: -(-sequence.num_context_tokens // layout.block_size)])
+                num_context_blocks = -(-sequence.num_context_tokens // layout.block_size)
+                context_first_block = first_of_run(sequence_blocks[:num_context_blocks])
                 sequence_first_block = first_of_run(sequence_blocks)
                 if sequence_first_block is None:
                     sequence_block_ids = torch.tensor(sequence_blocks, dtype=torch.long, device=self.device)

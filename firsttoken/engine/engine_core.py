@@ -47,7 +47,12 @@ class EngineCore:
         self.kv_manager = KVCacheManager(self.worker.num_kv_blocks, block_size, config.prompt_cache.enable)
         self.hash_root = root_hash(self.worker.kv_identity)
         self.scheduler = Scheduler(
-            config.scheduler, config.chunked_prefill, self.kv_manager, self.max_model_len, self.hash_root, step_times
+            config.scheduler,
+            config.chunked_prefill,
+            self.kv_manager,
+            self.max_model_len,
+            self.hash_root,
+            step_times,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
@@ -56,7 +61,10 @@ class EngineCore:
         self._restore_pinned_prefixes()
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
-            self.worker.describe(), self.kv_manager.num_blocks, block_size, self.max_model_len,
+            self.worker.describe(),
+            self.kv_manager.num_blocks,
+            block_size,
+            self.max_model_len,
         )
 
     @property
@@ -88,7 +96,9 @@ class EngineCore:
             sampling_params=sampling_params,
             eos_token_ids=self.tokenizer.eos_token_ids,
             max_total_tokens=len(prompt_token_ids) + sampling_params.max_tokens,
-            timestamps=RequestTimestamps(arrival=arrival, tokenized=tokenized_time if tokenized_time is not None else arrival),
+            timestamps=RequestTimestamps(
+                arrival=arrival, tokenized=tokenized_time if tokenized_time is not None else arrival
+            ),
             priority=priority,
         )
         self.scheduler.add_request(request)
@@ -101,7 +111,9 @@ class EngineCore:
         vocab_size = self.worker.vocab_size
         for token_id in prompt_token_ids:
             if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < vocab_size:
-                raise InvalidInputError("prompt_token_ids", f"{token_id!r} is not a token id in [0, {vocab_size})")
+                raise InvalidInputError(
+                    "prompt_token_ids", f"{token_id!r} is not a token id in [0, {vocab_size})"
+                )
 
     def abort_request(self, req_id: str) -> RequestDelta | None:
         """End a request now; its KV blocks are freed before this returns."""
@@ -146,12 +158,15 @@ class EngineCore:
         block_size = self.config.cache.block_size
         if len(token_ids) < block_size:
             raise InvalidInputError(
-                "prefix", f"{len(token_ids)} tokens is shorter than one KV block ({block_size} tokens); nothing to pin"
+                "prefix",
+                f"{len(token_ids)} tokens is shorter than one KV block ({block_size} tokens); nothing to pin",
             )
         if pin_id in self.pinned or pin_id in self._pending_pins.values():
             raise InvalidInputError("pin_id", f"{pin_id!r} is already pinned")
         req_id = f"pin:{pin_id}"
-        self.add_request(req_id, list(token_ids), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        self.add_request(
+            req_id, list(token_ids), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        )
         self.output_processor.remove(req_id)
         self._pending_pins[req_id] = pin_id
         return req_id
@@ -187,7 +202,9 @@ class EngineCore:
             expected_hashes: list[bytes] = []
             extend_block_hashes(expected_hashes, token_ids, block_size, self.hash_root)
             if expected_hashes != stored.block_hashes or stored.pin_id in self.pinned:
-                logger.warning("prompt cache: refusing %s: its hashes do not match this engine", stored.pin_id)
+                logger.warning(
+                    "prompt cache: refusing %s: its hashes do not match this engine", stored.pin_id
+                )
                 continue
             block_ids = self.kv_manager.adopt_pinned_blocks(stored.pin_id, stored.block_hashes)
             if block_ids is None:
@@ -217,4 +234,3 @@ class EngineCore:
             last_prefill_budget=scheduler_stats.last_prefill_budget,
             num_pinned_tokens=sum(prefix.num_tokens for prefix in self.pinned.values()),
         )
-

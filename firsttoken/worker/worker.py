@@ -58,7 +58,9 @@ class Worker:
         if model_config.fuse_ops and model_config.native_kernels and self.device.type == "cpu":
             native_kernels = load_native_kernels(os.path.join(self.cache_dir, "native"))
         arch = self.checkpoint.arch
-        backend = select_attention_backend(config.attention, self.device, arch.num_heads, arch.num_kv_heads, native_kernels)
+        backend = select_attention_backend(
+            config.attention, self.device, arch.num_heads, arch.num_kv_heads, native_kernels
+        )
         self.kernels = Kernels(fused=model_config.fuse_ops, native_kernels=native_kernels)
         self.model = self._load_model(backend)
         # Decode graphs pad their batches with rows that write one scratch block past the manager's.
@@ -96,11 +98,19 @@ class Worker:
     def _load_model(self, backend: AttentionBackend) -> LlamaForCausalLM:
         """The model's weights in this engine's dtype, then in their fastest layout here."""
         model = build_model(
-            self.checkpoint, backend, self.kernels, self.dtype, self.device, self.max_model_len, self.cache_dir
+            self.checkpoint,
+            backend,
+            self.kernels,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            self.cache_dir,
         )
         model_config = self.config.model_config
         model.prepare_projections(
-            model_config.quantization, model_config.quantized_prefill, onednn_packing_available(self.dtype, self.device)
+            model_config.quantization,
+            model_config.quantized_prefill,
+            onednn_packing_available(self.dtype, self.device),
         )
         return model
 
@@ -111,7 +121,9 @@ class Worker:
             limit = min(limit, arch.sliding_window)  # full attention is exact up to the window
         requested = self.config.model_config.max_model_len
         if requested is not None and requested > limit:
-            raise InvalidInputError("max_model_len", f"{requested} exceeds the model's limit of {limit} tokens")
+            raise InvalidInputError(
+                "max_model_len", f"{requested} exceeds the model's limit of {limit} tokens"
+            )
         return requested or limit
 
     # -- steps ---------------------------------------------------------------------------
@@ -179,7 +191,9 @@ class Worker:
         """The pinned prefixes saved by earlier engines of the same KV identity."""
         return self.prefix_store.load_all() if self.prefix_store is not None else []
 
-    def save_prefix(self, pin_id: str, token_ids: list[int], block_hashes: list[bytes], block_ids: list[int]) -> None:
+    def save_prefix(
+        self, pin_id: str, token_ids: list[int], block_hashes: list[bytes], block_ids: list[int]
+    ) -> None:
         """Write a pinned prefix's KV blocks to its file (when pinned prefixes persist)."""
         if self.prefix_store is not None:
             self.prefix_store.save(pin_id, token_ids, block_hashes, self._read_blocks(block_ids))
