@@ -197,6 +197,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--slo-e2e-ms", type=float, default=None, help="goodput: end-to-end target in ms (default: none)"
     )
 
+    baseline = parser.add_argument_group("offline baseline")
+    baseline.add_argument(
+        "--offline-baseline",
+        action="store_true",
+        help="after the run, time the model in this process on the run's shape (TTFT of one prompt of "
+        "--input-len alone, TPOT of a batch of the run's mean concurrency) and print served / offline",
+    )
+    baseline.add_argument(
+        "--offline-model",
+        default=None,
+        metavar="PATH",
+        help="the served model's GGUF file or HF folder, run with default engine options (default: the "
+        "embedded model)",
+    )
+
     output = parser.add_argument_group("output")
     output.add_argument(
         "--result-dir", default=None, help="folder for the JSON result and PNG plots (default: bench_results)"
@@ -291,6 +306,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from firsttoken.bench.plots import write_plots
     from firsttoken.bench.results import result_stem, write_json
     from firsttoken.bench.serve_client import LoadShape, ServeTarget, run_load
+    from firsttoken.bench.serve_overhead import format_overhead
     from firsttoken.bench.serve_report import format_serve_summary, serve_payload
     from firsttoken.bench.serve_stats import SLO, summarize_run
 
@@ -316,9 +332,22 @@ def run_serve(args: argparse.Namespace) -> int:
     print(format_serve_summary(summary, slo))
     stem = result_stem(args.result_dir, f"serve-{dataset.name}")
     payload = serve_payload(target, shape, dataclasses.asdict(dataset), slo, run, summary)
+    if args.offline_baseline and summary.num_completed:
+        baseline = _offline_baseline(args, run)
+        print("\n" + format_overhead(summary, baseline))
+        payload["offline_baseline"] = dataclasses.asdict(baseline)
     saved = [write_json(stem + ".json", payload), *write_plots(run.records, stem)]
     print("saved " + " ".join(saved), file=sys.stderr)
     return 0 if summary.num_completed else 1
+
+
+def _offline_baseline(args: argparse.Namespace, run: Any):
+    """The engine's own figures on the run's shape, timed here once the load is over."""
+    from firsttoken.bench.serve_overhead import mean_concurrency, measure_offline_baseline
+    from firsttoken.engine import LLM
+
+    decode_batch_size = max(1, round(mean_concurrency(run.records, run.duration_s)))
+    return measure_offline_baseline(LLM(args.offline_model), args.input_len, decode_batch_size)
 
 
 def _prompt_tokenizer(choice: str | None):

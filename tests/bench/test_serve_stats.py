@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from firsttoken.bench.serve_overhead import (
+    OfflineBaseline,
+    format_overhead,
+    mean_concurrency,
+    measure_offline_baseline,
+    overhead_rows,
+)
 from firsttoken.bench.serve_stats import SLO, RequestRecord, summarize_run
 from firsttoken.bench.stats import summarize
 
@@ -65,3 +72,30 @@ def test_percentiles_interpolate_like_numpy():
     assert (dist.median, dist.p90, dist.p99) == pytest.approx((50.5, 90.1, 99.01))
     assert (dist.min, dist.max, dist.count) == (1.0, 100.0, 100)
     assert summarize([]).count == 0
+
+
+def test_mean_concurrency_is_time_in_flight_over_the_run():
+    records = [
+        _record(0.5, [0.5], 2),
+        _record(1.0, [1.0], 2),
+        RequestRecord(start_s=0.0, num_prompt_tokens=10),
+    ]
+    assert mean_concurrency(records, duration_s=2.0) == pytest.approx(1.5)  # 1 s + 2 s of 2 s
+    assert mean_concurrency(records, duration_s=0.0) == 0.0
+
+
+def test_overhead_divides_served_figures_by_the_offline_ones():
+    records = [_record(0.1, [0.02, 0.04], 3), _record(0.3, [0.06], 2)]
+    summary = summarize_run(records, duration_s=1.0, slo=SLO())
+    baseline = OfflineBaseline(input_len=16, decode_batch_size=2, ttft_ms=50.0, tpot_ms=15.0)
+    rows = {row[0]: row[1:] for row in overhead_rows(summary, baseline)}
+    assert rows["TTFT P50"] == pytest.approx([200.0, 50.0, 4.0])
+    assert rows["TTFT P99"][2] == pytest.approx(summary.ttft_ms.p99 / 50.0)
+    assert rows["TPOT mean"] == pytest.approx([45.0, 15.0, 3.0])
+    assert "a batch of 2" in format_overhead(summary, baseline)
+
+
+def test_offline_baseline_times_the_engine_on_the_runs_shape(llm):
+    baseline = measure_offline_baseline(llm, input_len=16, decode_batch_size=2, runs=2)
+    assert baseline.input_len == 16 and baseline.decode_batch_size == 2
+    assert baseline.ttft_ms > 0 and baseline.tpot_ms > 0
