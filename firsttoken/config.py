@@ -181,12 +181,8 @@ class ChunkedPrefillConfig:
         metadata=_help("prefill tokens per step: an int, or auto (chosen from load and a cost model)"),
     )
     itl_target_ms: float = field(
-        default=100.0,
-        metadata=_help("inter-token latency a step should stay under while decodes run, in ms"),
-    )
-    itl_slowdown: float = field(
-        default=2.0,
-        metadata=_help("a step with prefill may take at most this many times the decodes' own step"),
+        default=250.0,
+        metadata=_help("longest a step with a prefill chunk may take while decodes run, in ms"),
     )
     # Below ~128 tokens a chunk's step costs about as much as its weights' read: smaller chunks
     # stretch a long prompt's prefill over many steps and starve the queue behind it.
@@ -205,7 +201,6 @@ class ChunkedPrefillConfig:
             f"must be 'auto' or an int >= 1, got {self.chunk_size!r}",
         )
         _require(self.itl_target_ms > 0, "itl_target_ms", f"must be > 0, got {self.itl_target_ms}")
-        _require(self.itl_slowdown >= 1, "itl_slowdown", f"must be >= 1, got {self.itl_slowdown}")
         _require(
             self.min_chunk_size >= 1, "min_chunk_size", f"must be >= 1, got {self.min_chunk_size}"
         )

@@ -27,37 +27,37 @@ class StepLoad:
     decode_attention_pairs: int
     num_prefill_candidates: int
     head_prefill_context_tokens: int
+    head_prefill_remaining_tokens: int
 
 
 @dataclass(frozen=True)
 class LatencyTargets:
-    """Bounds on a step that decodes are waiting on."""
+    """Bounds on a step that others wait on."""
 
-    itl_target_s: float  # absolute bound
-    itl_slowdown: float  # bound relative to the same decodes' step without prefill
-    min_chunk: int
+    # The longest a step may take while decodes (or other prefills) wait on it. A bound in
+    # time, not a share of the decodes' own step: a 512-token prompt cut into 128-token
+    # pieces re-reads the weights four times and waits behind three extra decode steps, so its
+    # TTFT grows by half while the streams' mean TPOT gains nothing (their wait for the
+    # prompt's compute is the same, only spread out).
+    itl_target_s: float
+    min_chunk: int  # fewest prefill tokens a step takes, so prefills progress under any load
     max_chunk: int
-
-
-def step_time_target(load: StepLoad, cost_model: StepCostModel, targets: LatencyTargets) -> float:
-    """The longest a step may take: the absolute target, tightened to `itl_slowdown` times
-    a decode-only step when decodes run."""
-    if load.num_decodes == 0:
-        return targets.itl_target_s
-    decode_only = cost_model.predict(load.num_decodes, load.decode_attention_pairs)
-    return min(targets.itl_target_s, targets.itl_slowdown * decode_only)
 
 
 def adaptive_prefill_budget(load: StepLoad, cost_model: StepCostModel, targets: LatencyTargets) -> int:
     """Prefill tokens for this step: the largest chunk when nobody else waits on the step,
-    otherwise as many as keep the step under its latency target (at least `min_chunk`, so
-    prefills always progress)."""
+    otherwise as many as keep the step under the latency target (at least `min_chunk`, so
+    prefills always progress). A head prompt whose remainder would leave a tail shorter than
+    `min_chunk` takes the tail now: a step of its own would cost a weight read for little work."""
     if load.num_decodes == 0 and load.num_prefill_candidates <= 1:
         return targets.max_chunk
     affordable = cost_model.max_prefill_tokens(
-        step_time_target(load, cost_model, targets),
+        targets.itl_target_s,
         load.num_decodes,
         load.decode_attention_pairs,
         load.head_prefill_context_tokens,
     )
-    return max(targets.min_chunk, min(targets.max_chunk, affordable))
+    budget = max(targets.min_chunk, min(targets.max_chunk, affordable))
+    if budget < load.head_prefill_remaining_tokens < budget + targets.min_chunk:
+        return min(targets.max_chunk, load.head_prefill_remaining_tokens)
+    return budget

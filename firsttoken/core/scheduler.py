@@ -162,10 +162,10 @@ class Scheduler:
             decode_attention_pairs=sum(r.num_computed_tokens + 1 for r in self.running if r.num_uncomputed_tokens == 1),
             num_prefill_candidates=len(candidates),
             head_prefill_context_tokens=candidates[0].num_computed_tokens if candidates else 0,
+            head_prefill_remaining_tokens=candidates[0].num_uncomputed_tokens if candidates else 0,
         )
         targets = LatencyTargets(
             itl_target_s=self.chunked_prefill.itl_target_ms / 1000,
-            itl_slowdown=self.chunked_prefill.itl_slowdown,
             min_chunk=min(self.chunked_prefill.min_chunk_size, max_chunk),
             max_chunk=max_chunk,
         )

@@ -236,13 +236,14 @@ def test_auto_budget_keeps_steps_with_decodes_under_the_target():
         scheduler.add_request(make_request(f"stream{index}", 4, max_tokens=500, first_token=10 * index))
     step(scheduler)
     scheduler.add_request(make_request("long", 4000, max_tokens=1, first_token=1000))
-    decode_only = cost.predict(4, 0)
+    target_s = scheduler.chunked_prefill.itl_target_ms / 1000
+    num_steps = 0
     while "long" in scheduler.requests:
         output = step(scheduler)
+        num_steps += 1
         assert sum(1 for chunk in output.chunks if chunk.num_tokens == 1) >= 4
-        step_cost = cost.predict(output.num_tokens, 0)
-        min_chunk = scheduler.chunked_prefill.min_chunk_size
-        assert step_cost <= max(2 * decode_only, cost.predict(4 + min_chunk, 0)) + 1e-9
+        assert cost.predict(output.num_tokens, 0) <= target_s + 1e-9
+    assert num_steps == -(-4000 // int((target_s - cost.predict(4, 0)) / cost.seconds_per_token))
 
 
 def test_auto_budget_without_other_work_takes_the_largest_chunk():
