@@ -230,3 +230,37 @@ def test_tokenizer_is_safe_under_concurrent_encode_and_decode(core):
         for order, ids, decoded in pool.map(work, range(8)):
             assert ids == [expected_ids[text] for text in order]
             assert decoded == [expected_texts[text] for text in order]
+
+
+def test_from_options_loads_the_model_off_the_callers_thread(monkeypatch):
+    """Only the step loop's thread may keep an OpenMP pool (see AsyncEngine.from_options): the
+    model must not load, warm up or pin on the caller's (the event loop's) thread."""
+    from firsttoken.engine import async_engine
+
+    loading_threads = []
+
+    class RecordingLLM:
+        def __init__(self, model, **options):
+            loading_threads.append(threading.current_thread())
+            self.engine = object.__new__(EngineCore)
+
+        def pin_system_prompt(self, system_prompt, pin_id):
+            loading_threads.append(threading.current_thread())
+
+    monkeypatch.setattr(async_engine, "LLM", RecordingLLM)
+    monkeypatch.setattr(async_engine.AsyncEngine, "__init__", lambda self, core: None)
+    async_engine.AsyncEngine.from_options("model.gguf", system_prompt="Be brief.")
+    assert len(loading_threads) == 2
+    assert all(thread is not threading.current_thread() for thread in loading_threads)
+
+
+def test_from_options_raises_the_loaders_error_on_the_callers_thread(monkeypatch):
+    from firsttoken.engine import async_engine
+    from firsttoken.errors import InvalidInputError
+
+    def refuse(model, **options):
+        raise InvalidInputError("model", "no such file")
+
+    monkeypatch.setattr(async_engine, "LLM", refuse)
+    with pytest.raises(InvalidInputError, match="no such file"):
+        async_engine.AsyncEngine.from_options("missing.gguf")
