@@ -41,12 +41,11 @@ class BatchLayout:
         return sum(sequence.query_len for sequence in self.sequences)
 
 
-def decode_tables(layout: BatchLayout, slot_mapping: torch.Tensor) -> DecodeTables:
-    """`layout` must hold only decodes."""
-    block_size = layout.block_size
-    seq_lens = [sequence.seq_len for sequence in layout.sequences]
+def decode_tables(decodes: list[SequenceLayout], block_size: int, slot_mapping: torch.Tensor) -> DecodeTables:
+    """The addressing of a step's decode rows (`slot_mapping` holds theirs, in their order)."""
+    seq_lens = [sequence.seq_len for sequence in decodes]
     max_blocks = -(-max(seq_lens) // block_size)
-    rows = [sequence.block_table[:max_blocks] for sequence in layout.sequences]
+    rows = [sequence.block_table[:max_blocks] for sequence in decodes]
     table = [row + [0] * (max_blocks - len(row)) for row in rows]
     return DecodeTables(
         slot_mapping.contiguous(),

@@ -8,8 +8,10 @@
   longest, and masked.
 - A context whose blocks are one run of consecutive block ids (the pool hands out ascending
   runs) is read in place, as a view of the cache: no per-layer copy of the context.
-- With native kernels, a step's K/V go into the cache in one call instead of two index copies,
-  and a decode-only step carries `DecodeTables` for the model's whole-step native decode.
+- With native kernels, a step's K/V go into the cache in one call instead of two index copies;
+  bf16 decode rows attend in one native call that reads the paged cache in place (no gather,
+  no padding, each row alone: the same bits whatever else the step holds); and a decode-only
+  step carries `DecodeTables` for the model's whole-step native decode.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class SDPAMetadata:
     prefills: list[PrefillSpan]
     # A decode-only step with native kernels: its addressing for the whole-step native decode.
     decode_tables: DecodeTables | None = None
+    # With native kernels: the decode rows' addressing for the native paged decode attention.
+    paged_decodes: DecodeTables | None = None
 
 
 class SDPABackend:
@@ -104,14 +108,15 @@ class SDPABackend:
             decode_num_keys=decode_num_keys,
             decode_first_block=decode_first_block,
             prefills=prefills,
-            decode_tables=self._native_decode_tables(layout, slot_mapping),
+            **self._native_decode_tables(layout, slot_mapping),
         )
 
-    def _native_decode_tables(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> DecodeTables | None:
-        decode_only = 0 < layout.num_decodes == len(layout.sequences) <= native_abi.DECODE_MAX_ROWS
-        if self.native is None or not self.native.has_decode_kernels or not decode_only:
-            return None
-        return decode_tables(layout, slot_mapping)
+    def _native_decode_tables(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> dict[str, DecodeTables | None]:
+        if self.native is None or not self.native.has_decode_kernels or not layout.num_decodes:
+            return {}
+        paged = decode_tables(layout.sequences[: layout.num_decodes], layout.block_size, slot_mapping[: layout.num_decodes])
+        whole_step = layout.num_decodes == len(layout.sequences) <= native_abi.DECODE_MAX_ROWS
+        return {"paged_decodes": paged, "decode_tables": paged if whole_step else None}
 
     def forward(
         self,
@@ -126,16 +131,21 @@ class SDPABackend:
         else:
             write_kv_reference(kv_cache, key, value, metadata.slot_mapping)
         if not metadata.prefills:  # a decode-only step: no output to assemble
-            return _decode_attention(query, kv_cache, metadata)
+            return self._decode(query, kv_cache, metadata)
         output = torch.empty_like(query)
         if metadata.num_decodes:
-            output[: metadata.num_decodes] = _decode_attention(
-                query[: metadata.num_decodes], kv_cache, metadata
-            )
+            output[: metadata.num_decodes] = self._decode(query[: metadata.num_decodes], kv_cache, metadata)
         for span in metadata.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
             output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span)
         return output
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:
+        """The native paged kernel where it applies (bf16, heads of 32 to 128), else SDPA."""
+        paged = metadata.paged_decodes
+        if paged is not None and self.native.paged_decode_attention_supports(query, kv_cache):
+            return self.native.paged_decode_attention(query, kv_cache, paged.block_table, paged.seq_lens)
+        return _decode_attention(query, kv_cache, metadata)
 
     def _prefill(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan

@@ -72,6 +72,9 @@ _VECTOR_BF16_SIGNATURES = {
     "ft_int4_matmul": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int],
     "ft_int8_matmul": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int],
     "ft_decode_step": [_POINTER, _POINTER, _POINTER, ctypes.c_int],
+    "ft_paged_decode_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64, _POINTER]
+    + [_INT64] * 5
+    + [ctypes.c_float, _POINTER, ctypes.c_int],
 }
 # The int4 kernel reads its inputs two groups of 32 at a time, the int8 one 16 at a time.
 INT4_INPUT_MULTIPLE = 64
@@ -256,6 +259,48 @@ class NativeKernels:
                 in_features, x.data_ptr(), rows, out.data_ptr(), torch.get_num_threads(),
             )
         )
+        return out
+
+    def paged_decode_attention_supports(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether `paged_decode_attention` takes these: bf16 on the CPU, query heads
+        contiguous, a contiguous cache, a head size of 32 to `native_abi.DECODE_MAX_HEAD_DIM`
+        in whole 32-dim chunks."""
+        head_dim = query.shape[2]
+        return (
+            self.has_decode_kernels and query.dtype == kv_cache.dtype == torch.bfloat16
+            and query.device.type == "cpu" and kv_cache.is_contiguous() and heads_contiguous(query)
+            and head_dim % 32 == 0 and head_dim <= native_abi.DECODE_MAX_HEAD_DIM
+        )
+
+    def paged_decode_attention(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of one new query per sequence, query [rows, heads, head_dim], over the
+        first seq_lens[r] keys of sequence r, read in place through block_table (long [rows,
+        max_blocks]) from kv_cache [2, blocks, block_size, kv_heads, head_dim]. Inputs must pass
+        `paged_decode_attention_supports`; seq_lens long [rows]."""
+        rows, num_heads, head_dim = query.shape
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        if (
+            block_table.shape[0] != rows or seq_lens.shape != (rows,) or num_heads % num_kv_heads
+            or block_table.dtype != torch.long or seq_lens.dtype != torch.long
+        ):
+            raise ValueError(
+                f"paged_decode_attention: {rows} queries of {num_heads} heads, block table "
+                f"{tuple(block_table.shape)} {block_table.dtype}, seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype}, "
+                f"{num_kv_heads} KV heads"
+            )
+        block_table = block_table.contiguous()
+        seq_lens = seq_lens.contiguous()
+        out = query.new_empty(rows, num_heads, head_dim)
+        status = self._library.ft_paged_decode_attention(
+            query.data_ptr(), query.stride(0), kv_cache.data_ptr(), num_blocks * block_size, block_table.data_ptr(),
+            block_table.shape[1], seq_lens.data_ptr(), block_size, rows, num_heads, num_kv_heads, head_dim,
+            head_dim**-0.5, out.data_ptr(), torch.get_num_threads(),
+        )
+        if status < 0:
+            raise IndexError("paged_decode_attention: a block id or sequence length lies outside the KV cache")
+        _check(status)
         return out
 
     def decode_step(

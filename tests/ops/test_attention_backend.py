@@ -172,3 +172,51 @@ def test_scattered_context_takes_the_native_kernel_with_the_in_place_bits(seqs, 
     assert torch.equal(outputs[0], outputs[1])
     expected = paged_attention_reference(query, scattered[2], scattered[0])
     torch.testing.assert_close(outputs[1].float(), expected.float(), atol=TOLERANCE[torch.bfloat16], rtol=0)
+
+
+def _decode_kernels_or_skip(native_kernels):
+    if native_kernels is None or not native_kernels.has_decode_kernels:
+        pytest.skip("no native decode kernels on this machine (needs a C compiler and AVX512-BF16)")
+    return native_kernels
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_bf16_decode_rows_take_the_paged_kernel_and_give_the_same_bits_whatever_the_batch(
+    native_kernels, head_dim, monkeypatch
+):
+    """A decode row's attention is one native call reading the paged cache in place, the
+    same bits alone, beside other decodes or beside prefill chunks."""
+    kernels = _decode_kernels_or_skip(native_kernels)
+    calls = []
+    attend = kernels.paged_decode_attention
+    monkeypatch.setattr(kernels, "paged_decode_attention", lambda *args: calls.append(1) or attend(*args))
+    backend = SDPABackend(torch.device("cpu"), kernels)
+    layout, slot_mapping, kv_cache, query, key, value = _random_batch(
+        [(70, 1), (200, 1), (3, 1), (0, 40), (33, 17)], 16, 8, 2, head_dim, torch.bfloat16
+    )
+    row_starts = [0, 1, 2, 3, 43, 60]
+    first_rows = []
+    for picked in ([0], [0, 1, 2], [0, 3, 4]):
+        rows = torch.cat([torch.arange(row_starts[i], row_starts[i + 1]) for i in picked])
+        sequences = [layout.sequences[i] for i in picked]
+        part = BatchLayout(sequences, sum(1 for s in sequences if s.query_len == 1), layout.block_size)
+        metadata = backend.build_metadata(part, slot_mapping[rows])
+        output = backend.forward(query[rows], key[rows], value[rows], kv_cache, metadata)
+        expected = paged_attention_reference(query[rows], kv_cache, part)
+        torch.testing.assert_close(output.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        first_rows.append(output[0])
+    assert len(calls) == 3
+    assert torch.equal(first_rows[0], first_rows[1])
+    assert torch.equal(first_rows[0], first_rows[2])
+
+
+def test_paged_decode_attention_rejects_a_block_outside_the_cache(native_kernels):
+    kernels = _decode_kernels_or_skip(native_kernels)
+    kv_cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
+    query = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 4]]), torch.tensor([20]))
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 1]]), torch.tensor([33]))
+    with pytest.raises(ValueError, match="block table"):
+        kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20]))

@@ -239,23 +239,33 @@ static int64_t max_i64(int64_t a, int64_t b) {
     return a > b ? a : b;
 }
 
-/* Every slot, block id and length lies inside the cache: 1, else 0. */
-static int batch_in_bounds(const DecodeModel *m, const DecodeBatch *b) {
-    int64_t num_blocks = m->num_slots / b->block_size;
-    for (int64_t s = 0; s < b->num_sequences; s++) {
-        int64_t seq_len = b->seq_lens[s];
-        if (b->slot_mapping[s] < 0 || b->slot_mapping[s] >= m->num_slots || seq_len < 1
-            || seq_len > b->max_blocks * b->block_size) {
+/* Every block id a sequence reads lies inside the cache and every length inside its table: 1, else 0. */
+static int tables_in_bounds(int64_t num_slots, const int64_t *block_table, int64_t max_blocks, int64_t block_size,
+                            const int64_t *seq_lens, int64_t num_sequences) {
+    int64_t num_blocks = num_slots / block_size;
+    for (int64_t s = 0; s < num_sequences; s++) {
+        int64_t seq_len = seq_lens[s];
+        if (seq_len < 1 || seq_len > max_blocks * block_size) {
             return 0;
         }
-        for (int64_t block = 0; block < (seq_len + b->block_size - 1) / b->block_size; block++) {
-            int64_t id = b->block_table[s * b->max_blocks + block];
+        for (int64_t block = 0; block < (seq_len + block_size - 1) / block_size; block++) {
+            int64_t id = block_table[s * max_blocks + block];
             if (id < 0 || id >= num_blocks) {
                 return 0;
             }
         }
     }
     return 1;
+}
+
+/* Every slot, block id and length lies inside the cache: 1, else 0. */
+static int batch_in_bounds(const DecodeModel *m, const DecodeBatch *b) {
+    for (int64_t s = 0; s < b->num_sequences; s++) {
+        if (b->slot_mapping[s] < 0 || b->slot_mapping[s] >= m->num_slots) {
+            return 0;
+        }
+    }
+    return tables_in_bounds(m->num_slots, b->block_table, b->max_blocks, b->block_size, b->seq_lens, b->num_sequences);
 }
 
 static void note_failure(Activations *a) {
@@ -308,33 +318,37 @@ static void rotate_and_store(const DecodeModel *m, const DecodeLayer *layer, con
     }
 }
 
-/* One query head of one sequence over its cached keys: scores in float32, softmax, the
- * probabilities rounded to bf16 before they weigh V (as torch's flash kernel does).
- * `vectors` (head_dim / 16) is a compile-time constant at each call site, so the output
- * accumulators stay in registers. */
-static inline __attribute__((always_inline)) void attend_head_vectors(
-    const DecodeModel *m, const DecodeLayer *layer, const DecodeBatch *b, const Activations *a, int64_t sequence,
-    int64_t head, ThreadScratch *t, const int64_t vectors) {
-    int64_t head_dim = m->head_dim, kv_width = m->num_kv_heads * head_dim, block_size = b->block_size;
-    int64_t qkv_width = (m->num_heads + 2 * m->num_kv_heads) * head_dim;
-    int64_t kv_head = head / (m->num_heads / m->num_kv_heads), seq_len = b->seq_lens[sequence];
-    const uint16_t *query = a->qkv + sequence * qkv_width + head * head_dim;
-    const uint16_t *keys = layer->kv_cache + kv_head * head_dim;
-    const uint16_t *values = keys + m->num_slots * kv_width;
-    const int64_t *blocks = b->block_table + sequence * b->max_blocks;
-    float *scores = t->scores;
+/* One sequence's cached K and V at one KV head, read through its block table. */
+typedef struct {
+    const uint16_t *keys;   /* the cache's keys at this KV head: slot s at keys + s * kv_width */
+    const uint16_t *values; /* likewise */
+    int64_t kv_width;       /* kv_heads * head_dim */
+    const int64_t *blocks;  /* the sequence's block ids */
+    int64_t block_size;
+    int64_t seq_len;        /* keys to attend over */
+} PagedContext;
+
+/* One query head over its paged context: scores in float32, softmax, the probabilities
+ * rounded to bf16 before they weigh V (as torch's flash kernel does). Each head of each
+ * sequence is computed alone, in a fixed key order: its result does not depend on what else
+ * is in the batch. `vectors` (head_dim / 16) is a compile-time constant at each call site, so
+ * the output accumulators stay in registers. `scores` holds seq_len + 16 floats. */
+static inline __attribute__((always_inline)) void attend_paged_vectors(const uint16_t *query, const PagedContext *c,
+                                                                      float scale, float *scores,
+                                                                      uint16_t *destination, const int64_t vectors) {
+    int64_t seq_len = c->seq_len, block_size = c->block_size;
     __m512bh query_pairs[MAX_HEAD_VECTORS / 2];
     for (int64_t v = 0; v < vectors / 2; v++) {
         query_pairs[v] = (__m512bh)_mm512_loadu_si512(query + 32 * v);
     }
     float maximum = -INFINITY;
     for (int64_t j = 0; j < seq_len; j++) {
-        const uint16_t *key = keys + (blocks[j / block_size] * block_size + j % block_size) * kv_width;
+        const uint16_t *key = c->keys + (c->blocks[j / block_size] * block_size + j % block_size) * c->kv_width;
         __m512 dot = _mm512_setzero_ps();
         for (int64_t v = 0; v < vectors / 2; v++) {
             dot = _mm512_dpbf16_ps(dot, query_pairs[v], (__m512bh)_mm512_loadu_si512(key + 32 * v));
         }
-        scores[j] = _mm512_reduce_add_ps(dot) * m->attention_scale;
+        scores[j] = _mm512_reduce_add_ps(dot) * scale;
         maximum = scores[j] > maximum ? scores[j] : maximum;
     }
     __m512 sum = _mm512_setzero_ps();
@@ -351,25 +365,24 @@ static inline __attribute__((always_inline)) void attend_head_vectors(
         output[v] = _mm512_setzero_ps();
     }
     for (int64_t j = 0; j < seq_len; j++) {
-        const uint16_t *value = values + (blocks[j / block_size] * block_size + j % block_size) * kv_width;
+        const uint16_t *value = c->values + (c->blocks[j / block_size] * block_size + j % block_size) * c->kv_width;
         __m512 weight = _mm512_set1_ps(scores[j]);
         for (int64_t v = 0; v < vectors; v++) {
             output[v] = _mm512_fmadd_ps(load16_bf16(value + 16 * v, 0xffff), weight, output[v]);
         }
     }
     __m512 inverse_sum = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    uint16_t *destination = a->attended + (sequence * m->num_heads + head) * head_dim;
     for (int64_t v = 0; v < vectors; v++) {
         _mm256_storeu_si256((__m256i *)(destination + 16 * v), round16_bf16(_mm512_mul_ps(output[v], inverse_sum)));
     }
 }
 
-static void attend_head(const DecodeModel *m, const DecodeLayer *layer, const DecodeBatch *b, const Activations *a,
-                        int64_t sequence, int64_t head, ThreadScratch *t) {
-    switch (m->head_dim) {
+static void attend_paged(const uint16_t *query, const PagedContext *context, int64_t head_dim, float scale,
+                         float *scores, uint16_t *destination) {
+    switch (head_dim) {
 #define HEAD_DIM_CASE(dims) \
     case dims: \
-        attend_head_vectors(m, layer, b, a, sequence, head, t, dims / 16); \
+        attend_paged_vectors(query, context, scale, scores, destination, dims / 16); \
         break;
         HEAD_DIM_CASE(32)
         HEAD_DIM_CASE(64)
@@ -379,11 +392,27 @@ static void attend_head(const DecodeModel *m, const DecodeLayer *layer, const De
     }
 }
 
+/* Sequence `sequence`'s context at the KV head that query head `head` reads. */
+static PagedContext paged_context(const uint16_t *kv_cache, int64_t num_slots, int64_t num_heads, int64_t num_kv_heads,
+                                  int64_t head_dim, const int64_t *block_table, int64_t max_blocks,
+                                  int64_t block_size, const int64_t *seq_lens, int64_t sequence, int64_t head) {
+    int64_t kv_width = num_kv_heads * head_dim, kv_head = head / (num_heads / num_kv_heads);
+    const uint16_t *keys = kv_cache + kv_head * head_dim;
+    PagedContext context = {keys, keys + num_slots * kv_width, kv_width, block_table + sequence * max_blocks,
+                            block_size, seq_lens[sequence]};
+    return context;
+}
+
 static void attend(const DecodeModel *m, const DecodeLayer *layer, const DecodeBatch *b, Activations *a, int64_t rows,
                    ThreadScratch *t) {
+    int64_t head_dim = m->head_dim, qkv_width = (m->num_heads + 2 * m->num_kv_heads) * head_dim;
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < rows * m->num_heads; item++) {
-        attend_head(m, layer, b, a, item / m->num_heads, item % m->num_heads, t);
+        int64_t sequence = item / m->num_heads, head = item % m->num_heads;
+        PagedContext context = paged_context(layer->kv_cache, m->num_slots, m->num_heads, m->num_kv_heads, head_dim,
+                                             b->block_table, b->max_blocks, b->block_size, b->seq_lens, sequence, head);
+        attend_paged(a->qkv + sequence * qkv_width + head * head_dim, &context, head_dim, m->attention_scale,
+                     t->scores, a->attended + item * head_dim);
     }
 }
 
@@ -500,5 +529,44 @@ int ft_decode_step(const DecodeModel *m, const DecodeBatch *b, uint16_t *hidden,
     }
     free(memory);
     return all_allocated && !activations.failed;
+}
+
+/* out [rows, num_heads, head_dim] = each row's single query (rows of query, query_stride
+ * apart, heads contiguous) attending over its sequence's first seq_lens[r] keys, read through
+ * block_table [rows, max_blocks] from one layer's bf16 cache [2, num_slots, kv_heads *
+ * head_dim]: the decode rows of a step that also prefills, or of one too wide for the whole
+ * step, with no gather of the context. Returns 1, 0 when out of memory, -1 (touching
+ * nothing) when a block id or length lies outside the cache. */
+int ft_paged_decode_attention(const uint16_t *query, int64_t query_stride, const uint16_t *kv_cache, int64_t num_slots,
+                              const int64_t *block_table, int64_t max_blocks, const int64_t *seq_lens,
+                              int64_t block_size, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, float scale, uint16_t *out, int num_threads) {
+    if (!tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
+        return -1;
+    }
+    int64_t max_seq_len = 1;
+    for (int64_t r = 0; r < rows; r++) {
+        max_seq_len = max_i64(max_seq_len, seq_lens[r]);
+    }
+    int64_t scores_per_thread = max_seq_len + 16;
+    float *scores = malloc((size_t)(num_threads * scores_per_thread) * sizeof(float));
+    if (scores == NULL) {
+        return 0;
+    }
+#pragma omp parallel num_threads(num_threads) if (rows * num_heads * max_seq_len * head_dim >= 4 * PARALLEL_MIN_ELEMENTS)
+    {
+        float *thread_scores = scores + omp_get_thread_num() * scores_per_thread;
+        /* dynamic: sequences of different lengths make items of different cost */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < rows * num_heads; item++) {
+            int64_t sequence = item / num_heads, head = item % num_heads;
+            PagedContext context = paged_context(kv_cache, num_slots, num_heads, num_kv_heads, head_dim, block_table,
+                                                 max_blocks, block_size, seq_lens, sequence, head);
+            attend_paged(query + sequence * query_stride + head * head_dim, &context, head_dim, scale, thread_scores,
+                         out + item * head_dim);
+        }
+    }
+    free(scores);
+    return 1;
 }
 #endif
