@@ -90,9 +90,14 @@ def register_serve_verb(subparsers: Any) -> None:
     serve.set_defaults(handler=run_serve)
 
 
+# A server writes its KV cache at start: no request pays the cache's first page faults.
+_SERVE_ENGINE_DEFAULTS: dict[str, Any] = {"prefault_kv_cache": True}
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The LLM(...) keywords the command line set; --max-queue is max_waiting_requests."""
-    options = engine_kwargs(args)
+    """The LLM(...) keywords the command line set, over the server's own defaults;
+    --max-queue is max_waiting_requests."""
+    options = {**_SERVE_ENGINE_DEFAULTS, **engine_kwargs(args)}
     if args.max_queue is not None:
         options["max_waiting_requests"] = args.max_queue
     return options

@@ -175,3 +175,15 @@ def test_native_int4_decode_gives_the_per_op_tokens(model_path):
                 assert top.logprob - second.logprob <= 0.25
                 break
             assert abs(ours.top_logprobs[0].logprob - theirs.top_logprobs[0].logprob) < 0.25
+
+
+def test_a_prefaulted_kv_cache_gives_the_same_tokens(model_path, caplog):
+    """prefault_kv_cache writes the cache's zeros at start; nothing a request sees changes."""
+    prompts = ["The capital of France is", "List three colors:"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    lazy = LLM(model_path, dtype="float32", kv_cache_memory_bytes=32 << 20)
+    with caplog.at_level("INFO", logger="firsttoken.worker.worker"):
+        written = LLM(model_path, dtype="float32", kv_cache_memory_bytes=32 << 20, prefault_kv_cache=True)
+    assert any("KV cache in" in record.getMessage() for record in caplog.records)
+    for expected, actual in zip(lazy.generate(prompts, params), written.generate(prompts, params)):
+        assert actual.token_ids == expected.token_ids

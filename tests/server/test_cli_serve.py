@@ -74,8 +74,10 @@ def test_serve_flags_map_to_engine_and_server_settings():
         ]
     )
     assert engine_options(args) == dict(
-        dtype="float32", max_model_len=128, max_num_seqs=4, max_waiting_requests=3
+        dtype="float32", max_model_len=128, max_num_seqs=4, max_waiting_requests=3, prefault_kv_cache=True
     )
+    lazy = build_parser().parse_args(["serve", "--no-prefault-kv-cache"])
+    assert engine_options(lazy) == dict(prefault_kv_cache=False)
     config = server_config(args, "/models/SmolLM2-135M-Instruct.Q4_1.gguf")
     assert config.served_model_names == ("SmolLM2-135M-Instruct.Q4_1",)
     assert (config.host, config.port, config.api_key, config.max_request_bytes) == (
