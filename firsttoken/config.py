@@ -50,6 +50,11 @@ class ModelConfig:
     num_threads: int | None = field(
         default=None, metadata=_help("CPU threads for compute; default: the physical cores")
     )
+    adaptive_threads: bool = field(
+        default=True,
+        metadata=_help("cpu: run steps on fewer threads while another process keeps a core busy (a "
+                       "straggler thread would stall every parallel op), back to all once it is gone"),
+    )
     fuse_ops: bool = field(
         default=True,
         metadata=_help("fuse norms, rotary, SwiGLU and the KV write (native kernels on CPU, else "

@@ -41,9 +41,9 @@ class EngineCore:
         block_size = config.cache.block_size
         # Warm-up and calibration run on scratch blocks, before any request can hold one.
         self.worker.warm_up()
-        step_times = None
-        if config.chunked_prefill.enable and config.chunked_prefill.chunk_size == "auto":
-            step_times = StepTimeTracker(self.worker.step_cost_model())
+        auto_chunks = config.chunked_prefill.enable and config.chunked_prefill.chunk_size == "auto"
+        step_cost = self.worker.step_cost_model() if auto_chunks or self.worker.adapts_threads else None
+        step_times = StepTimeTracker(step_cost) if auto_chunks else None
         self.kv_manager = KVCacheManager(self.worker.num_kv_blocks, block_size, config.prompt_cache.enable)
         self.hash_root = root_hash(self.worker.kv_identity)
         self.scheduler = Scheduler(

@@ -17,7 +17,7 @@ from firsttoken.attention.backend import AttentionBackend
 from firsttoken.attention.selector import select_attention_backend
 from firsttoken.config import EngineConfig
 from firsttoken.core.batch import ModelOutput, SampleSpec, ScheduledChunk, SchedulerOutput
-from firsttoken.core.cost_model import StepCostModel
+from firsttoken.core.cost_model import StepCostModel, attention_pairs
 from firsttoken.errors import InvalidInputError
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
@@ -35,6 +35,7 @@ from firsttoken.worker.host_memory import keep_freed_host_memory
 from firsttoken.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from firsttoken.worker.model_runner import ModelRunner
 from firsttoken.worker.pinned_prefix_store import KVIdentity, PinnedPrefixStore, StoredPrefix
+from firsttoken.worker.thread_governor import ThreadGovernor
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,13 @@ class Worker:
         model_config = config.model_config
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
+        self.num_threads = model_config.num_threads or physical_core_count()
         if self.device.type == "cpu":
-            torch.set_num_threads(model_config.num_threads or physical_core_count())
+            torch.set_num_threads(self.num_threads)
             keep_freed_host_memory()
+        # Set by step_cost_model(): its predictions are what the governor measures steps against.
+        self._calibrated: StepCostModel | None = None
+        self.thread_governor: ThreadGovernor | None = None
         self.cache_dir = model_config.cache_dir or default_cache_dir()
         self.model_path = resolve_model_path(model_config.model)
         self.checkpoint = open_checkpoint(self.model_path, self.cache_dir)
@@ -131,8 +136,30 @@ class Worker:
 
     # -- steps ---------------------------------------------------------------------------
 
+    @property
+    def adapts_threads(self) -> bool:
+        """Whether steps choose their thread count (needs `step_cost_model()` called once)."""
+        return self.device.type == "cpu" and self.config.model_config.adaptive_threads and self.num_threads > 1
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
-        return self.runner.execute(scheduler_output)
+        if self.device.type != "cpu":
+            return self.runner.execute(scheduler_output)
+        governor = self.thread_governor
+        threads = governor.threads() if governor is not None else self.num_threads
+        # Per calling thread in OpenMP: the server steps on another thread than the one that loaded.
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        started = time.perf_counter()
+        output = self.runner.execute(scheduler_output)
+        if governor is not None:
+            finished = time.perf_counter()
+            governor.observe(threads, finished - started, self._predicted_seconds(scheduler_output), finished)
+        return output
+
+    def _predicted_seconds(self, scheduler_output: SchedulerOutput) -> float:
+        assert self._calibrated is not None
+        pairs = sum(attention_pairs(chunk.start_position, chunk.num_tokens) for chunk in scheduler_output.chunks)
+        return self._calibrated.predict(scheduler_output.num_tokens, pairs)
 
     def warm_up(self) -> None:
         """Compile the fused ops and run a prefill and a decode on scratch blocks, so the first
@@ -173,7 +200,7 @@ class Worker:
     def step_cost_model(self) -> StepCostModel:
         """This device's step cost, measured on scratch blocks (or cached from an earlier
         measurement that still holds). Call before any request holds a block."""
-        threads = torch.get_num_threads() if self.device.type == "cpu" else 0
+        threads = self.num_threads if self.device.type == "cpu" else 0
         name = (
             f"{self.checkpoint.fingerprint}-{str(self.dtype).removeprefix('torch.')}-{self.device.type}"
             f"-t{threads}-b{self.config.cache.block_size}.json"
@@ -185,7 +212,10 @@ class Worker:
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
         )
-        return load_or_calibrate(self.runner, limits, os.path.join(self.cache_dir, "step_costs", name))
+        self._calibrated = load_or_calibrate(self.runner, limits, os.path.join(self.cache_dir, "step_costs", name))
+        if self.adapts_threads:
+            self.thread_governor = ThreadGovernor(self.num_threads)
+        return self._calibrated
 
     # -- pinned prefixes on disk ---------------------------------------------------------
 
