@@ -14,8 +14,11 @@ full count.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,6 +98,10 @@ class ThreadGovernor:
     def _end_probe(self, now: float) -> None:
         assert self._probe is not None and self._settled_slowness is not None
         if self._probe.median() < (1 - self.min_gain) * self._settled_slowness:
+            logger.info(
+                "steps now run on %d threads (%.2fx the quiet step time, %.2fx on %d)",
+                self._probe.threads, self._probe.median(), self._settled_slowness, self.current_threads,
+            )
             self.current_threads = self._probe.threads
             self._settled_slowness = self._probe.median()
             self._settled = _Window(self.current_threads)
