@@ -29,6 +29,7 @@ from firsttoken.bench.stage_hooks import (
 )
 from firsttoken.bench.stats import Distribution, summarize
 from firsttoken.bench.table import format_table
+from firsttoken.core.policy import PrefillPlan, plan_prefill
 from firsttoken.engine.llm import LLM
 from firsttoken.outputs import RequestMetrics
 from firsttoken.sampling_params import SamplingParams
@@ -55,14 +56,20 @@ class ProfileSpec:
             raise ValueError(f"warmup_runs: must be >= 0, got {self.warmup_runs}")
 
 
+# Loads the chunk plan is shown at: decoding streams beside the profiled prompt.
+PLAN_DECODE_COUNTS = (0, 1, 4, 8, 16, 32, 64)
+
+
 @dataclass(frozen=True)
 class ProfileResult:
-    """TTFT of the plain runs and the stage breakdown of the instrumented ones, in seconds."""
+    """TTFT of the plain runs and the stage breakdown of the instrumented ones, in seconds;
+    with `chunk_size="auto"`, the chunks it would cut the prompt into under several loads."""
 
     num_prompt_tokens: int
     ttft: Distribution
     instrumented_ttft: Distribution
     stage_runs: list[dict[str, float]] = field(repr=False)
+    chunk_plans: dict[int, PrefillPlan] = field(default_factory=dict)
 
     @property
     def stage_medians(self) -> dict[str, float]:
@@ -88,6 +95,13 @@ class ProfileResult:
             "stages_ms": {stage: seconds * 1000 for stage, seconds in self.stage_medians.items()},
             "stages_sum_ms": self.stages_sum * 1000,
             "stages_add_up": self.stages_add_up,
+            "auto_chunk_plans": {
+                str(num_decodes): {
+                    "chunk_tokens": plan.chunk_tokens,
+                    "step_ms": [seconds * 1000 for seconds in plan.step_seconds],
+                }
+                for num_decodes, plan in self.chunk_plans.items()
+            },
         }
 
 
@@ -130,7 +144,25 @@ def profile_ttft(llm: LLM, spec: ProfileSpec) -> ProfileResult:
         ttft=summarize([run.ttft_s for run in plain]),
         instrumented_ttft=summarize(instrumented_ttfts),
         stage_runs=stage_runs,
+        chunk_plans=auto_chunk_plans(llm, plain[0].metrics.num_prompt_tokens),
     )
+
+
+def auto_chunk_plans(llm: LLM, prompt_tokens: int) -> dict[int, PrefillPlan]:
+    """By number of decoding streams (each with a prompt as long as this one), the chunks
+    `chunk_size="auto"` cuts the prompt into, as the engine's cost model now predicts them;
+    empty when chunk sizes are fixed."""
+    scheduler = llm.engine.scheduler
+    if scheduler.step_times is None:
+        return {}
+    max_decodes = llm.engine.config.scheduler.max_num_seqs - 1
+    return {
+        num_decodes: plan_prefill(
+            prompt_tokens, num_decodes, prompt_tokens, scheduler.step_times.model, scheduler.latency_targets
+        )
+        for num_decodes in PLAN_DECODE_COUNTS
+        if num_decodes <= max_decodes
+    }
 
 
 def _instrumented_run(
@@ -172,12 +204,33 @@ def format_report(result: ProfileResult, input_len: int) -> str:
     )
     table = format_table(["stage (median of instrumented runs)", "ms", "of TTFT"], rows)
     report = f"{header}\n\n{table}"
+    if result.chunk_plans:
+        report += "\n\n" + format_chunk_plans(result.chunk_plans, result.num_prompt_tokens)
     if not result.stages_add_up:
         report += (
             f"\n\nThe stages add up to {result.stages_sum * 1000:.2f} ms, more than 10% away from the TTFT: "
             "something else used this machine's CPU during some runs. Rerun, or add --runs."
         )
     return report
+
+
+def format_chunk_plans(plans: dict[int, PrefillPlan], prompt_tokens: int) -> str:
+    rows = [
+        [
+            num_decodes,
+            " + ".join(str(tokens) for tokens in plan.chunk_tokens),
+            max(plan.step_seconds) * 1000,
+            plan.prefill_seconds * 1000,
+        ]
+        for num_decodes, plan in plans.items()
+    ]
+    title = (
+        f"chunk_size auto: the chunks of this {prompt_tokens}-token prompt while streams of as many tokens "
+        "decode beside it (predicted by the measured step costs; a step with decodes stays under "
+        "--itl-target-ms, so the streams' inter-token latency is bounded while the prompt's TTFT stays low)"
+    )
+    table = format_table(["decoding streams", "chunks (tokens)", "longest step ms", "prefill ms"], rows)
+    return f"{title}\n{table}"
 
 
 def format_json(result: ProfileResult, input_len: int) -> str:

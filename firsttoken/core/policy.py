@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from firsttoken.core.cost_model import StepCostModel
+from firsttoken.core.cost_model import StepCostModel, attention_pairs
 from firsttoken.request import Request
 
 
@@ -61,3 +61,39 @@ def adaptive_prefill_budget(load: StepLoad, cost_model: StepCostModel, targets: 
     if budget < load.head_prefill_remaining_tokens < budget + targets.min_chunk:
         return min(targets.max_chunk, load.head_prefill_remaining_tokens)
     return budget
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The chunks `auto` would cut one prompt into under a steady load, and each step's cost."""
+
+    chunk_tokens: list[int]
+    step_seconds: list[float]
+
+    @property
+    def prefill_seconds(self) -> float:
+        """From the first chunk's step to the last one's end: the prompt's TTFT, queueing aside."""
+        return sum(self.step_seconds)
+
+
+def plan_prefill(
+    prompt_tokens: int,
+    num_decodes: int,
+    decode_context_tokens: int,
+    cost_model: StepCostModel,
+    targets: LatencyTargets,
+) -> PrefillPlan:
+    """Step by step, the budget `adaptive_prefill_budget` gives a lone prompt while
+    `num_decodes` streams of `decode_context_tokens` tokens decode beside it."""
+    decode_pairs = num_decodes * (decode_context_tokens + 1)
+    chunks: list[int] = []
+    seconds: list[float] = []
+    computed = 0
+    while computed < prompt_tokens:
+        load = StepLoad(num_decodes, decode_pairs, 1, computed, prompt_tokens - computed)
+        chunk = min(adaptive_prefill_budget(load, cost_model, targets), prompt_tokens - computed)
+        pairs = decode_pairs + attention_pairs(computed, chunk)
+        chunks.append(chunk)
+        seconds.append(cost_model.predict(num_decodes + chunk, pairs))
+        computed += chunk
+    return PrefillPlan(chunks, seconds)

@@ -147,6 +147,16 @@ class Scheduler:
             if self._allocate_or_preempt(request, 1, scheduled, preempted):
                 scheduled[request.req_id] = 1
 
+    @property
+    def latency_targets(self) -> LatencyTargets:
+        """The bounds `auto` sizes prefill chunks within."""
+        max_chunk = self.config.max_num_batched_tokens
+        return LatencyTargets(
+            itl_target_s=self.chunked_prefill.itl_target_ms / 1000,
+            min_chunk=min(self.chunked_prefill.min_chunk_size, max_chunk),
+            max_chunk=max_chunk,
+        )
+
     def _prefill_budget(self, num_decodes: int) -> int:
         max_chunk = self.config.max_num_batched_tokens
         chunk_size = self.chunked_prefill.chunk_size
@@ -164,12 +174,7 @@ class Scheduler:
             head_prefill_context_tokens=candidates[0].num_computed_tokens if candidates else 0,
             head_prefill_remaining_tokens=candidates[0].num_uncomputed_tokens if candidates else 0,
         )
-        targets = LatencyTargets(
-            itl_target_s=self.chunked_prefill.itl_target_ms / 1000,
-            min_chunk=min(self.chunked_prefill.min_chunk_size, max_chunk),
-            max_chunk=max_chunk,
-        )
-        budget = adaptive_prefill_budget(load, self.step_times.model, targets)
+        budget = adaptive_prefill_budget(load, self.step_times.model, self.latency_targets)
         logger.debug("step %d: prefill budget %d for %s", self.step_index, budget, load)
         return budget
 

@@ -138,3 +138,17 @@ def test_hooks_the_model_bypasses_fail_instead_of_misreporting():
     metrics = RequestMetrics(0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 4, 1, 0, 1, 0)
     with pytest.raises(ValueError, match="no longer calls its layers"):
         stage_seconds(parts, clock, 1.0, metrics)
+
+
+def test_with_auto_chunks_the_report_shows_the_chunks_under_load():
+    from firsttoken.core.cost_model import StepCostModel
+    from firsttoken.core.policy import LatencyTargets, plan_prefill
+
+    cost = StepCostModel(seconds_fixed=0.01, seconds_per_token=0.0003, seconds_per_attention_pair=1e-7)
+    targets = LatencyTargets(itl_target_s=0.25, min_chunk=128, max_chunk=2048)
+    plans = {num_decodes: plan_prefill(2048, num_decodes, 2048, cost, targets) for num_decodes in (0, 8)}
+    stages = dict.fromkeys(STAGES, 0.1)
+    result = ProfileResult(2048, summarize([1.0]), summarize([1.0]), [stages], plans)
+    report = format_report(result, input_len=2048)
+    assert "chunk_size auto" in report and " + ".join(map(str, plans[8].chunk_tokens)) in report
+    assert json.loads(format_json(result, input_len=2048))["auto_chunk_plans"]["8"]["chunk_tokens"] == plans[8].chunk_tokens

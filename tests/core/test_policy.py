@@ -73,3 +73,15 @@ def test_online_correction_follows_the_observed_speed():
 def test_attention_pairs_counts_every_query_key_pair():
     assert attention_pairs(0, 3) == 1 + 2 + 3
     assert attention_pairs(10, 2) == 11 + 12
+
+
+def test_a_plan_covers_the_prompt_in_steps_under_the_target():
+    from firsttoken.core.policy import plan_prefill
+
+    alone = plan_prefill(3000, 0, 500, COST, TARGETS)
+    assert alone.chunk_tokens == [2048, 952]  # nobody waits: the largest chunks
+    busy = plan_prefill(3000, 16, 500, COST, TARGETS)
+    assert sum(busy.chunk_tokens) == 3000 and len(busy.chunk_tokens) > 2
+    # Every step but a short tail's stays under the target.
+    assert all(seconds <= TARGETS.itl_target_s + 1e-9 for seconds in busy.step_seconds[:-1])
+    assert busy.prefill_seconds == pytest.approx(sum(busy.step_seconds))
