@@ -50,6 +50,11 @@ class ModelConfig:
     num_threads: int | None = field(
         default=None, metadata=_help("CPU threads for compute; default: the physical cores")
     )
+    batch_invariant: bool = field(
+        default=True,
+        metadata=_help("cpu, bf16, unquantized: a request's tokens and logprobs are the same bits whatever "
+                       "else runs in its steps (one-row matmuls run as two rows); off: oneDNN's one-row kernel"),
+    )
     adaptive_threads: bool = field(
         default=True,
         metadata=_help("cpu: run steps on fewer threads while another process keeps a core busy (a "

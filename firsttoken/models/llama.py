@@ -18,7 +18,14 @@ from torch import nn
 from firsttoken.attention.backend import AttentionBackend
 from firsttoken.models.arch import ModelArch
 from firsttoken.ops.kernels import Kernels
-from firsttoken.ops.linear import DecodeQuantizedLinear, Linear, NativeInt4Linear, convert_linears, fastest_linear
+from firsttoken.ops.linear import (
+    DecodeQuantizedLinear,
+    Linear,
+    NativeInt4Linear,
+    PackedLinear,
+    convert_linears,
+    fastest_linear,
+)
 from firsttoken.ops.native_decode import DecodeLayerWeights, DecodeShape, NativeDecodeStep, supports_layers
 from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin
 
@@ -171,15 +178,21 @@ class LlamaForCausalLM(nn.Module):
         normed = self.kernels.rms_norm(hidden, self.norm_weight, self.arch.rms_norm_eps)
         return self.lm_head(normed).float()
 
-    def prepare_projections(self, quantization: str | None, quantized_prefill: bool, pack_onednn: bool) -> None:
+    def prepare_projections(
+        self, quantization: str | None, quantized_prefill: bool, pack_onednn: bool, batch_invariant: bool = False
+    ) -> None:
         """Every projection and the LM head in its fastest form here (the embedding stays as
         loaded). The LM head is never quantized below int8: its logits pick the token, and a
-        tied embedding is often stored at 8 bits (SmolLM2's GGUF: Q8_0 beside Q4_1 layers)."""
+        tied embedding is often stored at 8 bits (SmolLM2's GGUF: Q8_0 beside Q4_1 layers).
+        `batch_invariant`: packed projections give a row the same bits at any row count."""
         convert_linears(self.layers, quantization, quantized_prefill, pack_onednn, self.kernels.native)
         head_quantization = "int8" if quantization else None
         self.lm_head = fastest_linear(
             self.lm_head, head_quantization, quantized_prefill, pack_onednn, self.kernels.native
         )
+        for module in self.modules():
+            if isinstance(module, PackedLinear):
+                module.pad_single_rows = batch_invariant
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up on the way."""

@@ -52,13 +52,35 @@ class PackedLinear(nn.Module):
         self.out_features = weight.shape[0]
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_BATCH_HINT))
         self.bias = bias
+        # oneDNN runs a one-row input on another kernel, which sums some rows' products in
+        # another order (576 x 1536 bf16: a row differs in ~1 of 20 random weights); from two
+        # rows on, a row's result is the same bits whatever the row count (measured up to 700).
+        # Run one row as two, and a row never depends on what else is in the step.
+        self.pad_single_rows = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
-        output = torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, x.shape[-1]), self.packed_weight, self.bias, "none", [], ""
-        )
-        return output.reshape(*leading, self.out_features)
+        flat = x.reshape(-1, x.shape[-1])
+        rows = flat.shape[0]
+        if rows == 1 and self.pad_single_rows:
+            flat = flat.expand(2, -1).contiguous()
+        output = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        return output[:rows].reshape(*leading, self.out_features)
+
+
+# Row counts `rows_invariant` compares: decode batches, a chunk, a long prefill.
+_INVARIANCE_PROBE_ROWS = (2, 3, 8, 17, 64, 300, 1024)
+
+
+def rows_invariant(linear: PackedLinear, seed: int = 0) -> bool:
+    """Whether `linear` gives its first rows the same bits at every probed row count, as it
+    does with AVX512-BF16 oneDNN kernels; a CPU whose oneDNN switches kernels with the row
+    count (say to other tiles for larger steps) fails. Random inputs: a probe, not a proof."""
+    generator = torch.Generator().manual_seed(seed)
+    in_features = linear.packed_weight.shape[1]
+    x = torch.randn(max(_INVARIANCE_PROBE_ROWS), in_features, generator=generator).to(linear.packed_weight.dtype)
+    first_rows = linear(x[:2])
+    return all(torch.equal(linear(x[:rows])[:2], first_rows) for rows in _INVARIANCE_PROBE_ROWS[1:])
 
 
 def _bias_of(linear: Linear) -> torch.Tensor | None:

@@ -23,7 +23,7 @@ from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.models.registry import build_model, open_checkpoint, resolve_model_path
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
-from firsttoken.ops.linear import onednn_packing_available
+from firsttoken.ops.linear import PackedLinear, onednn_packing_available, rows_invariant
 from firsttoken.ops.native import load_native_kernels
 from firsttoken.sample.sampler import Sampler
 from firsttoken.sampling_params import SamplingParams
@@ -69,6 +69,11 @@ class Worker:
         )
         self.kernels = Kernels(fused=model_config.fuse_ops, native_kernels=native_kernels)
         self.model = self._load_model(backend)
+        # What the invariance rests on: per-row native decode attention, row-invariant matmuls.
+        self.batch_invariant = (
+            model_config.batch_invariant and native_kernels is not None and native_kernels.has_decode_kernels
+            and self._matmuls_rows_invariant(self.model)
+        )
         # Decode graphs pad their batches with rows that write one scratch block past the manager's.
         use_graphs = self.device.type == "cuda" and model_config.cuda_graphs
         self.num_kv_blocks = num_kv_blocks(config.cache, arch, self.dtype, self.device)
@@ -119,8 +124,24 @@ class Worker:
             model_config.quantization,
             model_config.quantized_prefill,
             onednn_packing_available(self.dtype, self.device),
+            batch_invariant=model_config.batch_invariant,
         )
         return model
+
+    def _matmuls_rows_invariant(self, model: LlamaForCausalLM) -> bool:
+        """Probe the packed projections that batch invariance rests on; warn where this CPU's
+        kernels give a row different bits at different row counts."""
+        packed = [module for module in model.modules() if isinstance(module, PackedLinear)]
+        if not packed:  # float32, or a device without oneDNN packing: not claimed
+            return False
+        shapes = {tuple(module.packed_weight.shape): module for module in packed}
+        if all(rows_invariant(module) for module in shapes.values()):
+            return True
+        logger.warning(
+            "batch_invariant: this CPU's oneDNN kernels give a row other bits at other batch sizes; "
+            "greedy outputs may depend on what else runs"
+        )
+        return False
 
     def _max_model_len(self) -> int:
         arch = self.checkpoint.arch

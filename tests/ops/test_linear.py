@@ -43,6 +43,33 @@ def test_packed_linear_is_the_plain_matmul_bit_for_bit(rows):
     torch.testing.assert_close(PackedLinear(weight, None)(x), F.linear(x, weight), atol=0, rtol=0)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_a_padded_single_row_gets_the_bits_it_gets_beside_other_rows():
+    from firsttoken.ops.linear import rows_invariant
+
+    generator = torch.Generator().manual_seed(12)
+    linear = PackedLinear((torch.randn(576, 1536, generator=generator) * 0.05).to(torch.bfloat16), None)
+    linear.pad_single_rows = True
+    if not rows_invariant(linear):
+        pytest.skip("this CPU's oneDNN kernels change a row's sums with the row count (see rows_invariant)")
+    rows = torch.randn(40, 1536, generator=generator).to(torch.bfloat16)
+    for batch in (2, 5, 40):
+        together = linear(rows[:batch])
+        for row in range(0, batch, 3):
+            assert torch.equal(linear(rows[row : row + 1]), together[row : row + 1])
+    assert linear(rows[0]).shape == (576,)  # a 1-D input keeps its shape
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+def test_the_invariance_probe_catches_a_kernel_that_changes_with_the_row_count(monkeypatch):
+    from firsttoken.ops.linear import rows_invariant
+
+    linear = PackedLinear(torch.randn(64, 128).to(torch.bfloat16), None)
+    forward = PackedLinear.forward
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: forward(self, x) * (1 + 2**-7 * (x.shape[0] > 64)))
+    assert rows_invariant(linear) is False
+
+
 def test_int8_quantization_error_is_at_most_half_a_step():
     weight = _weight()
     quantized, scales = quantize_int8(weight)
