@@ -23,6 +23,7 @@ def format_serve_summary(summary: ServeSummary, slo: SLO) -> str:
         ["duration (s)", summary.duration_s],
         ["input tokens", summary.total_input_tokens],
         ["output tokens", summary.total_output_tokens],
+        ["offered rate, as sent (req/s)", "-" if summary.offered_rate is None else summary.offered_rate],
         ["request throughput (req/s)", summary.request_throughput],
         [f"goodput (req/s, {targets or 'no SLO'})", summary.goodput],
         ["output token throughput (tok/s)", summary.output_token_throughput],

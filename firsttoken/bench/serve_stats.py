@@ -75,6 +75,9 @@ class ServeSummary:
     total_input_tokens: int
     total_output_tokens: int
     request_throughput: float
+    # Requests per second as the client sent them (a Poisson schedule of 30 requests at a
+    # nominal rate of 3 can arrive at 4.3): what the achieved throughput is to be held against.
+    offered_rate: float | None
     output_token_throughput: float
     total_token_throughput: float
     goodput: float
@@ -91,6 +94,14 @@ class ServeSummary:
         }
 
 
+def sent_rate(records: Sequence[RequestRecord]) -> float | None:
+    """Requests per second between the first send and the last; None for fewer than two."""
+    starts = sorted(record.start_s for record in records)
+    if len(starts) < 2 or starts[-1] <= starts[0]:
+        return None
+    return (len(starts) - 1) / (starts[-1] - starts[0])
+
+
 def summarize_run(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> ServeSummary:
     """Statistics over the successful requests; throughputs over the whole run's duration."""
     done = [record for record in records if record.success]
@@ -104,6 +115,7 @@ def summarize_run(records: Sequence[RequestRecord], duration_s: float, slo: SLO)
         total_input_tokens=input_tokens,
         total_output_tokens=output_tokens,
         request_throughput=len(done) / duration_s,
+        offered_rate=sent_rate(records),
         output_token_throughput=output_tokens / duration_s,
         total_token_throughput=(input_tokens + output_tokens) / duration_s,
         goodput=sum(1 for record in done if slo.is_met_by(record)) / duration_s,

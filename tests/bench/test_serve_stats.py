@@ -99,3 +99,10 @@ def test_offline_baseline_times_the_engine_on_the_runs_shape(llm):
     baseline = measure_offline_baseline(llm, input_len=16, decode_batch_size=2, runs=2)
     assert baseline.input_len == 16 and baseline.decode_batch_size == 2
     assert baseline.ttft_ms > 0 and baseline.tpot_ms > 0
+
+
+def test_offered_rate_is_what_was_sent_not_the_nominal_rate():
+    records = [_record(0.1, [0.01], 2, start=start) for start in (0.0, 0.5, 1.0, 2.0)]
+    summary = summarize_run(records, duration_s=3.0, slo=SLO())
+    assert summary.offered_rate == pytest.approx(3 / 2.0)
+    assert summarize_run(records[:1], duration_s=1.0, slo=SLO()).offered_rate is None
