@@ -25,6 +25,14 @@ class ScheduledChunk:
     start_position: int
     block_table: list[int]
     sample: SampleSpec | None  # None while a prompt's chunk does not reach its last token
+    # A prompt's (or a recompute's) chunk: run as a prefill even when it is one token, so a
+    # token's KV comes from the prefill attention kernel whatever the chunk boundaries. A
+    # one-token chunk without it is a decode.
+    prefill: bool = False
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and not self.prefill
 
     @property
     def num_tokens(self) -> int:

@@ -272,6 +272,7 @@ class Scheduler:
             sample = None
             if end == request.num_tokens:
                 sample = SampleSpec(request.sampling_params, request.num_output_tokens)
+            is_decode = _is_decode(request, num_new)
             chunks.append(
                 ScheduledChunk(
                     req_id=req_id,
@@ -279,9 +280,10 @@ class Scheduler:
                     start_position=start,
                     block_table=self.kv.block_ids(req_id),
                     sample=sample,
+                    prefill=not is_decode,
                 )
             )
-            if _is_decode(request, num_new):
+            if is_decode:
                 self.stats.num_decode_tokens += num_new
             else:
                 self.stats.num_prefill_tokens += num_new

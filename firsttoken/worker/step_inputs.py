@@ -40,8 +40,8 @@ class HostStep:
 
 
 def order_decodes_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-    decodes = [chunk for chunk in chunks if chunk.num_tokens == 1]
-    prefills = [chunk for chunk in chunks if chunk.num_tokens > 1]
+    decodes = [chunk for chunk in chunks if chunk.is_decode]
+    prefills = [chunk for chunk in chunks if not chunk.is_decode]
     return decodes + prefills
 
 
@@ -76,7 +76,7 @@ def build_host_step(
         if chunk.sample is not None:
             sample_rows.append(row - 1)
         sequences.append(SequenceLayout(count, start, chunk.block_table))
-    num_decodes = sum(1 for chunk in ordered if chunk.num_tokens == 1)
+    num_decodes = sum(1 for chunk in ordered if chunk.is_decode)
     return HostStep(
         chunks=ordered,
         input_ids=input_ids,

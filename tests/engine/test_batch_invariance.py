@@ -1,10 +1,10 @@
 """bf16 greedy output that does not depend on the batch: alone, beside other requests, in
-chunks of other sizes, and after a prefix-cache hit, the same tokens and the same logprob bits.
+chunks of any size (one token included), and after a prefix-cache hit, the same tokens and the
+same logprob bits.
 
-Not yet covered: a prefill chunk of a single token (a 1-token tail, or the one token a
-whole-block cache hit leaves) runs on the decode attention kernel, whose softmax sums in
-another order than the prefill kernel's key tiles; likewise a preempted request's recompute.
-The tests below choose lengths that leave no such chunk, and check that they do."""
+Not yet covered: a preempted request's recompute prefills tokens whose KV a decode step wrote
+first, and the decode attention kernel's softmax sums in another order than the prefill
+kernel's key tiles."""
 
 from __future__ import annotations
 
@@ -59,11 +59,11 @@ def test_beside_other_requests_every_bit_is_the_same(invariant_llm, alone, num_o
     assert [_bits(output) for output in outputs[: len(PROMPTS)]] == alone
 
 
-@pytest.mark.parametrize("chunk_size", [5, 16, 64])
-def test_in_chunks_of_other_sizes_every_bit_is_the_same(engine_options, alone, chunk_size):
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 64])
+def test_in_chunks_of_any_size_every_bit_is_the_same(engine_options, alone, chunk_size):
+    """Chunk size 1 prefills every prompt token alone on its context: a one-token prompt chunk
+    runs on the prefill kernel, not as a decode."""
     llm = LLM(**engine_options, enable_prompt_cache=False, chunk_size=chunk_size)
-    lengths = [len(llm.tokenizer.encode(prompt)) for prompt in PROMPTS]
-    assert all(1 < length and length % chunk_size != 1 for length in lengths), lengths  # no 1-token chunk
     assert [_bits(llm.generate([prompt], GREEDY)[0]) for prompt in PROMPTS] == alone
 
 
@@ -71,12 +71,24 @@ def test_after_a_prefix_cache_hit_every_bit_is_the_same(engine_options, alone):
     llm = LLM(**engine_options, enable_prompt_cache=True)
     block_size = llm.engine.config.cache.block_size
     for prompt, expected in zip(PROMPTS, alone):
-        length = len(llm.tokenizer.encode(prompt))
-        assert length > block_size and length % block_size > 1, length  # a hit that leaves 2+ tokens
         llm.generate([prompt + " Answer briefly."], GREEDY)  # caches the prompt's full blocks
         hit = llm.generate([prompt], GREEDY)[0]
-        assert hit.num_cached_tokens == length // block_size * block_size
+        assert hit.num_cached_tokens == len(llm.tokenizer.encode(prompt)) // block_size * block_size
         assert _bits(hit) == expected
+
+
+@pytest.mark.parametrize("extra_tokens", [0, 1])
+def test_a_hit_on_whole_blocks_recomputes_the_last_token_as_a_prefill(invariant_llm, engine_options, extra_tokens):
+    """A prompt of whole cached blocks recomputes only its last token (to sample from it), and
+    one block and a token leaves one new token: either way a one-token prefill chunk."""
+    block_size = invariant_llm.engine.config.cache.block_size
+    token_ids = invariant_llm.tokenizer.encode(" ".join(PROMPTS))[: 2 * block_size + extra_tokens]
+    expected = _bits(invariant_llm.generate(prompt_token_ids=[token_ids], sampling_params=GREEDY)[0])
+    llm = LLM(**engine_options, enable_prompt_cache=True)
+    llm.generate(prompt_token_ids=[token_ids + [11, 12, 13]], sampling_params=GREEDY)
+    hit = llm.generate(prompt_token_ids=[token_ids], sampling_params=GREEDY)[0]
+    assert hit.num_cached_tokens >= block_size
+    assert _bits(hit) == expected
 
 
 def test_without_it_one_row_steps_take_onednn_one_row_kernel(engine_options):
