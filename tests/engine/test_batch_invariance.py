@@ -95,3 +95,13 @@ def test_without_it_one_row_steps_take_onednn_one_row_kernel(engine_options):
     llm = LLM(**engine_options, enable_prompt_cache=False, batch_invariant=False)
     assert not llm.engine.worker.batch_invariant
     assert not any(getattr(module, "pad_single_rows", False) for module in llm.engine.worker.model.modules())
+
+
+def test_seeded_sampling_draws_the_same_tokens_beside_other_requests(invariant_llm):
+    seeded = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=40 + i, max_tokens=24, ignore_eos=True,
+                             logprobs=1) for i in range(len(PROMPTS))]
+    alone = [_bits(invariant_llm.generate([prompt], params)[0]) for prompt, params in zip(PROMPTS, seeded)]
+    others = _other_prompts(7, seed=99)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    outputs = invariant_llm.generate(PROMPTS + others, seeded + [unseeded] * len(others))
+    assert [_bits(output) for output in outputs[: len(PROMPTS)]] == alone
