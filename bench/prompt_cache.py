@@ -27,6 +27,20 @@ def first_token_seconds(llm: LLM, prompt: list[int]) -> float:
     return timed(lambda: llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY_ONE))
 
 
+def cold_and_warm_medians(llm: LLM, shared_prefix: list[int], suffix_len: int, repeats: int) -> dict[str, float]:
+    """TTFT of fresh prompts as long as prefix + suffix, and of the cached prefix plus a fresh suffix."""
+
+    def cold(run: int) -> float:
+        return first_token_seconds(llm, random_prompt(len(shared_prefix) + suffix_len, seed=10_000 + run))
+
+    llm.generate(prompt_token_ids=[shared_prefix + random_prompt(suffix_len, seed=2)], sampling_params=GREEDY_ONE)
+
+    def warm(run: int) -> float:
+        return first_token_seconds(llm, shared_prefix + random_prompt(suffix_len, seed=20_000 + run))
+
+    return interleaved_medians({"cold": cold, "warm": warm}, repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prefix-len", type=int, default=512)
@@ -35,20 +49,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     options = dict(dtype=args.dtype, kv_cache_memory_bytes=512 << 20, chunk_size=4096, max_num_batched_tokens=4096)
-    llm = LLM(**options)
     prefix_len, suffix_len = args.prefix_len, args.suffix_len
-
-    def cold(run: int) -> float:
-        return first_token_seconds(llm, random_prompt(prefix_len + suffix_len, seed=10_000 + run))
-
     shared_prefix = random_prompt(prefix_len, seed=1)
-    llm.generate(prompt_token_ids=[shared_prefix + random_prompt(suffix_len, seed=2)], sampling_params=GREEDY_ONE)
-
-    def warm(run: int) -> float:
-        return first_token_seconds(llm, shared_prefix + random_prompt(suffix_len, seed=20_000 + run))
-
-    medians = interleaved_medians({"cold": cold, "warm": warm}, args.repeats)
-    del llm
+    # The engine of these runs is freed on return, before the restart runs load theirs.
+    medians = cold_and_warm_medians(LLM(**options), shared_prefix, suffix_len, args.repeats)
 
     with tempfile.TemporaryDirectory() as folder:
         writer = LLM(**options, prompt_cache_dir=folder)

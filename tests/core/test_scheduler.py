@@ -227,7 +227,7 @@ def test_prefix_cache_hit_skips_prefill_of_shared_blocks():
 
 
 def test_auto_budget_keeps_steps_with_decodes_under_the_target():
-    from firsttoken.core.cost_model import StepCostModel, StepTimeTracker, attention_pairs
+    from firsttoken.core.cost_model import StepCostModel, StepTimeTracker
 
     cost = StepCostModel(seconds_fixed=0.005, seconds_per_token=0.0002, seconds_per_attention_pair=0.0)
     scheduler = make_scheduler(num_blocks=2048, chunk_size="auto", max_batched=2048, max_model_len=8192)

@@ -119,7 +119,6 @@ def write_gguf(model, path: str, gguf_arch: str, qtypes: dict[str, GGMLQuantizat
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
-    head_dim = config.hidden_size // config.num_attention_heads
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
