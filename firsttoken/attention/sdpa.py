@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from firsttoken.attention.backend import BatchLayout, SequenceLayout, decode_tables
+from firsttoken.attention.backend import BatchLayout, decode_tables
 from firsttoken.attention.reference import write_kv_reference
 from firsttoken.ops import native, native_abi
 from firsttoken.ops.native_decode import DecodeTables
@@ -70,6 +70,10 @@ class SDPABackend:
 
     def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> SDPAMetadata:
         decodes = layout.sequences[: layout.num_decodes]
+        # One table of the decode rows serves both the SDPA gather and the native kernels.
+        decode_rows = (
+            decode_tables(decodes, layout.block_size, slot_mapping[: layout.num_decodes]) if decodes else None
+        )
         decode_block_table = decode_key_mask = None
         decode_num_keys = 0
         decode_first_block = None
@@ -78,10 +82,12 @@ class SDPABackend:
             lone_blocks = decodes[0].block_table[: -(-decode_num_keys // layout.block_size)]
             decode_first_block = first_of_run(lone_blocks)
             if decode_first_block is None:
-                decode_block_table = torch.tensor([lone_blocks], dtype=torch.long, device=self.device)
+                decode_block_table = decode_rows.block_table
         elif decodes:
-            decode_block_table, decode_key_mask = _decode_tables(decodes, layout.block_size, self.device)
-            decode_num_keys = decode_key_mask.shape[-1]
+            decode_block_table = decode_rows.block_table
+            decode_num_keys = decode_block_table.shape[1] * layout.block_size
+            key_positions = torch.arange(decode_num_keys, device=self.device)
+            decode_key_mask = (key_positions[None, :] < decode_rows.seq_lens[:, None])[:, None, None, :]
         prefills = []
         query_start = layout.num_decodes
         for sequence in layout.sequences[layout.num_decodes :]:
@@ -108,15 +114,14 @@ class SDPABackend:
             decode_num_keys=decode_num_keys,
             decode_first_block=decode_first_block,
             prefills=prefills,
-            **self._native_decode_tables(layout, slot_mapping),
+            **self._native_decode_tables(layout, decode_rows),
         )
 
-    def _native_decode_tables(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> dict[str, DecodeTables | None]:
-        if self.native is None or not self.native.has_decode_kernels or not layout.num_decodes:
+    def _native_decode_tables(self, layout: BatchLayout, decode_rows: DecodeTables | None) -> dict[str, DecodeTables | None]:
+        if self.native is None or not self.native.has_decode_kernels or decode_rows is None:
             return {}
-        paged = decode_tables(layout.sequences[: layout.num_decodes], layout.block_size, slot_mapping[: layout.num_decodes])
         whole_step = layout.num_decodes == len(layout.sequences) <= native_abi.DECODE_MAX_ROWS
-        return {"paged_decodes": paged, "decode_tables": paged if whole_step else None}
+        return {"paged_decodes": decode_rows, "decode_tables": decode_rows if whole_step else None}
 
     def forward(
         self,
@@ -207,21 +212,6 @@ def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: 
     keys = kv_cache[0].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:num_tokens]
     values = kv_cache[1].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:num_tokens]
     return keys, values
-
-
-def _decode_tables(
-    decodes: list[SequenceLayout], block_size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block table [B, max_blocks] (padded with block 0) and key mask [B, 1, 1, max_blocks * bs]."""
-    blocks_per_sequence = [-(-sequence.seq_len // block_size) for sequence in decodes]
-    max_blocks = max(blocks_per_sequence)
-    table = torch.zeros((len(decodes), max_blocks), dtype=torch.long)
-    for row, (sequence, num_blocks) in enumerate(zip(decodes, blocks_per_sequence)):
-        table[row, :num_blocks] = torch.tensor(sequence.block_table[:num_blocks], dtype=torch.long)
-    seq_lens = torch.tensor([sequence.seq_len for sequence in decodes], dtype=torch.long)
-    key_positions = torch.arange(max_blocks * block_size)
-    mask = (key_positions[None, :] < seq_lens[:, None])[:, None, None, :]
-    return table.to(device), mask.to(device)
 
 
 def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:
