@@ -75,6 +75,9 @@ _VECTOR_BF16_SIGNATURES = {
     "ft_paged_decode_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64, _POINTER]
     + [_INT64] * 5
     + [ctypes.c_float, _POINTER, ctypes.c_int],
+    "ft_decode_attention_as_prefill": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64, _POINTER]
+    + [_INT64] * 5
+    + [ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int],
 }
 # The int4 kernel reads its inputs two groups of 32 at a time, the int8 one 16 at a time.
 INT4_INPUT_MULTIPLE = 64
@@ -82,6 +85,8 @@ INT8_INPUT_MULTIPLE = 16
 # The prefill attention kernel's head sizes: whole tiles of 32 dims (at most
 # `native_abi.PREFILL_MAX_HEAD_DIM`).
 PREFILL_HEAD_DIM_MULTIPLE = 32
+# Decode rows with the prefill kernel's arithmetic gather 16 keys at a time from one block.
+DECODE_AS_PREFILL_BLOCK_MULTIPLE = 16
 
 
 def supports(tensor: torch.Tensor) -> bool:
@@ -273,31 +278,44 @@ class NativeKernels:
         )
 
     def paged_decode_attention(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        as_prefill: bool = False,
     ) -> torch.Tensor:
         """Attention of one new query per sequence, query [rows, heads, head_dim], over the
         first seq_lens[r] keys of sequence r, read in place through block_table (long [rows,
         max_blocks]) from kv_cache [2, blocks, block_size, kv_heads, head_dim]. Inputs must pass
-        `paged_decode_attention_supports`; seq_lens long [rows]."""
+        `paged_decode_attention_supports`; seq_lens long [rows]. `as_prefill`: with the prefill
+        kernel's arithmetic (its 64-key tiles and online softmax; block_size a multiple of
+        16), so a row gets the bits a prefill of the same tokens gives its position; else one
+        exact softmax over all keys, a little faster."""
         rows, num_heads, head_dim = query.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         if (
             block_table.shape[0] != rows or seq_lens.shape != (rows,) or num_heads % num_kv_heads
             or block_table.dtype != torch.long or seq_lens.dtype != torch.long
+            or (as_prefill and block_size % DECODE_AS_PREFILL_BLOCK_MULTIPLE)
         ):
             raise ValueError(
                 f"paged_decode_attention: {rows} queries of {num_heads} heads, block table "
                 f"{tuple(block_table.shape)} {block_table.dtype}, seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype}, "
-                f"{num_kv_heads} KV heads"
+                f"{num_kv_heads} KV heads, blocks of {block_size}"
             )
         block_table = block_table.contiguous()
         seq_lens = seq_lens.contiguous()
         out = query.new_empty(rows, num_heads, head_dim)
-        status = self._library.ft_paged_decode_attention(
+        arguments = [
             query.data_ptr(), query.stride(0), kv_cache.data_ptr(), num_blocks * block_size, block_table.data_ptr(),
             block_table.shape[1], seq_lens.data_ptr(), block_size, rows, num_heads, num_kv_heads, head_dim,
             head_dim**-0.5, out.data_ptr(), torch.get_num_threads(),
-        )
+        ]
+        if as_prefill:
+            status = self._library.ft_decode_attention_as_prefill(*arguments, int(self.has_amx))
+        else:
+            status = self._library.ft_paged_decode_attention(*arguments)
         if status < 0:
             raise IndexError("paged_decode_attention: a block id or sequence length lies outside the KV cache")
         _check(status)

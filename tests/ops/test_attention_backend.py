@@ -180,17 +180,20 @@ def _decode_kernels_or_skip(native_kernels):
     return native_kernels
 
 
+@pytest.mark.parametrize("decode_as_prefill", [False, True])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_bf16_decode_rows_take_the_paged_kernel_and_give_the_same_bits_whatever_the_batch(
-    native_kernels, head_dim, monkeypatch
+    native_kernels, head_dim, decode_as_prefill, monkeypatch
 ):
     """A decode row's attention is one native call reading the paged cache in place, the
     same bits alone, beside other decodes or beside prefill chunks."""
     kernels = _decode_kernels_or_skip(native_kernels)
     calls = []
     attend = kernels.paged_decode_attention
-    monkeypatch.setattr(kernels, "paged_decode_attention", lambda *args: calls.append(1) or attend(*args))
-    backend = SDPABackend(torch.device("cpu"), kernels)
+    monkeypatch.setattr(
+        kernels, "paged_decode_attention", lambda *args, **kwargs: calls.append(kwargs) or attend(*args, **kwargs)
+    )
+    backend = SDPABackend(torch.device("cpu"), kernels, decode_as_prefill=decode_as_prefill)
     layout, slot_mapping, kv_cache, query, key, value = _random_batch(
         [(70, 1), (200, 1), (3, 1), (0, 40), (33, 17)], 16, 8, 2, head_dim, torch.bfloat16
     )
@@ -205,18 +208,71 @@ def test_bf16_decode_rows_take_the_paged_kernel_and_give_the_same_bits_whatever_
         expected = paged_attention_reference(query[rows], kv_cache, part)
         torch.testing.assert_close(output.float(), expected.float(), atol=2e-2, rtol=2e-2)
         first_rows.append(output[0])
-    assert len(calls) == 3
+    assert calls == [{"as_prefill": decode_as_prefill}] * 3
     assert torch.equal(first_rows[0], first_rows[1])
     assert torch.equal(first_rows[0], first_rows[2])
 
 
-def test_paged_decode_attention_rejects_a_block_outside_the_cache(native_kernels):
+POSITIONS_ON_TILE_EDGES = [0, 1, 15, 16, 31, 32, 63, 64, 65, 127, 128, 200, 299]
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    "positions",
+    # On one thread: contexts under 1 MB packed go in two phases (pack all, then attend), more
+    # are packed and attended per (row, KV head).
+    [POSITIONS_ON_TILE_EDGES, POSITIONS_ON_TILE_EDGES * 3],
+    ids=["packed-first", "per-kv-head"],
+)
+def test_decode_rows_as_prefill_get_the_bits_a_prefill_gives_their_positions(
+    native_kernels, one_thread, num_heads, num_kv_heads, head_dim, block_size, positions
+):
+    """Each decode row, at positions on and across the kernel's 16-, 32- and 64-key tiles,
+    equals bit for bit its row in one prefill of the whole sequence."""
+    kernels = _decode_kernels_or_skip(native_kernels)
+    num_keys = 300
+    layout, _, kv_cache, _, _, _ = _random_batch(
+        [(num_keys, 1)], block_size, num_heads, num_kv_heads, head_dim, torch.bfloat16, seed=head_dim
+    )
+    block_ids = torch.tensor(layout.sequences[0].block_table)
+    keys = kv_cache[0][block_ids].flatten(0, 1)[:num_keys]
+    values = kv_cache[1][block_ids].flatten(0, 1)[:num_keys]
+    query = torch.randn(num_keys, num_heads, head_dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    prefill = kernels.prefill_attention(query, keys, values, num_threads=2)
+    block_table = block_ids.repeat(len(positions), 1)
+    seq_lens = torch.tensor(positions) + 1
+    decoded = kernels.paged_decode_attention(query[positions], kv_cache, block_table, seq_lens, as_prefill=True)
+    assert torch.equal(decoded, prefill[positions])
+    exact = kernels.paged_decode_attention(query[positions], kv_cache, block_table, seq_lens)
+    torch.testing.assert_close(decoded.float(), exact.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_decode_rows_as_prefill_need_blocks_of_whole_16_key_tiles(native_kernels):
+    kernels = _decode_kernels_or_skip(native_kernels)
+    kv_cache = torch.zeros(2, 8, 8, 2, 64, dtype=torch.bfloat16)
+    query = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="blocks of 8"):
+        kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 1]]), torch.tensor([9]), as_prefill=True)
+    assert not SDPABackend(torch.device("cpu"), kernels, decode_as_prefill=True).decodes_as_prefill(8)
+
+
+@pytest.mark.parametrize("as_prefill", [False, True])
+def test_paged_decode_attention_rejects_a_block_outside_the_cache(native_kernels, as_prefill):
     kernels = _decode_kernels_or_skip(native_kernels)
     kv_cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
     query = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
     with pytest.raises(IndexError, match="outside the KV cache"):
-        kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 4]]), torch.tensor([20]))
+        kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 4]]), torch.tensor([20]), as_prefill)
     with pytest.raises(IndexError, match="outside the KV cache"):
-        kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 1]]), torch.tensor([33]))
+        kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 1]]), torch.tensor([33]), as_prefill)
     with pytest.raises(ValueError, match="block table"):
         kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20]))

@@ -111,6 +111,25 @@ static inline void round_row(float *row, int64_t count, int dtype) {
     }
 }
 
+/* Every block id a sequence reads lies inside the cache and every length inside its table: 1, else 0. */
+static inline int tables_in_bounds(int64_t num_slots, const int64_t *block_table, int64_t max_blocks, int64_t block_size,
+                            const int64_t *seq_lens, int64_t num_sequences) {
+    int64_t num_blocks = num_slots / block_size;
+    for (int64_t s = 0; s < num_sequences; s++) {
+        int64_t seq_len = seq_lens[s];
+        if (seq_len < 1 || seq_len > max_blocks * block_size) {
+            return 0;
+        }
+        for (int64_t block = 0; block < (seq_len + block_size - 1) / block_size; block++) {
+            int64_t id = block_table[s * max_blocks + block];
+            if (id < 0 || id >= num_blocks) {
+                return 0;
+            }
+        }
+    }
+    return 1;
+}
+
 /* Steps of fewer elements stay on the calling thread: waking the others costs more. */
 #define PARALLEL_MIN_ELEMENTS 65536
 

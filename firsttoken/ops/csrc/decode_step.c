@@ -239,25 +239,6 @@ static int64_t max_i64(int64_t a, int64_t b) {
     return a > b ? a : b;
 }
 
-/* Every block id a sequence reads lies inside the cache and every length inside its table: 1, else 0. */
-static int tables_in_bounds(int64_t num_slots, const int64_t *block_table, int64_t max_blocks, int64_t block_size,
-                            const int64_t *seq_lens, int64_t num_sequences) {
-    int64_t num_blocks = num_slots / block_size;
-    for (int64_t s = 0; s < num_sequences; s++) {
-        int64_t seq_len = seq_lens[s];
-        if (seq_len < 1 || seq_len > max_blocks * block_size) {
-            return 0;
-        }
-        for (int64_t block = 0; block < (seq_len + block_size - 1) / block_size; block++) {
-            int64_t id = block_table[s * max_blocks + block];
-            if (id < 0 || id >= num_blocks) {
-                return 0;
-            }
-        }
-    }
-    return 1;
-}
-
 /* Every slot, block id and length lies inside the cache: 1, else 0. */
 static int batch_in_bounds(const DecodeModel *m, const DecodeBatch *b) {
     for (int64_t s = 0; s < b->num_sequences; s++) {

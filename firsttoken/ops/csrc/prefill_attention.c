@@ -10,6 +10,12 @@
  * with AMX the two products run on tiles; elsewhere on VDPBF16PS with the products in
  * registers. Work items are spread over `num_threads` OpenMP threads.
  *
+ * Every query row's arithmetic is its own: the same instructions, in the same order, over the
+ * same 64-key tiles, whether it shares its block of 32 with other queries or not. So a decode
+ * row run here (ft_decode_attention_as_prefill: one query over its paged context) gets the bits
+ * a prefill of the same tokens gives that position: a request recomputed after preemption, or a
+ * later prompt hitting blocks a decode step wrote, reads the same K/V either way.
+ *
  * Built at run time by firsttoken/ops/native.py with the machine's C compiler.
  */
 #define _GNU_SOURCE /* syscall() for the AMX permission */
@@ -37,46 +43,123 @@ typedef struct {
     int use_amx;
 } PrefillProblem;
 
+/* The K (or V) rows of one KV head: consecutive rows, or a sequence's slots in a paged cache. */
+typedef struct {
+    const uint16_t *base;  /* row 0 (consecutive) or the cache's slot 0, at this KV head */
+    int64_t row_stride;    /* elements from one row (slot) to the next */
+    const int64_t *blocks; /* NULL: rows are consecutive; else the sequence's block ids */
+    int64_t block_size;    /* a multiple of 16 where blocks is set: 16 keys never straddle two */
+    int64_t count;         /* rows that exist; later ones pack as zeros */
+} HeadRows;
+
+static inline const uint16_t *head_row(const HeadRows *rows, int64_t index) {
+    int64_t slot = rows->blocks == NULL ? index
+                                        : rows->blocks[index / rows->block_size] * rows->block_size
+                                              + index % rows->block_size;
+    return rows->base + slot * rows->row_stride;
+}
+
+/* One block of up to QUERY_BLOCK consecutive queries of one head, and what they attend over. */
+typedef struct {
+    const uint16_t *queries; /* the first query's head */
+    int64_t query_stride;
+    int64_t rows;            /* 1..QUERY_BLOCK */
+    int64_t first_position;  /* query r sees keys 0..first_position + r */
+    int64_t num_keys;
+    const uint16_t *packed_keys, *packed_values; /* its KV head's, packed */
+    int64_t head_dim;
+    float scale;
+    int use_amx;
+    uint16_t *out;           /* the first query's head */
+    int64_t out_stride;
+} QueryBlock;
+
 /* Lanes [0, valid) of a 16-lane vector starting at lane `first`. */
 static inline __mmask16 valid_lanes(int64_t valid, int64_t first) {
     int64_t count = valid - first;
     return count <= 0 ? 0 : (count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1));
 }
 
-/* K^T as B tiles: for 16 keys (from `first_key`) and 32 dims, 16 rows of (dim pair) x (16
- * keys x 2), keys past num_keys zero: each row one gather of the keys' dim pair. */
-static void pack_keys(const PrefillProblem *p, int64_t kv_head, int64_t first_key) {
-    int64_t chunks = p->head_dim / 32;
-    uint16_t *packed = p->packed_keys + kv_head * p->padded_keys * p->head_dim + (first_key / 16) * chunks * 16 * 32;
-    const uint16_t *rows = p->key + first_key * p->key_row_stride + kv_head * p->head_dim;
-    __mmask16 valid = valid_lanes(p->num_keys, first_key);
-    __m512i row_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                             _mm512_set1_epi32((int)p->key_row_stride));
-    for (int64_t pair = 0; pair < p->head_dim / 2; pair++) {
-        __m512i pairs = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, row_offsets, rows + 2 * pair, 2);
-        _mm512_storeu_si512(packed + pair * 32, pairs);
+/* Transposes 16 rows of 16 dwords in place (row i becomes column i). */
+static inline void transpose_16x16(__m512i rows[16]) {
+    __m512i pairs[16];
+    for (int i = 0; i < 16; i += 2) {
+        pairs[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+        pairs[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        rows[i] = _mm512_unpacklo_epi64(pairs[i], pairs[i + 2]);
+        rows[i + 1] = _mm512_unpackhi_epi64(pairs[i], pairs[i + 2]);
+        rows[i + 2] = _mm512_unpacklo_epi64(pairs[i + 1], pairs[i + 3]);
+        rows[i + 3] = _mm512_unpackhi_epi64(pairs[i + 1], pairs[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        pairs[i] = _mm512_shuffle_i32x4(rows[i], rows[i + 4], 0x88);
+        pairs[i + 4] = _mm512_shuffle_i32x4(rows[i], rows[i + 4], 0xdd);
+        pairs[i + 8] = _mm512_shuffle_i32x4(rows[i + 8], rows[i + 12], 0x88);
+        pairs[i + 12] = _mm512_shuffle_i32x4(rows[i + 8], rows[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        rows[i] = _mm512_shuffle_i32x4(pairs[i], pairs[i + 8], 0x88);
+        rows[i + 8] = _mm512_shuffle_i32x4(pairs[i], pairs[i + 8], 0xdd);
+    }
+}
+
+/* K^T as B tiles: for 16 keys (from `first_key`, a multiple of 16) and 32 dims, 16 rows of
+ * (dim pair) x (16 keys x 2), keys past the last zero: each chunk of 32 dims of the 16 keys,
+ * as 16 x 16 dwords (dim pairs), transposed. `packed` is the KV head's packed keys. */
+static void pack_keys(const HeadRows *keys, int64_t head_dim, int64_t first_key, uint16_t *packed) {
+    int64_t chunks = head_dim / 32;
+    packed += (first_key / 16) * chunks * 16 * 32;
+    int64_t valid = keys->count - first_key;
+    if (valid <= 0) { /* no row to read, nor a block id to look up */
+        memset(packed, 0, (size_t)(head_dim / 2) * 32 * sizeof(uint16_t));
+        return;
+    }
+    const uint16_t *first_row = head_row(keys, first_key);
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        __m512i rows[16];
+        for (int64_t k = 0; k < 16; k++) {
+            rows[k] = k < valid ? _mm512_loadu_si512(first_row + k * keys->row_stride + chunk * 32)
+                                : _mm512_setzero_si512();
+        }
+        transpose_16x16(rows);
+        for (int64_t pair = 0; pair < 16; pair++) {
+            _mm512_storeu_si512(packed + (chunk * 16 + pair) * 32, rows[pair]);
+        }
     }
 }
 
 /* V as B tiles: for 32 keys (from `first_key`) and 16 dims, 16 rows of (key pair) x (16 dims
- * x 2), keys past num_keys zero: each row two keys' 16 dims, interleaved. */
-static void pack_values(const PrefillProblem *p, int64_t kv_head, int64_t first_key) {
-    int64_t dim_tiles = p->head_dim / 16;
-    uint16_t *packed = p->packed_values + kv_head * p->padded_keys * p->head_dim
-                       + (first_key / TILE_KEYS) * dim_tiles * 16 * 32;
+ * x 2), keys past the last zero: each row two keys' 16 dims, interleaved. `packed` is the KV
+ * head's packed values. */
+static void pack_values(const HeadRows *values, int64_t head_dim, int64_t first_key, uint16_t *packed) {
+    int64_t dim_tiles = head_dim / 16;
+    packed += (first_key / TILE_KEYS) * dim_tiles * 16 * 32;
     static const uint16_t interleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                             8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    static const uint16_t zeros[PREFILL_MAX_HEAD_DIM];
     __m512i order = _mm512_loadu_si512(interleave);
     for (int64_t key_pair = 0; key_pair < TILE_KEYS / 2; key_pair++) {
         int64_t even = first_key + 2 * key_pair;
-        const uint16_t *even_row = p->value + even * p->value_row_stride + kv_head * p->head_dim;
-        const uint16_t *odd_row = even_row + p->value_row_stride;
-        __mmask16 even_valid = even < p->num_keys ? 0xffff : 0, odd_valid = even + 1 < p->num_keys ? 0xffff : 0;
+        const uint16_t *even_row = even < values->count ? head_row(values, even) : zeros;
+        const uint16_t *odd_row = even + 1 < values->count ? head_row(values, even + 1) : zeros;
         for (int64_t t = 0; t < dim_tiles; t++) {
-            __m512i low = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(even_valid, even_row + t * 16));
-            __m512i high = _mm512_castsi256_si512(_mm256_maskz_loadu_epi16(odd_valid, odd_row + t * 16));
+            __m512i low = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(even_row + t * 16)));
+            __m512i high = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(odd_row + t * 16)));
             _mm512_storeu_si512(packed + (t * 16 + key_pair) * 32, _mm512_permutex2var_epi16(low, order, high));
         }
+    }
+}
+
+/* The KEY_BLOCK keys from `first_key` of one KV head, both packings. */
+static void pack_key_block(const HeadRows *keys, const HeadRows *values, int64_t head_dim, int64_t first_key,
+                           uint16_t *packed_keys, uint16_t *packed_values) {
+    for (int64_t key = first_key; key < first_key + KEY_BLOCK; key += 16) {
+        pack_keys(keys, head_dim, key, packed_keys);
+    }
+    for (int64_t key = first_key; key < first_key + KEY_BLOCK; key += TILE_KEYS) {
+        pack_values(values, head_dim, key, packed_values);
     }
 }
 
@@ -85,12 +168,10 @@ static void pack_share(const PrefillProblem *p, int thread_index, int num_thread
     int64_t blocks = p->padded_keys / KEY_BLOCK;
     for (int64_t item = thread_index; item < p->num_kv_heads * blocks; item += num_threads) {
         int64_t kv_head = item / blocks, first_key = (item % blocks) * KEY_BLOCK;
-        for (int64_t key = first_key; key < first_key + KEY_BLOCK; key += 16) {
-            pack_keys(p, kv_head, key);
-        }
-        for (int64_t key = first_key; key < first_key + KEY_BLOCK; key += TILE_KEYS) {
-            pack_values(p, kv_head, key);
-        }
+        HeadRows keys = {p->key + kv_head * p->head_dim, p->key_row_stride, NULL, 0, p->num_keys};
+        HeadRows values = {p->value + kv_head * p->head_dim, p->value_row_stride, NULL, 0, p->num_keys};
+        int64_t offset = kv_head * p->padded_keys * p->head_dim;
+        pack_key_block(&keys, &values, p->head_dim, first_key, p->packed_keys + offset, p->packed_values + offset);
     }
 }
 
@@ -193,22 +274,22 @@ static inline __m512 exp2_16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(biased, 23)));
 }
 
-/* Online softmax over one block of raw scores [QUERY_BLOCK x KEY_BLOCK] (not yet scaled):
- * keys past each row's causal limit count as absent; updates the running max (of scaled
- * scores), adds the block's exponentials to each row's running sum vector (reduced once, at
- * the end), writes bf16 probabilities and the factor that rescales each row's earlier output. */
-static void softmax_block(float *scores, int64_t first_query, int64_t first_key, int64_t causal_offset,
-                          int64_t num_keys, float scale, float *row_max, float *row_sums, float *rescale,
-                          uint16_t *probabilities) {
+/* Online softmax over one block of raw scores [QUERY_BLOCK x KEY_BLOCK] (not yet scaled) of
+ * the first `rows` queries: keys past each row's causal limit count as absent; updates the
+ * running max (of scaled scores), adds the block's exponentials to each row's running sum
+ * vector (reduced once, at the end), writes bf16 probabilities and the factor that rescales
+ * each row's earlier output. */
+static void softmax_block(float *scores, int64_t rows, int64_t first_position, int64_t first_key, int64_t num_keys,
+                          float scale, float *row_max, float *row_sums, float *rescale, uint16_t *probabilities) {
     const float log2e = 1.44269504f;
     __m512 masked = _mm512_set1_ps(MASKED_SCORE), scale_log2e = _mm512_set1_ps(scale * log2e);
     float block_max[QUERY_BLOCK] __attribute__((aligned(64)));
     /* Rows whose causal limit falls inside this block see masked scores; the rest see all. */
-    int64_t first_partial_row = first_key + KEY_BLOCK - 1 - causal_offset - first_query;
-    for (int64_t r = 0; r < QUERY_BLOCK; r++) {
+    int64_t first_partial_row = first_key + KEY_BLOCK - 1 - first_position;
+    for (int64_t r = 0; r < rows; r++) {
         float *row = scores + r * KEY_BLOCK;
         if (r < first_partial_row || first_key + KEY_BLOCK > num_keys) {
-            int64_t last_key = first_query + r + causal_offset;
+            int64_t last_key = first_position + r;
             last_key = last_key < num_keys - 1 ? last_key : num_keys - 1;
             int64_t valid = last_key - first_key + 1;
             for (int64_t v = 0; v < KEY_BLOCK / 16; v++) {
@@ -222,13 +303,16 @@ static void softmax_block(float *scores, int64_t first_query, int64_t first_key,
         }
         block_max[r] = _mm512_reduce_max_ps(maximum) * scale; /* scale > 0: the max commutes */
     }
-    for (int64_t r = 0; r < QUERY_BLOCK; r += 16) {
+    for (int64_t r = rows; r < QUERY_BLOCK; r++) {
+        block_max[r] = MASKED_SCORE;
+    }
+    for (int64_t r = 0; r < rows; r += 16) {
         __m512 old_max = _mm512_loadu_ps(row_max + r);
         __m512 updated = _mm512_max_ps(old_max, _mm512_loadu_ps(block_max + r));
         _mm512_storeu_ps(rescale + r, exp2_16(_mm512_mul_ps(_mm512_sub_ps(old_max, updated), _mm512_set1_ps(log2e))));
         _mm512_storeu_ps(row_max + r, updated);
     }
-    for (int64_t r = 0; r < QUERY_BLOCK; r++) {
+    for (int64_t r = 0; r < rows; r++) {
         const float *row = scores + r * KEY_BLOCK;
         /* e^(s * scale - max) = 2^(s * scale * log2e - max * log2e): one FMA before exp2. */
         __m512 shift = _mm512_set1_ps(-row_max[r] * log2e);
@@ -243,113 +327,134 @@ static void softmax_block(float *scores, int64_t first_query, int64_t first_key,
     }
 }
 
-/* scores [QUERY_BLOCK x KEY_BLOCK] = Q block . K^T for keys 32 * first_key_tile ..+KEY_BLOCK,
- * on VDPBF16PS: each query dim pair, broadcast, meets 16 keys' pairs; 4 queries x 64 keys of
- * sums stay in registers. */
-static void score_block_vector(const uint16_t *queries, int64_t head_dim, const uint16_t *packed_keys,
-                               int64_t first_key_tile, float *scores) {
+/* Scores of `group` queries from row `q` (group a compile-time constant at each call site, so
+ * the sums stay in registers): each query dim pair, broadcast, meets 16 keys' pairs. A row's
+ * sums take the same instructions in the same order whatever the group. */
+static inline __attribute__((always_inline)) void score_rows(const uint16_t *queries, int64_t head_dim,
+                                                             const uint16_t *packed_keys, int64_t first_key_tile,
+                                                             float *scores, int64_t q, const int group) {
     int64_t chunks = head_dim / 32, first_vector = 2 * first_key_tile;
-    for (int64_t q = 0; q < QUERY_BLOCK; q += 4) {
-        __m512 sums[4][KEY_BLOCK / 16];
-        for (int i = 0; i < 4; i++) {
-            for (int v = 0; v < KEY_BLOCK / 16; v++) {
-                sums[i][v] = _mm512_setzero_ps();
-            }
+    __m512 sums[4][KEY_BLOCK / 16];
+    for (int i = 0; i < group; i++) {
+        for (int v = 0; v < KEY_BLOCK / 16; v++) {
+            sums[i][v] = _mm512_setzero_ps();
         }
-        for (int64_t chunk = 0; chunk < chunks; chunk++) {
-            /* rows of 16 keys x one dim pair, 16 pairs per chunk of 32 dims (see pack_keys) */
-            const uint16_t *key_rows[KEY_BLOCK / 16];
+    }
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        /* rows of 16 keys x one dim pair, 16 pairs per chunk of 32 dims (see pack_keys) */
+        const uint16_t *key_rows[KEY_BLOCK / 16];
+        for (int v = 0; v < KEY_BLOCK / 16; v++) {
+            key_rows[v] = packed_keys + ((first_vector + v) * chunks + chunk) * 16 * 32;
+        }
+        const uint16_t *query_dims = queries + q * head_dim + chunk * 32;
+        for (int64_t pair = 0; pair < 16; pair++) {
+            __m512bh keys[KEY_BLOCK / 16];
             for (int v = 0; v < KEY_BLOCK / 16; v++) {
-                key_rows[v] = packed_keys + ((first_vector + v) * chunks + chunk) * 16 * 32;
+                keys[v] = (__m512bh)_mm512_loadu_si512(key_rows[v] + pair * 32);
             }
-            const uint16_t *query_dims = queries + q * head_dim + chunk * 32;
-            for (int64_t pair = 0; pair < 16; pair++) {
-                __m512bh keys[KEY_BLOCK / 16];
+            for (int i = 0; i < group; i++) {
+                int32_t query_pair;
+                memcpy(&query_pair, query_dims + i * head_dim + 2 * pair, sizeof query_pair);
+                __m512bh broadcast = (__m512bh)_mm512_set1_epi32(query_pair);
                 for (int v = 0; v < KEY_BLOCK / 16; v++) {
-                    keys[v] = (__m512bh)_mm512_loadu_si512(key_rows[v] + pair * 32);
-                }
-                for (int i = 0; i < 4; i++) {
-                    int32_t query_pair;
-                    memcpy(&query_pair, query_dims + i * head_dim + 2 * pair, sizeof query_pair);
-                    __m512bh broadcast = (__m512bh)_mm512_set1_epi32(query_pair);
-                    for (int v = 0; v < KEY_BLOCK / 16; v++) {
-                        sums[i][v] = _mm512_dpbf16_ps(sums[i][v], broadcast, keys[v]);
-                    }
+                    sums[i][v] = _mm512_dpbf16_ps(sums[i][v], broadcast, keys[v]);
                 }
             }
         }
-        for (int i = 0; i < 4; i++) {
-            for (int v = 0; v < KEY_BLOCK / 16; v++) {
-                _mm512_storeu_ps(scores + (q + i) * KEY_BLOCK + 16 * v, sums[i][v]);
-            }
+    }
+    for (int i = 0; i < group; i++) {
+        for (int v = 0; v < KEY_BLOCK / 16; v++) {
+            _mm512_storeu_ps(scores + (q + i) * KEY_BLOCK + 16 * v, sums[i][v]);
         }
     }
 }
 
-/* products [32 x 32] = P [32 x KEY_BLOCK keys] . V [those keys x dims 32 * pass ..+32], on
- * VDPBF16PS: each probability key pair, broadcast, meets 16 dims of both keys' values; 8
- * queries x 32 dims of sums stay in registers. */
-static void weigh_block_vector(const uint16_t *probabilities, const uint16_t *packed_values, int64_t dim_tiles,
-                               int64_t first_key_tile, int64_t pass, float *products) {
-    for (int64_t q = 0; q < QUERY_BLOCK; q += 8) {
-        __m512 sums[8][2];
-        for (int i = 0; i < 8; i++) {
-            sums[i][0] = sums[i][1] = _mm512_setzero_ps();
-        }
-        const uint16_t *rows = probabilities + q * KEY_BLOCK;
-        for (int64_t tile = 0; tile < KEY_BLOCK / TILE_KEYS; tile++) {
-            const uint16_t *low_values = packed_values + ((first_key_tile + tile) * dim_tiles + 2 * pass) * 16 * 32;
-            const uint16_t *high_values = low_values + 16 * 32;
-            const uint16_t *tile_rows = rows + tile * TILE_KEYS;
-            for (int64_t key_pair = 0; key_pair < 16; key_pair++) {
-                __m512bh low = (__m512bh)_mm512_loadu_si512(low_values + key_pair * 32);
-                __m512bh high = (__m512bh)_mm512_loadu_si512(high_values + key_pair * 32);
-                for (int i = 0; i < 8; i++) {
-                    int32_t probability_pair;
-                    memcpy(&probability_pair, tile_rows + i * KEY_BLOCK + 2 * key_pair, sizeof probability_pair);
-                    __m512bh broadcast = (__m512bh)_mm512_set1_epi32(probability_pair);
-                    sums[i][0] = _mm512_dpbf16_ps(sums[i][0], broadcast, low);
-                    sums[i][1] = _mm512_dpbf16_ps(sums[i][1], broadcast, high);
-                }
-            }
-        }
-        for (int i = 0; i < 8; i++) {
-            _mm512_storeu_ps(products + (q + i) * 32, sums[i][0]);
-            _mm512_storeu_ps(products + (q + i) * 32 + 16, sums[i][1]);
-        }
+/* scores [rows x KEY_BLOCK] = Q block . K^T for keys 32 * first_key_tile ..+KEY_BLOCK, on
+ * VDPBF16PS: 4 queries x 64 keys of sums at a time, a lone query for the last few. */
+static void score_block_vector(const uint16_t *queries, int64_t rows, int64_t head_dim, const uint16_t *packed_keys,
+                               int64_t first_key_tile, float *scores) {
+    int64_t q = 0;
+    for (; q + 4 <= rows; q += 4) {
+        score_rows(queries, head_dim, packed_keys, first_key_tile, scores, q, 4);
+    }
+    for (; q < rows; q++) {
+        score_rows(queries, head_dim, packed_keys, first_key_tile, scores, q, 1);
     }
 }
 
-/* The two products of a block, on tiles where `use_amx`. */
-static void score_block(int use_amx, const uint16_t *queries, int64_t head_dim, const uint16_t *packed_keys,
-                        int64_t first_key_tile, float *scores) {
+/* Products of `group` queries from row `q` (a compile-time constant at each call site): each
+ * probability key pair, broadcast, meets 16 dims of both keys' values. A row's sums take the
+ * same instructions in the same order whatever the group. */
+static inline __attribute__((always_inline)) void weigh_rows(const uint16_t *probabilities,
+                                                             const uint16_t *packed_values, int64_t dim_tiles,
+                                                             int64_t first_key_tile, int64_t pass, float *products,
+                                                             int64_t q, const int group) {
+    __m512 sums[8][2];
+    for (int i = 0; i < group; i++) {
+        sums[i][0] = sums[i][1] = _mm512_setzero_ps();
+    }
+    const uint16_t *rows = probabilities + q * KEY_BLOCK;
+    for (int64_t tile = 0; tile < KEY_BLOCK / TILE_KEYS; tile++) {
+        const uint16_t *low_values = packed_values + ((first_key_tile + tile) * dim_tiles + 2 * pass) * 16 * 32;
+        const uint16_t *high_values = low_values + 16 * 32;
+        const uint16_t *tile_rows = rows + tile * TILE_KEYS;
+        for (int64_t key_pair = 0; key_pair < 16; key_pair++) {
+            __m512bh low = (__m512bh)_mm512_loadu_si512(low_values + key_pair * 32);
+            __m512bh high = (__m512bh)_mm512_loadu_si512(high_values + key_pair * 32);
+            for (int i = 0; i < group; i++) {
+                int32_t probability_pair;
+                memcpy(&probability_pair, tile_rows + i * KEY_BLOCK + 2 * key_pair, sizeof probability_pair);
+                __m512bh broadcast = (__m512bh)_mm512_set1_epi32(probability_pair);
+                sums[i][0] = _mm512_dpbf16_ps(sums[i][0], broadcast, low);
+                sums[i][1] = _mm512_dpbf16_ps(sums[i][1], broadcast, high);
+            }
+        }
+    }
+    for (int i = 0; i < group; i++) {
+        _mm512_storeu_ps(products + (q + i) * 32, sums[i][0]);
+        _mm512_storeu_ps(products + (q + i) * 32 + 16, sums[i][1]);
+    }
+}
+
+/* products [rows x 32] = P [rows x KEY_BLOCK keys] . V [those keys x dims 32 * pass ..+32], on
+ * VDPBF16PS: 8 queries x 32 dims of sums at a time, a lone query for the last few. */
+static void weigh_block_vector(const uint16_t *probabilities, int64_t rows, const uint16_t *packed_values,
+                               int64_t dim_tiles, int64_t first_key_tile, int64_t pass, float *products) {
+    int64_t q = 0;
+    for (; q + 8 <= rows; q += 8) {
+        weigh_rows(probabilities, packed_values, dim_tiles, first_key_tile, pass, products, q, 8);
+    }
+    for (; q < rows; q++) {
+        weigh_rows(probabilities, packed_values, dim_tiles, first_key_tile, pass, products, q, 1);
+    }
+}
+
+/* The two products of a block, on tiles (all QUERY_BLOCK rows) where `use_amx`. */
+static void score_block(const QueryBlock *b, const uint16_t *queries, int64_t first_key_tile, float *scores) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (use_amx) {
+    if (b->use_amx) {
         for (int64_t k = 0; k < KEY_BLOCK / TILE_KEYS; k++) {
-            score_tile(queries, head_dim, packed_keys, first_key_tile + k, scores + k * TILE_KEYS, KEY_BLOCK);
+            score_tile(queries, b->head_dim, b->packed_keys, first_key_tile + k, scores + k * TILE_KEYS, KEY_BLOCK);
         }
         return;
     }
 #endif
-    (void)use_amx;
-    score_block_vector(queries, head_dim, packed_keys, first_key_tile, scores);
+    score_block_vector(queries, b->rows, b->head_dim, b->packed_keys, first_key_tile, scores);
 }
 
-static void weigh_block(int use_amx, const uint16_t *probabilities, const uint16_t *packed_values, int64_t dim_tiles,
-                        int64_t first_key_tile, int64_t pass, float *products) {
+static void weigh_block(const QueryBlock *b, const uint16_t *probabilities, int64_t first_key_tile, int64_t pass,
+                        float *products) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (use_amx) {
-        weigh_tiles(probabilities, packed_values, dim_tiles, first_key_tile, pass, products);
+    if (b->use_amx) {
+        weigh_tiles(probabilities, b->packed_values, b->head_dim / 16, first_key_tile, pass, products);
         return;
     }
 #endif
-    (void)use_amx;
-    weigh_block_vector(probabilities, packed_values, dim_tiles, first_key_tile, pass, products);
+    weigh_block_vector(probabilities, b->rows, b->packed_values, b->head_dim / 16, first_key_tile, pass, products);
 }
 
-static void attend_query_block(const PrefillProblem *p, int64_t head, int64_t query_block) {
-    int64_t head_dim = p->head_dim, group = p->num_heads / p->num_kv_heads, kv_head = head / group;
-    int64_t causal_offset = p->num_keys - p->num_queries, first_query = query_block * QUERY_BLOCK;
+static void attend_query_block(const QueryBlock *b) {
+    int64_t head_dim = b->head_dim, rows = b->rows;
     uint16_t queries[QUERY_BLOCK * PREFILL_MAX_HEAD_DIM] __attribute__((aligned(64)));
     uint16_t probabilities[QUERY_BLOCK * KEY_BLOCK] __attribute__((aligned(64)));
     float scores[QUERY_BLOCK * KEY_BLOCK] __attribute__((aligned(64)));
@@ -358,31 +463,31 @@ static void attend_query_block(const PrefillProblem *p, int64_t head, int64_t qu
     float row_max[QUERY_BLOCK] __attribute__((aligned(64)));
     float row_sums[QUERY_BLOCK * 16] __attribute__((aligned(64)));
     float rescale[QUERY_BLOCK] __attribute__((aligned(64)));
-    int64_t rows = p->num_queries - first_query < QUERY_BLOCK ? p->num_queries - first_query : QUERY_BLOCK;
-    for (int64_t r = 0; r < QUERY_BLOCK; r++) {
+    /* Tiles read all QUERY_BLOCK rows of queries; the vector path only the block's own. */
+    int64_t query_rows = b->use_amx ? QUERY_BLOCK : rows;
+    for (int64_t r = 0; r < query_rows; r++) {
         uint16_t *destination = queries + r * head_dim;
         if (r < rows) {
-            memcpy(destination, p->query + (first_query + r) * p->query_row_stride + head * head_dim,
-                   (size_t)head_dim * 2);
+            memcpy(destination, b->queries + r * b->query_stride, (size_t)head_dim * 2);
         } else {
             memset(destination, 0, (size_t)head_dim * 2);
         }
+    }
+    for (int64_t r = 0; r < QUERY_BLOCK; r++) {
         row_max[r] = MASKED_SCORE;
     }
-    memset(row_sums, 0, sizeof row_sums);
-    memset(output, 0, sizeof output);
-    const uint16_t *packed_keys = p->packed_keys + kv_head * p->padded_keys * head_dim;
-    const uint16_t *packed_values = p->packed_values + kv_head * p->padded_keys * head_dim;
-    int64_t last_key = first_query + rows - 1 + causal_offset;
-    int64_t num_key_blocks = (last_key < p->num_keys ? last_key : p->num_keys - 1) / KEY_BLOCK + 1;
+    memset(row_sums, 0, (size_t)rows * 16 * sizeof(float));
+    memset(output, 0, (size_t)(rows * head_dim) * sizeof(float));
+    int64_t last_key = b->first_position + rows - 1;
+    int64_t num_key_blocks = (last_key < b->num_keys ? last_key : b->num_keys - 1) / KEY_BLOCK + 1;
     for (int64_t key_block = 0; key_block < num_key_blocks; key_block++) {
         int64_t first_key_tile = key_block * (KEY_BLOCK / TILE_KEYS);
-        score_block(p->use_amx, queries, head_dim, packed_keys, first_key_tile, scores);
-        softmax_block(scores, first_query, key_block * KEY_BLOCK, causal_offset, p->num_keys, p->scale, row_max,
+        score_block(b, queries, first_key_tile, scores);
+        softmax_block(scores, rows, b->first_position, key_block * KEY_BLOCK, b->num_keys, b->scale, row_max,
                       row_sums, rescale, probabilities);
         for (int64_t pass = 0; pass < head_dim / 32; pass++) {
-            weigh_block(p->use_amx, probabilities, packed_values, head_dim / 16, first_key_tile, pass, products);
-            for (int64_t r = 0; r < QUERY_BLOCK; r++) {
+            weigh_block(b, probabilities, first_key_tile, pass, products);
+            for (int64_t r = 0; r < rows; r++) {
                 float *out_row = output + r * head_dim + pass * 32;
                 __m512 factor = _mm512_set1_ps(rescale[r]);
                 for (int64_t d = 0; d < 32; d += 16) {
@@ -394,28 +499,46 @@ static void attend_query_block(const PrefillProblem *p, int64_t head, int64_t qu
     }
     for (int64_t r = 0; r < rows; r++) {
         float inverse_sum = 1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(row_sums + 16 * r));
-        uint16_t *destination = p->out + ((first_query + r) * p->num_heads + head) * head_dim;
+        uint16_t *destination = b->out + r * b->out_stride;
         for (int64_t d = 0; d < head_dim; d++) {
             destination[d] = float_to_bf16(output[r * head_dim + d] * inverse_sum);
         }
     }
 }
 
-static void attend_share(const PrefillProblem *p, int thread_index, int num_threads) {
+static void begin_tiles(int use_amx) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (p->use_amx) {
+    if (use_amx) {
         configure_tiles();
     }
 #endif
-    int64_t query_blocks = (p->num_queries + QUERY_BLOCK - 1) / QUERY_BLOCK;
-    for (int64_t item = thread_index; item < query_blocks * p->num_heads; item += num_threads) {
-        attend_query_block(p, item % p->num_heads, item / p->num_heads);
-    }
+    (void)use_amx;
+}
+
+static void end_tiles(int use_amx) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (p->use_amx) {
+    if (use_amx) {
         _tile_release();
     }
 #endif
+    (void)use_amx;
+}
+
+static void attend_share(const PrefillProblem *p, int thread_index, int num_threads) {
+    begin_tiles(p->use_amx);
+    int64_t query_blocks = (p->num_queries + QUERY_BLOCK - 1) / QUERY_BLOCK;
+    int64_t head_dim = p->head_dim, group = p->num_heads / p->num_kv_heads;
+    for (int64_t item = thread_index; item < query_blocks * p->num_heads; item += num_threads) {
+        int64_t head = item % p->num_heads, first_query = (item / p->num_heads) * QUERY_BLOCK;
+        int64_t kv_offset = (head / group) * p->padded_keys * head_dim;
+        int64_t rows = p->num_queries - first_query < QUERY_BLOCK ? p->num_queries - first_query : QUERY_BLOCK;
+        QueryBlock block = {p->query + first_query * p->query_row_stride + head * head_dim, p->query_row_stride, rows,
+                            first_query + p->num_keys - p->num_queries, p->num_keys, p->packed_keys + kv_offset,
+                            p->packed_values + kv_offset, head_dim, p->scale, p->use_amx,
+                            p->out + (first_query * p->num_heads + head) * head_dim, p->num_heads * head_dim};
+        attend_query_block(&block);
+    }
+    end_tiles(p->use_amx);
 }
 
 /* query [num_queries, num_heads, head_dim], key and value [num_keys, num_kv_heads, head_dim]
@@ -446,5 +569,160 @@ int ft_prefill_attention(const void *query, int64_t query_row_stride, const void
     }
     free(packed);
     return 1;
+}
+
+/* Decode rows attending through block tables: what ft_decode_attention_as_prefill's two ways
+ * of splitting the work share. */
+typedef struct {
+    const uint16_t *query;
+    int64_t query_stride;
+    const uint16_t *kv_cache;
+    int64_t num_slots;
+    const int64_t *block_table;
+    int64_t max_blocks;
+    const int64_t *seq_lens;
+    int64_t block_size, rows, num_heads, num_kv_heads, head_dim;
+    float scale;
+    uint16_t *out;
+    int use_amx;
+} PagedDecodes;
+
+static int64_t padded_length(const PagedDecodes *d, int64_t row) {
+    return (d->seq_lens[row] + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
+}
+
+/* Packs KEY_BLOCK keys from `first_key` of row `row`'s context at `kv_head` into that head's
+ * packed keys and values. */
+static void pack_paged_block(const PagedDecodes *d, int64_t row, int64_t kv_head, int64_t first_key,
+                             uint16_t *packed_keys, uint16_t *packed_values) {
+    int64_t kv_width = d->num_kv_heads * d->head_dim;
+    const int64_t *blocks = d->block_table + row * d->max_blocks;
+    HeadRows keys = {d->kv_cache + kv_head * d->head_dim, kv_width, blocks, d->block_size, d->seq_lens[row]};
+    HeadRows values = {d->kv_cache + d->num_slots * kv_width + kv_head * d->head_dim, kv_width, blocks,
+                       d->block_size, d->seq_lens[row]};
+    pack_key_block(&keys, &values, d->head_dim, first_key, packed_keys, packed_values);
+}
+
+/* Row `row`'s query at `head` over its packed context: the last position of a prefill. */
+static void attend_paged_row(const PagedDecodes *d, int64_t row, int64_t head, const uint16_t *packed_keys,
+                             const uint16_t *packed_values) {
+    int64_t seq_len = d->seq_lens[row];
+    QueryBlock block = {d->query + row * d->query_stride + head * d->head_dim, 0, 1, seq_len - 1, seq_len,
+                        packed_keys, packed_values, d->head_dim, d->scale, d->use_amx,
+                        d->out + (row * d->num_heads + head) * d->head_dim, 0};
+    attend_query_block(&block);
+}
+
+/* Every context packed first (work split by KV head and key block), then every (row, head)
+ * attends: balanced over the threads even for one row, while the packed contexts fit the
+ * cores' caches. Returns 0 when out of memory. */
+static int decode_in_two_phases(const PagedDecodes *d, int num_threads) {
+    int64_t rows = d->rows, head_dim = d->head_dim, group = d->num_heads / d->num_kv_heads;
+    /* Row r's packed K (then V) of KV head h start at packed + offsets[r] + h * padded * head_dim. */
+    int64_t *offsets = malloc((size_t)(2 * rows + 1) * sizeof(int64_t));
+    if (offsets == NULL) {
+        return 0;
+    }
+    int64_t *first_items = offsets + rows + 1; /* row r's first packing item */
+    offsets[0] = 0;
+    int64_t num_items = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        first_items[r] = num_items;
+        num_items += d->num_kv_heads * padded_length(d, r) / KEY_BLOCK;
+        offsets[r + 1] = offsets[r] + 2 * d->num_kv_heads * padded_length(d, r) * head_dim;
+    }
+    uint16_t *packed = aligned_alloc(64, ((size_t)offsets[rows] * sizeof(uint16_t) + 63) / 64 * 64);
+    if (packed == NULL) {
+        free(offsets);
+        return 0;
+    }
+#pragma omp parallel num_threads(num_threads) if (num_items * KEY_BLOCK * head_dim * d->num_heads >= 4 * PARALLEL_MIN_ELEMENTS)
+    {
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < num_items; item++) {
+            int64_t r = 0;
+            while (r + 1 < rows && first_items[r + 1] <= item) {
+                r++;
+            }
+            int64_t key_blocks = padded_length(d, r) / KEY_BLOCK, padded = padded_length(d, r);
+            int64_t kv_head = (item - first_items[r]) / key_blocks;
+            uint16_t *packed_keys = packed + offsets[r] + kv_head * padded * head_dim;
+            pack_paged_block(d, r, kv_head, (item - first_items[r]) % key_blocks * KEY_BLOCK, packed_keys,
+                             packed_keys + d->num_kv_heads * padded * head_dim);
+        }
+        begin_tiles(d->use_amx);
+        /* dynamic: sequences of different lengths make items of different cost */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < rows * d->num_heads; item++) {
+            int64_t r = item / d->num_heads, head = item % d->num_heads, padded = padded_length(d, r);
+            const uint16_t *packed_keys = packed + offsets[r] + (head / group) * padded * head_dim;
+            attend_paged_row(d, r, head, packed_keys, packed_keys + d->num_kv_heads * padded * head_dim);
+        }
+        end_tiles(d->use_amx);
+    }
+    free(packed);
+    free(offsets);
+    return 1;
+}
+
+/* Per (row, KV head): its context packed into this thread's scratch, then the query heads that
+ * read it attend while it is still in this core's cache. Returns 0 when out of memory. */
+static int decode_per_kv_head(const PagedDecodes *d, int num_threads, int64_t max_padded) {
+    int64_t head_dim = d->head_dim, group = d->num_heads / d->num_kv_heads;
+    int all_allocated = 1;
+#pragma omp parallel num_threads(num_threads) reduction(&& : all_allocated)
+    {
+        uint16_t *packed_keys = aligned_alloc(64, (size_t)(2 * max_padded * head_dim) * sizeof(uint16_t));
+        all_allocated = packed_keys != NULL;
+        if (all_allocated) {
+            uint16_t *packed_values = packed_keys + max_padded * head_dim;
+            begin_tiles(d->use_amx);
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t item = 0; item < d->rows * d->num_kv_heads; item++) {
+                int64_t r = item / d->num_kv_heads, kv_head = item % d->num_kv_heads;
+                for (int64_t first_key = 0; first_key < padded_length(d, r); first_key += KEY_BLOCK) {
+                    pack_paged_block(d, r, kv_head, first_key, packed_keys, packed_values);
+                }
+                for (int64_t head = kv_head * group; head < (kv_head + 1) * group; head++) {
+                    attend_paged_row(d, r, head, packed_keys, packed_values);
+                }
+            }
+            end_tiles(d->use_amx);
+        }
+        free(packed_keys);
+    }
+    return all_allocated;
+}
+
+/* Packed contexts beyond this many bytes per thread no longer fit the cores' caches between
+ * the packing and the attending: then each (row, KV head) is packed and attended in one go. */
+#define TWO_PHASE_MAX_BYTES_PER_THREAD (1 << 20)
+
+/* out [rows, num_heads, head_dim] = each row's single query (rows of query, query_stride
+ * apart, heads contiguous) attending over its sequence's first seq_lens[r] keys, read through
+ * block_table [rows, max_blocks] from one layer's bf16 cache [2, num_slots, kv_heads *
+ * head_dim] (block_size a multiple of 16), with the prefill kernel's arithmetic: the bits a
+ * prefill of the same tokens gives the query's position. Returns 1, 0 when out of memory, -1
+ * (touching nothing) when a block id or length lies outside the cache. */
+int ft_decode_attention_as_prefill(const uint16_t *query, int64_t query_stride, const uint16_t *kv_cache,
+                                   int64_t num_slots, const int64_t *block_table, int64_t max_blocks,
+                                   const int64_t *seq_lens, int64_t block_size, int64_t rows, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, float scale, uint16_t *out,
+                                   int num_threads, int use_amx) {
+    if (block_size % 16 != 0 || !tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
+        return -1;
+    }
+    PagedDecodes decodes = {query, query_stride, kv_cache, num_slots, block_table, max_blocks, seq_lens, block_size,
+                            rows, num_heads, num_kv_heads, head_dim, scale, out, use_amx};
+    int64_t packed_bytes = 0, max_padded = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t padded = padded_length(&decodes, r);
+        packed_bytes += 2 * num_kv_heads * padded * head_dim * (int64_t)sizeof(uint16_t);
+        max_padded = padded > max_padded ? padded : max_padded;
+    }
+    if (packed_bytes > (int64_t)num_threads * TWO_PHASE_MAX_BYTES_PER_THREAD) {
+        return decode_per_kv_head(&decodes, num_threads, max_padded);
+    }
+    return decode_in_two_phases(&decodes, num_threads);
 }
 #endif
