@@ -10,8 +10,10 @@
   runs) is read in place, as a view of the cache: no per-layer copy of the context.
 - With native kernels, a step's K/V go into the cache in one call instead of two index copies;
   bf16 decode rows attend in one native call that reads the paged cache in place (no gather,
-  no padding, each row alone: the same bits whatever else the step holds); and a decode-only
-  step carries `DecodeTables` for the model's whole-step native decode.
+  no padding, each row alone: the same bits whatever else the step holds; with
+  `decode_as_prefill`, the prefill kernel's arithmetic, so a position's bits do not depend on
+  whether a decode or a prefill computed it); and a decode-only step carries `DecodeTables`
+  for the model's whole-step native decode.
 """
 
 from __future__ import annotations
@@ -64,9 +66,12 @@ class SDPABackend:
 
     index_dtype = torch.long  # index_copy_ and the native KV write take int64 slots
 
-    def __init__(self, device: torch.device, native_kernels: native.NativeKernels | None = None) -> None:
+    def __init__(
+        self, device: torch.device, native_kernels: native.NativeKernels | None = None, decode_as_prefill: bool = False
+    ) -> None:
         self.device = device
         self.native = native_kernels
+        self.decode_as_prefill = decode_as_prefill
 
     def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> SDPAMetadata:
         decodes = layout.sequences[: layout.num_decodes]
@@ -149,8 +154,18 @@ class SDPABackend:
         """The native paged kernel where it applies (bf16, heads of 32 to 128), else SDPA."""
         paged = metadata.paged_decodes
         if paged is not None and self.native.paged_decode_attention_supports(query, kv_cache):
-            return self.native.paged_decode_attention(query, kv_cache, paged.block_table, paged.seq_lens)
+            as_prefill = self.decode_as_prefill and self.decodes_as_prefill(kv_cache.shape[2])
+            return self.native.paged_decode_attention(
+                query, kv_cache, paged.block_table, paged.seq_lens, as_prefill=as_prefill
+            )
         return _decode_attention(query, kv_cache, metadata)
+
+    def decodes_as_prefill(self, block_size: int) -> bool:
+        """Whether bf16 decode rows can take the prefill kernel's arithmetic here."""
+        return (
+            self.native is not None and self.native.has_decode_kernels and self.native.has_prefill_attention
+            and block_size % native.DECODE_AS_PREFILL_BLOCK_MULTIPLE == 0
+        )
 
     def _prefill(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan

@@ -16,9 +16,11 @@ def select_attention_backend(
     num_heads: int,
     num_kv_heads: int,
     native_kernels: NativeKernels | None = None,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
     """cuda: SDPA flash prefills plus Triton paged attention; cpu: SDPA, writing K/V into the
-    cache with `native_kernels` when given."""
+    cache with `native_kernels` when given, whose decode rows take the prefill kernel's
+    arithmetic when `batch_invariant`."""
     if device.type == "cuda":
         if config.backend == "sdpa":
             raise ValueError("attention_backend: sdpa runs on the CPU; on cuda choose auto or triton")
@@ -33,4 +35,4 @@ def select_attention_backend(
         return CudaAttentionBackend(device, num_heads, num_kv_heads)
     if config.backend == "triton":
         raise ValueError(f"attention_backend: triton needs device cuda, not {device.type}")
-    return SDPABackend(device, native_kernels)
+    return SDPABackend(device, native_kernels, decode_as_prefill=batch_invariant)

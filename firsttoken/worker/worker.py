@@ -14,6 +14,7 @@ import time
 import torch
 
 from firsttoken.attention.backend import AttentionBackend
+from firsttoken.attention.sdpa import SDPABackend
 from firsttoken.attention.selector import select_attention_backend
 from firsttoken.config import EngineConfig
 from firsttoken.core.batch import ModelOutput, SampleSpec, ScheduledChunk, SchedulerOutput
@@ -22,6 +23,7 @@ from firsttoken.errors import InvalidInputError
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.models.registry import build_model, open_checkpoint, resolve_model_path
+from firsttoken.ops.cpu_info import physical_core_count
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
 from firsttoken.ops.linear import PackedLinear, onednn_packing_available, rows_invariant
 from firsttoken.ops.native import load_native_kernels
@@ -29,7 +31,6 @@ from firsttoken.sample.sampler import Sampler
 from firsttoken.sampling_params import SamplingParams
 from firsttoken.tokenizer import Tokenizer
 from firsttoken.worker.cost_calibration import CalibrationLimits, load_or_calibrate
-from firsttoken.ops.cpu_info import physical_core_count
 from firsttoken.worker.device import resolve_device, resolve_dtype
 from firsttoken.worker.host_memory import keep_freed_host_memory
 from firsttoken.worker.kv_cache import allocate_kv_caches, num_kv_blocks
@@ -65,14 +66,16 @@ class Worker:
             native_kernels = load_native_kernels(os.path.join(self.cache_dir, "native"))
         arch = self.checkpoint.arch
         backend = select_attention_backend(
-            config.attention, self.device, arch.num_heads, arch.num_kv_heads, native_kernels
+            config.attention, self.device, arch.num_heads, arch.num_kv_heads, native_kernels,
+            batch_invariant=model_config.batch_invariant,
         )
         self.kernels = Kernels(fused=model_config.fuse_ops, native_kernels=native_kernels)
         self.model = self._load_model(backend)
-        # What the invariance rests on: per-row native decode attention, row-invariant matmuls.
+        # What the invariance rests on: decode rows attending with the prefill kernel's
+        # arithmetic, each alone; row-invariant matmuls.
         self.batch_invariant = (
-            model_config.batch_invariant and native_kernels is not None and native_kernels.has_decode_kernels
-            and self._matmuls_rows_invariant(self.model)
+            model_config.batch_invariant and isinstance(backend, SDPABackend)
+            and backend.decodes_as_prefill(config.cache.block_size) and self._matmuls_rows_invariant(self.model)
         )
         # Decode graphs pad their batches with rows that write one scratch block past the manager's.
         use_graphs = self.device.type == "cuda" and model_config.cuda_graphs

@@ -1,10 +1,6 @@
 """bf16 greedy output that does not depend on the batch: alone, beside other requests, in
-chunks of any size (one token included), and after a prefix-cache hit, the same tokens and the
-same logprob bits.
-
-Not yet covered: a preempted request's recompute prefills tokens whose KV a decode step wrote
-first, and the decode attention kernel's softmax sums in another order than the prefill
-kernel's key tiles."""
+chunks of any size (one token included), after a prefix-cache hit, after preemption and
+recompute, and on blocks a decode step wrote: the same tokens and the same logprob bits."""
 
 from __future__ import annotations
 
@@ -105,3 +101,29 @@ def test_seeded_sampling_draws_the_same_tokens_beside_other_requests(invariant_l
     unseeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
     outputs = invariant_llm.generate(PROMPTS + others, seeded + [unseeded] * len(others))
     assert [_bits(output) for output in outputs[: len(PROMPTS)]] == alone
+
+
+def test_after_preemption_and_recompute_every_bit_is_the_same(invariant_llm, engine_options, alone):
+    """A preempted request prefills again the tokens it had decoded: decode rows attend with
+    the prefill kernel's arithmetic, so the recomputed K/V and logits are the decoded ones."""
+    others = _other_prompts(6, seed=7)
+    others_alone = [_bits(invariant_llm.generate([prompt], GREEDY)[0]) for prompt in others]
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 2  # layers x block tokens x KV heads x head size, bf16
+    small = LLM(**{**engine_options, "kv_cache_memory_bytes": 48 * block_bytes}, enable_prompt_cache=False,
+                max_num_seqs=10)
+    outputs = small.generate(others + PROMPTS, GREEDY)
+    assert sum(output.metrics.num_preemptions for output in outputs) > 0
+    assert [_bits(output) for output in outputs] == others_alone + alone
+
+
+def test_a_prompt_on_blocks_a_decode_step_wrote_gets_every_bit_of_a_cold_prefill(invariant_llm, engine_options):
+    """A follow-up prompt that repeats an answer hits the blocks its decode steps wrote."""
+    llm = LLM(**engine_options, enable_prompt_cache=True)
+    prompt_ids = llm.tokenizer.encode(PROMPTS[0])
+    answer = llm.generate(prompt_token_ids=[prompt_ids], sampling_params=GREEDY)[0]
+    follow_up = prompt_ids + answer.token_ids + llm.tokenizer.encode(" Say it again.")
+    hit = llm.generate(prompt_token_ids=[follow_up], sampling_params=GREEDY)[0]
+    block_size = llm.engine.config.cache.block_size
+    assert hit.num_cached_tokens > len(prompt_ids) // block_size * block_size  # decode-written blocks too
+    cold = invariant_llm.generate(prompt_token_ids=[follow_up], sampling_params=GREEDY)[0]
+    assert _bits(hit) == _bits(cold)
