@@ -53,7 +53,9 @@ class ModelConfig:
     batch_invariant: bool = field(
         default=True,
         metadata=_help("cpu, bf16, unquantized: a request's tokens and logprobs are the same bits whatever "
-                       "else runs in its steps (one-row matmuls run as two rows); off: oneDNN's one-row kernel"),
+                       "else runs in its steps, chunked, cached or recomputed (one-row matmuls run as two rows, "
+                       "decode rows attend with the prefill kernel's arithmetic); off: oneDNN's one-row kernel "
+                       "and an exact-softmax decode kernel"),
     )
     adaptive_threads: bool = field(
         default=True,

@@ -73,8 +73,9 @@ class Worker:
         self.model = self._load_model(backend)
         # What the invariance rests on: decode rows attending with the prefill kernel's
         # arithmetic, each alone; row-invariant matmuls.
+        # Quantized weights are out: decode steps read them, prefills the float ones.
         self.batch_invariant = (
-            model_config.batch_invariant and isinstance(backend, SDPABackend)
+            model_config.batch_invariant and model_config.quantization is None and isinstance(backend, SDPABackend)
             and backend.decodes_as_prefill(config.cache.block_size) and self._matmuls_rows_invariant(self.model)
         )
         # Decode graphs pad their batches with rows that write one scratch block past the manager's.

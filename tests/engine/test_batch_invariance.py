@@ -93,6 +93,13 @@ def test_without_it_one_row_steps_take_onednn_one_row_kernel(engine_options):
     assert not any(getattr(module, "pad_single_rows", False) for module in llm.engine.worker.model.modules())
 
 
+def test_quantized_weights_claim_no_invariance(engine_options):
+    """Decode steps read the quantized weights and prefills the float ones: a position's bits
+    depend on which computed it."""
+    llm = LLM(**engine_options, enable_prompt_cache=False, quantization="int8", chunk_size=64)
+    assert not llm.engine.worker.batch_invariant
+
+
 def test_seeded_sampling_draws_the_same_tokens_beside_other_requests(invariant_llm):
     seeded = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=40 + i, max_tokens=24, ignore_eos=True,
                              logprobs=1) for i in range(len(PROMPTS))]
