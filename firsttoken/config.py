@@ -16,6 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
+SPECULATIVE_METHODS = ("ngram",)
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -250,6 +251,47 @@ class AttentionConfig:
         _require(self.backend in ATTENTION_BACKENDS, "backend", f"unknown backend {self.backend!r}")
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: tokens proposed cheaply, verified by the model in one step."""
+
+    method: str | None = field(
+        default=None,
+        metadata=_help("proposer: ngram (prompt lookup: the tokens that followed the latest earlier "
+                       "match of the last n tokens); unset: off", choices=SPECULATIVE_METHODS),
+    )
+    num_speculative_tokens: int = field(default=4, metadata=_help("tokens proposed per sequence and step"))
+    prompt_lookup_max: int = field(default=4, metadata=_help("ngram: longest suffix matched, in tokens"))
+    prompt_lookup_min: int = field(default=2, metadata=_help("ngram: shortest suffix matched, in tokens"))
+    # Verifying k tokens costs about one decode while a step is bound by reading the weights;
+    # with many sequences it is bound by compute and rejected proposals cost real time.
+    max_num_speculating_seqs: int = field(
+        default=8, metadata=_help("speculate only in steps of at most this many decoding sequences")
+    )
+
+    def __post_init__(self) -> None:
+        _require(
+            self.method is None or self.method in SPECULATIVE_METHODS,
+            "method",
+            f"must be one of {SPECULATIVE_METHODS} or unset, got {self.method!r}",
+        )
+        _require(
+            1 <= self.num_speculative_tokens <= 16,
+            "num_speculative_tokens",
+            f"must be in [1, 16], got {self.num_speculative_tokens}",
+        )
+        _require(
+            1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+            "prompt_lookup_min",
+            f"must be in [1, prompt_lookup_max ({self.prompt_lookup_max})], got {self.prompt_lookup_min}",
+        )
+        _require(
+            self.max_num_speculating_seqs >= 1,
+            "max_num_speculating_seqs",
+            f"must be >= 1, got {self.max_num_speculating_seqs}",
+        )
+
+
 SUBCONFIGS: dict[str, type] = {
     "model_config": ModelConfig,
     "cache": CacheConfig,
@@ -257,6 +299,7 @@ SUBCONFIGS: dict[str, type] = {
     "chunked_prefill": ChunkedPrefillConfig,
     "prompt_cache": PromptCacheConfig,
     "attention": AttentionConfig,
+    "speculative_config": SpeculativeConfig,
 }
 
 # Flat keyword names that would be ambiguous across subsystems get a prefix.
@@ -265,6 +308,7 @@ _FLAT_ALIASES: dict[tuple[str, str], str] = {
     ("prompt_cache", "enable"): "enable_prompt_cache",
     ("prompt_cache", "persist_dir"): "prompt_cache_dir",
     ("attention", "backend"): "attention_backend",
+    ("speculative_config", "method"): "speculative_method",
 }
 
 
@@ -283,10 +327,12 @@ class EngineConfig:
     chunked_prefill: ChunkedPrefillConfig = field(default_factory=ChunkedPrefillConfig)
     prompt_cache: PromptCacheConfig = field(default_factory=PromptCacheConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from flat keywords (`block_size=32`) and/or whole sections (`cache=CacheConfig()`).
+        """Build from flat keywords (`block_size=32`) and/or whole sections (`cache=CacheConfig()`,
+        or its fields as a dict: `speculative_config={"method": "ngram"}`).
 
         Unknown keywords raise a ValueError naming them, so a typo is never silently ignored.
         """
@@ -305,9 +351,19 @@ class EngineConfig:
         built: dict[str, Any] = {}
         for section, section_cls in SUBCONFIGS.items():
             base = sections.get(section, section_cls())
+            if isinstance(base, dict):
+                base = _section_from_dict(section, section_cls, base)
             if not isinstance(base, section_cls):
                 raise InvalidInputError(
                     section, f"expected {section_cls.__name__}, got {type(base).__name__}"
                 )
             built[section] = dataclasses.replace(base, **per_section[section])
         return cls(**built)
+
+
+def _section_from_dict(section: str, section_cls: type, values: dict[str, Any]) -> Any:
+    known = {config_field.name for config_field in dataclasses.fields(section_cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise InvalidInputError(section, f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return section_cls(**values)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any
 
 from firsttoken.config import SUBCONFIGS, flat_name
@@ -46,6 +47,16 @@ def _dest(name: str) -> str:
     return "engine_option_" + name
 
 
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error.msg}): {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return parsed
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One `--flag` per engine config field, with the field's help text and default."""
     for section, section_cls in SUBCONFIGS.items():
@@ -73,6 +84,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                     metavar=None if field.metadata.get("choices") else name.upper(),
                     help=help_text,
                 )
+    parser.add_argument_group("speculative config").add_argument(
+        "--speculative-config",
+        dest=_dest("speculative_config"),
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='the speculative options as one JSON object, as vLLM takes them: '
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' (the flags above override its fields)',
+    )
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -115,5 +135,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             value = getattr(args, _dest(name), None)
             if name not in _NOT_FLAGS and value is not None:
                 options[name] = value
+    speculative = getattr(args, _dest("speculative_config"), None)
+    if speculative is not None:
+        options["speculative_config"] = speculative
     return options
 

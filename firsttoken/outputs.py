@@ -186,3 +186,16 @@ class EngineStats:
     num_steps: int
     last_prefill_budget: int
     num_pinned_tokens: int
+    # Speculative decoding: decodes that carried proposals, proposals, accepted proposals, and
+    # accepted proposals by position (the first, the second, ...).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float | None:
+        """Accepted / proposed tokens; None before any proposal."""
+        if not self.spec_decode_num_draft_tokens:
+            return None
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens

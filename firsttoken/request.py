@@ -104,5 +104,11 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
+    def discard_output_tokens(self, count: int) -> None:
+        """Drop the last `count` output tokens (appended in the step that then hit a stop string)."""
+        if not 0 <= count <= self.num_output_tokens:
+            raise ValueError(f"cannot discard {count} of {self.num_output_tokens} output tokens")
+        del self.token_ids[len(self.token_ids) - count :]
+
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

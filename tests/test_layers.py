@@ -1,8 +1,8 @@
 """The package's imports point down its layers, and the server talks to the engine only.
 
 Layers, top to bottom (DESIGN.md section 3): the command line; the server and the benchmarks;
-the public API (`firsttoken/__init__.py`); the engine; the worker; the sampler; models, core
-and metrics; attention; ops; then the plain modules everything may use (config, errors,
+the public API (`firsttoken/__init__.py`); the engine; the worker; the sampler; models, core,
+metrics and the speculative proposers; attention; ops; then the plain modules everything may use (config, errors,
 outputs, request, sampling parameters, the tokenizer). A module may import its own part of
 the package and any part on a lower layer; every import counts, those inside functions and
 under TYPE_CHECKING too.
@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"engine"},
     {"worker"},
     {"sample"},
-    {"models", "core", "metrics"},
+    {"models", "core", "metrics", "spec"},
     {"attention"},
     {"ops"},
     {"config", "engine_args", "errors", "outputs", "request", "sampling_params", "tokenizer"},

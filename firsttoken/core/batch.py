@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from firsttoken.outputs import SampledToken
 from firsttoken.sampling_params import SamplingParams
@@ -29,10 +29,24 @@ class ScheduledChunk:
     # token's KV comes from the prefill attention kernel whatever the chunk boundaries. A
     # one-token chunk without it is a decode.
     prefill: bool = False
+    # A decode that verifies proposed tokens: the last `num_draft_tokens` of `token_ids` are
+    # proposals, and every one of them samples too (the model's choice after each).
+    num_draft_tokens: int = 0
 
     @property
     def is_decode(self) -> bool:
         return len(self.token_ids) == 1 and not self.prefill
+
+    @property
+    def num_sampled_rows(self) -> int:
+        return 0 if self.sample is None else 1 + self.num_draft_tokens
+
+    def sample_specs(self) -> list[SampleSpec]:
+        """One spec per sampled row: a verify chunk's rows draw output tokens i, i + 1, ..."""
+        if self.sample is None:
+            return []
+        first = self.sample
+        return [SampleSpec(first.sampling_params, first.output_index + i) for i in range(self.num_sampled_rows)]
 
     @property
     def num_tokens(self) -> int:
@@ -59,3 +73,5 @@ class ModelOutput:
     """What one step produced: a token for each chunk that samples."""
 
     sampled: dict[str, SampledToken]
+    # A verify chunk's further tokens: the model's choice after each of its proposals, in order.
+    verified: dict[str, list[SampledToken]] = field(default_factory=dict)

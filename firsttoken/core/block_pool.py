@@ -10,8 +10,8 @@ warm (and on the CPU, its pages are already mapped; a never-written page costs a
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from firsttoken.core.hashing import BlockHash
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 BlockHash = bytes
 

@@ -103,6 +103,15 @@ class KVCacheManager:
             self.pool.cache(blocks[index], request.block_hashes[index])
         self._num_registered_blocks[request.req_id] = max(num_full, self._num_registered_blocks[request.req_id])
 
+    def release_blocks_past(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past its first `num_tokens` tokens (those that held
+        only rejected proposals)."""
+        blocks = self._blocks[request.req_id]
+        keep = num_blocks_for(num_tokens, self.block_size)
+        if len(blocks) > keep:
+            self.pool.release(reversed(blocks[keep:]))
+            del blocks[keep:]
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its tail is evicted before its head."""
         blocks = self._blocks.pop(request.req_id, [])

@@ -4,19 +4,27 @@ Each step serves every running decode first, then fills the rest of the token bu
 prefill chunks in policy order (priority, aging, fewest remaining tokens). When KV blocks run
 out, the most recently admitted request is preempted: its blocks are freed and it is
 recomputed later from its tokens, so every request eventually finishes.
+
+Speculative decoding: with a proposer, a decode may carry proposed tokens the model verifies
+in the same step (every row samples). The scheduler keeps the longest prefix of proposals the
+model agrees with, plus the model's own next token: `num_computed_tokens` counts only accepted
+tokens, so a rejected proposal's KV is never hashed into the prefix cache nor read again, and
+blocks past the sequence's end go back to the pool. It speculates only in steps with no prefill
+waiting (a first token is never delayed by it) and at most `max_num_speculating_seqs` decodes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
 from firsttoken.core.batch import ModelOutput, SampleSpec, ScheduledChunk, SchedulerOutput
+from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
 from firsttoken.core.hashing import BlockHash, extend_block_hashes
 from firsttoken.core.kv_cache_manager import KVCacheManager, num_blocks_for
-from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
 from firsttoken.core.policy import LatencyTargets, StepLoad, adaptive_prefill_budget, prefill_order_key
 from firsttoken.errors import InvalidInputError, QueueFullError
 from firsttoken.outputs import SampledToken
@@ -34,14 +42,26 @@ class SchedulerStats:
     num_decode_tokens: int = 0
     num_steps: int = 0
     last_prefill_budget: int = 0
+    num_drafts: int = 0  # decodes that carried proposals
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # accepted_per_position[i]: drafts whose proposal i + 1 was accepted
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 @dataclass
 class RequestProgress:
-    """What one step did to one request."""
+    """What one step did to one request: the tokens it appended, in order (several when it
+    verified proposals)."""
 
     request: Request
-    sampled: SampledToken | None
+    sampled: list[SampledToken]
+
+
+class DraftProposer(Protocol):
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens likely to follow `token_ids` (none is fine)."""
+        ...
 
 
 class Scheduler:
@@ -55,9 +75,12 @@ class Scheduler:
         max_model_len: int,
         hash_root: BlockHash,
         step_times: StepTimeTracker | None = None,
+        proposer: DraftProposer | None = None,
+        max_num_speculating_seqs: int = 0,
     ) -> None:
         """`step_times`: this device's measured step cost, which sizes prefill chunks when the
-        chunk size is auto (without it an auto step takes the whole token budget)."""
+        chunk size is auto (without it an auto step takes the whole token budget). `proposer`:
+        speculative decoding in steps of at most `max_num_speculating_seqs` decodes."""
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise InvalidInputError(
                 "max_num_batched_tokens",
@@ -76,6 +99,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_index = 0
         self.stats = SchedulerStats()
+        self.proposer = proposer
+        self.max_num_speculating_seqs = max_num_speculating_seqs
+        self._drafts: dict[str, list[int]] = {}  # this step's proposals, by request
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -133,19 +159,47 @@ class Scheduler:
         self.step_index += 1
         scheduled: dict[str, int] = {}
         preempted: list[str] = []
+        self._drafts = {}
         self._schedule_decodes(scheduled, preempted)
+        num_decode_tokens = len(scheduled) + sum(len(draft) for draft in self._drafts.values())
         prefill_budget = self._prefill_budget(num_decodes=len(scheduled))
-        token_budget = min(self.config.max_num_batched_tokens, len(scheduled) + prefill_budget)
-        self._schedule_prefills(scheduled, preempted, token_budget - len(scheduled))
+        token_budget = min(self.config.max_num_batched_tokens, num_decode_tokens + prefill_budget)
+        self._schedule_prefills(scheduled, preempted, token_budget - num_decode_tokens)
         self.stats.last_prefill_budget = prefill_budget
         return SchedulerOutput(chunks=self._build_chunks(scheduled))
 
     def _schedule_decodes(self, scheduled: dict[str, int], preempted: list[str]) -> None:
-        for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING or request.num_uncomputed_tokens != 1:
-                continue
+        decoding = [
+            request for request in self.running
+            if request.status is RequestStatus.RUNNING and request.num_uncomputed_tokens == 1
+        ]
+        speculate = self._speculates(len(decoding))
+        for request in decoding:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted for an earlier decode's block
+            draft = self._propose(request) if speculate else []
+            # Proposals take only free blocks: they never preempt another request.
+            if draft and self.kv.allocate_slots(request, 1 + len(draft)):
+                self._drafts[request.req_id] = draft
             if self._allocate_or_preempt(request, 1, scheduled, preempted):
                 scheduled[request.req_id] = 1
+            else:
+                self._drafts.pop(request.req_id, None)
+
+    def _speculates(self, num_decoding: int) -> bool:
+        """Speculate this step: a proposer, few decodes, and no prompt waiting for its prefill."""
+        return (
+            self.proposer is not None and 0 < num_decoding <= self.max_num_speculating_seqs and not self.waiting
+            and all(request.num_uncomputed_tokens <= 1 for request in self.running)
+        )
+
+    def _propose(self, request: Request) -> list[int]:
+        params = request.sampling_params
+        # Room for the proposals and the model's own token after them.
+        room = min(params.max_tokens - request.num_output_tokens, request.max_total_tokens - request.num_tokens) - 1
+        if room <= 0:
+            return []
+        return self.proposer.propose(request.token_ids, room)
 
     @property
     def latency_targets(self) -> LatencyTargets:
@@ -273,16 +327,21 @@ class Scheduler:
             if end == request.num_tokens:
                 sample = SampleSpec(request.sampling_params, request.num_output_tokens)
             is_decode = _is_decode(request, num_new)
+            draft = self._drafts.get(req_id, [])
             chunks.append(
                 ScheduledChunk(
                     req_id=req_id,
-                    token_ids=request.token_ids[start:end],
+                    token_ids=request.token_ids[start:end] + draft,
                     start_position=start,
                     block_table=self.kv.block_ids(req_id),
                     sample=sample,
                     prefill=not is_decode,
+                    num_draft_tokens=len(draft),
                 )
             )
+            if draft:
+                self.stats.num_drafts += 1
+                self.stats.num_draft_tokens += len(draft)
             if is_decode:
                 self.stats.num_decode_tokens += num_new
             else:
@@ -307,12 +366,37 @@ class Scheduler:
             sampled = model_output.sampled.get(chunk.req_id)
             if sampled is None:
                 continue
-            self._append_token(request, sampled.token_id, now)
-            status = self._stop_status(request, sampled.token_id)
-            if status is not None:
-                self.finish_request(request.req_id, status)
-            progress.append(RequestProgress(request, sampled))
+            tokens = self._accepted(chunk, [sampled, *model_output.verified.get(chunk.req_id, [])])
+            appended = []
+            for token in tokens:
+                self._append_token(request, token.token_id, now)
+                appended.append(token)
+                status = self._stop_status(request, token.token_id)
+                if status is not None:
+                    self.finish_request(request.req_id, status)
+                    break
+            if request.status is RequestStatus.RUNNING and chunk.num_draft_tokens:
+                # The accepted proposals' KV is the model's own: computed, and cacheable.
+                request.num_computed_tokens += len(tokens) - 1
+                self.kv.register_computed_blocks(request)
+                self.kv.release_blocks_past(request, request.num_tokens)
+            progress.append(RequestProgress(request, appended))
         return progress
+
+    def _accepted(self, chunk: ScheduledChunk, sampled: list[SampledToken]) -> list[SampledToken]:
+        """The model's tokens while it agrees with the proposals: its token after each accepted
+        proposal, and after the last one (a correction, or one more)."""
+        draft = chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :]
+        num_accepted = 0
+        while num_accepted < len(draft) and sampled[num_accepted].token_id == draft[num_accepted]:
+            num_accepted += 1
+        if draft:
+            self.stats.num_accepted_tokens += num_accepted
+            positions = self.stats.accepted_per_position
+            positions.extend([0] * (len(draft) - len(positions)))
+            for position in range(num_accepted):
+                positions[position] += 1
+        return sampled[: num_accepted + 1]
 
     def _append_token(self, request: Request, token_id: int, now: float) -> None:
         request.append_output_token(token_id)

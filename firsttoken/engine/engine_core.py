@@ -12,16 +12,17 @@ import itertools
 import logging
 import time
 
-from firsttoken.config import EngineConfig
+from firsttoken.config import EngineConfig, SpeculativeConfig
 from firsttoken.core.cost_model import StepTimeTracker
 from firsttoken.core.hashing import extend_block_hashes, root_hash
 from firsttoken.core.kv_cache_manager import KVCacheManager
-from firsttoken.core.scheduler import Scheduler
+from firsttoken.core.scheduler import DraftProposer, Scheduler
 from firsttoken.engine.output_processor import OutputProcessor
 from firsttoken.errors import InvalidInputError
 from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.request import Request, RequestStatus, RequestTimestamps
 from firsttoken.sampling_params import SamplingParams
+from firsttoken.spec.ngram import NgramProposer
 from firsttoken.worker.pinned_prefix_store import validate_pin_id
 from firsttoken.worker.worker import Worker
 
@@ -53,6 +54,8 @@ class EngineCore:
             self.max_model_len,
             self.hash_root,
             step_times,
+            proposer=draft_proposer(config.speculative_config),
+            max_num_speculating_seqs=config.speculative_config.max_num_speculating_seqs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
@@ -233,4 +236,14 @@ class EngineCore:
             num_steps=scheduler_stats.num_steps,
             last_prefill_budget=scheduler_stats.last_prefill_budget,
             num_pinned_tokens=sum(prefix.num_tokens for prefix in self.pinned.values()),
+            spec_decode_num_drafts=scheduler_stats.num_drafts,
+            spec_decode_num_draft_tokens=scheduler_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=scheduler_stats.num_accepted_tokens,
+            spec_decode_accepted_per_position=tuple(scheduler_stats.accepted_per_position),
         )
+
+
+def draft_proposer(config: SpeculativeConfig) -> DraftProposer | None:
+    if config.method == "ngram":
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+    return None

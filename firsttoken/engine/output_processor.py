@@ -38,15 +38,21 @@ class OutputProcessor:
         self._streams.pop(req_id, None)
 
     def detokenize(self, progress: RequestProgress) -> str | None:
-        """Add the step's token to the request's text; the stop string it completed, if any."""
+        """Add the step's tokens to the request's text, one at a time; at the first that
+        completes a stop string, drop the rest (from the request and the progress) and return
+        that stop string."""
         request = progress.request
         state = self._streams[request.req_id]
-        new_text = state.detokenizer.add_token(progress.sampled.token_id)
-        match = state.stop_matcher.find(state.detokenizer.text, len(new_text))
-        if match is None or request.is_finished:
-            return None
-        stop_string, state.stopped_text_len = match
-        return stop_string
+        for index, token in enumerate(progress.sampled):
+            new_text = state.detokenizer.add_token(token.token_id)
+            match = state.stop_matcher.find(state.detokenizer.text, len(new_text))
+            if match is None or request.is_finished:
+                continue
+            stop_string, state.stopped_text_len = match
+            request.discard_output_tokens(len(progress.sampled) - index - 1)
+            del progress.sampled[index + 1 :]
+            return stop_string
+        return None
 
     def delta(self, progress: RequestProgress) -> RequestDelta:
         """The request's new tokens and text since its previous delta."""
@@ -70,7 +76,7 @@ class OutputProcessor:
             request_id=request.req_id,
             token_ids=new_tokens,
             text=new_text,
-            logprobs=[progress.sampled] if wants_logprobs else None,
+            logprobs=list(progress.sampled) if wants_logprobs else None,
             finished=request.is_finished,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,

@@ -200,9 +200,28 @@ class _EngineStatsCollector:
                 stats.prefix_cache_hits,
             ),
             ("num_preemptions", "Cumulative number of preemptions from the engine.", stats.num_preemptions),
+            ("spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_decode_num_drafts),
+            (
+                "spec_decode_num_draft_tokens",
+                "Number of draft tokens.",
+                stats.spec_decode_num_draft_tokens,
+            ),
+            (
+                "spec_decode_num_accepted_tokens",
+                "Number of accepted tokens.",
+                stats.spec_decode_num_accepted_tokens,
+            ),
         )
         for family_type, entries in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, documentation, value in entries:
                 family = family_type(PREFIX + name, documentation, labels=["model_name"])
                 family.add_metric([self._model_name], value)
                 yield family
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(stats.spec_decode_accepted_per_position):
+            per_position.add_metric([self._model_name, str(position)], count)
+        yield per_position

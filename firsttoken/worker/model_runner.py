@@ -15,8 +15,9 @@ import torch
 
 from firsttoken.attention.backend import AttentionBackend
 from firsttoken.attention.staging import StagingBuffer
-from firsttoken.core.batch import ModelOutput, SchedulerOutput
+from firsttoken.core.batch import ModelOutput, ScheduledChunk, SchedulerOutput
 from firsttoken.models.llama import LlamaForCausalLM
+from firsttoken.outputs import SampledToken
 from firsttoken.sample.sampler import Sampler
 from firsttoken.worker.step_inputs import HostStep, build_host_step
 
@@ -83,8 +84,8 @@ class ModelRunner:
             return ModelOutput(sampled={})
         logits = self.model.compute_logits(hidden)
         # The step's one synchronisation: the sampler hands the ids to Python.
-        sampled = self.sampler.sample(logits, [chunk.sample for chunk in sampling_chunks])
-        return ModelOutput(sampled={chunk.req_id: token for chunk, token in zip(sampling_chunks, sampled)})
+        sampled = self.sampler.sample(logits, [spec for chunk in sampling_chunks for spec in chunk.sample_specs()])
+        return _model_output(sampling_chunks, sampled)
 
     def forward_sampled_rows(self, step: HostStep) -> torch.Tensor:
         """Run the step; hidden states [R, hidden] of the rows that sample, still on the device."""
@@ -101,3 +102,15 @@ class ModelRunner:
         metadata = self.backend.build_metadata(step.layout, slot_mapping)
         hidden = self.model(input_ids, positions, metadata)
         return hidden if step.samples_every_row else hidden[sample_rows]
+
+
+def _model_output(sampling_chunks: list[ScheduledChunk], sampled: list[SampledToken]) -> ModelOutput:
+    """Each chunk's first sampled row, and a verify chunk's further rows."""
+    first, verified = {}, {}
+    row = 0
+    for chunk in sampling_chunks:
+        first[chunk.req_id] = sampled[row]
+        if chunk.num_draft_tokens:
+            verified[chunk.req_id] = sampled[row + 1 : row + chunk.num_sampled_rows]
+        row += chunk.num_sampled_rows
+    return ModelOutput(sampled=first, verified=verified)

@@ -23,7 +23,7 @@ class HostStep:
     input_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
     slot_mapping: np.ndarray  # [T]
-    sample_rows: np.ndarray  # [R]: the last row of each chunk that samples
+    sample_rows: np.ndarray  # [R]: the last row of each chunk that samples (a verify chunk's last 1 + drafts)
     layout: BatchLayout
 
     @property
@@ -73,8 +73,7 @@ def build_host_step(
                 chunk_positions % block_size
             )
         row += count
-        if chunk.sample is not None:
-            sample_rows.append(row - 1)
+        sample_rows.extend(range(row - chunk.num_sampled_rows, row))
         sequences.append(SequenceLayout(count, start, chunk.block_table))
     num_decodes = sum(1 for chunk in ordered if chunk.is_decode)
     return HostStep(

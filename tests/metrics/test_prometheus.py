@@ -30,6 +30,10 @@ STATS = EngineStats(
     num_steps=60,
     last_prefill_budget=256,
     num_pinned_tokens=0,
+    spec_decode_num_drafts=10,
+    spec_decode_num_draft_tokens=40,
+    spec_decode_num_accepted_tokens=13,
+    spec_decode_accepted_per_position=(7, 4, 2, 0),
 )
 
 

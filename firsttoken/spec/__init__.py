@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers of draft tokens (the model verifies them in one step)."""

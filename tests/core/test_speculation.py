@@ -1,0 +1,115 @@
+"""The scheduler's side of speculative decoding, with a fake proposer and a fake model."""
+
+from __future__ import annotations
+
+from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
+from firsttoken.core.batch import ModelOutput, SchedulerOutput
+from firsttoken.core.hashing import root_hash
+from firsttoken.core.kv_cache_manager import KVCacheManager
+from firsttoken.core.scheduler import Scheduler
+from firsttoken.outputs import SampledToken
+from tests.core.fakes import EOS, make_request
+
+BLOCK = 4
+
+
+class FixedProposer:
+    def __init__(self, proposal: list[int]) -> None:
+        self.proposal = proposal
+
+    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        return self.proposal[:max_tokens]
+
+
+def make_scheduler(proposal: list[int], num_blocks: int = 64, max_speculating: int = 8) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        ChunkedPrefillConfig(chunk_size=16),
+        KVCacheManager(num_blocks, BLOCK, enable_caching=True),
+        1024,
+        root_hash("fake"),
+        proposer=FixedProposer(proposal),
+        max_num_speculating_seqs=max_speculating,
+    )
+
+
+def model_step(scheduler: Scheduler, choose) -> SchedulerOutput:
+    """One step with a fake model whose token after position p of request r is choose(r, p)."""
+    output = scheduler.schedule()
+    sampled, verified = {}, {}
+    for chunk in output.chunks:
+        if chunk.sample is None:
+            continue
+        last_row = chunk.start_position + chunk.num_tokens - 1 - chunk.num_draft_tokens
+        rows = range(last_row, last_row + 1 + chunk.num_draft_tokens)
+        tokens = [SampledToken(choose(chunk.req_id, position)) for position in rows]
+        sampled[chunk.req_id] = tokens[0]
+        if chunk.num_draft_tokens:
+            verified[chunk.req_id] = tokens[1:]
+    scheduler.update(output, ModelOutput(sampled, verified))
+    return output
+
+
+def test_accepts_the_agreeing_prefix_plus_the_models_next_token_and_hashes_only_accepted_tokens():
+    scheduler = make_scheduler(proposal=[21, 22, 99, 24])
+    request = make_request("r", 8, max_tokens=20)
+    scheduler.add_request(request)
+    # The model continues 20, 21, 22, 23, ... after the prompt.
+    model_step(scheduler, lambda req_id, position: 20 + position - 7)
+    assert request.output_token_ids == [20]
+    output = model_step(scheduler, lambda req_id, position: 20 + position - 7)
+    (chunk,) = output.chunks
+    assert chunk.token_ids == [20, 21, 22, 99, 24] and chunk.num_draft_tokens == 4
+    # 21 and 22 agree; at 99 the model says 23: three new tokens, 99's KV is not computed.
+    assert request.output_token_ids == [20, 21, 22, 23]
+    assert request.num_computed_tokens == 8 + 3
+    assert request.num_uncomputed_tokens == 1
+    stats = scheduler.stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 4, 2)
+    assert stats.accepted_per_position == [1, 1, 0, 0]
+    # Only blocks full of accepted tokens are cached; blocks past the sequence went back.
+    blocks = scheduler.kv.block_ids("r")
+    assert len(blocks) == -(-request.num_tokens // BLOCK)
+    assert scheduler.kv._num_registered_blocks["r"] == request.num_computed_tokens // BLOCK
+
+
+def test_never_overshoots_max_tokens_and_stops_at_eos_inside_the_accepted_run():
+    scheduler = make_scheduler(proposal=[5, 5, 5, 5])
+    capped = make_request("capped", 4, max_tokens=3)
+    scheduler.add_request(capped)
+    while scheduler.has_unfinished_requests():
+        model_step(scheduler, lambda req_id, position: 5)
+    assert capped.output_token_ids == [5, 5, 5]
+
+    scheduler = make_scheduler(proposal=[5, EOS, 5, 5])
+    stopped = make_request("stopped", 4, max_tokens=50)
+    scheduler.add_request(stopped)
+    model_step(scheduler, lambda req_id, position: 5)
+    model_step(scheduler, lambda req_id, position: EOS if position == 5 else 5)
+    assert stopped.output_token_ids == [5, 5, EOS] and stopped.is_finished
+    assert scheduler.kv.pool.num_free_blocks == 64
+
+
+def test_speculates_only_without_waiting_prefills_and_within_the_seq_limit():
+    scheduler = make_scheduler(proposal=[1, 2], max_speculating=1)
+    scheduler.add_request(make_request("a", 4, max_tokens=10))
+    model_step(scheduler, lambda req_id, position: 9)
+    scheduler.add_request(make_request("b", 4, max_tokens=10, first_token=300))
+    output = model_step(scheduler, lambda req_id, position: 9)
+    assert all(chunk.num_draft_tokens == 0 for chunk in output.chunks)  # b was waiting
+    output = model_step(scheduler, lambda req_id, position: 9)
+    assert len(output.chunks) == 2 and all(chunk.num_draft_tokens == 0 for chunk in output.chunks)  # two decodes > 1
+
+
+def test_proposals_never_preempt_and_take_only_free_blocks():
+    scheduler = make_scheduler(proposal=[1, 2, 3, 4], num_blocks=4)
+    request = make_request("r", 6, max_tokens=10)
+    scheduler.add_request(request)
+    model_step(scheduler, lambda req_id, position: 9)
+    held_elsewhere = scheduler.kv.pool.allocate(scheduler.kv.pool.num_free_blocks)
+    output = model_step(scheduler, lambda req_id, position: 9)  # the proposals would need a third block
+    assert output.chunks[0].num_draft_tokens == 0
+    assert scheduler.stats.num_preemptions == 0 and request.output_token_ids == [9, 9]
+    scheduler.kv.pool.release(held_elsewhere)
+    output = model_step(scheduler, lambda req_id, position: 9)
+    assert output.chunks[0].num_draft_tokens == 4

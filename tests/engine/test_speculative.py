@@ -1,0 +1,123 @@
+"""Speculative decoding (n-gram prompt lookup) changes how fast tokens come, never which:
+greedy and seeded outputs with it equal those without, bit for bit in bf16."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from firsttoken import LLM, SamplingParams
+from firsttoken.engine_args import add_engine_args, engine_kwargs
+from firsttoken.errors import InvalidInputError
+
+# Prompts whose answers repeat what came before (the second's does), so that proposals get accepted.
+PROMPTS = [
+    "Repeat this list exactly three times: apple, banana, cherry, date, elderberry, fig, grape.",
+    "Write a Python function that adds two numbers, then write the same function again with comments.",
+    "What is the capital of France?",
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def _bits(output) -> tuple:
+    logprobs = tuple(entry.logprob for entry in output.logprobs) if output.logprobs else None
+    return tuple(output.token_ids), output.text, output.finish_reason, logprobs
+
+
+def _tokens(output) -> tuple:
+    return tuple(output.token_ids), output.text, output.finish_reason
+
+
+def _all_blocks_free(llm: LLM) -> bool:
+    stats = llm.stats()
+    return stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0
+
+
+@pytest.fixture(scope="module")
+def engines(model_path):
+    """bf16 with batch invariance: verify rows give the bits decode rows give."""
+    options = {"model": model_path, "dtype": "bfloat16", "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
+    plain = LLM(**options)
+    if not plain.engine.worker.batch_invariant:
+        pytest.skip("no batch invariance on this machine: verify rows may round otherwise than decode rows")
+    return plain, LLM(**options, speculative_config=NGRAM)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, stop=[", fig", "b + a"]),
+    ],
+    ids=["greedy", "seeded", "stop-strings"],
+)
+def test_outputs_equal_those_without_speculation_alone_and_batched(engines, params):
+    plain, speculative = engines
+    expected = [_bits(output) for output in plain.generate(PROMPTS, params)]
+    assert [_bits(speculative.generate([prompt], params)[0]) for prompt in PROMPTS] == expected
+    assert [_bits(output) for output in speculative.generate(PROMPTS, params)] == expected
+    assert _all_blocks_free(speculative)
+
+
+@pytest.mark.slow
+def test_float32_greedy_tokens_equal_those_without_speculation(model_path):
+    """Without batch invariance a verify row may round otherwise than a decode row: the tokens
+    stay the greedy ones, the logprobs within float32 noise."""
+    options = {"model": model_path, "dtype": "float32", "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    expected = LLM(**options).generate(PROMPTS, params)
+    outputs = LLM(**options, speculative_config=NGRAM).generate(PROMPTS, params)
+    assert [_tokens(output) for output in outputs] == [_tokens(output) for output in expected]
+    for output, reference in zip(outputs, expected):
+        assert [entry.logprob for entry in output.logprobs] == pytest.approx(
+            [entry.logprob for entry in reference.logprobs], abs=1e-4
+        )
+
+
+def test_proposals_get_accepted_and_counted(engines):
+    _, speculative = engines
+    before = speculative.stats()
+    speculative.generate(PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    after = speculative.stats()
+    proposed = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    assert proposed > 0 and 0 < accepted <= proposed
+    assert after.spec_decode_accepted_per_position[0] >= after.spec_decode_accepted_per_position[-1]
+    # Fewer steps than tokens: some steps emitted several.
+    assert after.num_steps - before.num_steps < 40
+
+
+def test_the_prompt_cache_serves_blocks_of_accepted_tokens_only(engines):
+    """A follow-up repeating the answer hits its blocks; their KV gives the plain engine's answer."""
+    plain, speculative = engines
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompt_ids = speculative.tokenizer.encode(PROMPTS[1])
+    answer = speculative.generate(prompt_token_ids=[prompt_ids], sampling_params=params)[0]
+    follow_up = prompt_ids + answer.token_ids + speculative.tokenizer.encode(" Once more:")
+    hit = speculative.generate(prompt_token_ids=[follow_up], sampling_params=params)[0]
+    assert hit.num_cached_tokens > len(prompt_ids)
+    cold = plain.generate(prompt_token_ids=[follow_up], sampling_params=params)[0]
+    assert hit.token_ids == cold.token_ids
+
+
+def test_bad_speculative_options_name_the_field(model_path):
+    with pytest.raises(InvalidInputError, match="method"):
+        LLM(model_path, speculative_config={"method": "medusa"})
+    with pytest.raises(InvalidInputError, match="speculative_config.*prompt_lookup_mid"):
+        LLM(model_path, speculative_config={"method": "ngram", "prompt_lookup_mid": 3})
+    with pytest.raises(InvalidInputError, match="prompt_lookup_min"):
+        LLM(model_path, speculative_config={"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3})
+
+
+def test_the_command_line_takes_vllms_json_and_flags_over_it():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                              "--prompt-lookup-max", "5"])
+    options = engine_kwargs(args)
+    assert options["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    assert options["prompt_lookup_max"] == 5
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "[1, 2]"])
