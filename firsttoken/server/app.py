@@ -36,6 +36,7 @@ from firsttoken.server.protocol import (
     PinRequest,
 )
 from firsttoken.server.request_checks import RequestChecks
+from firsttoken.server.web_ui import add_web_ui
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request (the message names the field)"},
@@ -120,6 +121,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return await unpin(engine, pin_id)
 
     app.include_router(v1)
+    if config.web_ui:
+        add_web_ui(app)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
