@@ -24,7 +24,8 @@ ENDLESS_PROMPT = "Tell me a very long story about a dragon."
 SYSTEM_PROMPT = "You are a patient tutor who explains each step of a calculation and checks the result twice."
 # Renders as DOM the way a model reply does; any of it that ran would set window.__ran.
 HOSTILE_TEXT = (
-    '<script>window.__ran = 1</script> <img src=x onerror="window.__ran = 2"> and `<b>inline</b>`\n'
+    '<script>window.__ran = 1</script> <img src=x onerror="window.__ran = 2">'
+    " and `<b>inline</b>`, ``a ` <i>b</i>``\n"
     "```html\n<script>window.__ran = 3</script>\n```\n"
 )
 RENDERED_TAGS = {"p", "code", "figure", "figcaption", "pre"}
@@ -217,7 +218,7 @@ def test_markup_in_a_reply_is_shown_as_text(page):
     assert rendered["ran"] is None
     assert set(rendered["tags"]) <= RENDERED_TAGS
     assert '<script>window.__ran = 1</script> <img src=x onerror="window.__ran = 2">' in rendered["text"]
-    assert rendered["code"] == ["<b>inline</b>", "<script>window.__ran = 3</script>"]
+    assert rendered["code"] == ["<b>inline</b>", "a ` <i>b</i>", "<script>window.__ran = 3</script>"]
 
 
 def test_markup_in_a_typed_message_is_shown_as_text(page):

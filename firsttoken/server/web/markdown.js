@@ -3,7 +3,8 @@
 // markup, so whatever a model writes (<script>, <img onerror=...>) is shown, not run.
 
 const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)[^`]*$/;
-const INLINE_CODE = /(`[^`\n]+`)/;
+// A run of backticks, then text on the same line, then a run as long (``a ` b`` holds a backtick).
+const INLINE_CODE = /(`+)([^`\n]|[^\n]*?[^`\n])\1(?!`)/g;
 
 // A DocumentFragment holding `text` rendered; an unclosed fence (a reply still streaming)
 // runs to the end of the text.
@@ -63,15 +64,15 @@ function codeBlock(language, text) {
 function prose(text) {
   const paragraph = document.createElement("p");
   paragraph.className = "prose";
-  text.replace(/^\n+|\n+$/g, "").split(INLINE_CODE).forEach((part, index) => {
-    // split() with a capturing group puts the matches at the odd indices.
-    if (index % 2 === 1) {
-      const code = document.createElement("code");
-      code.textContent = part.slice(1, -1);
-      paragraph.append(code);
-    } else if (part) {
-      paragraph.append(document.createTextNode(part));
-    }
-  });
+  const trimmed = text.replace(/^\n+|\n+$/g, "");
+  let shown = 0;
+  for (const match of trimmed.matchAll(INLINE_CODE)) {
+    if (match.index > shown) paragraph.append(document.createTextNode(trimmed.slice(shown, match.index)));
+    const code = document.createElement("code");
+    code.textContent = match[2];
+    paragraph.append(code);
+    shown = match.index + match[0].length;
+  }
+  if (shown < trimmed.length) paragraph.append(document.createTextNode(trimmed.slice(shown)));
   return paragraph;
 }
