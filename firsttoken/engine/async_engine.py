@@ -1,7 +1,7 @@
 """AsyncEngine: the asyncio front end of one EngineCore, whose step loop runs in its own thread.
 
-Requests and aborts cross into the loop thread through an inbox drained at the top of every
-step, so an abort frees its KV blocks within one step. Deltas cross back once per step with
+Requests, aborts and pins cross into the loop thread through an inbox drained at the top of
+every step, so an abort frees its KV blocks within one step. Deltas cross back once per step with
 `loop.call_soon_threadsafe` onto each request's asyncio queue. When no request is left, the
 loop thread sleeps on the inbox's condition (no busy spin); torch releases the GIL inside its
 kernels, so the HTTP side keeps serving while a step runs.
@@ -21,9 +21,9 @@ from typing import Any, AsyncIterator, Protocol, Sequence, Union
 import jinja2
 
 from firsttoken.engine.engine_core import EngineCore
-from firsttoken.engine.llm import LLM
+from firsttoken.engine.llm import LLM, default_pin_id, render_system_prompt
 from firsttoken.errors import EngineDeadError, InvalidInputError
-from firsttoken.outputs import EngineStats, RequestDelta
+from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,79 @@ class _AbortCommand:
     request_id: str
 
 
-_Command = Union[_AddCommand, _AbortCommand]
+@dataclass(frozen=True)
+class _PinCommand:
+    """A prefix for the loop thread to compute and keep resident; `done` gets the pin."""
+
+    pin_id: str
+    token_ids: list[int]
+    done: concurrent.futures.Future[PinnedPrefix]
+
+
+@dataclass(frozen=True)
+class _UnpinCommand:
+    """A pinned prefix for the loop thread to release; `done` gets None or the error."""
+
+    pin_id: str
+    done: concurrent.futures.Future[None]
+
+
+_Command = Union[_AddCommand, _AbortCommand, _PinCommand, _UnpinCommand]
+
+
+def _settle(
+    future: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None
+) -> None:
+    """Give a result to a future the asyncio side may have cancelled meanwhile (nobody waits)."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+class _PendingPins:
+    """The loop thread's pins being computed: each one's internal request id and its waiters."""
+
+    def __init__(self) -> None:
+        self._request_ids: dict[str, str] = {}
+        self._waiters: dict[str, list[concurrent.futures.Future[PinnedPrefix]]] = {}
+
+    def start(self, core: EngineCore, command: _PinCommand) -> None:
+        """Resolve at once if the prefix is already pinned, join a pin under way, or queue one."""
+        existing = core.resident_pin(command.pin_id, command.token_ids)
+        if existing is not None:
+            _settle(command.done, existing)
+            return
+        if command.pin_id in self._waiters:
+            self._waiters[command.pin_id].append(command.done)
+            return
+        try:
+            self._request_ids[command.pin_id] = core.pin_prefix(command.token_ids, command.pin_id)
+        except Exception as error:  # ValueError, QueueFullError: the caller's to handle
+            _settle(command.done, error=error)
+            return
+        self._waiters[command.pin_id] = [command.done]
+
+    def settle_completed(self, core: EngineCore) -> None:
+        """Hand every pin the last step completed to its waiters."""
+        for pin_id in [pin_id for pin_id in self._waiters if pin_id in core.pinned]:
+            del self._request_ids[pin_id]
+            for done in self._waiters.pop(pin_id):
+                _settle(done, core.pinned[pin_id])
+
+    def request_ids(self) -> list[str]:
+        return list(self._request_ids.values())
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail the waiters of every pin under way with `error`, and forget those pins."""
+        for waiters in self._waiters.values():
+            for done in waiters:
+                _settle(done, error=error)
+        self._request_ids.clear()
+        self._waiters.clear()
 
 
 class _Inbox:
@@ -183,6 +255,7 @@ class AsyncEngine:
         self._inbox = _Inbox()
         self._streams: dict[str, RequestStream] = {}
         self._stats = core.stats()
+        self._pinned = tuple(core.pinned.values())
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: EngineDeadError | None = None
@@ -335,9 +408,67 @@ class AsyncEngine:
         if request_id in self._streams:
             self._inbox.put(_AbortCommand(request_id))
 
+    # -- pinned prefixes -----------------------------------------------------------------------
+
+    @property
+    def can_pin(self) -> bool:
+        """Whether prefixes can be pinned at all (they live in the prompt cache)."""
+        return self.core.config.prompt_cache.enable
+
+    async def pin_system_prompt(self, system_prompt: str) -> PinnedPrefix:
+        """Keep the KV of a system message's chat-template rendering resident, as
+        LLM.pin_system_prompt does; returns once it is computed. The pin is named by its tokens,
+        so pinning the same system prompt again returns the same pin.
+
+        Raises InvalidInputError (field `system_prompt`) when the rendering is shorter than one KV
+        block, QueueFullError and EngineDeadError as add_request does.
+        """
+        loop = asyncio.get_running_loop()
+        token_ids = await loop.run_in_executor(self._tokenize_pool, self._encode_system_prompt, system_prompt)
+        self._check_pinnable(len(token_ids))
+        done: concurrent.futures.Future[PinnedPrefix] = concurrent.futures.Future()
+        self._send(_PinCommand(default_pin_id(token_ids), token_ids, done))
+        return await asyncio.wrap_future(done)
+
+    async def unpin_prefix(self, pin_id: str) -> None:
+        """Release a pinned prefix; raises InvalidInputError (field `pin_id`) if there is none."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._send(_UnpinCommand(pin_id, done))
+        await asyncio.wrap_future(done)
+
+    def pinned_prefixes(self) -> tuple[PinnedPrefix, ...]:
+        """The pinned prefixes as of the latest pin or unpin."""
+        return self._pinned
+
+    def _check_pinnable(self, num_tokens: int) -> None:
+        block_size = self.core.config.cache.block_size
+        if num_tokens < block_size:
+            raise InvalidInputError(
+                "system_prompt",
+                f"renders to {num_tokens} tokens, fewer than one KV block ({block_size}); nothing to pin",
+            )
+        if num_tokens >= self.max_request_tokens:  # computing it samples one token after it
+            raise InvalidInputError(
+                "system_prompt",
+                f"renders to {num_tokens} tokens; a request here holds at most {self.max_request_tokens}",
+            )
+
+    def _send(self, command: _PinCommand | _UnpinCommand) -> None:
+        if self._loop is None:
+            raise RuntimeError("AsyncEngine: call start() first")
+        if self._dead is not None:
+            raise self._dead
+        self._inbox.put(command)
+
     def stats(self) -> EngineStats:
         """The engine's gauges and counters as of its latest step (a consistent snapshot)."""
         return self._stats
+
+    def _encode_system_prompt(self, system_prompt: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(render_system_prompt(self.tokenizer, system_prompt))
+        except jinja2.TemplateError as error:
+            raise InvalidInputError("system_prompt", f"the chat template failed: {error}") from error
 
     def _encode(self, prompt: str | None, messages: Messages | None) -> list[int]:
         if messages is not None:
@@ -354,16 +485,19 @@ class AsyncEngine:
     def _run_loop(self) -> None:
         core = self.core
         live: set[str] = set()  # requests this loop added to the core and that have not ended
+        pins = _PendingPins()
         try:
             while True:
                 commands = self._inbox.take_all(wait=not core.has_unfinished_requests())
                 if commands is None:
                     break
                 if commands:
-                    self._apply(commands, live)
+                    self._apply(commands, live, pins)
                 if core.has_unfinished_requests():
                     deltas = core.step()
                     live.difference_update(delta.request_id for delta in deltas if delta.finished)
+                    self._pinned = tuple(core.pinned.values())  # before a pin's waiters wake
+                    pins.settle_completed(core)
                     self._stats = core.stats()
                     if deltas:
                         self._post(self._deliver, deltas)
@@ -371,16 +505,26 @@ class AsyncEngine:
                     self._stats = core.stats()
         except Exception as error:
             logger.exception("the engine loop stopped")
-            self._post(self._fail_all, EngineDeadError(f"the engine loop stopped: {error!r}"))
+            dead = EngineDeadError(f"the engine loop stopped: {error!r}")
+            pins.fail_all(dead)
+            self._post(self._fail_all, dead)
             return
-        for request_id in live:  # shut down: leave the core with no request and every block free
+        # Shut down: leave the core with no request and every block free.
+        for request_id in [*live, *pins.request_ids()]:
             core.abort_request(request_id)
+        pins.fail_all(EngineDeadError("the engine was shut down"))
         self._stats = core.stats()
 
-    def _apply(self, commands: list[_Command], live: set[str]) -> None:
+    def _apply(self, commands: list[_Command], live: set[str], pins: _PendingPins) -> None:
         admissions: list[tuple[str, BaseException | None]] = []
         closing: list[RequestDelta] = []
         for command in commands:
+            if isinstance(command, _PinCommand):
+                pins.start(self.core, command)
+                continue
+            if isinstance(command, _UnpinCommand):
+                self._unpin(command)
+                continue
             if isinstance(command, _AbortCommand):
                 live.discard(command.request_id)
                 delta = self.core.abort_request(command.request_id)
@@ -402,6 +546,15 @@ class AsyncEngine:
                 admissions.append((command.request_id, error))
         if admissions or closing:
             self._post(self._settle, admissions, closing)
+
+    def _unpin(self, command: _UnpinCommand) -> None:
+        try:
+            self.core.unpin_prefix(command.pin_id)
+        except InvalidInputError as error:
+            _settle(command.done, error=error)
+            return
+        self._pinned = tuple(self.core.pinned.values())
+        _settle(command.done)
 
     def _post(self, callback: Any, *args: Any) -> None:
         assert self._loop is not None

@@ -174,6 +174,15 @@ class EngineCore:
         self._pending_pins[req_id] = pin_id
         return req_id
 
+    def resident_pin(self, pin_id: str, token_ids: list[int]) -> PinnedPrefix | None:
+        """The pin `pin_id` if it already holds the full blocks of `token_ids`, else None."""
+        existing = self.pinned.get(pin_id)
+        block_size = self.config.cache.block_size
+        num_full = len(token_ids) // block_size * block_size
+        if existing is None or existing.token_ids != token_ids[:num_full]:
+            return None
+        return existing
+
     def unpin_prefix(self, pin_id: str) -> None:
         if pin_id not in self.pinned:
             raise InvalidInputError("pin_id", f"no pinned prefix {pin_id!r}")

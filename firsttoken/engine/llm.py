@@ -11,6 +11,7 @@ from firsttoken.engine.engine_core import EngineCore
 from firsttoken.errors import InvalidInputError
 from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta, RequestOutput
 from firsttoken.sampling_params import SamplingParams
+from firsttoken.tokenizer import Tokenizer
 
 Messages = Sequence[dict[str, Any]]
 PromptInput = Union[str, Sequence[str], None]
@@ -79,12 +80,11 @@ class LLM:
         `persist_dir` the KV is also saved and restored by the next engine start.
         """
         token_ids = self.tokenizer.encode(prefix) if isinstance(prefix, str) else list(prefix)
-        pin_id = pin_id or "prefix-" + hashlib.sha256(repr(token_ids).encode()).hexdigest()[:16]
-        existing = self.engine.pinned.get(pin_id)
+        pin_id = pin_id or default_pin_id(token_ids)
+        existing = self.engine.resident_pin(pin_id, token_ids)
         if existing is not None:
-            num_full = len(token_ids) // self.engine.config.cache.block_size * self.engine.config.cache.block_size
-            if existing.token_ids == token_ids[:num_full]:
-                return existing  # already resident, e.g. restored from the persist folder
+            return existing  # already resident, e.g. restored from the persist folder
+        if pin_id in self.engine.pinned:
             self.engine.unpin_prefix(pin_id)
         request_id = self.engine.pin_prefix(token_ids, pin_id)
         try:
@@ -98,10 +98,7 @@ class LLM:
     def pin_system_prompt(self, system_prompt: str, pin_id: str | None = None) -> PinnedPrefix:
         """Pin the chat-template rendering of a system message: the prefix of every
         conversation that starts with it."""
-        rendered = self.tokenizer.apply_chat_template(
-            [{"role": "system", "content": system_prompt}], add_generation_prompt=False
-        )
-        return self.pin_prefix(rendered, pin_id)
+        return self.pin_prefix(render_system_prompt(self.tokenizer, system_prompt), pin_id)
 
     def unpin_prefix(self, pin_id: str) -> None:
         self.engine.unpin_prefix(pin_id)
@@ -159,6 +156,19 @@ class LLM:
         finally:
             for request_id in remaining:
                 self.engine.abort_request(request_id)
+
+
+def default_pin_id(token_ids: Sequence[int]) -> str:
+    """A pin id named by its tokens, so that pinning the same prefix again names the same pin."""
+    return "prefix-" + hashlib.sha256(repr(list(token_ids)).encode()).hexdigest()[:16]
+
+
+def render_system_prompt(tokenizer: Tokenizer, system_prompt: str) -> str:
+    """The chat-template rendering of a system message alone: the prefix of every conversation
+    that starts with it."""
+    return tokenizer.apply_chat_template(
+        [{"role": "system", "content": system_prompt}], add_generation_prompt=False
+    )
 
 
 def _normalize_prompts(

@@ -21,6 +21,7 @@ from firsttoken.server.completions import create_completion
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.errors import APIError, install_error_handlers
 from firsttoken.server.json_body import checked_json_route
+from firsttoken.server.pins import list_pins, pin_system_prompt, unpin
 from firsttoken.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -29,13 +30,19 @@ from firsttoken.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    Pin,
+    PinDeleted,
+    PinList,
+    PinRequest,
 )
 from firsttoken.server.request_checks import RequestChecks
+from firsttoken.server.web_ui import add_web_ui
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request (the message names the field)"},
     401: {"model": ErrorResponse, "description": "missing or wrong API key"},
-    404: {"model": ErrorResponse, "description": "unknown model"},
+    404: {"model": ErrorResponse, "description": "unknown model or pin"},
+    409: {"model": ErrorResponse, "description": "pins need the prompt cache; this server runs without"},
     413: {"model": ErrorResponse, "description": "request body over --max-request-bytes"},
     429: {"model": ErrorResponse, "description": "waiting queue full; retry after Retry-After seconds"},
     503: {"model": ErrorResponse, "description": "the engine is not running"},
@@ -101,7 +108,21 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             ]
         )
 
+    @v1.post("/pins", response_model=Pin)
+    async def pins_create(body: PinRequest) -> Pin:
+        return await pin_system_prompt(engine, body)
+
+    @v1.get("/pins", response_model=PinList)
+    async def pins_list() -> PinList:
+        return list_pins(engine)
+
+    @v1.delete("/pins/{pin_id}", response_model=PinDeleted)
+    async def pins_delete(pin_id: str) -> PinDeleted:
+        return await unpin(engine, pin_id)
+
     app.include_router(v1)
+    if config.web_ui:
+        add_web_ui(app)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:

@@ -86,6 +86,12 @@ def register_serve_verb(subparsers: Any) -> None:
         default=False,
         help="log each request (default: off)",
     )
+    group.add_argument(
+        "--web-ui",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS.web_ui,
+        help="serve the chat page, with live time-to-first-token figures, at / (default: on)",
+    )
     add_engine_args(serve)
     serve.set_defaults(handler=run_serve)
 
@@ -117,6 +123,7 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
         shutdown_timeout_s=args.shutdown_timeout,
         strict_fields=args.strict_fields,
         access_log=args.access_log,
+        web_ui=args.web_ui,
     )
 
 
@@ -129,10 +136,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine.from_options(args.model, system_prompt=system_prompt, **engine_options(args))
     config = server_config(args, engine.model_path)
     server = build_server(create_app(engine, config), config, abort_in_flight=engine.shutdown)
-    print(
-        f"firsttoken: serving {config.model_name} on http://{config.host}:{config.port}",
-        file=sys.stderr,
-        flush=True,
-    )
+    address = f"http://{config.host}:{config.port}"
+    chat_page = f"; chat page at {address}/" if config.web_ui else ""
+    print(f"firsttoken: serving {config.model_name} on {address}{chat_page}", file=sys.stderr, flush=True)
     server.run()
     return 1 if server.aborted_in_flight else 0

@@ -46,6 +46,8 @@ class ServerConfig:
     # Seconds a shutdown waits for in-flight requests before ending them with an error.
     shutdown_timeout_s: float = 30.0
     access_log: bool = False
+    # Serve the chat page at `/` (static files of the package; it talks to /v1 like any client).
+    web_ui: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -12,7 +12,7 @@ import pytest
 from firsttoken import SamplingParams
 from firsttoken.config import EngineConfig
 from firsttoken.engine.async_engine import AsyncEngine
-from firsttoken.errors import EngineDeadError, QueueFullError
+from firsttoken.errors import EngineDeadError, InvalidInputError, QueueFullError
 from firsttoken.engine.engine_core import EngineCore
 from tests.prompts import SHORT_PROMPTS, long_prompt
 
@@ -230,6 +230,61 @@ def test_tokenizer_is_safe_under_concurrent_encode_and_decode(core):
         for order, ids, decoded in pool.map(work, range(8)):
             assert ids == [expected_ids[text] for text in order]
             assert decoded == [expected_texts[text] for text in order]
+
+
+PIN_SYSTEM_PROMPT = "You are a careful math tutor who explains each step of a calculation and checks it."
+
+
+def test_a_pinned_system_prompt_is_reused_until_unpinned(core):
+    conversation = [{"role": "system", "content": PIN_SYSTEM_PROMPT}, {"role": "user", "content": "2+2?"}]
+
+    async def test(engine: AsyncEngine) -> None:
+        pinned = await engine.pin_system_prompt(PIN_SYSTEM_PROMPT)
+        assert pinned.num_tokens >= core.config.cache.block_size
+        assert engine.pinned_prefixes() == (pinned,)
+        assert await engine.pin_system_prompt(PIN_SYSTEM_PROMPT) == pinned
+        deltas = [delta async for delta in engine.generate(messages=conversation, sampling_params=GREEDY)]
+        assert deltas[-1].num_cached_tokens == pinned.num_tokens
+        await engine.unpin_prefix(pinned.pin_id)
+        assert engine.pinned_prefixes() == ()
+        with pytest.raises(InvalidInputError, match="^pin_id: no pinned prefix"):
+            await engine.unpin_prefix(pinned.pin_id)
+
+    run(core, test)
+
+
+def test_concurrent_pins_of_one_system_prompt_share_one_pin(core):
+    async def test(engine: AsyncEngine) -> None:
+        pins = await asyncio.gather(*(engine.pin_system_prompt(PIN_SYSTEM_PROMPT) for _ in range(3)))
+        assert pins[0] == pins[1] == pins[2]
+        assert engine.pinned_prefixes() == (pins[0],)
+        await engine.unpin_prefix(pins[0].pin_id)
+
+    run(core, test)
+
+
+def test_a_system_prompt_too_short_or_too_long_to_pin_is_refused(core):
+    async def test(engine: AsyncEngine) -> None:
+        with pytest.raises(InvalidInputError, match="^system_prompt: renders to .* fewer than one KV block"):
+            await engine.pin_system_prompt("Hi")
+        with pytest.raises(InvalidInputError, match="^system_prompt: renders to .* at most"):
+            await engine.pin_system_prompt("word " * core.max_request_tokens)
+        assert engine.pinned_prefixes() == ()
+
+    run(core, test)
+
+
+def test_shutdown_during_a_pin_fails_it_and_frees_its_blocks(core):
+    async def test(engine: AsyncEngine) -> None:
+        pin = asyncio.create_task(engine.pin_system_prompt(long_prompt(3)))
+        while engine.stats().num_running == 0:  # prefilling in 64-token chunks
+            await asyncio.sleep(0.001)
+        await engine.shutdown()
+        with pytest.raises(EngineDeadError):
+            await pin
+        assert core.pinned == {}
+
+    run(core, test)
 
 
 def test_from_options_loads_the_model_off_the_callers_thread(monkeypatch):

@@ -45,6 +45,8 @@ def test_every_engine_option_is_a_serve_flag():
         "--max-choices",
         "--shutdown-timeout",
         "--strict-fields",
+        "--web-ui",
+        "--no-web-ui",
     ):
         assert flag in flags
 
@@ -87,6 +89,9 @@ def test_serve_flags_map_to_engine_and_server_settings():
         1000,
     )
     assert config.shutdown_timeout_s == 2.5
+    assert config.web_ui
+    no_page = build_parser().parse_args(["serve", "--no-web-ui"])
+    assert not server_config(no_page, "/models/x.gguf").web_ui
     named = build_parser().parse_args(["serve", "--served-model-name", "a", "b"])
     assert server_config(named, "/models/x.gguf").served_model_names == ("a", "b")
 
@@ -141,6 +146,8 @@ def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path):
         )
         assert reply.status_code == 200 and reply.json()["model"] == "cli-model"
         assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # the pinned blocks
+        assert [pin["id"] for pin in httpx.get(base_url + "/v1/pins").json()["data"]] == ["system-prompt"]
+        assert httpx.get(base_url + "/").headers["content-type"] == "text/html; charset=utf-8"
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 130  # a clean shutdown, then the conventional Ctrl-C status
         assert "Traceback" not in (tmp_path / "serve.log").read_text()

@@ -1,0 +1,37 @@
+"""/v1/pins: system prompts whose KV stays resident, so that every chat starting with one skips
+its prefill. Under /v1, so a server started with --api-key requires the key here too."""
+
+from __future__ import annotations
+
+from firsttoken.engine import AsyncEngine, InvalidInputError
+from firsttoken.outputs import PinnedPrefix
+from firsttoken.server.errors import APIError
+from firsttoken.server.protocol import Pin, PinDeleted, PinList, PinRequest
+
+
+async def pin_system_prompt(engine: AsyncEngine, body: PinRequest) -> Pin:
+    """Returns once the prompt's KV is computed and pinned."""
+    if not engine.can_pin:
+        raise APIError(
+            409,
+            "system_prompt: cannot be pinned: this server runs without a prompt cache (--no-prompt-cache)",
+            param="system_prompt",
+            code="prompt_cache_disabled",
+        )
+    return _pin(await engine.pin_system_prompt(body.system_prompt))
+
+
+def list_pins(engine: AsyncEngine) -> PinList:
+    return PinList(data=[_pin(pinned) for pinned in engine.pinned_prefixes()])
+
+
+async def unpin(engine: AsyncEngine, pin_id: str) -> PinDeleted:
+    try:
+        await engine.unpin_prefix(pin_id)
+    except InvalidInputError as error:
+        raise APIError(404, str(error), param="pin_id", code="pin_not_found") from error
+    return PinDeleted(id=pin_id)
+
+
+def _pin(pinned: PinnedPrefix) -> Pin:
+    return Pin(id=pinned.pin_id, num_tokens=pinned.num_tokens)
