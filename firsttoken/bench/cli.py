@@ -309,6 +309,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from firsttoken.bench.serve_overhead import format_overhead
     from firsttoken.bench.serve_report import format_serve_summary, serve_payload
     from firsttoken.bench.serve_stats import SLO, summarize_run
+    from firsttoken.bench.server_counters import format_counters
 
     target = ServeTarget(args.base_url, args.endpoint, args.model, args.ignore_eos, args.timeout_s)
     shape = LoadShape(args.request_rate, args.max_concurrency, args.seed)
@@ -330,6 +331,8 @@ def run_serve(args: argparse.Namespace) -> int:
     run = asyncio.run(run_load(target, shape, prompts, show_progress=not args.no_progress))
     summary = summarize_run(run.records, run.duration_s, slo)
     print(format_serve_summary(summary, slo))
+    if run.server_counters is not None:
+        print(format_counters(run.server_counters))
     stem = result_stem(args.result_dir, f"serve-{dataset.name}")
     payload = serve_payload(target, shape, dataclasses.asdict(dataset), slo, run, summary)
     if args.offline_baseline and summary.num_completed:

@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from firsttoken.bench.datasets import BenchPrompt
+from firsttoken.bench.server_counters import ServerCounters, read_counters
 from firsttoken.bench.serve_stats import RequestRecord
 
 COMPLETIONS = "/v1/completions"
@@ -62,6 +63,8 @@ class ServeRun:
     model: str
     records: list[RequestRecord]
     duration_s: float
+    # The server's counters over the run (None where it exports none of ours).
+    server_counters: ServerCounters | None = None
 
 
 def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:
@@ -82,6 +85,7 @@ async def run_load(
     )
     async with httpx.AsyncClient(base_url=target.base_url, timeout=target.timeout_s, limits=limits) as client:
         model = target.model or await first_listed_model(client)
+        counters_before = await read_counters(client)
         gate = asyncio.Semaphore(shape.max_concurrency or len(prompts))
         with tqdm(total=len(prompts), desc="requests", unit="req", disable=not show_progress) as bar:
             run_start = time.perf_counter()
@@ -101,7 +105,11 @@ async def run_load(
                 tasks.append(asyncio.create_task(send(prompt)))
             records = await asyncio.gather(*tasks)
             duration = time.perf_counter() - run_start
-    return ServeRun(model, list(records), duration)
+        counters_after = await read_counters(client)
+    counters = None
+    if counters_before is not None and counters_after is not None:
+        counters = counters_after.minus(counters_before)
+    return ServeRun(model, list(records), duration, counters)
 
 
 async def first_listed_model(client: httpx.AsyncClient) -> str:

@@ -65,5 +65,6 @@ def serve_payload(
         "slo_ms": dataclasses.asdict(slo),
         "model": run.model,
         "summary": summary.to_dict(),
+        "server_counters": None if run.server_counters is None else dataclasses.asdict(run.server_counters),
         "requests": [dataclasses.asdict(record) for record in run.records],
     }
