@@ -16,9 +16,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
+from common import interleaved_medians, print_table, random_prompt, save_result, timed
 
-from firsttoken import LLM, SamplingParams  # noqa: E402
+from firsttoken import LLM, SamplingParams
 
 CODE = '''def merge(left, right):
     result = []
