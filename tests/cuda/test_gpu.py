@@ -50,13 +50,15 @@ def test_cuda_defaults_to_bfloat16_and_sizes_the_cache_from_free_memory(tiny_fol
 def test_a_step_does_not_synchronise_before_sampling(tiny_folder):
     llm = LLM(tiny_folder, device="cuda", **OPTIONS)
     runner = llm.engine.worker.runner
-    spec = SampleSpec(GREEDY, 0)
+    def chunk(req_id: str, token_ids: list[int], start: int, block_table: list[int]) -> ScheduledChunk:
+        return ScheduledChunk(req_id, token_ids, start, block_table, SampleSpec(GREEDY, 0, req_id))
+
     steps = [
-        [ScheduledChunk("a", [3], 5, [0], spec), ScheduledChunk("b", [4], 9, [1, 2], spec)],  # graph replay
+        [chunk("a", [3], 5, [0]), chunk("b", [4], 9, [1, 2])],  # graph replay
         [
-            ScheduledChunk("a", [3], 5, [0], spec),
-            ScheduledChunk("c", list(range(20)), 4, [3, 4, 5], spec),  # on cached context: Triton
-            ScheduledChunk("d", list(range(30)), 0, [6, 7], spec),  # fresh: SDPA
+            chunk("a", [3], 5, [0]),
+            chunk("c", list(range(20)), 4, [3, 4, 5]),  # on cached context: Triton
+            chunk("d", list(range(30)), 0, [6, 7]),  # fresh: SDPA
         ],
     ]
     for chunks in steps:
