@@ -77,8 +77,8 @@ def register_serve_verb(subparsers: Any) -> None:
         "--strict-fields",
         action=argparse.BooleanOptionalAction,
         default=_DEFAULTS.strict_fields,
-        help="refuse request fields the API does not define with 400 (default: ignore them, "
-        "logging each new name once at debug level)",
+        help="refuse request fields the API does not define with 400 (default: ignore them, naming "
+        "them in one warning per request)",
     )
     group.add_argument(
         "--access-log",
