@@ -81,6 +81,14 @@ def register_serve_verb(subparsers: Any) -> None:
         "them in one warning per request)",
     )
     group.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help='browser origins allowed to call the API, e.g. https://app.example.com, or "*" for any '
+        "(CORS; default: none, no CORS headers)",
+    )
+    group.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -116,6 +124,7 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
         max_choices_per_request=args.max_choices,
         shutdown_timeout_s=args.shutdown_timeout,
         strict_fields=args.strict_fields,
+        allowed_origins=tuple(args.allowed_origins),
         access_log=args.access_log,
     )
 

@@ -221,6 +221,32 @@ class ChatCompletionRequest(GenerationRequest):
         return self
 
 
+class TokenizeRequest(RequestBody):
+    """POST /tokenize (vLLM's shape): a prompt, or messages rendered with the chat template."""
+
+    model: str | None = Field(None, description="a served model name; default: the first one")
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = Field(True, description="with messages: end with the assistant's turn")
+    add_special_tokens: bool = Field(
+        True, description="add the tokenizer's special tokens (BOS), as generation does"
+    )
+    return_token_strs: bool = Field(False, description="also return each token's string")
+
+    @model_validator(mode="after")
+    def _check_one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidInputError("prompt", "give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(RequestBody):
+    """POST /detokenize (vLLM's shape): token ids back to text."""
+
+    model: str | None = Field(None, description="a served model name; default: the first one")
+    tokens: list[int]
+
+
 # -- responses --------------------------------------------------------------------------------
 
 
@@ -368,6 +394,21 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     firsttoken: FirstTokenExtension | None = _omit_if_none()
+
+
+class TokenizeResponse(BaseModel):
+    """The tokens of a /tokenize request, and the context they must fit."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = _omit_if_none()
+
+
+class DetokenizeResponse(BaseModel):
+    """The text of a /detokenize request's tokens."""
+
+    prompt: str
 
 
 class ModelCard(BaseModel):

@@ -72,6 +72,7 @@ HOSTILE = [
      400, "bad_words"),
     ("out-of-vocab stop_token_ids", "/v1/completions", _body({"prompt": "hi", "stop_token_ids": [2**62]}), JSON,
      400, "stop_token_ids"),
+    ("out-of-vocab detokenize", "/detokenize", _body({"tokens": [10**12]}), JSON, 400, "tokens"),
     ("unknown route", "/v1/nothing", GOOD_REQUEST, JSON, 404, None),
 ]  # fmt: skip
 

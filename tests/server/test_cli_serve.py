@@ -45,6 +45,7 @@ def test_every_engine_option_is_a_serve_flag():
         "--max-choices",
         "--shutdown-timeout",
         "--strict-fields",
+        "--allowed-origins",
     ):
         assert flag in flags
 
@@ -89,6 +90,14 @@ def test_serve_flags_map_to_engine_and_server_settings():
     assert config.shutdown_timeout_s == 2.5
     named = build_parser().parse_args(["serve", "--served-model-name", "a", "b"])
     assert server_config(named, "/models/x.gguf").served_model_names == ("a", "b")
+    assert config.allowed_origins == ()
+    cors = build_parser().parse_args(
+        ["serve", "--allowed-origins", "https://a.example", "http://localhost:3000"]
+    )
+    assert server_config(cors, "/models/x.gguf").allowed_origins == (
+        "https://a.example",
+        "http://localhost:3000",
+    )
 
 
 def _free_port() -> int:

@@ -1,7 +1,7 @@
-"""The sampling fields end to end, with the `openai` client and raw HTTP:
+"""The sampling fields and tokenizer endpoints end to end, with the `openai` client and raw HTTP:
 every field reaches the engine (the server's output equals LLM.generate with the same
 SamplingParams), each visibly changes what is generated, bad values and unimplemented fields
-are 400s naming the field, unknown fields are named in a warning."""
+are 400s naming the field, unknown fields are named in a warning; /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -189,3 +189,68 @@ def test_unknown_fields_are_answered_and_named_in_one_warning(server, caplog):
     assert [record.getMessage() for record in caplog.records] == [
         "ignoring request fields the API does not define: 'use_beam_search', 'guided_json'"
     ]
+
+
+# -- /tokenize and /detokenize --------------------------------------------------------------------------
+
+
+def test_tokenize_a_prompt(server, llm):
+    response = httpx.post(server.base_url + "/tokenize", json={"model": MODEL_NAME, "prompt": "Hello world"})
+    assert response.status_code == 200
+    expected = llm.tokenizer.encode("Hello world")
+    assert response.json() == {
+        "count": len(expected),
+        "max_model_len": server.engine.max_model_len,
+        "tokens": expected,
+    }
+
+
+def test_tokenize_messages_counts_what_chat_completions_bills(server, client):
+    tokenized = httpx.post(server.base_url + "/tokenize", json={"messages": CHAT}).json()
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=1)
+    assert tokenized["count"] == reply.usage.prompt_tokens == len(tokenized["tokens"])
+    without_prompt = httpx.post(
+        server.base_url + "/tokenize", json={"messages": CHAT, "add_generation_prompt": False}
+    )
+    assert without_prompt.json()["count"] < tokenized["count"]
+
+
+def test_tokenize_can_return_token_strings(server, llm):
+    body = {"prompt": "Hello world", "return_token_strs": True}
+    token_strs = httpx.post(server.base_url + "/tokenize", json=body).json()["token_strs"]
+    assert token_strs == [
+        llm.tokenizer.id_to_token(token_id) for token_id in llm.tokenizer.encode("Hello world")
+    ]
+
+
+def test_detokenize_reads_ids_back(server, llm):
+    token_ids = llm.tokenizer.encode("The capital of France is Paris.")
+    response = httpx.post(server.base_url + "/detokenize", json={"model": MODEL_NAME, "tokens": token_ids})
+    assert response.json() == {"prompt": "The capital of France is Paris."}
+
+
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    [
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": "hi", "messages": CHAT}, 400, "prompt"),
+        ("/tokenize", {"prompt": 5}, 400, "prompt"),
+        ("/tokenize", {"messages": []}, 400, "messages"),
+        ("/tokenize", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+        ("/detokenize", {"tokens": [1, 49152]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "hi"}, 400, "tokens"),
+    ],
+)
+def test_tokenizer_endpoints_refuse_bad_bodies_naming_the_field(server, path, body, status, param):
+    response = httpx.post(server.base_url + path, json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_no_cors_headers_unless_origins_are_allowed(server):
+    headers = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    preflight = httpx.options(server.base_url + "/v1/completions", headers=headers)
+    assert "access-control-allow-origin" not in preflight.headers
+    answer = httpx.get(server.base_url + "/v1/models", headers={"Origin": "https://app.example"})
+    assert "access-control-allow-origin" not in answer.headers
