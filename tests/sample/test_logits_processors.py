@@ -331,12 +331,17 @@ def test_a_step_without_processors_runs_none(monkeypatch):
 # -- the token state -----------------------------------------------------------------------------------
 
 
+def _seen_token_ids(tracked: TrackedTokens, req_id: str) -> list[int]:
+    slot = tracked.requests[req_id].slot
+    return tracked.penalties.seen_ids[slot, : tracked.penalties.num_seen[slot]].tolist()
+
+
 def test_counts_built_step_by_step_equal_one_recompute_chunk():
     rng = random.Random(16)
     rows = [
         Row(
             f"r{i}",
-            SamplingParams(frequency_penalty=1.0, max_tokens=32),
+            SamplingParams(frequency_penalty=1.0, repetition_penalty=1.2 if i else 1.0, max_tokens=32),
             random_tokens(rng, 9),
             random_tokens(rng, 20),
         )
@@ -350,40 +355,48 @@ def test_counts_built_step_by_step_equal_one_recompute_chunk():
     recomputed.observe(chunks)
     recomputed.observe(chunks)
     for row in rows:
-        expected = torch.bincount(torch.tensor(row.output), minlength=VOCAB).float()
+        expected_counts = torch.bincount(torch.tensor(row.output), minlength=VOCAB).float()
+        # Repetition penalizes the prompt's tokens too; the others only the generated ones.
+        seen = row.prompt + row.output if row.params.repetition_penalty != 1 else row.output
         for tracked in (by_decodes, recomputed):
             tokens = tracked.requests[row.req_id]
             assert tokens.output_token_ids == row.output
-            assert torch.equal(tracked.counts.output_counts[tokens.slot], expected)
+            assert torch.equal(tracked.penalties.output_counts[tokens.slot], expected_counts)
+            assert _seen_token_ids(tracked, row.req_id) == list(dict.fromkeys(seen))
 
 
-def test_a_cached_prompt_prefix_is_still_in_the_repetition_mask():
-    row = _one_row(dict(repetition_penalty=2.0), [5, 6, 7, 8], [])
+def test_a_cached_prompt_prefix_is_still_seen_by_the_repetition_penalty():
+    row = _one_row(dict(repetition_penalty=2.0), [5, 6, 5, 7, 8], [])
     tracked = TrackedTokens(VOCAB, CPU)
     tracked.add([row.tracked_request])
-    tracked.observe([ScheduledChunk("r", [8], 3, [], None)])  # only the last prompt token runs
-    mask = tracked.counts.prompt_mask[tracked.requests["r"].slot]
-    assert mask.nonzero().flatten().tolist() == [5, 6, 7, 8]
+    tracked.observe([ScheduledChunk("r", [8], 4, [], None)])  # only the last prompt token runs
+    assert _seen_token_ids(tracked, "r") == [5, 6, 7, 8]
 
 
-def test_growth_keeps_counts_and_a_released_slot_is_reused_zeroed():
+def test_growth_keeps_counts_and_seen_tokens_and_a_released_slot_is_reused_empty():
     tracked = TrackedTokens(VOCAB, CPU)
-    rows = [Row(f"r{index}", SamplingParams(presence_penalty=1.0), [1], [10 + index]) for index in range(9)]
+    rows = [
+        Row(f"r{index}", SamplingParams(presence_penalty=1.0), [1], list(range(index, index + 10 * index)))
+        for index in range(9)
+    ]
     for row in rows:
         tracked.add([row.tracked_request])
         tracked.observe([ScheduledChunk(row.req_id, [1] + row.output, 0, [], None)])
-    assert tracked.counts.output_counts.shape[0] == 16  # grown 4 -> 8 -> 16
-    for index, row in enumerate(rows):
+    assert tracked.penalties.output_counts.shape[0] == 16  # grown 4 -> 8 -> 16
+    assert tracked.penalties.seen_ids.shape[1] == 128  # grown from 64 for the 80 tokens of r8
+    for row in rows:
         slot = tracked.requests[row.req_id].slot
-        assert tracked.counts.output_counts[slot].nonzero().flatten().tolist() == [10 + index]
+        assert tracked.penalties.output_counts[slot].nonzero().flatten().tolist() == sorted(set(row.output))
+        assert _seen_token_ids(tracked, row.req_id) == row.output
     released_slot = tracked.requests["r5"].slot
     tracked.release(["r5"])
     assert "r5" not in tracked.requests
     newcomer = Row("new", SamplingParams(frequency_penalty=1.0), [1], [])
     tracked.add([newcomer.tracked_request])
-    # Free slots are taken last-released first: the newcomer gets r5's slot, zeroed.
+    # Free slots are taken last-released first: the newcomer gets r5's slot, empty.
     assert tracked.requests["new"].slot == released_slot
-    assert not tracked.counts.output_counts[released_slot].any()
+    assert not tracked.penalties.output_counts[released_slot].any()
+    assert _seen_token_ids(tracked, "new") == []
 
 
 # -- through the sampler -----------------------------------------------------------------------------
