@@ -72,8 +72,8 @@ def serving_steps(rows: list[Row]) -> list[SchedulerOutput]:
     return steps
 
 
-def track_by_decodes(rows: list[Row]) -> TrackedTokens:
-    tracked = TrackedTokens(VOCAB, CPU)
+def track_by_decodes(rows: list[Row], device: torch.device = CPU) -> TrackedTokens:
+    tracked = TrackedTokens(VOCAB, device)
     for step in serving_steps(rows):
         tracked.add(step.new_tracked_requests)
         tracked.observe(step.chunks)
@@ -81,8 +81,9 @@ def track_by_decodes(rows: list[Row]) -> TrackedTokens:
 
 
 def processed(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+    """The rows' logits after the processors, on the logits' device."""
     result = logits.clone()
-    apply_logits_processors(result, [row.spec for row in rows], track_by_decodes(rows))
+    apply_logits_processors(result, [row.spec for row in rows], track_by_decodes(rows, logits.device))
     return result
 
 
