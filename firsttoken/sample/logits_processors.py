@@ -112,7 +112,7 @@ def _resized(buffer: torch.Tensor, num_rows: int, num_columns: int) -> torch.Ten
 
 
 @dataclass
-class _SeenUpdates:
+class _PenaltyUpdates:
     """A step's additions to the penalty buffers, applied in one op each."""
 
     count_slots: list[int] = field(default_factory=list)
@@ -144,7 +144,7 @@ class TrackedTokens:
         self.penalties = PenaltyBuffers(vocab_size, device)
 
     def add(self, tracked: list[TrackedRequest]) -> None:
-        updates = _SeenUpdates()
+        updates = _PenaltyUpdates()
         for request in tracked:
             params = request.sampling_params
             tokens = RequestTokens(
@@ -168,7 +168,7 @@ class TrackedTokens:
 
     def observe(self, chunks: list[ScheduledChunk]) -> None:
         """Count the generated tokens among the step's inputs that were not counted yet."""
-        updates = _SeenUpdates()
+        updates = _PenaltyUpdates()
         for chunk in chunks:
             tokens = self.requests.get(chunk.req_id)
             if tokens is None:
