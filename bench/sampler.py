@@ -108,7 +108,7 @@ def lm_head_logits(num_rows: int, vocab_size: int) -> torch.Tensor:
 
 
 def step_specs(num_rows: int, step: int) -> list[SampleSpec]:
-    return [SampleSpec(MIX[row % len(MIX)], output_index=step) for row in range(num_rows)]
+    return [SampleSpec(MIX[row % len(MIX)], output_index=step, req_id=f"r{row}") for row in range(num_rows)]
 
 
 def greedy_rows_agree(old: PerRowSampler, new: Sampler, logits: torch.Tensor) -> bool:
@@ -130,7 +130,7 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device("cpu")
-    old, new = PerRowSampler(0, device), Sampler(0, device)
+    old, new = PerRowSampler(0, device), Sampler(0, device, args.vocab)
     print(f"vocabulary {args.vocab}, {torch.get_num_threads()} torch threads, {args.repeats} turns each")
     table = []
     for num_rows in args.rows:

@@ -75,6 +75,9 @@ class Request:
     # chunk of it is scheduled, so aging measures starvation, not age.
     waiting_since_step: int = 0
     stop_reason: int | str | None = None
+    # The token ids of sampling_params.bad_words, each word as it starts text and as it follows
+    # a space (tokenized by the engine, which holds the tokenizer).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -109,6 +112,13 @@ class Request:
         if not 0 <= count <= self.num_output_tokens:
             raise ValueError(f"cannot discard {count} of {self.num_output_tokens} output tokens")
         del self.token_ids[len(self.token_ids) - count :]
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The ids that end it when drawn: end-of-sequence (unless ignored) and stop_token_ids."""
+        params = self.sampling_params
+        eos_token_ids = () if params.ignore_eos else self.eos_token_ids
+        return tuple(sorted(set(eos_token_ids) | set(params.stop_token_ids)))
 
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -73,6 +73,19 @@ class Tokenizer:
         (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
         return encoding.ids
 
+    def encode_bad_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word's token ids as it starts a text and, where that differs, as it follows a
+        space (a different first token, the same count): vLLM's tokenization of bad words, so
+        a word is banned at the start of the output and inside it."""
+        sequences: list[tuple[int, ...]] = []
+        for word in words:
+            at_start = tuple(self.encode(word.lstrip(), add_special_tokens=False))
+            sequences.append(at_start)
+            after_space = tuple(self.encode(" " + word.lstrip(), add_special_tokens=False))
+            if after_space[0] != at_start[0] and len(after_space) == len(at_start):
+                sequences.append(after_space)
+        return tuple(sequences)
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 

@@ -10,10 +10,25 @@ from firsttoken.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class SampleSpec:
-    """How to pick the token after a scheduled chunk, and which output token it will be."""
+    """How to pick the token after a scheduled chunk, which output token it will be, and whose."""
 
     sampling_params: SamplingParams
     output_index: int  # 0 for the first generated token; makes seeded sampling reproducible
+    req_id: str  # finds the sampler's token counts of a request that tracks its tokens
+
+
+@dataclass(frozen=True)
+class TrackedRequest:
+    """A request whose logits depend on its tokens so far (penalties, bad words, min_tokens):
+    what the sampler needs of it beyond its parameters, sent once, with the step that first
+    schedules it. The sampler counts its generated tokens from there on, as they come back as
+    step inputs, until the engine releases it."""
+
+    req_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    stop_token_ids: tuple[int, ...]  # the ids that would end it: min_tokens keeps them from being drawn
+    bad_words_token_ids: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,8 @@ class SchedulerOutput:
     """Everything the runner needs for one step."""
 
     chunks: list[ScheduledChunk]
+    # Requests the sampler starts tracking before this step's chunks run.
+    new_tracked_requests: list[TrackedRequest] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
-from firsttoken.core.batch import ModelOutput, SampleSpec, ScheduledChunk, SchedulerOutput
+from firsttoken.core.batch import ModelOutput, SampleSpec, ScheduledChunk, SchedulerOutput, TrackedRequest
 from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
 from firsttoken.core.hashing import BlockHash, extend_block_hashes
 from firsttoken.core.kv_cache_manager import KVCacheManager, num_blocks_for
@@ -102,6 +102,10 @@ class Scheduler:
         self.proposer = proposer
         self.max_num_speculating_seqs = max_num_speculating_seqs
         self._drafts: dict[str, list[int]] = {}  # this step's proposals, by request
+        # Tracked requests (see TrackedRequest) admitted but not yet sent to the sampler, and
+        # those sent whose end the sampler has not been told of.
+        self._unsent_tracked: dict[str, TrackedRequest] = {}
+        self._finished_tracked: list[str] = []
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -148,7 +152,21 @@ class Scheduler:
         self.kv.free(request)
         request.status = status
         request.timestamps.finished = time.perf_counter()
+        if request.sampling_params.tracks_tokens:
+            self._end_tracking(request)
         return request
+
+    def _end_tracking(self, request: Request) -> None:
+        """A tracked request ended: the sampler frees its state, if it was ever sent."""
+        was_admitted = request.timestamps.first_scheduled is not None
+        was_unsent = self._unsent_tracked.pop(request.req_id, None) is not None
+        if was_admitted and not was_unsent:
+            self._finished_tracked.append(request.req_id)
+
+    def take_finished_tracked(self) -> list[str]:
+        """The tracked requests finished since the last call: the sampler frees their counts."""
+        finished, self._finished_tracked = self._finished_tracked, []
+        return finished
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -166,7 +184,12 @@ class Scheduler:
         token_budget = min(self.config.max_num_batched_tokens, num_decode_tokens + prefill_budget)
         self._schedule_prefills(scheduled, preempted, token_budget - num_decode_tokens)
         self.stats.last_prefill_budget = prefill_budget
-        return SchedulerOutput(chunks=self._build_chunks(scheduled))
+        chunks = self._build_chunks(scheduled)
+        # A step without chunks does not reach the worker: its new tracked requests wait for one.
+        new_tracked = list(self._unsent_tracked.values()) if chunks else []
+        if new_tracked:
+            self._unsent_tracked.clear()
+        return SchedulerOutput(chunks, new_tracked)
 
     def _schedule_decodes(self, scheduled: dict[str, int], preempted: list[str]) -> None:
         decoding = [
@@ -291,6 +314,14 @@ class Scheduler:
         if request.timestamps.first_scheduled is None:
             request.num_cached_tokens = num_cached_tokens
             request.timestamps.first_scheduled = time.perf_counter()
+            if request.sampling_params.tracks_tokens:
+                self._unsent_tracked[request.req_id] = TrackedRequest(
+                    request.req_id,
+                    request.sampling_params,
+                    request.prompt_token_ids,
+                    request.stop_token_ids,
+                    request.bad_words_token_ids,
+                )
         return num_new
 
     def _allocate_or_preempt(
@@ -325,7 +356,7 @@ class Scheduler:
             end = start + num_new
             sample = None
             if end == request.num_tokens:
-                sample = SampleSpec(request.sampling_params, request.num_output_tokens)
+                sample = SampleSpec(request.sampling_params, request.num_output_tokens, req_id)
             is_decode = _is_decode(request, num_new)
             draft = self._drafts.get(req_id, [])
             chunks.append(

@@ -249,6 +249,7 @@ class AsyncEngine:
         self.model_path = core.model_path
         self.max_model_len = core.max_model_len
         self.max_request_tokens = core.max_request_tokens
+        self.vocab_size = core.worker.vocab_size
         # Requests allowed to wait for admission (None: no limit); more raise QueueFullError.
         self.max_waiting_requests = core.config.scheduler.max_waiting_requests
         self._observers: list[RequestObserver] = []
@@ -323,7 +324,12 @@ class AsyncEngine:
     # -- requests ------------------------------------------------------------------------------
 
     async def tokenize(
-        self, prompt: Prompt | None = None, *, messages: Messages | None = None
+        self,
+        prompt: Prompt | None = None,
+        *,
+        messages: Messages | None = None,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = True,
     ) -> TokenizedPrompt:
         """Stamp arrival, then render the chat template (for `messages`) and encode, timed.
 
@@ -338,8 +344,20 @@ class AsyncEngine:
             token_ids = list(prompt)
         else:
             loop = asyncio.get_running_loop()
-            token_ids = await loop.run_in_executor(self._tokenize_pool, self._encode, prompt, messages)
+            token_ids = await loop.run_in_executor(
+                self._tokenize_pool, self._encode, prompt, messages, add_generation_prompt, add_special_tokens
+            )
         return TokenizedPrompt(token_ids, arrival_time, time.perf_counter())
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (special tokens included), decoded on the tokenizer threads."""
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidInputError(
+                    "token_ids", f"{token_id} is not a token id in [0, {self.vocab_size})"
+                )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self.tokenizer.decode, token_ids, False)
 
     async def add_request(
         self,
@@ -470,15 +488,21 @@ class AsyncEngine:
         except jinja2.TemplateError as error:
             raise InvalidInputError("system_prompt", f"the chat template failed: {error}") from error
 
-    def _encode(self, prompt: str | None, messages: Messages | None) -> list[int]:
+    def _encode(
+        self,
+        prompt: str | None,
+        messages: Messages | None,
+        add_generation_prompt: bool,
+        add_special_tokens: bool,
+    ) -> list[int]:
         if messages is not None:
             try:
-                prompt = self.tokenizer.apply_chat_template(messages)
+                prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
             except jinja2.TemplateError as error:  # a model's template refusing this conversation
                 raise InvalidInputError("messages", f"the chat template failed: {error}") from error
         if not prompt:
             raise InvalidInputError("prompt", "must not be empty")
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(prompt, add_special_tokens)
 
     # -- the loop thread -----------------------------------------------------------------------
 

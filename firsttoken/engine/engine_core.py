@@ -91,6 +91,7 @@ class EngineCore:
     ) -> Request:
         """Queue a request; raises InvalidInputError or QueueFullError, changing nothing."""
         self._validate_prompt_tokens(prompt_token_ids)
+        self._validate_sampling_token_ids(sampling_params)
         now = time.perf_counter()
         arrival = arrival_time if arrival_time is not None else now
         request = Request(
@@ -103,6 +104,7 @@ class EngineCore:
                 arrival=arrival, tokenized=tokenized_time if tokenized_time is not None else arrival
             ),
             priority=priority,
+            bad_words_token_ids=self.tokenizer.encode_bad_words(sampling_params.bad_words),
         )
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
@@ -118,13 +120,30 @@ class EngineCore:
                     "prompt_token_ids", f"{token_id!r} is not a token id in [0, {vocab_size})"
                 )
 
+    def _validate_sampling_token_ids(self, params: SamplingParams) -> None:
+        vocab_size = self.worker.vocab_size
+        fields = (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids))
+        for field, token_ids in fields:
+            for token_id in token_ids:
+                if token_id >= vocab_size:
+                    raise InvalidInputError(
+                        field, f"{token_id} is not a token id: the vocabulary has {vocab_size} tokens"
+                    )
+
     def abort_request(self, req_id: str) -> RequestDelta | None:
         """End a request now; its KV blocks are freed before this returns."""
         self._pending_pins.pop(req_id, None)
         request = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
         if request is None:
             return None
+        self._release_finished()
         return self.output_processor.closing_delta(request)
+
+    def _release_finished(self) -> None:
+        """Free the worker's token state of the tracked requests that ended."""
+        finished = self.scheduler.take_finished_tracked()
+        if finished:
+            self.worker.release_requests(finished)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -148,6 +167,7 @@ class EngineCore:
                 progress.request.stop_reason = stop_string
                 self.scheduler.finish_request(progress.request.req_id, RequestStatus.FINISHED_STOPPED)
             deltas.append(self.output_processor.delta(progress))
+        self._release_finished()
         return deltas
 
     # -- pinned prefixes -----------------------------------------------------------------

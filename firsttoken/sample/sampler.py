@@ -1,14 +1,20 @@
-"""Batched sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Batched sampling: logits processors, greedy, temperature, min-p, top-k, top-p, per-request
+seeds, logprobs.
 
-Greedy rows take the argmax of their logits. Every other row is drawn by tensor ops over all
-such rows at once; the only Python loops are over a step's specs (building parameter lists) and
-over its few candidate widths (see below).
+Rows whose parameters have logits processors (penalties, logit_bias, bad words, min_tokens; see
+logits_processors.py) have their logits processed first; logprobs are those of the raw logits,
+as vLLM's default. Greedy rows take the argmax of their (processed) logits. Every other row is
+drawn by tensor ops over all such rows at once; the only Python loops are over a step's specs
+(building parameter lists) and over its few candidate widths (see below).
 
-Filtering. Top-k and top-p are both floors on a row's scaled logits (logits / temperature):
-top-k keeps the tokens at or above the k-th largest logit; top-p keeps the smallest prefix of the
-remaining tokens, likeliest first, whose probability reaches top_p, the crossing token included
-(and the likeliest token always), so its floor is the crossing token's logit. Being floors on
-the value, they treat tied tokens alike. `filter_logits` is the plain per-row reference.
+Filtering. Min-p, top-k and top-p are floors on a row's scaled logits (logits / temperature):
+min-p keeps the tokens whose probability is at least min_p times the likeliest token's, that is
+whose scaled logit is at least the largest plus log(min_p); top-k keeps the tokens at or above
+the k-th largest logit; top-p keeps the smallest prefix of the tokens left by the other two,
+likeliest first, whose probability reaches top_p, the crossing token included (and the
+likeliest token always), so its floor is the crossing token's logit (vLLM's order: min-p and
+top-k, then top-p). Being floors on the value, they treat tied tokens alike. `filter_logits` is
+the plain per-row reference.
 
 Candidates. A row with a top-k needs only its largest logits: `torch.topk` of `candidate_width`
 of them (a power of two above k, 64 at least), divided by the temperature after the selection,
@@ -40,12 +46,14 @@ touching the whole vocabulary.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from firsttoken.core.batch import SampleSpec
+from firsttoken.core.batch import SampleSpec, SchedulerOutput
 from firsttoken.outputs import SampledToken, TokenLogprob
+from firsttoken.sample.logits_processors import TrackedTokens, apply_logits_processors
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK63 = (1 << 63) - 1
@@ -71,13 +79,16 @@ def seeded_uniform(seed: int, output_index: int) -> float:
     return ((mixed >> (64 - _UNIFORM_BITS)) + 1) / (1 << _UNIFORM_BITS)
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Logits [V] with every token outside the top-k and the top-p nucleus set to -inf; the
-    plain per-row reference of `find_nucleus`.
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Logits [V] with every token below min-p, outside the top-k or outside the top-p nucleus
+    set to -inf; the plain per-row reference of `find_nucleus`.
 
-    Both filters are floors on the value (the k-th largest logit; the logit of the token whose
-    cumulative probability crosses top_p), so tokens with equal logits share one fate."""
+    The filters are floors on the value (the largest logit plus log(min_p); the k-th largest
+    logit; the logit of the token whose cumulative probability crosses top_p), so tokens with
+    equal logits share one fate."""
     vocab_size = logits.shape[-1]
+    if min_p > 0:
+        logits = logits.masked_fill(logits < logits.max() + math.log(min_p), float("-inf"))
     if 0 < top_k < vocab_size:
         kth_largest = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -117,15 +128,21 @@ def find_nucleus(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     width: int | None,
+    log_min_p: torch.Tensor | None = None,
 ) -> Nucleus:
     """The nucleus of each row of logits [n, V] at its temperature [n, 1], from its `width`
     largest logits. top_k [n, 1] int64 (V when off) must be below `width` unless `width` is V;
-    top_p [n, 1]."""
+    top_p [n, 1]; log_min_p [n, 1] (-inf when off), None when no row has a min-p."""
     num_rows, vocab_size = logits.shape
     all_complete = torch.ones(num_rows, dtype=torch.bool, device=logits.device)
     if width is None:
         num_kept = torch.full((num_rows, 1), vocab_size, device=logits.device)
-        return Nucleus(None, (logits / temperature).softmax(-1).cumsum(-1), num_kept, all_complete)
+        values = logits / temperature
+        if log_min_p is not None:
+            min_p_floor = values.amax(-1, keepdim=True) + log_min_p
+            values = values.masked_fill(values < min_p_floor, float("-inf"))
+        # Tokens below the floor have no probability: the draw never lands on one.
+        return Nucleus(None, values.softmax(-1).cumsum(-1), num_kept, all_complete)
     if width == vocab_size:
         largest, token_ids = torch.sort(logits, dim=-1, descending=True)  # [n, V]
     else:
@@ -134,10 +151,11 @@ def find_nucleus(
     # and only the candidates need dividing.
     values = largest / temperature
     kth_largest = values.gather(1, top_k - 1)  # [n, 1]
-    cumulative = values.masked_fill(values < kth_largest, float("-inf")).softmax(-1).cumsum(-1)
+    floor = kth_largest if log_min_p is None else torch.maximum(kth_largest, values[:, :1] + log_min_p)
+    cumulative = values.masked_fill(values < floor, float("-inf")).softmax(-1).cumsum(-1)
     crossing = (cumulative < top_p).sum(-1, keepdim=True).clamp(max=width - 1)  # [n, 1]
     nucleus_floor = torch.where(top_p < 1.0, values.gather(1, crossing), float("-inf"))
-    num_kept = (values >= torch.maximum(kth_largest, nucleus_floor)).sum(-1, keepdim=True)
+    num_kept = (values >= torch.maximum(floor, nucleus_floor)).sum(-1, keepdim=True)
     complete = all_complete if width == vocab_size else values[:, -1] < kth_largest[:, 0]
     return Nucleus(token_ids, cumulative, num_kept, complete)
 
@@ -159,6 +177,7 @@ class SamplingTensors:
     temperature: torch.Tensor  # [R, 1] float32; 1 on greedy rows, which never divide
     top_k: torch.Tensor  # [R, 1] int64; the vocabulary size when off
     top_p: torch.Tensor  # [R, 1] float32
+    log_min_p: torch.Tensor | None  # [R, 1] float32, -inf where off; None when no row has a min-p
     uniform: torch.Tensor  # [R, 1] float32 in (0, 1]: where each row's draw lands in its kept mass
 
     @classmethod
@@ -166,42 +185,68 @@ class SamplingTensors:
         cls, specs: list[SampleSpec], vocab_size: int, generator: torch.Generator, device: torch.device
     ) -> SamplingTensors:
         rows = []
+        any_min_p = False
         for spec in specs:
             params = spec.sampling_params
+            any_min_p = any_min_p or params.min_p > 0
             top_k = params.top_k if 0 < params.top_k < vocab_size else vocab_size
             temperature = 1.0 if params.greedy else params.temperature
             seeded = params.seed is not None
             uniform = seeded_uniform(params.seed, spec.output_index) if seeded else 0.0
-            rows.append((temperature, top_k, params.top_p, uniform, float(seeded)))
+            log_min_p = math.log(params.min_p) if params.min_p > 0 else float("-inf")
+            rows.append((temperature, top_k, params.top_p, log_min_p, uniform, float(seeded)))
         # One host-to-device copy; float64 holds every field exactly.
-        packed = torch.tensor(rows, dtype=torch.float64, device=device)  # [R, 5]
-        uniform = packed[:, 3:4].float()
+        packed = torch.tensor(rows, dtype=torch.float64, device=device)  # [R, 6]
+        uniform = packed[:, 4:5].float()
         if not all(spec.sampling_params.seed is not None for spec in specs):
             # rand is in [0, 1); 1 - rand is in (0, 1], as the draw needs.
             unseeded = 1.0 - torch.rand(uniform.shape, generator=generator, device=device)
-            uniform = torch.where(packed[:, 4:5].bool(), uniform, unseeded)
-        return cls(packed[:, 0:1].float(), packed[:, 1:2].long(), packed[:, 2:3].float(), uniform)
+            uniform = torch.where(packed[:, 5:6].bool(), uniform, unseeded)
+        log_min_p = packed[:, 3:4].float() if any_min_p else None
+        return cls(packed[:, 0:1].float(), packed[:, 1:2].long(), packed[:, 2:3].float(), log_min_p, uniform)
 
 
 class Sampler:
-    """Picks one token per row of logits; owns the generator of unseeded requests."""
+    """Picks one token per row of logits; owns the generator of unseeded requests and the token
+    state of tracked requests (see logits_processors.py)."""
 
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, vocab_size: int) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.tracked = TrackedTokens(vocab_size, device)
+
+    def begin_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Start tracking the step's new tracked requests and count the generated tokens among
+        its inputs; before the step's sample()."""
+        if scheduler_output.new_tracked_requests:
+            self.tracked.add(scheduler_output.new_tracked_requests)
+        if self.tracked.requests:
+            self.tracked.observe(scheduler_output.chunks)
+
+    def release(self, req_ids: list[str]) -> None:
+        """Forget finished tracked requests."""
+        self.tracked.release(req_ids)
 
     def sample(self, logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampledToken]:
-        """logits: float32 [R, vocab], one row per spec."""
+        """logits: float32 [R, vocab], one row per spec; rows with logits processors are
+        processed in place."""
+        logprob_rows = [row for row, spec in enumerate(specs) if spec.sampling_params.logprobs is not None]
+        # A copy taken before processing changes the rows: logprobs are the model's own.
+        logprob_logits = None
+        if logprob_rows:
+            logprob_logits = torch.index_select(logits, 0, torch.tensor(logprob_rows, device=self.device))
+        if any(spec.sampling_params.processes_logits for spec in specs):
+            apply_logits_processors(logits, specs, self.tracked)
         token_ids = torch.argmax(logits, dim=-1)
         groups = self._group_sampled_rows(specs, logits.shape[-1])
         if groups:
             params = SamplingTensors.build(specs, logits.shape[-1], self.generator, self.device)
-            token_list = self._draw_into(token_ids, logits, params, groups)
+            token_list = self._draw_into(token_ids, logits, params, groups, specs)
         else:
             token_list = token_ids.tolist()
-        if all(spec.sampling_params.logprobs is None for spec in specs):
+        if logprob_logits is None:
             return [SampledToken(token_id) for token_id in token_list]
-        return self._with_logprobs(logits, token_ids, token_list, specs)
+        return self._with_logprobs(logprob_logits, token_ids, token_list, specs, logprob_rows)
 
     @staticmethod
     def _group_sampled_rows(specs: list[SampleSpec], vocab_size: int) -> dict[int | None, list[int]]:
@@ -219,12 +264,13 @@ class Sampler:
         logits: torch.Tensor,
         params: SamplingTensors,
         groups: dict[int | None, list[int]],
+        specs: list[SampleSpec],
     ) -> list[int]:
         """Writes each sampled row's token into token_ids [R]; returns token_ids on the host."""
         incomplete = torch.zeros_like(token_ids, dtype=torch.bool)
         for width, rows in groups.items():
             index = torch.tensor(rows, device=self.device)
-            nucleus = self._nucleus(logits, params, index, width)
+            nucleus = self._nucleus(logits, params, index, width, _log_min_p_of(params, specs, rows, index))
             token_ids[index] = draw(nucleus, params.uniform[index])
             incomplete[index] = ~nucleus.complete
         # Flags ride with the tokens: the step keeps its one synchronisation.
@@ -233,23 +279,35 @@ class Sampler:
         if not full_sort_rows:
             return token_list
         index = torch.tensor(full_sort_rows, device=self.device)
-        token_ids[index] = draw(self._nucleus(logits, params, index, logits.shape[-1]), params.uniform[index])
+        log_min_p = _log_min_p_of(params, specs, full_sort_rows, index)
+        nucleus = self._nucleus(logits, params, index, logits.shape[-1], log_min_p)
+        token_ids[index] = draw(nucleus, params.uniform[index])
         return token_ids.tolist()
 
     @staticmethod
     def _nucleus(
-        logits: torch.Tensor, params: SamplingTensors, index: torch.Tensor, width: int | None
+        logits: torch.Tensor,
+        params: SamplingTensors,
+        index: torch.Tensor,
+        width: int | None,
+        log_min_p: torch.Tensor | None,
     ) -> Nucleus:
         rows = torch.index_select(logits, 0, index)  # [n, V]
-        return find_nucleus(rows, params.temperature[index], params.top_k[index], params.top_p[index], width)
+        return find_nucleus(
+            rows, params.temperature[index], params.top_k[index], params.top_p[index], width, log_min_p
+        )
 
     @staticmethod
     def _with_logprobs(
-        logits: torch.Tensor, token_ids: torch.Tensor, token_list: list[int], specs: list[SampleSpec]
+        logits: torch.Tensor,
+        token_ids: torch.Tensor,
+        token_list: list[int],
+        specs: list[SampleSpec],
+        rows: list[int],
     ) -> list[SampledToken]:
-        rows = [row for row, spec in enumerate(specs) if spec.sampling_params.logprobs is not None]
+        """logits [n, V]: the raw logits of `rows`, the rows that want logprobs."""
         index = torch.tensor(rows, device=logits.device)
-        logprobs = torch.log_softmax(torch.index_select(logits, 0, index), dim=-1)  # [n, V]
+        logprobs = torch.log_softmax(logits, dim=-1)  # [n, V]
         chosen = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()
         max_top = max(specs[row].sampling_params.logprobs for row in rows)
         top_values, top_ids = torch.topk(logprobs, max_top, dim=-1)  # [n, max_top]
@@ -260,3 +318,13 @@ class Sampler:
             top = [TokenLogprob(token_id, value) for token_id, value in top_pairs[position][:num_top]]
             results[row] = SampledToken(token_list[row], chosen[position], top)
         return results
+
+
+def _log_min_p_of(
+    params: SamplingTensors, specs: list[SampleSpec], rows: list[int], index: torch.Tensor
+) -> torch.Tensor | None:
+    """The rows' log(min_p) [n, 1] when one of them has a min-p; None when none has (a floor of
+    -inf changes nothing, so such a group skips it)."""
+    if params.log_min_p is None or not any(specs[row].sampling_params.min_p > 0 for row in rows):
+        return None
+    return params.log_min_p[index]

@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -27,6 +28,8 @@ from firsttoken.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -34,8 +37,11 @@ from firsttoken.server.protocol import (
     PinDeleted,
     PinList,
     PinRequest,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from firsttoken.server.request_checks import RequestChecks
+from firsttoken.server.tokenize import detokenize, tokenize
 from firsttoken.server.web_ui import add_web_ui
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -75,8 +81,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
-    if config.api_key is not None:  # added last, so it runs first: before the body's size is known
+    # Middleware added later runs earlier: the key is checked before the body's size is known.
+    if config.api_key is not None:
         app.add_middleware(ApiKeyGate, api_key=config.api_key)
+    if config.allowed_origins:
+        # Before the key gate: a browser's preflight carries no key, and a 401 or 413 must carry
+        # CORS headers for the page to read it.
+        origins = list(config.allowed_origins)
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"])
     install_error_handlers(app, config.retry_after_s)
 
     def check_model(name: str | None) -> None:
@@ -123,6 +135,22 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.include_router(v1)
     if config.web_ui:
         add_web_ui(app)
+
+    tokenizer_routes = APIRouter(
+        responses=_ERROR_RESPONSES, route_class=checked_json_route(config.json_limits)
+    )
+
+    @tokenizer_routes.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        check_model(body.model)
+        return await tokenize(engine, checks, body)
+
+    @tokenizer_routes.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(body.model)
+        return await detokenize(engine, checks, body)
+
+    app.include_router(tokenizer_routes)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> Response:

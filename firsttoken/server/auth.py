@@ -1,5 +1,5 @@
-"""Bearer-token authentication of the /v1 routes: checked before the body is read, compared in
-constant time."""
+"""Bearer-token authentication of the /v1 routes and /tokenize, /detokenize: checked before the
+body is read, compared in constant time."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from firsttoken.server.errors import APIError
 
 PROTECTED_PREFIX = "/v1"
+# Outside /v1 (as vLLM serves them) but spending the server's work on a client's input.
+PROTECTED_PATHS = ("/tokenize", "/detokenize")
 
 
 class ApiKeyGate:
-    """ASGI middleware: a /v1 request without `Authorization: Bearer <api_key>` gets a 401 before
-    any of its body is read or parsed, so an unauthenticated client costs only its headers."""
+    """ASGI middleware: a protected request without `Authorization: Bearer <api_key>` gets a 401
+    before any of its body is read or parsed, so an unauthenticated client costs only its headers."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -40,4 +42,4 @@ class ApiKeyGate:
 
 
 def _is_protected(path: str) -> bool:
-    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/") or path in PROTECTED_PATHS

@@ -77,8 +77,16 @@ def register_serve_verb(subparsers: Any) -> None:
         "--strict-fields",
         action=argparse.BooleanOptionalAction,
         default=_DEFAULTS.strict_fields,
-        help="refuse request fields the API does not define with 400 (default: ignore them, "
-        "logging each new name once at debug level)",
+        help="refuse request fields the API does not define with 400 (default: ignore them, naming "
+        "them in one warning per request)",
+    )
+    group.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help='browser origins allowed to call the API, e.g. https://app.example.com, or "*" for any '
+        "(CORS; default: none, no CORS headers)",
     )
     group.add_argument(
         "--access-log",
@@ -122,6 +130,7 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
         max_choices_per_request=args.max_choices,
         shutdown_timeout_s=args.shutdown_timeout,
         strict_fields=args.strict_fields,
+        allowed_origins=tuple(args.allowed_origins),
         access_log=args.access_log,
         web_ui=args.web_ui,
     )

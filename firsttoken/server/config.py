@@ -43,6 +43,8 @@ class ServerConfig:
     max_choices_per_request: int = 128
     # Refuse request fields the API does not define (400) instead of ignoring them.
     strict_fields: bool = False
+    # Browser origins allowed to call the API (CORS; "*" for any); empty: no CORS headers.
+    allowed_origins: tuple[str, ...] = ()
     # Seconds a shutdown waits for in-flight requests before ending them with an error.
     shutdown_timeout_s: float = 30.0
     access_log: bool = False
@@ -66,6 +68,8 @@ class ServerConfig:
             raise InvalidInputError("shutdown_timeout_s", f"must be >= 0, got {self.shutdown_timeout_s}")
         if self.retry_after_s < 1:
             raise InvalidInputError("retry_after_s", f"must be >= 1, got {self.retry_after_s}")
+        if not all(self.allowed_origins):
+            raise InvalidInputError("allowed_origins", "every origin must be non-empty")
 
     @property
     def model_name(self) -> str:

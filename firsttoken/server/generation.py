@@ -77,6 +77,16 @@ def sampling_params(
         stop=stop,
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        min_p=request.min_p or 0.0,
+        logit_bias={int(token_id): bias for token_id, bias in (request.logit_bias or {}).items()},
+        min_tokens=request.min_tokens,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        bad_words=tuple(request.bad_words or ()),
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
     )
 
 

@@ -12,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StringConstraints,
     ValidationError,
     ValidatorFunctionWrapHandler,
     WrapValidator,
@@ -26,6 +27,10 @@ MAX_LOGPROBS = 20
 # Every stop string is searched for in every request's new text at every step.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# Every step builds a row's biases, stop ids and bad-word checks in Python: bounded per request.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP_TOKEN_IDS = 64
+MAX_BAD_WORDS = 64
 
 
 def _one_error_for_union(expected: str) -> WrapValidator:
@@ -45,12 +50,25 @@ Prompt = Annotated[
     _one_error_for_union("a string, a list of strings, a list of token ids or a list of token-id lists"),
 ]
 Stop = Annotated[Union[str, list[str], None], _one_error_for_union("a string or a list of strings")]
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]
+LogitBias = dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]]
+BadWord = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_STRING_CHARS, pattern=r"\S")]
 
 
 class _StrictModel(BaseModel):
     """A request part validated strictly: no type coercion."""
 
     model_config = ConfigDict(strict=True)
+
+
+class RequestBody(_StrictModel):
+    """A request's body: validated strictly, keeping the fields the API does not define so that
+    they can be named (and refused with --strict-fields)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        return list(self.model_extra or {})
 
 
 class StreamOptions(_StrictModel):
@@ -87,21 +105,19 @@ class ChatMessage(_StrictModel):
 # Accepted only at the value that changes nothing: honouring them is not implemented, and
 # silently ignoring a real value would return something the client did not ask for.
 _UNSUPPORTED_UNLESS_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
 }
 
 
-class GenerationRequest(_StrictModel):
-    """Fields both endpoints share."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
+class GenerationRequest(RequestBody):
+    """Fields both generation endpoints share."""
 
     model: str | None = Field(None, description="a served model name; default: the first one")
     temperature: float | None = Field(None, ge=0, le=2)
@@ -113,6 +129,37 @@ class GenerationRequest(_StrictModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="firsttoken extension: keep generating past end-of-sequence")
     n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(
+        None, ge=-2, le=2, description="subtracted once from every token generated so far"
+    )
+    frequency_penalty: float | None = Field(
+        None, ge=-2, le=2, description="subtracted from a token's logit once per time it was generated"
+    )
+    logit_bias: LogitBias | None = Field(
+        None,
+        max_length=MAX_LOGIT_BIAS_ENTRIES,
+        description="token id (as a string) -> bias in [-100, 100], added to its logit",
+    )
+    repetition_penalty: float | None = Field(
+        None,
+        gt=0,
+        description="vLLM extension: a token of the prompt or the output has its logit divided by this "
+        "when positive, multiplied when negative (1: off)",
+    )
+    min_p: float | None = Field(
+        None, ge=0, le=1, description="vLLM extension: drop tokens less likely than min_p x the likeliest"
+    )
+    min_tokens: int = Field(
+        0, ge=0, description="vLLM extension: end-of-sequence and stop_token_ids wait for this many tokens"
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description="vLLM extension: token ids that end the output"
+    )
+    bad_words: list[BadWord] | None = Field(
+        None, max_length=MAX_BAD_WORDS, description="vLLM extension: words never generated"
+    )
+    include_stop_str_in_output: bool = Field(False, description="vLLM extension: keep the stop string")
+    skip_special_tokens: bool = Field(True, description="vLLM extension: leave special tokens out of text")
     user: str | None = Field(None, description="accepted and ignored")
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="firsttoken extension: lower runs first")
 
@@ -121,7 +168,7 @@ class GenerationRequest(_StrictModel):
         for name, value in (self.model_extra or {}).items():
             neutral = _UNSUPPORTED_UNLESS_NEUTRAL.get(name)
             if neutral is not None and value not in neutral:
-                raise InvalidInputError(name, "is not supported (leave it unset)")
+                raise InvalidInputError(name, "is not supported yet; leave it unset")
         if self.stream_options is not None and not self.stream:
             raise InvalidInputError("stream_options", "only allowed when stream is true")
         _check_stop_strings(self.stop)
@@ -129,7 +176,7 @@ class GenerationRequest(_StrictModel):
 
     def unknown_fields(self) -> list[str]:
         """Fields the request holds that the API does not define (accepted, and ignored)."""
-        return [name for name in self.model_extra or {} if name not in _UNSUPPORTED_UNLESS_NEUTRAL]
+        return [name for name in super().unknown_fields() if name not in _UNSUPPORTED_UNLESS_NEUTRAL]
 
     @property
     def include_usage(self) -> bool:
@@ -172,6 +219,32 @@ class ChatCompletionRequest(GenerationRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidInputError("top_logprobs", "requires logprobs to be true")
         return self
+
+
+class TokenizeRequest(RequestBody):
+    """POST /tokenize (vLLM's shape): a prompt, or messages rendered with the chat template."""
+
+    model: str | None = Field(None, description="a served model name; default: the first one")
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = Field(True, description="with messages: end with the assistant's turn")
+    add_special_tokens: bool = Field(
+        True, description="add the tokenizer's special tokens (BOS), as generation does"
+    )
+    return_token_strs: bool = Field(False, description="also return each token's string")
+
+    @model_validator(mode="after")
+    def _check_one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidInputError("prompt", "give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(RequestBody):
+    """POST /detokenize (vLLM's shape): token ids back to text."""
+
+    model: str | None = Field(None, description="a served model name; default: the first one")
+    tokens: list[int]
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -321,6 +394,21 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     firsttoken: FirstTokenExtension | None = _omit_if_none()
+
+
+class TokenizeResponse(BaseModel):
+    """The tokens of a /tokenize request, and the context they must fit."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = _omit_if_none()
+
+
+class DetokenizeResponse(BaseModel):
+    """The text of a /detokenize request's tokens."""
+
+    prompt: str
 
 
 class ModelCard(BaseModel):

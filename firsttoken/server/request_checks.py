@@ -1,38 +1,40 @@
-"""Checks a request passes before any work is done for it: its fields are known (or their
-names logged), and its prompt's bytes could fit a request at all."""
+"""Checks a request passes before any work is done for it: its fields are known (or named in a
+warning), and its prompt's bytes could fit a request at all."""
 
 from __future__ import annotations
 
 import logging
 
 from firsttoken.engine import AsyncEngine, InvalidInputError
-from firsttoken.server.protocol import GenerationRequest
+from firsttoken.server.protocol import RequestBody
 
 logger = logging.getLogger(__name__)
 
-_MAX_LOGGED_NAMES = 64  # a client sending ever-new names must not grow the set without bound
+# A hostile request's names must not make a huge log line.
+_MAX_NAMES_LOGGED = 16
 _MAX_NAME_CHARS = 80
 
 
 class RequestChecks:
     """The server's cheap up-front checks. Owns the longest token's byte count (no token covers
-    more, so a prompt's bytes bound its token count from below) and the unknown field names
-    already logged."""
+    more, so a prompt's bytes bound its token count from below)."""
 
     def __init__(self, engine: AsyncEngine, strict_fields: bool) -> None:
         self.max_request_tokens = engine.max_request_tokens
         self.max_token_bytes = engine.tokenizer.longest_token_bytes()
         self.strict_fields = strict_fields
-        self._logged_names: set[str] = set()
 
-    def check_fields(self, body: GenerationRequest) -> None:
-        """Refuse a field the API does not define (strict), or log each new name once at debug."""
-        for name in body.unknown_fields():
-            if self.strict_fields:
-                raise InvalidInputError(name[:_MAX_NAME_CHARS], "is not a known field")
-            if name not in self._logged_names and len(self._logged_names) < _MAX_LOGGED_NAMES:
-                self._logged_names.add(name)
-                logger.debug("ignoring the unknown request field %r", name[:_MAX_NAME_CHARS])
+    def check_fields(self, body: RequestBody) -> None:
+        """Refuse fields the API does not define (strict), or name them in one warning per
+        request (as vLLM does): a client must be able to see what it sent had no effect."""
+        names = [name[:_MAX_NAME_CHARS] for name in body.unknown_fields()]
+        if not names:
+            return
+        if self.strict_fields:
+            raise InvalidInputError(names[0], "is not a known field")
+        shown = ", ".join(repr(name) for name in names[:_MAX_NAMES_LOGGED])
+        more = f" and {len(names) - _MAX_NAMES_LOGGED} more" if len(names) > _MAX_NAMES_LOGGED else ""
+        logger.warning("ignoring request fields the API does not define: %s%s", shown, more)
 
     def check_prompt_bytes(self, field: str, texts: list[str]) -> None:
         """Refuse text whose bytes alone prove it too long, before the tokenizer spends time on it."""

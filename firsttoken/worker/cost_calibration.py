@@ -87,7 +87,7 @@ def _scheduler_output(shape: StepShape, limits: CalibrationLimits) -> SchedulerO
                 token_ids=[(1 + index + position) % limits.vocab_size for position in range(count)],
                 start_position=start,
                 block_table=list(range(next_block, next_block + num_blocks)),
-                sample=SampleSpec(_GREEDY_ONE, 0),
+                sample=SampleSpec(_GREEDY_ONE, 0, f"calibration-{index}"),
             )
         )
         next_block += num_blocks

@@ -77,6 +77,7 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         if scheduler_output.is_empty:
             return ModelOutput(sampled={})
+        self.sampler.begin_step(scheduler_output)
         step = build_host_step(scheduler_output.chunks, self.block_size, self.index_dtype)
         sampling_chunks = [chunk for chunk in step.chunks if chunk.sample is not None]
         hidden = self.forward_sampled_rows(step)

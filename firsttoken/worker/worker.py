@@ -87,9 +87,8 @@ class Worker:
         if config.cache.prefault_kv_cache and self.device.type == "cpu":
             self._prefault_kv_cache()
         self.model.bind_kv_caches(self.kv_caches)
-        self.runner = ModelRunner(
-            self.model, backend, Sampler(model_config.seed, self.device), config.cache.block_size, self.device
-        )
+        sampler = Sampler(model_config.seed, self.device, arch.vocab_size)
+        self.runner = ModelRunner(self.model, backend, sampler, config.cache.block_size, self.device)
         if use_graphs:
             self.runner.capture_decode_graphs(
                 config.scheduler.max_num_seqs, self.max_model_len, scratch_block_id=self.num_kv_blocks
@@ -181,6 +180,10 @@ class Worker:
             governor.observe(threads, finished - started, self._predicted_seconds(scheduler_output), finished)
         return output
 
+    def release_requests(self, req_ids: list[str]) -> None:
+        """Free the sampler's token state of finished tracked requests."""
+        self.runner.sampler.release(req_ids)
+
     def _predicted_seconds(self, scheduler_output: SchedulerOutput) -> float:
         assert self._calibrated is not None
         pairs = sum(attention_pairs(chunk.start_position, chunk.num_tokens) for chunk in scheduler_output.chunks)
@@ -218,7 +221,7 @@ class Worker:
             token_ids=[0] * num_tokens,
             start_position=start,
             block_table=list(range(num_blocks)),
-            sample=SampleSpec(SamplingParams(temperature=0, max_tokens=1), 0),
+            sample=SampleSpec(SamplingParams(temperature=0, max_tokens=1), 0, "warm-up"),
         )
         self.runner.execute(SchedulerOutput(chunks=[chunk]))
 

@@ -16,12 +16,13 @@ def make_request(
     priority: int = 0,
     arrival: float = 0.0,
     prompt: list[int] | None = None,
+    sampling_params: SamplingParams | None = None,
 ) -> Request:
     prompt_token_ids = prompt if prompt is not None else list(range(first_token, first_token + num_prompt_tokens))
     return Request(
         req_id=req_id,
         prompt_token_ids=prompt_token_ids,
-        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0),
+        sampling_params=sampling_params or SamplingParams(max_tokens=max_tokens, temperature=0),
         eos_token_ids=frozenset({EOS}),
         max_total_tokens=len(prompt_token_ids) + max_tokens,
         timestamps=RequestTimestamps(arrival=arrival, tokenized=arrival),

@@ -12,6 +12,7 @@ from firsttoken.core.kv_cache_manager import KVCacheManager
 from firsttoken.core.scheduler import Scheduler
 from firsttoken.errors import QueueFullError
 from firsttoken.request import RequestStatus
+from firsttoken.sampling_params import SamplingParams
 from tests.core.fakes import EOS, make_request
 
 BLOCK = 4
@@ -253,3 +254,54 @@ def test_auto_budget_without_other_work_takes_the_largest_chunk():
     scheduler.step_times = StepTimeTracker(StepCostModel(0.005, 0.0002, 0.0))
     scheduler.add_request(make_request("long", 3000, max_tokens=1))
     assert step(scheduler).chunks[0].num_tokens == 1024
+
+
+# -- requests the sampler tracks (penalties, bad words, min_tokens) -----------------------------------
+
+
+def _tracked(req_id: str, num_prompt_tokens: int = 6, max_tokens: int = 4):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, frequency_penalty=0.5)
+    return make_request(req_id, num_prompt_tokens, max_tokens=max_tokens, sampling_params=params)
+
+
+def test_a_tracked_request_is_sent_once_with_its_first_chunk_and_released_at_its_end():
+    scheduler = make_scheduler(chunk_size=4)
+    tracked = _tracked("tracked")
+    scheduler.add_request(tracked)
+    scheduler.add_request(make_request("plain", 6, first_token=300))
+    outputs = run_to_completion(scheduler)
+    sent = [request for output in outputs for request in output.new_tracked_requests]
+    assert [request.req_id for request in sent] == ["tracked"]
+    assert outputs[0].new_tracked_requests == sent  # with the step of its first chunk
+    assert sent[0].prompt_token_ids == tracked.prompt_token_ids
+    assert sent[0].stop_token_ids == (EOS,)
+    assert scheduler.take_finished_tracked() == ["tracked"]
+    assert scheduler.take_finished_tracked() == []
+
+
+def test_a_tracked_request_ended_before_it_was_sent_is_never_released():
+    scheduler = make_scheduler()
+    scheduler.add_request(_tracked("waiting"))
+    scheduler.finish_request("waiting", RequestStatus.FINISHED_ABORTED)
+    assert scheduler.schedule().new_tracked_requests == []
+    assert scheduler.take_finished_tracked() == []
+
+
+def test_a_preempted_tracked_request_is_not_sent_again():
+    scheduler = make_scheduler(num_blocks=12, chunk_size=64, max_batched=64, caching=False)
+    requests = [_tracked(f"r{index}", 8, max_tokens=12) for index in range(4)]
+    for request in requests:
+        scheduler.add_request(request)
+    outputs = run_to_completion(scheduler)
+    assert scheduler.stats.num_preemptions > 0
+    sent = [request.req_id for output in outputs for request in output.new_tracked_requests]
+    assert sorted(sent) == ["r0", "r1", "r2", "r3"]
+    assert sorted(scheduler.take_finished_tracked()) == sorted(sent)
+
+
+def test_stop_ids_sent_for_min_tokens_leave_out_an_ignored_eos():
+    scheduler = make_scheduler()
+    params = SamplingParams(max_tokens=4, min_tokens=2, ignore_eos=True, stop_token_ids=[9, 5])
+    scheduler.add_request(make_request("r", 6, max_tokens=4, sampling_params=params))
+    (sent,) = scheduler.schedule().new_tracked_requests
+    assert sent.stop_token_ids == (5, 9)

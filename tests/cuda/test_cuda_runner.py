@@ -54,8 +54,9 @@ def _runners(device, dtype):
     caches = allocate_kv_caches(TINY_ARCH, NUM_BLOCKS + 1, BLOCK_SIZE, dtype, device)
     reference_model.bind_kv_caches(reference_caches)
     model.bind_kv_caches(caches)
-    reference = ModelRunner(reference_model, SDPABackend(device), Sampler(0, device), BLOCK_SIZE, device)
-    runner = ModelRunner(model, backend, Sampler(0, device), BLOCK_SIZE, device)
+    reference_sampler = Sampler(0, device, TINY_ARCH.vocab_size)
+    reference = ModelRunner(reference_model, SDPABackend(device), reference_sampler, BLOCK_SIZE, device)
+    runner = ModelRunner(model, backend, Sampler(0, device, TINY_ARCH.vocab_size), BLOCK_SIZE, device)
     return reference, reference_caches, runner, caches
 
 
@@ -84,7 +85,7 @@ def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots
     capture = EagerCapture()
     runner.capture_decode_graphs(max_num_seqs=8, max_model_len=512, scratch_block_id=NUM_BLOCKS, capture=capture)
     assert runner.graphs.sizes == [1, 2, 4, 8]
-    greedy = SampleSpec(SamplingParams(temperature=0, max_tokens=4), 0)
+    greedy = SamplingParams(temperature=0, max_tokens=4)
     positions = [0, 3, 4, 9, 17]  # 5 decodes: padded to 8
     chunks = [
         ScheduledChunk(
@@ -92,7 +93,7 @@ def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots
             [7 + row],
             position,
             [10 * row + b for b in range(position // BLOCK_SIZE + 1)],
-            greedy,
+            SampleSpec(greedy, 0, f"req-{row}"),
         )
         for row, position in enumerate(positions)
     ]

@@ -50,13 +50,16 @@ def test_cuda_defaults_to_bfloat16_and_sizes_the_cache_from_free_memory(tiny_fol
 def test_a_step_does_not_synchronise_before_sampling(tiny_folder):
     llm = LLM(tiny_folder, device="cuda", **OPTIONS)
     runner = llm.engine.worker.runner
-    spec = SampleSpec(GREEDY, 0)
+
+    def chunk(req_id: str, token_ids: list[int], start: int, block_table: list[int]) -> ScheduledChunk:
+        return ScheduledChunk(req_id, token_ids, start, block_table, SampleSpec(GREEDY, 0, req_id))
+
     steps = [
-        [ScheduledChunk("a", [3], 5, [0], spec), ScheduledChunk("b", [4], 9, [1, 2], spec)],  # graph replay
+        [chunk("a", [3], 5, [0]), chunk("b", [4], 9, [1, 2])],  # graph replay
         [
-            ScheduledChunk("a", [3], 5, [0], spec),
-            ScheduledChunk("c", list(range(20)), 4, [3, 4, 5], spec),  # on cached context: Triton
-            ScheduledChunk("d", list(range(30)), 0, [6, 7], spec),  # fresh: SDPA
+            chunk("a", [3], 5, [0]),
+            chunk("c", list(range(20)), 4, [3, 4, 5]),  # on cached context: Triton
+            chunk("d", list(range(30)), 0, [6, 7]),  # fresh: SDPA
         ],
     ]
     for chunks in steps:
@@ -69,3 +72,36 @@ def test_a_step_does_not_synchronise_before_sampling(tiny_folder):
             runner.model.compute_logits(hidden)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+PROCESSED = [
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5),
+    SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5
+    ),
+    SamplingParams(temperature=0, max_tokens=12, logit_bias={7: 3.0, 11: -100.0}, min_tokens=12),
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+]
+
+
+def test_cuda_engine_gives_the_cpu_engines_processed_greedy_tokens(tiny_folder):
+    prompts = _prompts()[:4]
+    expected = LLM(tiny_folder, device="cpu", **OPTIONS).generate(
+        prompt_token_ids=prompts, sampling_params=PROCESSED
+    )
+    llm = LLM(tiny_folder, device="cuda", **OPTIONS)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=PROCESSED)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert llm.engine.worker.runner.sampler.tracked.requests == {}
+
+
+def test_logits_processors_on_the_gpu_equal_the_cpus():
+    import random
+
+    from tests.sample.test_logits_processors import processed, random_logits, random_row
+
+    rng = random.Random(0)
+    rows = [random_row(rng, index) for index in range(16)]
+    logits = random_logits(len(rows), 0)
+    on_gpu = processed(logits.cuda(), rows).cpu()
+    torch.testing.assert_close(on_gpu, processed(logits, rows), rtol=1e-6, atol=1e-6)

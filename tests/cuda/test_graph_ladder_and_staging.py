@@ -47,7 +47,7 @@ def test_a_batch_pads_to_the_smallest_size_that_holds_it():
 
 
 def _chunk(req_id, token_ids, start, table, samples=True):
-    spec = SampleSpec(SamplingParams(temperature=0, max_tokens=4), 0) if samples else None
+    spec = SampleSpec(SamplingParams(temperature=0, max_tokens=4), 0, req_id) if samples else None
     return ScheduledChunk(req_id, token_ids, start, table, spec)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -27,12 +28,26 @@ BAD_SAMPLING_PARAMS = [
     (dict(top_k=-2), "top_k"),
     (dict(logprobs=21), "logprobs"),
     (dict(stop=[""]), "stop"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(logit_bias={5: 101.0}), "logit_bias[5]"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=17), "min_tokens"),
+    (dict(stop_token_ids=[-2]), "stop_token_ids"),
+    (dict(bad_words=[" "]), "bad_words"),
 ]
 
 
 @pytest.mark.parametrize("kwargs,field", BAD_SAMPLING_PARAMS)
 def test_sampling_params_name_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=rf"^{field}: "):
+    with pytest.raises(ValueError, match=rf"^{re.escape(field)}: "):
         SamplingParams(**kwargs)
 
 
@@ -42,6 +57,23 @@ def test_sampling_params_errors_carry_the_field(kwargs, field):
     with pytest.raises(InvalidInputError) as raised:
         SamplingParams(**kwargs)
     assert raised.value.field == field
+
+
+@pytest.mark.parametrize(
+    "kwargs,limit",
+    [
+        (dict(presence_penalty=3.0), "[-2, 2]"),
+        (dict(frequency_penalty=-3.0), "[-2, 2]"),
+        (dict(repetition_penalty=-1.0), "> 0"),
+        (dict(min_p=2.0), "[0, 1]"),
+        (dict(logit_bias={3: -150.0}), "[-100, 100]"),
+        (dict(min_tokens=20, max_tokens=10), "max_tokens=10"),
+    ],
+)
+def test_sampling_params_errors_state_the_limit(kwargs, limit):
+    with pytest.raises(InvalidInputError) as raised:
+        SamplingParams(**kwargs)
+    assert limit in str(raised.value)
 
 
 def test_empty_prompts_are_refused(llm):
@@ -66,6 +98,20 @@ def test_a_bad_request_in_a_batch_leaves_nothing_queued(model_path):
     assert _all_blocks_free(llm)
     (output,) = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4))
     assert len(output.token_ids) >= 1
+
+
+@pytest.mark.parametrize(
+    "params,field",
+    [
+        (SamplingParams(logit_bias={49152: 5.0}), "logit_bias"),
+        (SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+    ],
+)
+def test_sampling_token_ids_outside_the_vocabulary_are_refused(llm, params, field):
+    with pytest.raises(InvalidInputError, match=rf"^{field}: .*the vocabulary has 49152 tokens") as raised:
+        llm.generate(["hello", "hi"], [SamplingParams(max_tokens=2), params])
+    assert raised.value.field == field
+    assert _all_blocks_free(llm)
 
 
 def test_out_of_vocabulary_token_ids(llm):

@@ -48,8 +48,8 @@ def test_tokens_tied_with_the_crossing_token_are_all_kept():
 
 def test_near_zero_temperature_is_greedy_not_nan():
     logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(2))
-    sampler = Sampler(seed=0, device=torch.device("cpu"))
-    specs = [SampleSpec(SamplingParams(temperature=t), 0) for t in (1e-40, 1e-6, 0.0)]
+    sampler = Sampler(seed=0, device=torch.device("cpu"), vocab_size=logits.shape[-1])
+    specs = [SampleSpec(SamplingParams(temperature=t), 0, f"r{t}") for t in (1e-40, 1e-6, 0.0)]
     tokens = [sampled.token_id for sampled in sampler.sample(logits, specs)]
     assert tokens == logits.argmax(-1).tolist()
 
@@ -64,7 +64,7 @@ MIXED_FILTERS = [  # (top_k, top_p): every candidate width, and widths shared by
 
 
 def _spec(output_index: int = 0, **params) -> SampleSpec:
-    return SampleSpec(SamplingParams(**params), output_index)
+    return SampleSpec(SamplingParams(**params), output_index, "request")
 
 
 def _tokens(sampler: Sampler, logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
@@ -142,7 +142,7 @@ def test_a_tie_overflow_row_draws_from_every_tied_token():
     logits = _tied_logits(300, seed=5)
     num_draws = 5000
     specs = [_spec(temperature=1.0, top_k=2, seed=seed) for seed in range(num_draws)]
-    tokens = _tokens(Sampler(0, CPU), logits.expand(num_draws, -1), specs)
+    tokens = _tokens(Sampler(0, CPU, logits.shape[-1]), logits.expand(num_draws, -1), specs)
     assert len(set(tokens) & set(range(100, 200))) == 100
     _assert_follows(tokens, _filtered_probs(logits, 1.0, 2, 1.0))
 
@@ -173,7 +173,7 @@ def test_a_seeded_row_draws_the_same_token_whatever_the_batch():
         spec = _spec(index, temperature=0.9, top_k=top_k, top_p=top_p, seed=100 + index)
         # top_k 2 on tied logits: the row is drawn again over a full sort.
         row = _tied_logits(vocab_size, index) if top_k == 2 else torch.randn(vocab_size, generator=generator)
-        sampler = Sampler(0, CPU)
+        sampler = Sampler(0, CPU, vocab_size)
         (alone,) = _tokens(sampler, row[None], [spec])
         for size in (2, 5, 40):
             for position in {0, size // 2, size - 1}:
@@ -188,7 +188,7 @@ def test_a_seeded_row_draws_the_same_token_whatever_the_batch():
 def test_greedy_rows_take_the_argmax():
     logits, specs = _mixed_batch(500, seed=8)
     logits[0, 10:13] = logits[0].max() + 1  # ties: the first index, as torch.argmax
-    tokens = _tokens(Sampler(0, CPU), logits, specs)
+    tokens = _tokens(Sampler(0, CPU, logits.shape[-1]), logits, specs)
     greedy_rows = [row for row, spec in enumerate(specs) if spec.sampling_params.greedy]
     assert [tokens[row] for row in greedy_rows] == logits.argmax(-1)[greedy_rows].tolist()
     assert tokens[0] == 10
@@ -197,16 +197,16 @@ def test_greedy_rows_take_the_argmax():
 def test_an_all_greedy_batch_is_the_argmax():
     logits = torch.randn(6, 400, generator=torch.Generator().manual_seed(9))
     specs = [_spec(temperature=0.0, logprobs=(row % 3) or None) for row in range(6)]
-    assert _tokens(Sampler(0, CPU), logits, specs) == logits.argmax(-1).tolist()
+    assert _tokens(Sampler(0, CPU, logits.shape[-1]), logits, specs) == logits.argmax(-1).tolist()
 
 
 def test_an_empty_step_samples_nothing():
-    assert Sampler(0, CPU).sample(torch.empty(0, 100), []) == []
+    assert Sampler(0, CPU, 100).sample(torch.empty(0, 100), []) == []
 
 
 def test_logprobs_equal_a_plain_log_softmax():
     logits, specs = _mixed_batch(500, seed=10)
-    sampled = Sampler(0, CPU).sample(logits, specs)
+    sampled = Sampler(0, CPU, logits.shape[-1]).sample(logits, specs)
     for row, (spec, token) in enumerate(zip(specs, sampled)):
         num_top = spec.sampling_params.logprobs
         if num_top is None:
@@ -227,7 +227,7 @@ def test_top_k_past_the_vocabulary_filters_nothing():
     nucleus = _nucleus_of_rows(logits, [(51, 0.9), (10**6, 0.9)], 50)
     assert _kept_token_ids(nucleus, 0) == _finite_token_ids(filter_logits(logits[0], 51, 0.9))
     specs = [_spec(temperature=1.0, top_k=10**6, seed=seed) for seed in range(2000)]
-    tokens = _tokens(Sampler(0, CPU), logits[0].expand(2000, -1), specs)
+    tokens = _tokens(Sampler(0, CPU, logits.shape[-1]), logits[0].expand(2000, -1), specs)
     _assert_follows(tokens, logits[0].softmax(-1))
 
 
@@ -236,7 +236,7 @@ def test_top_k_past_the_vocabulary_filters_nothing():
 def test_a_tiny_top_p_draws_the_likeliest_token(top_k, seed):
     logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(12))
     specs = [_spec(row, temperature=2.0, top_p=1e-12, top_k=top_k, seed=seed) for row in range(4)]
-    assert _tokens(Sampler(0, CPU), logits, specs) == logits.argmax(-1).tolist()
+    assert _tokens(Sampler(0, CPU, logits.shape[-1]), logits, specs) == logits.argmax(-1).tolist()
 
 
 def test_a_temperature_just_above_the_greedy_threshold_draws_the_argmax():
@@ -247,7 +247,7 @@ def test_a_temperature_just_above_the_greedy_threshold_draws_the_argmax():
         for top_p, seed in [(1.0, 1), (0.9, 2), (1.0, None), (0.5, None)]
     ]
     assert not any(spec.sampling_params.greedy for spec in specs)
-    assert _tokens(Sampler(0, CPU), logits, specs) == logits.argmax(-1).tolist()
+    assert _tokens(Sampler(0, CPU, logits.shape[-1]), logits, specs) == logits.argmax(-1).tolist()
 
 
 def test_seeded_uniforms_lie_in_the_half_open_unit_interval():
@@ -295,7 +295,7 @@ def test_draws_follow_the_filtered_softmax(case, seeded):
     # Seeds and output indices both vary: consecutive output indices of one seed are fresh draws.
     filters = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     specs = [_spec(draw % 100, seed=draw // 100 if seeded else None, **filters) for draw in range(NUM_DRAWS)]
-    tokens = _tokens(Sampler(15, CPU), logits.expand(NUM_DRAWS, -1), specs)
+    tokens = _tokens(Sampler(15, CPU, vocab_size), logits.expand(NUM_DRAWS, -1), specs)
     _assert_follows(tokens, _filtered_probs(logits, temperature, top_k, top_p))
     # The test has the power to catch a scheme off by the temperature, or one that drops a filter.
     assert _chi_square_p_value(tokens, _filtered_probs(logits, 1.0, top_k, top_p)) < SIGNIFICANCE
@@ -312,6 +312,6 @@ def test_neighbouring_seeded_draws_are_independent(neighbour):
         second = [_spec(1, temperature=1.0, seed=seed) for seed in range(0, 2 * NUM_DRAWS, 2)]
     else:
         second = [_spec(0, temperature=1.0, seed=seed + 1) for seed in range(0, 2 * NUM_DRAWS, 2)]
-    sampler, rows = Sampler(0, CPU), logits.expand(NUM_DRAWS, -1)
+    sampler, rows = Sampler(0, CPU, logits.shape[-1]), logits.expand(NUM_DRAWS, -1)
     pairs = [a * 4 + b for a, b in zip(_tokens(sampler, rows, first), _tokens(sampler, rows, second))]
     _assert_follows(pairs, torch.outer(probs, probs).flatten())

@@ -62,8 +62,17 @@ HOSTILE = [
      400, "n"),
     ("too many stop strings", "/v1/completions", _body({"prompt": "hi", "stop": ["x"] * 300_000}), JSON,
      400, None),
-    ("unsupported field", "/v1/completions", _body({"prompt": "hi", "logit_bias": {"1": 5}}), JSON,
+    ("unsupported field", "/v1/chat/completions",
+     _body({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}), JSON, 400, "tool_choice"),
+    ("out-of-vocab logit_bias", "/v1/completions", _body({"prompt": "hi", "logit_bias": {"999999999": 5}}), JSON,
      400, "logit_bias"),
+    ("a logit_bias over its bound", "/v1/completions",
+     _body({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(5000)}}), JSON, 400, "logit_bias"),
+    ("too many bad words", "/v1/completions", _body({"prompt": "hi", "bad_words": ["x"] * 5000}), JSON,
+     400, "bad_words"),
+    ("out-of-vocab stop_token_ids", "/v1/completions", _body({"prompt": "hi", "stop_token_ids": [2**62]}), JSON,
+     400, "stop_token_ids"),
+    ("out-of-vocab detokenize", "/detokenize", _body({"tokens": [10**12]}), JSON, 400, "tokens"),
     ("unknown route", "/v1/nothing", GOOD_REQUEST, JSON, 404, None),
 ]  # fmt: skip
 

@@ -47,6 +47,7 @@ def test_every_engine_option_is_a_serve_flag():
         "--strict-fields",
         "--web-ui",
         "--no-web-ui",
+        "--allowed-origins",
     ):
         assert flag in flags
 
@@ -94,6 +95,14 @@ def test_serve_flags_map_to_engine_and_server_settings():
     assert not server_config(no_page, "/models/x.gguf").web_ui
     named = build_parser().parse_args(["serve", "--served-model-name", "a", "b"])
     assert server_config(named, "/models/x.gguf").served_model_names == ("a", "b")
+    assert config.allowed_origins == ()
+    cors = build_parser().parse_args(
+        ["serve", "--allowed-origins", "https://a.example", "http://localhost:3000"]
+    )
+    assert server_config(cors, "/models/x.gguf").allowed_origins == (
+        "https://a.example",
+        "http://localhost:3000",
+    )
 
 
 def _free_port() -> int:

@@ -363,7 +363,7 @@ INVALID_REQUESTS = [
     ("/v1/completions", {"prompt": "x" * 3_000_000}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "stop": ["s"] * 300}, "stop"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 3_000_000}]}, "messages"),
-    ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {}, "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -392,7 +392,7 @@ def test_invalid_fields_get_400_naming_the_field(server, path, body, param):
     [
         ("/v1/completions", {"prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
         ("/v1/completions", {"prompt": ["hi", ""]}, "prompt"),
-        ("/v1/completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, "tool_choice"),
         ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ],
 )

@@ -1,4 +1,5 @@
-"""Up-front checks: unknown fields (logged once, or refused when strict) and prompt bytes."""
+"""Up-front checks: unknown fields (named in one warning per request, or refused when strict) and
+prompt bytes."""
 
 from __future__ import annotations
 
@@ -21,22 +22,31 @@ def _request(**fields) -> CompletionRequest:
     return CompletionRequest.model_validate({"prompt": "hi", **fields})
 
 
-def test_unknown_fields_are_logged_once_each(caplog):
+def test_unknown_fields_are_named_in_one_warning_per_request(caplog):
     checks = _checks(strict_fields=False)
     with caplog.at_level(logging.DEBUG, logger="firsttoken.server.request_checks"):
-        for _ in range(3):
+        for _ in range(2):
             checks.check_fields(_request(metadata={"a": 1}, store=False, presence_penalty=0))
-    assert sorted(record.getMessage() for record in caplog.records) == [
-        "ignoring the unknown request field 'metadata'",
-        "ignoring the unknown request field 'store'",
-    ]
+        checks.check_fields(_request(presence_penalty=0.5, min_p=0.1))  # defined: nothing to say
+    assert [(record.levelname, record.getMessage()) for record in caplog.records] == [
+        ("WARNING", "ignoring request fields the API does not define: 'metadata', 'store'")
+    ] * 2
+
+
+def test_a_warning_names_a_bounded_number_of_fields(caplog):
+    with caplog.at_level(logging.WARNING, logger="firsttoken.server.request_checks"):
+        _checks(strict_fields=False).check_fields(
+            _request(**{f"field{index}" + "x" * 200: 1 for index in range(40)})
+        )
+    (record,) = caplog.records
+    assert record.getMessage().endswith(" and 24 more") and len(record.getMessage()) < 2000
 
 
 def test_strict_fields_refuse_an_unknown_field_by_name():
     with pytest.raises(InvalidInputError) as raised:
         _checks(strict_fields=True).check_fields(_request(metadata={}))
     assert raised.value.field == "metadata"
-    _checks(strict_fields=True).check_fields(_request(presence_penalty=0))  # defined, at its neutral value
+    _checks(strict_fields=True).check_fields(_request(presence_penalty=0.5, bad_words=["x"]))  # defined
 
 
 def test_prompt_bytes_that_cannot_fit_are_refused_before_tokenizing():

@@ -1,4 +1,5 @@
-"""A server with every limit set: API key, body size, queue, a short context; and a fuzzer.
+"""A server with every limit set: API key, CORS origins, body size, queue, a short context; and a
+fuzzer.
 
 One request runs at a time (max_num_seqs=1) and one may wait (max_queue 1), so queue-full
 answers are deterministic; the 48-token context keeps every fuzzed request short.
@@ -25,12 +26,17 @@ API_KEY = "s3cret-key"
 MAX_MODEL_LEN = 48
 MAX_REQUEST_BYTES = 2048
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ORIGIN = "https://app.example"
 
 
 @contextlib.contextmanager
 def _limited_server(model_path: str) -> Iterator[RunningServer]:
     config = ServerConfig(
-        port=0, served_model_names=(MODEL_NAME,), api_key=API_KEY, max_request_bytes=MAX_REQUEST_BYTES
+        port=0,
+        served_model_names=(MODEL_NAME,),
+        api_key=API_KEY,
+        max_request_bytes=MAX_REQUEST_BYTES,
+        allowed_origins=(ORIGIN,),
     )
     with running_server(
         model_path, config, max_model_len=MAX_MODEL_LEN, max_num_seqs=1, max_waiting_requests=1
@@ -96,7 +102,54 @@ def test_the_right_key_is_accepted_by_the_openai_client(server):
 
 def test_health_and_metrics_need_no_key(server):
     assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.head(server.base_url + "/health").status_code == 200
     assert httpx.get(server.base_url + "/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("path,body", [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})])
+def test_the_tokenizer_endpoints_need_the_key(server, path, body):
+    assert httpx.post(server.base_url + path, json=body).status_code == 401
+    assert httpx.post(server.base_url + path, json=body, headers=AUTH).status_code == 200
+
+
+# -- CORS -------------------------------------------------------------------------------------------
+
+
+def test_a_preflight_from_an_allowed_origin_passes_without_the_key(server):
+    headers = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization",
+    }
+    response = httpx.options(server.base_url + "/v1/chat/completions", headers=headers)
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in response.headers["access-control-allow-methods"]
+    assert "authorization" in response.headers["access-control-allow-headers"].lower()
+
+
+def test_answers_to_an_allowed_origin_carry_cors_headers_even_a_401(server):
+    allowed = {"Origin": ORIGIN}
+    assert (
+        _post(server, {"prompt": "hi", "max_tokens": 1}, headers={**AUTH, **allowed}).headers[
+            "access-control-allow-origin"
+        ]
+        == ORIGIN
+    )
+    refused = _post(server, {"prompt": "hi", "max_tokens": 1}, headers=allowed)
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_another_origin_gets_no_cors_headers(server):
+    other = {"Origin": "https://elsewhere.example"}
+    assert (
+        "access-control-allow-origin"
+        not in _post(server, {"prompt": "hi", "max_tokens": 1}, headers={**AUTH, **other}).headers
+    )
+    preflight = httpx.options(
+        server.base_url + "/v1/completions", headers={**other, "Access-Control-Request-Method": "POST"}
+    )
+    assert preflight.status_code == 400 and "access-control-allow-origin" not in preflight.headers
 
 
 # -- body size --------------------------------------------------------------------------------------
