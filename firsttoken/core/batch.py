@@ -61,7 +61,9 @@ class ScheduledChunk:
         if self.sample is None:
             return []
         first = self.sample
-        return [SampleSpec(first.sampling_params, first.output_index + i) for i in range(self.num_sampled_rows)]
+        return [
+            SampleSpec(first.sampling_params, first.output_index + i, first.req_id) for i in range(self.num_sampled_rows)
+        ]
 
     @property
     def num_tokens(self) -> int:

@@ -220,7 +220,8 @@ class Scheduler:
         params = request.sampling_params
         # Room for the proposals and the model's own token after them.
         room = min(params.max_tokens - request.num_output_tokens, request.max_total_tokens - request.num_tokens) - 1
-        if room <= 0:
+        # The sampler counts a tracked request's tokens from its step inputs, proposals included.
+        if room <= 0 or params.tracks_tokens:
             return []
         return self.proposer.propose(request.token_ids, room)
 
