@@ -121,3 +121,39 @@ def test_the_command_line_takes_vllms_json_and_flags_over_it():
     assert options["prompt_lookup_max"] == 5
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", "[1, 2]"])
+
+
+def test_beside_non_speculating_requests_in_chunks_and_across_preemption(engines, model_path):
+    """Speculating requests batched with one the sampler tracks (no proposals for it), on a KV
+    cache small enough to preempt, with small prefill chunks: every output as without."""
+    plain, _ = engines
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    penalized = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3)
+    prompts = PROMPTS + [PROMPTS[1]]
+    params = [greedy] * len(PROMPTS) + [penalized]
+    expected = [_bits(output) for output in plain.generate(prompts, params)]
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 2  # layers x block tokens x KV heads x head size, bf16
+    small = LLM(model=model_path, dtype="bfloat16", kv_cache_memory_bytes=14 * block_bytes, chunk_size=16,
+                speculative_config=NGRAM)
+    outputs = small.generate(prompts, params)
+    assert [_bits(output) for output in outputs] == expected
+    stats = small.stats()
+    assert stats.num_preemptions > 0 and stats.spec_decode_num_draft_tokens > 0
+    assert _all_blocks_free(small)
+
+
+def test_sampled_tokens_are_the_targets_draws_seed_for_seed(engines):
+    """At temperature 1 every position draws from the target's own distribution with its own
+    seeded uniform, proposals or not: the same token for each of 48 seeds, so the accepted
+    tokens' frequencies are the target's."""
+    plain, speculative = engines
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True) for seed in range(48)]
+    prompt = [PROMPTS[1]] * len(params)
+    before = speculative.stats().spec_decode_num_draft_tokens
+    group = 8  # the default max_num_speculating_seqs
+    outputs = [
+        output for start in range(0, len(params), group)
+        for output in speculative.generate(prompt[start : start + group], params[start : start + group])
+    ]
+    assert speculative.stats().spec_decode_num_draft_tokens > before
+    assert [output.token_ids for output in outputs] == [output.token_ids for output in plain.generate(prompt, params)]
