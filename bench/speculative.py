@@ -2,10 +2,11 @@
 
     python bench/speculative.py [--max-tokens 96] [--batches 1 4] [--repeats 5]
 
-Two bf16 engines on the same model, one with `speculative_config={"method": "ngram", ...}`,
-timed in turns in one process. The prompts ask the model to restate or edit text it was given
-(code with comments, a list again), the work prompt lookup exists for; a third set of random
-token prompts shows the cost where nothing matches. Prints per-request generation time,
+Three bf16 engines on the same model, timed in turns in one process: n-gram speculation, a
+draft model (the embedded model drafting for itself: a correctness check, acceptance ~100%,
+not a speed-up) and none. The prompts ask the model to restate or edit text it was given
+(code with comments, a list again), the work prompt lookup exists for; free chat and random
+token prompts show what it costs where little matches. Prints per-request generation time,
 tokens/s, TTFT and the acceptance rate; the JSON goes to bench_results/.
 """
 
@@ -19,6 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import interleaved_medians, print_table, random_prompt, save_result, timed
 
 from firsttoken import LLM, SamplingParams
+from firsttoken.models.registry import default_model_path
+from firsttoken.outputs import EngineStats
 
 CODE = '''def merge(left, right):
     result = []
@@ -38,6 +41,10 @@ WORKLOADS = {
     "edit code": [
         [{"role": "user", "content": f"Add a comment above each line of this function:\n\n{CODE}"}],
         [{"role": "user", "content": f"Rename `result` to `merged` in this function and print it whole:\n\n{CODE}"}],
+    ],
+    "free chat": [
+        [{"role": "user", "content": "Tell me about the history of tea, in a few sentences."}],
+        [{"role": "user", "content": "Why do cats purr? Answer briefly."}],
     ],
     "restate list": [
         [{"role": "user", "content": "Repeat exactly: red, orange, yellow, green, blue, indigo, violet, "
@@ -63,6 +70,12 @@ def random_run(llm: LLM, params: SamplingParams, batch: int):
     return run
 
 
+def acceptance(before: EngineStats, after: EngineStats) -> float:
+    proposed = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    return accepted / proposed if proposed else 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -73,7 +86,12 @@ def main() -> None:
     options = {"dtype": "bfloat16", "enable_prompt_cache": False, "kv_cache_memory_bytes": 512 << 20}
     speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                    "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    engines = {"ngram": LLM(**options, speculative_config=speculative), "plain": LLM(**options)}
+    engines = {
+        "ngram": LLM(**options, speculative_config=speculative),
+        "draft": LLM(**options, speculative_config={"method": "draft", "model": default_model_path(),
+                                                    "num_speculative_tokens": args.num_speculative_tokens}),
+        "plain": LLM(**options),
+    }
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rows, payload = [], {}
     for batch in args.batches:
@@ -81,17 +99,16 @@ def main() -> None:
                  for name, conversations in WORKLOADS.items()}
         cases["random tokens"] = {engine: random_run(llm, params, batch) for engine, llm in engines.items()}
         for name, runs in cases.items():
-            before = engines["ngram"].stats()
+            before = {engine: engines[engine].stats() for engine in ("ngram", "draft")}
             medians = interleaved_medians(runs, args.repeats)
-            after = engines["ngram"].stats()
-            proposed = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
-            accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-            rate = accepted / proposed if proposed else 0.0
+            rates = {engine: acceptance(before[engine], engines[engine].stats()) for engine in before}
             tokens = batch * args.max_tokens
-            rows.append([f"{name}, batch {batch}", tokens / medians["ngram"], tokens / medians["plain"],
-                         medians["plain"] / medians["ngram"], rate])
-            payload[f"{name} batch {batch}"] = {"seconds": medians, "acceptance_rate": rate}
-    print_table(["workload", "ngram tok/s", "plain tok/s", "speed-up", "acceptance"], rows)
+            rows.append([f"{name}, batch {batch}", tokens / medians["ngram"], tokens / medians["draft"],
+                         tokens / medians["plain"], medians["plain"] / medians["ngram"], rates["ngram"],
+                         rates["draft"]])
+            payload[f"{name} batch {batch}"] = {"seconds": medians, "acceptance_rate": rates}
+    print_table(["workload", "ngram tok/s", "draft tok/s", "plain tok/s", "ngram speed-up", "ngram accepted",
+                 "draft accepted"], rows)
     first_token = SamplingParams(temperature=0, max_tokens=1)
     ttft = interleaved_medians(
         {name: chat_run(llm, WORKLOADS["edit code"], first_token, 1) for name, llm in engines.items()}, args.repeats

@@ -16,7 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -258,7 +258,15 @@ class SpeculativeConfig:
     method: str | None = field(
         default=None,
         metadata=_help("proposer: ngram (prompt lookup: the tokens that followed the latest earlier "
-                       "match of the last n tokens); unset: off", choices=SPECULATIVE_METHODS),
+                       "match of the last n tokens) | draft (a smaller model's greedy tokens); unset: off",
+                       choices=SPECULATIVE_METHODS),
+    )
+    model: str | None = field(
+        default=None,
+        metadata=_help("draft: the draft model (GGUF file or Hugging Face folder) sharing the target's tokenizer"),
+    )
+    draft_kv_cache_memory_bytes: int = field(
+        default=64 << 20, metadata=_help("draft: bytes for the draft model's own paged KV cache")
     )
     num_speculative_tokens: int = field(default=4, metadata=_help("tokens proposed per sequence and step"))
     prompt_lookup_max: int = field(default=4, metadata=_help("ngram: longest suffix matched, in tokens"))
@@ -274,6 +282,16 @@ class SpeculativeConfig:
             self.method is None or self.method in SPECULATIVE_METHODS,
             "method",
             f"must be one of {SPECULATIVE_METHODS} or unset, got {self.method!r}",
+        )
+        _require(
+            (self.method == "draft") == (self.model is not None),
+            "model",
+            "is the draft model: set it with method draft, and only then",
+        )
+        _require(
+            self.draft_kv_cache_memory_bytes > 0,
+            "draft_kv_cache_memory_bytes",
+            f"must be > 0, got {self.draft_kv_cache_memory_bytes}",
         )
         _require(
             1 <= self.num_speculative_tokens <= 16,
@@ -309,6 +327,7 @@ _FLAT_ALIASES: dict[tuple[str, str], str] = {
     ("prompt_cache", "persist_dir"): "prompt_cache_dir",
     ("attention", "backend"): "attention_backend",
     ("speculative_config", "method"): "speculative_method",
+    ("speculative_config", "model"): "speculative_model",
 }
 
 

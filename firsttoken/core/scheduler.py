@@ -59,8 +59,8 @@ class RequestProgress:
 
 
 class DraftProposer(Protocol):
-    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
-        """Up to `max_tokens` tokens likely to follow `token_ids` (none is fine)."""
+    def propose_batch(self, token_ids: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        """For each sequence, up to its `max_tokens` tokens likely to follow it (none is fine)."""
         ...
 
 
@@ -196,11 +196,11 @@ class Scheduler:
             request for request in self.running
             if request.status is RequestStatus.RUNNING and request.num_uncomputed_tokens == 1
         ]
-        speculate = self._speculates(len(decoding))
+        drafts = self._propose(decoding) if self._speculates(len(decoding)) else {}
         for request in decoding:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted for an earlier decode's block
-            draft = self._propose(request) if speculate else []
+            draft = drafts.get(request.req_id, [])
             # Proposals take only free blocks: they never preempt another request.
             if draft and self.kv.allocate_slots(request, 1 + len(draft)):
                 self._drafts[request.req_id] = draft
@@ -216,14 +216,21 @@ class Scheduler:
             and all(request.num_uncomputed_tokens <= 1 for request in self.running)
         )
 
-    def _propose(self, request: Request) -> list[int]:
-        params = request.sampling_params
-        # Room for the proposals and the model's own token after them.
-        room = min(params.max_tokens - request.num_output_tokens, request.max_total_tokens - request.num_tokens) - 1
-        # The sampler counts a tracked request's tokens from its step inputs, proposals included.
-        if room <= 0 or params.tracks_tokens:
-            return []
-        return self.proposer.propose(request.token_ids, room)
+    def _propose(self, decoding: list[Request]) -> dict[str, list[int]]:
+        """Proposals for the decodes that may speculate, from one call to the proposer."""
+        candidates, rooms = [], []
+        for request in decoding:
+            params = request.sampling_params
+            # Room for the proposals and the model's own token after them.
+            room = min(params.max_tokens - request.num_output_tokens, request.max_total_tokens - request.num_tokens) - 1
+            # The sampler counts a tracked request's tokens from its step inputs, proposals included.
+            if room > 0 and not params.tracks_tokens:
+                candidates.append(request)
+                rooms.append(room)
+        if not candidates:
+            return {}
+        proposals = self.proposer.propose_batch([request.token_ids for request in candidates], rooms)
+        return {request.req_id: proposal[:room] for request, proposal, room in zip(candidates, proposals, rooms)}
 
     @property
     def latency_targets(self) -> LatencyTargets:

@@ -12,11 +12,12 @@ import itertools
 import logging
 import time
 
-from firsttoken.config import EngineConfig, SpeculativeConfig
+from firsttoken.config import EngineConfig
 from firsttoken.core.cost_model import StepTimeTracker
 from firsttoken.core.hashing import extend_block_hashes, root_hash
 from firsttoken.core.kv_cache_manager import KVCacheManager
 from firsttoken.core.scheduler import DraftProposer, Scheduler
+from firsttoken.engine.draft_model import DraftModelProposer
 from firsttoken.engine.output_processor import OutputProcessor
 from firsttoken.errors import InvalidInputError
 from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta
@@ -54,7 +55,7 @@ class EngineCore:
             self.max_model_len,
             self.hash_root,
             step_times,
-            proposer=draft_proposer(config.speculative_config),
+            proposer=draft_proposer(config, self.worker.vocab_size),
             max_num_speculating_seqs=config.speculative_config.max_num_speculating_seqs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -272,7 +273,11 @@ class EngineCore:
         )
 
 
-def draft_proposer(config: SpeculativeConfig) -> DraftProposer | None:
-    if config.method == "ngram":
-        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+def draft_proposer(config: EngineConfig, vocab_size: int) -> DraftProposer | None:
+    speculative = config.speculative_config
+    if speculative.method == "ngram":
+        return NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_max,
+                             speculative.prompt_lookup_min)
+    if speculative.method == "draft":
+        return DraftModelProposer(config, speculative, vocab_size)
     return None

@@ -17,6 +17,9 @@ class NgramProposer:
     prompt_lookup_max: int
     prompt_lookup_min: int
 
+    def propose_batch(self, token_ids: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        return [self.propose(sequence, limit) for sequence, limit in zip(token_ids, max_tokens)]
+
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
         """Up to min(num_speculative_tokens, max_tokens) tokens to follow `token_ids`, or none
         when no suffix of at least `prompt_lookup_min` tokens occurred before."""

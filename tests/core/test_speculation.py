@@ -17,8 +17,8 @@ class FixedProposer:
     def __init__(self, proposal: list[int]) -> None:
         self.proposal = proposal
 
-    def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
-        return self.proposal[:max_tokens]
+    def propose_batch(self, token_ids: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        return [self.proposal[:limit] for limit in max_tokens]
 
 
 def make_scheduler(proposal: list[int], num_blocks: int = 64, max_speculating: int = 8) -> Scheduler:

@@ -157,3 +157,34 @@ def test_sampled_tokens_are_the_targets_draws_seed_for_seed(engines):
     ]
     assert speculative.stats().spec_decode_num_draft_tokens > before
     assert [output.token_ids for output in outputs] == [output.token_ids for output in plain.generate(prompt, params)]
+
+
+def test_a_draft_model_drafting_for_itself_is_always_right_and_changes_nothing(engines, model_path):
+    """The embedded model as its own draft: every proposal accepted, the same bits as without,
+    and both engines' blocks all back in their pools."""
+    plain, _ = engines
+    options = {"model": model_path, "dtype": "bfloat16", "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
+    drafted = LLM(**options, speculative_config={"method": "draft", "model": model_path, "num_speculative_tokens": 3})
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    assert [_bits(output) for output in drafted.generate(PROMPTS, greedy)] == [
+        _bits(output) for output in plain.generate(PROMPTS, greedy)
+    ]
+    stats = drafted.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens  # greedy agrees
+    assert len(stats.spec_decode_accepted_per_position) <= 3
+    # Sampled, the target rejects some greedy proposals; its draws stay its own.
+    seeded = SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, stop=["b):"])
+    assert [_bits(output) for output in drafted.generate(PROMPTS, seeded)] == [
+        _bits(output) for output in plain.generate(PROMPTS, seeded)
+    ]
+    assert _all_blocks_free(drafted)
+    draft_core = drafted.engine.scheduler.proposer.core
+    assert draft_core.kv_manager.pool.num_free_blocks == draft_core.kv_manager.num_blocks
+
+
+def test_a_draft_model_is_named_with_method_draft_only(model_path):
+    with pytest.raises(InvalidInputError, match="model"):
+        LLM(model_path, speculative_config={"method": "draft"})
+    with pytest.raises(InvalidInputError, match="model"):
+        LLM(model_path, speculative_config={"method": "ngram", "model": model_path})
