@@ -222,7 +222,8 @@ class Scheduler:
         for request in decoding:
             params = request.sampling_params
             # Room for the proposals and the model's own token after them.
-            room = min(params.max_tokens - request.num_output_tokens, request.max_total_tokens - request.num_tokens) - 1
+            room = min(params.max_tokens - request.num_output_tokens,
+                       request.max_total_tokens - request.num_tokens) - 1
             # The sampler counts a tracked request's tokens from its step inputs, proposals included.
             if room > 0 and not params.tracks_tokens:
                 candidates.append(request)

@@ -48,7 +48,10 @@ class DraftModelProposer:
             order.append(req_id)
             proposals[req_id] = []
             greedy = SamplingParams(temperature=0, max_tokens=min(limit, self.num_speculative_tokens), ignore_eos=True)
-            self.core.add_request(req_id, sequence, greedy)
+            try:
+                self.core.add_request(req_id, sequence, greedy)
+            except InvalidInputError:
+                continue  # longer than the draft's cache or context holds: this one goes without
         while self.core.has_unfinished_requests():
             for delta in self.core.step():
                 proposals[delta.request_id].extend(delta.token_ids)

@@ -183,6 +183,18 @@ def test_a_draft_model_drafting_for_itself_is_always_right_and_changes_nothing(e
     assert draft_core.kv_manager.pool.num_free_blocks == draft_core.kv_manager.num_blocks
 
 
+def test_a_sequence_longer_than_the_drafts_cache_decodes_without_proposals(engines, model_path):
+    plain, _ = engines
+    options = {"model": model_path, "dtype": "bfloat16", "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 2  # layers x block tokens x KV heads x head size, bf16
+    drafted = LLM(**options, speculative_config={"method": "draft", "model": model_path,
+                                                 "draft_kv_cache_memory_bytes": 2 * block_bytes})
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = drafted.generate(PROMPTS, params)
+    assert [output.token_ids for output in outputs] == [output.token_ids for output in plain.generate(PROMPTS, params)]
+    assert _all_blocks_free(drafted)
+
+
 def test_a_draft_model_is_named_with_method_draft_only(model_path):
     with pytest.raises(InvalidInputError, match="model"):
         LLM(model_path, speculative_config={"method": "draft"})
