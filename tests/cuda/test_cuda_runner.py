@@ -1,7 +1,8 @@
 """The runner on the CUDA path (pinned staging, Triton backend, padded decode graphs) gives the
 CPU path's greedy tokens; padding rows write only the scratch block.
 
-Without a GPU, graph capture is replaced by eager replays of the same static-buffer forward
+Both run on the GPU where there is one (the Triton kernels compiled), else on the CPU through
+the interpreter. Graph capture is replaced by eager replays of the same static-buffer forward
 (EagerCapture), which exercises the ladder, the static inputs and the padding rows; the CUDA
 capture itself is covered by tests/cuda/test_gpu.py on a GPU.
 """
@@ -61,8 +62,7 @@ def _runners(device, dtype):
 
 
 @pytest.mark.parametrize("use_graphs", [True, False])
-def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(use_graphs):
-    device = torch.device("cpu")
+def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(use_graphs, device):
     reference, reference_caches, runner, caches = _runners(device, torch.float32)
     capture = EagerCapture()
     if use_graphs:
@@ -79,8 +79,7 @@ def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(use_graphs):
         assert bool(cache[:, NUM_BLOCKS].abs().sum() > 0) == use_graphs
 
 
-def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots():
-    device = torch.device("cpu")
+def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots(device):
     _, _, runner, caches = _runners(device, torch.float32)
     capture = EagerCapture()
     runner.capture_decode_graphs(max_num_seqs=8, max_model_len=512, scratch_block_id=NUM_BLOCKS, capture=capture)
