@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from firsttoken.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from firsttoken.worker.model_runner import ModelRunner
 from firsttoken.worker.pinned_prefix_store import KVIdentity, PinnedPrefixStore, StoredPrefix
 from firsttoken.worker.thread_governor import ThreadGovernor
+
+if TYPE_CHECKING:
+    from firsttoken.worker.cuda_graphs import GraphCaptureReport
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +93,16 @@ class Worker:
         self.model.bind_kv_caches(self.kv_caches)
         sampler = Sampler(model_config.seed, self.device, arch.vocab_size)
         self.runner = ModelRunner(self.model, backend, sampler, config.cache.block_size, self.device)
+        self.graph_capture: GraphCaptureReport | None = None
         if use_graphs:
-            self.runner.capture_decode_graphs(
+            self.graph_capture = self.runner.capture_decode_graphs(
                 config.scheduler.max_num_seqs, self.max_model_len, scratch_block_id=self.num_kv_blocks
+            )
+            logger.info(
+                "captured decode graphs for batch sizes %s in %.2f s, %.1f MiB of device memory",
+                list(self.graph_capture.batch_sizes),
+                self.graph_capture.seconds,
+                self.graph_capture.device_memory_bytes / 2**20,
             )
         self.prefix_store = self._open_prefix_store()
 

@@ -82,8 +82,13 @@ def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(use_graphs, device):
 def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots(device):
     _, _, runner, caches = _runners(device, torch.float32)
     capture = EagerCapture()
-    runner.capture_decode_graphs(max_num_seqs=8, max_model_len=512, scratch_block_id=NUM_BLOCKS, capture=capture)
-    assert runner.graphs.sizes == [1, 2, 4, 8]
+    report = runner.capture_decode_graphs(
+        max_num_seqs=8, max_model_len=512, scratch_block_id=NUM_BLOCKS, capture=capture
+    )
+    assert runner.graphs.sizes == [1, 2, 4, 8] and report.batch_sizes == (1, 2, 4, 8)
+    assert report.seconds > 0
+    if device.type == "cpu":
+        assert report.device_memory_bytes == 0
     greedy = SamplingParams(temperature=0, max_tokens=4)
     positions = [0, 3, 4, 9, 17]  # 5 decodes: padded to 8
     chunks = [
