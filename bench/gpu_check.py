@@ -371,6 +371,56 @@ def measure_decode(llm: LLM, shape: Shape, plan: Plan, seed: int) -> list[dict]:
     return rows
 
 
+def median_call_seconds(call: Callable[[], Any], device: torch.device, repeats: int = 50) -> float:
+    """Median wall time of `call` (host launch and device run), synchronized each time."""
+    for _ in range(3):
+        call()
+    timings = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        call()
+        synchronize(device)
+        timings.append(time.perf_counter() - start)
+    return statistics.median(timings)
+
+
+def measure_fused_ops(shape: Shape, dtype: torch.dtype, device: torch.device, lengths: tuple[int, ...]) -> list[dict]:
+    """Each Triton elementwise op against its eager reference at `lengths` tokens of `shape`."""
+    from firsttoken.ops import triton_ops
+    from firsttoken.ops.activation import silu_and_mul_reference
+    from firsttoken.ops.norm import add_rms_norm_reference
+    from firsttoken.ops.rotary import apply_rotary_reference, cos_sin_table, inverse_frequencies, rotary_cos_sin
+
+    table = cos_sin_table(inverse_frequencies(shape.head_dim, shape.rope_theta, None, None), max(lengths)).to(device)
+    weight = torch.ones(shape.hidden_size, dtype=dtype, device=device)
+    rows = []
+    for length in lengths:
+        hidden = torch.randn(length, shape.hidden_size, dtype=dtype, device=device)
+        residual = torch.randn_like(hidden)
+        gate_up = torch.randn(length, 2 * shape.intermediate_size, dtype=dtype, device=device)
+        query_key = torch.randn(length, shape.num_heads + shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
+        cos, sin = rotary_cos_sin(table, torch.arange(length, device=device), dtype)
+        pairs = {
+            "add + rms_norm": (
+                lambda: triton_ops.add_rms_norm(hidden, residual, weight, 1e-5),
+                lambda: add_rms_norm_reference(hidden, residual, weight, 1e-5),
+            ),
+            "silu_and_mul": (lambda: triton_ops.silu_and_mul(gate_up), lambda: silu_and_mul_reference(gate_up)),
+            "rotary": (
+                lambda: triton_ops.apply_rotary_(query_key, cos, sin),
+                lambda: apply_rotary_reference(query_key, cos, sin),
+            ),
+        }
+        for op, (fused, reference) in pairs.items():
+            fused_s, reference_s = median_call_seconds(fused, device), median_call_seconds(reference, device)
+            rows.append(
+                {"op": op, "tokens": length, "triton_us": fused_s * 1e6, "reference_us": reference_s * 1e6,
+                 "speedup": reference_s / fused_s}
+            )
+    return rows
+
+
 # -- models ------------------------------------------------------------------------------------
 
 
@@ -442,6 +492,14 @@ def run(
     results["matmul_tflops"] = tflops = matmul_tflops(plan.matmul_size, plan.dtype, device)
     dtype_name = str(plan.dtype).removeprefix("torch.")
     say(f"{dtype_name} matmul {plan.matmul_size}^3: {tflops:.1f} TFLOP/s (median of 10)")
+    if device.type == "cuda":
+        fused = measure_fused_ops(plan.shapes[-1], plan.dtype, device, (16, 512, 4096))
+        results["fused_ops"] = fused
+        say(f"elementwise ops of the {plan.shapes[-1].name} shape: Triton kernel vs eager reference (median of 50)")
+        print_table(
+            ["op", "tokens", "triton us", "reference us", "speed-up"],
+            [[r["op"], r["tokens"], r["triton_us"], r["reference_us"], r["speedup"]] for r in fused],
+        )
     for index, shape in enumerate(plan.shapes):
         started = time.perf_counter()
         hf_model = build_reference(shape, plan.dtype, device, seed + index)

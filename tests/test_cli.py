@@ -13,17 +13,53 @@ def _params(*flags: str):
 
 def test_every_sampling_flag_reaches_the_sampling_params():
     params = _params(
-        "--temperature", "0.5", "--top-p", "0.9", "--top-k", "7", "--min-p", "0.1", "--seed", "3",
-        "--presence-penalty", "0.5", "--frequency-penalty", "-0.5", "--repetition-penalty", "1.2",
-        "--logit-bias", '{"42": -100, "7": 2.5}', "--min-tokens", "4", "--stop", "END", "--stop", "\n\n",
-        "--stop-token-id", "2", "--stop-token-id", "9", "--bad-word", "Paris", "--ignore-eos",
-        "--max-tokens", "12",
+        "--temperature",
+        "0.5",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "7",
+        "--min-p",
+        "0.1",
+        "--seed",
+        "3",
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "-0.5",
+        "--repetition-penalty",
+        "1.2",
+        "--logit-bias",
+        '{"42": -100, "7": 2.5}',
+        "--min-tokens",
+        "4",
+        "--stop",
+        "END",
+        "--stop",
+        "\n\n",
+        "--stop-token-id",
+        "2",
+        "--stop-token-id",
+        "9",
+        "--bad-word",
+        "Paris",
+        "--ignore-eos",
+        "--max-tokens",
+        "12",
     )
-    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == (0.5, 0.9, 7, 0.1, 3)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == (
+        0.5,
+        0.9,
+        7,
+        0.1,
+        3,
+    )
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.5, 1.2)
     assert dict(params.logit_bias) == {42: -100.0, 7: 2.5}
     assert (params.min_tokens, params.max_tokens, params.ignore_eos) == (4, 12, True)
-    assert params.stop == ("END", "\n\n") and params.stop_token_ids == (2, 9) and params.bad_words == ("Paris",)
+    assert (
+        params.stop == ("END", "\n\n") and params.stop_token_ids == (2, 9) and params.bad_words == ("Paris",)
+    )
 
 
 def test_defaults_leave_the_new_fields_off():

@@ -42,7 +42,9 @@ def _readme_main_command() -> str:
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: path.name)
 def test_dockerfile_installs_with_the_readme_commands(dockerfile):
     installs = [
-        command for instruction, arguments in _instructions(dockerfile) if instruction == "RUN"
+        command
+        for instruction, arguments in _instructions(dockerfile)
+        if instruction == "RUN"
         for command in _pip_installs(arguments)
     ]
     assert installs == _pip_installs(_readme_main_command())
@@ -54,8 +56,12 @@ def test_dockerfile_copies_files_that_exist_and_serves_with_valid_flags(dockerfi
     for instruction, arguments in instructions:
         if instruction == "COPY":
             for source in shlex.split(arguments)[:-1]:
-                assert (ROOT / source).exists(), f"{dockerfile.name} copies {source}, which is not in the repository"
-    entrypoint = json.loads(next(arguments for instruction, arguments in instructions if instruction == "ENTRYPOINT"))
+                assert (ROOT / source).exists(), (
+                    f"{dockerfile.name} copies {source}, which is not in the repository"
+                )
+    entrypoint = json.loads(
+        next(arguments for instruction, arguments in instructions if instruction == "ENTRYPOINT")
+    )
     assert entrypoint[0] == "firsttoken"
     args = build_parser().parse_args(entrypoint[1:])
     assert (args.verb, args.host, args.port) == ("serve", "0.0.0.0", 8000)
@@ -84,5 +90,7 @@ def test_compose_wires_server_prometheus_and_grafana():
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
     provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/firsttoken.yaml").read_text())
     dashboard_folder = provider["providers"][0]["options"]["path"]
-    dashboard_mounts = [v for v in services["grafana"]["volumes"] if v.startswith("./grafana/firsttoken.json:")]
+    dashboard_mounts = [
+        v for v in services["grafana"]["volumes"] if v.startswith("./grafana/firsttoken.json:")
+    ]
     assert dashboard_mounts and dashboard_mounts[0].split(":")[1].startswith(dashboard_folder + "/")

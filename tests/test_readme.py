@@ -85,7 +85,9 @@ def test_script_lines_name_scripts_and_flags_that_exist():
             continue
         script = ROOT / command[1]
         assert script.exists(), f"README runs {command[1]}, which does not exist"
-        usage = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ROOT)
+        usage = subprocess.run(
+            [sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ROOT
+        )
         assert usage.returncode == 0, usage.stderr
         for flag in (word for word in command[2:] if word.startswith("--")):
             assert flag in usage.stdout, f"{command[1]} has no {flag}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,7 +74,9 @@ class Worker:
             config.attention, self.device, arch.num_heads, arch.num_kv_heads, native_kernels,
             batch_invariant=model_config.batch_invariant,
         )
-        self.kernels = Kernels(fused=model_config.fuse_ops, native_kernels=native_kernels)
+        self.kernels = Kernels(
+            fused=model_config.fuse_ops, native_kernels=native_kernels, triton_ops=_triton_ops(self.device)
+        )
         self.model = self._load_model(backend)
         # What the invariance rests on: decode rows attending with the prefill kernel's
         # arithmetic, each alone; row-invariant matmuls.
@@ -298,3 +301,13 @@ class Worker:
         """[layers, 2, blocks, block_size, kv_heads, head_dim] copy of those blocks' KV."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return torch.stack([kv_cache.index_select(1, index) for kv_cache in self.kv_caches])
+
+
+def _triton_ops(device: torch.device) -> ModuleType | None:
+    """The Triton kernels of the elementwise ops on CUDA; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    # Imported here: triton is needed on CUDA only (where the attention backend needs it too).
+    from firsttoken.ops import triton_ops
+
+    return triton_ops

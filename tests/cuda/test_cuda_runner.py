@@ -1,5 +1,5 @@
-"""The runner on the CUDA path (pinned staging, Triton backend, padded decode graphs) gives the
-CPU path's greedy tokens; padding rows write only the scratch block.
+"""The runner on the CUDA path (pinned staging, Triton attention and elementwise ops, padded
+decode graphs) gives the plain path's greedy tokens; padding rows write only the scratch block.
 
 Both run on the GPU where there is one (the Triton kernels compiled), else on the CPU through
 the interpreter. Graph capture is replaced by eager replays of the same static-buffer forward
@@ -15,6 +15,8 @@ import torch
 from firsttoken.attention.cuda_backend import CudaAttentionBackend
 from firsttoken.attention.sdpa import SDPABackend
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput
+from firsttoken.ops import triton_ops
+from firsttoken.ops.kernels import Kernels
 from firsttoken.sample.sampler import Sampler
 from firsttoken.sampling_params import SamplingParams
 from firsttoken.worker.cuda_graphs import Forward
@@ -50,7 +52,8 @@ class EagerCapture:
 def _runners(device, dtype):
     reference_model = random_model(SDPABackend(device), dtype, device)
     backend = CudaAttentionBackend(device, TINY_ARCH.num_heads, TINY_ARCH.num_kv_heads)
-    model = random_model(backend, dtype, device)
+    # As the worker builds it on CUDA: the Triton kernels of the elementwise ops.
+    model = random_model(backend, dtype, device, kernels=Kernels(fused=True, triton_ops=triton_ops))
     reference_caches = allocate_kv_caches(TINY_ARCH, NUM_BLOCKS + 1, BLOCK_SIZE, dtype, device)
     caches = allocate_kv_caches(TINY_ARCH, NUM_BLOCKS + 1, BLOCK_SIZE, dtype, device)
     reference_model.bind_kv_caches(reference_caches)

@@ -42,7 +42,10 @@ def test_repo_id_of_a_cached_folder_loads_and_generates(hub_cache):
     by_id = LLM("tiny-org/tiny-llama", dtype="float32", max_num_batched_tokens=64)
     by_path = LLM(str(snapshot), dtype="float32", max_num_batched_tokens=64)
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
-    assert by_id.generate(["Hello there"], greedy)[0].token_ids == by_path.generate(["Hello there"], greedy)[0].token_ids
+    assert (
+        by_id.generate(["Hello there"], greedy)[0].token_ids
+        == by_path.generate(["Hello there"], greedy)[0].token_ids
+    )
 
 
 def test_repo_id_of_a_cached_gguf_repo_is_its_gguf_file(hub_cache, model_path):
@@ -55,12 +58,16 @@ def test_repo_with_several_gguf_files_asks_for_one(hub_cache, model_path):
     snapshot = _cached_snapshot(hub_cache, "gguf-org/many-GGUF")
     for name in ("a.Q4_0.gguf", "a.Q8_0.gguf"):
         os.symlink(model_path, snapshot / name)
-    with pytest.raises(ValueError, match=r"^model: gguf-org/many-GGUF holds 2 GGUF files \(a.Q4_0.gguf, a.Q8_0.gguf\)"):
+    with pytest.raises(
+        ValueError, match=r"^model: gguf-org/many-GGUF holds 2 GGUF files \(a.Q4_0.gguf, a.Q8_0.gguf\)"
+    ):
         resolve_model_path("gguf-org/many-GGUF")
 
 
 def test_uncached_repo_id_names_the_cache_searched(hub_cache):
-    with pytest.raises(ValueError, match=f"^model: nobody/absent is not in the local Hugging Face cache \\({hub_cache}\\)"):
+    with pytest.raises(
+        ValueError, match=f"^model: nobody/absent is not in the local Hugging Face cache \\({hub_cache}\\)"
+    ):
         resolve_model_path("nobody/absent")
     with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
         resolve_model_path("tiny-org/tiny-llama@v2")

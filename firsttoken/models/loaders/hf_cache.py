@@ -25,9 +25,7 @@ def cached_model_path(model: str) -> str:
     if match is None:
         raise ValueError(f"model: {model!r} is not a Hugging Face repo id (org/name[@revision])")
     try:
-        snapshot = snapshot_download(
-            match["repo_id"], revision=match["revision"], local_files_only=True
-        )
+        snapshot = snapshot_download(match["repo_id"], revision=match["revision"], local_files_only=True)
     except LocalEntryNotFoundError as error:
         raise ValueError(
             f"model: {model} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
@@ -47,4 +45,6 @@ def _model_in_snapshot(model: str, snapshot: str) -> str:
             f"model: {model} holds {len(gguf_files)} GGUF files ({', '.join(gguf_files)}); "
             f"pass one of them as a path under {snapshot}"
         )
-    raise ValueError(f"model: the cached snapshot of {model} ({snapshot}) has no config.json and no GGUF file")
+    raise ValueError(
+        f"model: the cached snapshot of {model} ({snapshot}) has no config.json and no GGUF file"
+    )
