@@ -87,6 +87,7 @@ def sampling_params(
         bad_words=tuple(request.bad_words or ()),
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
+        structured_output=request.structured_output(),
     )
 
 

@@ -6,6 +6,7 @@ limits sit in the schema, so /openapi.json documents them and a bad value is a c
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
@@ -21,6 +22,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from firsttoken.engine import CHAT_ROLES, InvalidInputError
+from firsttoken.sampling_params import StructuredOutput
 
 MAX_N = 16  # choices per prompt; each one is an independent engine request
 MAX_LOGPROBS = 20
@@ -112,8 +114,28 @@ _UNSUPPORTED_UNLESS_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
+
+
+class JsonSchemaFormat(_StrictModel):
+    """response_format's json_schema: the schema the output must validate against."""
+
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = Field(None, description="accepted; the schema is always enforced")
+
+
+class ResponseFormat(_StrictModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+GuidedJson = Annotated[Union[str, dict[str, Any]], _one_error_for_union("a JSON schema (an object or its text)")]
 
 
 class GenerationRequest(RequestBody):
@@ -162,6 +184,15 @@ class GenerationRequest(RequestBody):
     skip_special_tokens: bool = Field(True, description="vLLM extension: leave special tokens out of text")
     user: str | None = Field(None, description="accepted and ignored")
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="firsttoken extension: lower runs first")
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object: any JSON object; json_schema: JSON valid against its schema"
+    )
+    guided_json: GuidedJson | None = Field(None, description="vLLM extension: the output is JSON valid against it")
+    guided_regex: str | None = Field(None, description="vLLM extension: the output matches this regular expression")
+    guided_choice: list[str] | None = Field(None, description="vLLM extension: the output is one of these strings")
+    guided_grammar: str | None = Field(
+        None, description="vLLM extension: the output follows this grammar (GBNF/EBNF as llama.cpp, or Lark)"
+    )
 
     @model_validator(mode="after")
     def _check_neutral_fields(self) -> GenerationRequest:
@@ -172,7 +203,28 @@ class GenerationRequest(RequestBody):
         if self.stream_options is not None and not self.stream:
             raise InvalidInputError("stream_options", "only allowed when stream is true")
         _check_stop_strings(self.stop)
+        self.structured_output()  # a constraint given twice is refused at validation
         return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The output constraint of response_format or a guided_* field (at most one)."""
+        given = []
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append(_response_format_constraint(self.response_format))
+        if self.guided_json is not None:
+            schema = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+            given.append(StructuredOutput(json_schema=schema, field="guided_json"))
+        if self.guided_regex is not None:
+            given.append(StructuredOutput(regex=self.guided_regex, field="guided_regex"))
+        if self.guided_choice is not None:
+            given.append(StructuredOutput(choice=tuple(self.guided_choice), field="guided_choice"))
+        if self.guided_grammar is not None:
+            given.append(StructuredOutput(grammar=self.guided_grammar, field="guided_grammar"))
+        if len(given) > 1:
+            raise InvalidInputError(
+                given[1].field, f"give one output constraint; {given[0].field} is given too"
+            )
+        return given[0] if given else None
 
     def unknown_fields(self) -> list[str]:
         """Fields the request holds that the API does not define (accepted, and ignored)."""
@@ -181,6 +233,16 @@ class GenerationRequest(RequestBody):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _response_format_constraint(response_format: ResponseFormat) -> StructuredOutput:
+    if response_format.type == "json_object":
+        return StructuredOutput(json_object=True, field="response_format")
+    if response_format.json_schema is None:
+        raise InvalidInputError("response_format.json_schema", "required when type is json_schema")
+    return StructuredOutput(
+        json_schema=json.dumps(response_format.json_schema.json_schema), field="response_format.json_schema.schema"
+    )
 
 
 def _check_stop_strings(stop: str | list[str] | None) -> None:
