@@ -14,7 +14,7 @@ import torch
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput, TrackedRequest
 from firsttoken.errors import InvalidInputError
 from firsttoken.models.registry import default_model_path, open_checkpoint
-from firsttoken.sample.grammar import GrammarCompiler
+from firsttoken.sample.grammar import GrammarCompiler, apply_bitmask
 from firsttoken.sample.sampler import Sampler
 from firsttoken.sampling_params import SamplingParams, StructuredOutput
 
@@ -178,3 +178,20 @@ def test_a_constraint_holds_exactly_one_form():
     with pytest.raises(InvalidInputError) as raised:
         StructuredOutput(choice=(), field="guided_choice")
     assert raised.value.field == "guided_choice"
+
+
+def test_apply_bitmask_equals_a_bit_by_bit_mask():
+    """Random masks over a vocabulary that is not a multiple of 32, on some rows of a batch:
+    allowed logits keep their exact values, the others are -inf, other rows are untouched."""
+    generator = torch.Generator().manual_seed(11)
+    vocab_size, rows = 1000, [0, 2, 3]
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), -(-vocab_size // 32)), dtype=torch.int32,
+                            generator=generator)
+    logits = torch.randn(5, vocab_size, generator=generator)
+    expected = logits.clone()
+    for mask_row, row in enumerate(rows):
+        for token_id in range(vocab_size):
+            if not (int(bitmask[mask_row, token_id // 32]) >> (token_id % 32)) & 1:
+                expected[row, token_id] = float("-inf")
+    apply_bitmask(logits, rows, bitmask)
+    assert torch.equal(logits, expected)
