@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -333,8 +334,11 @@ class AsyncEngine:
         messages: Messages | None = None,
         add_generation_prompt: bool = True,
         add_special_tokens: bool = True,
+        chat_template_args: dict[str, Any] | None = None,
     ) -> TokenizedPrompt:
         """Stamp arrival, then render the chat template (for `messages`) and encode, timed.
+        `chat_template_args`: the keyword arguments of Tokenizer.apply_chat_template (tools,
+        documents, template_kwargs).
 
         Text is encoded on the tokenizer threads: `tokenizers` releases the GIL while encoding,
         so a long prompt never stalls the event loop, and its encode/decode are safe to call
@@ -347,8 +351,9 @@ class AsyncEngine:
             token_ids = list(prompt)
         else:
             loop = asyncio.get_running_loop()
+            encode = functools.partial(self._encode, chat_template_args=chat_template_args or {})
             token_ids = await loop.run_in_executor(
-                self._tokenize_pool, self._encode, prompt, messages, add_generation_prompt, add_special_tokens
+                self._tokenize_pool, encode, prompt, messages, add_generation_prompt, add_special_tokens
             )
         return TokenizedPrompt(token_ids, arrival_time, time.perf_counter())
 
@@ -505,10 +510,11 @@ class AsyncEngine:
         messages: Messages | None,
         add_generation_prompt: bool,
         add_special_tokens: bool,
+        chat_template_args: dict[str, Any],
     ) -> list[int]:
         if messages is not None:
             try:
-                prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+                prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **chat_template_args)
             except jinja2.TemplateError as error:  # a model's template refusing this conversation
                 raise InvalidInputError("messages", f"the chat template failed: {error}") from error
         if not prompt:

@@ -33,6 +33,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_BAD_WORDS = 64
+MAX_TOOLS = 128
 
 
 def _one_error_for_union(expected: str) -> WrapValidator:
@@ -91,17 +92,105 @@ MessageContent = Annotated[
 ]
 
 
+class FunctionCall(_StrictModel):
+    """The function an assistant's tool call names, and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_StrictModel):
+    """One tool call of an assistant's message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_StrictModel):
-    """One message of a conversation."""
+    """One message of a conversation: an assistant's may call tools (then its content may be
+    null), a tool's answers the call `tool_call_id`."""
 
     role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
-    content: MessageContent
+    content: MessageContent | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' shape: a call's arguments as an
+        object, as vLLM passes them)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text() if self.content is not None else None}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        return message
+
+
+def _check_messages(messages: list[ChatMessage]) -> None:
+    """Content is required except in an assistant's message that calls tools; only an
+    assistant's message calls tools."""
+    for index, message in enumerate(messages):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise InvalidInputError(
+                f"messages[{index}].content", "Field required (except in an assistant's message with tool_calls)"
+            )
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidInputError(f"messages[{index}].tool_calls", "only an assistant's message may call tools")
+
+
+def _arguments_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        raise InvalidInputError("tool_calls.function.arguments", "must be JSON text") from None
+
+
+class FunctionDefinition(_StrictModel):
+    """A function the model may call: its name, what it does, its parameters' JSON schema."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(None, description="accepted; forced calls always follow the schema")
+
+
+class Tool(_StrictModel):
+    """A tool of the request (only functions)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_StrictModel):
+    name: str
+
+
+class NamedToolChoice(_StrictModel):
+    """tool_choice forcing one function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Annotated[
+    Union[Literal["none", "auto", "required"], NamedToolChoice],
+    _one_error_for_union('"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'),
+]
 
 
 # Accepted only at the value that changes nothing: honouring them is not implemented, and
@@ -110,7 +199,7 @@ _UNSUPPORTED_UNLESS_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "tools": (None, []),
+    "tools": (None, []),  # on completions; chat completions define them
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
@@ -276,11 +365,51 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(None, description='default: "auto" with tools, else "none"')
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM extension: more variables for the chat template"
+    )
+    documents: list[dict[str, Any]] | None = Field(None, description="vLLM extension: for the chat template")
+
     @model_validator(mode="after")
-    def _check_top_logprobs(self) -> ChatCompletionRequest:
+    def _check_messages_and_logprobs(self) -> ChatCompletionRequest:
+        _check_messages(self.messages)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidInputError("top_logprobs", "requires logprobs to be true")
         return self
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return self
+        if not self.tools:
+            raise InvalidInputError("tool_choice", f"{self.tool_choice_name!r} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+            tool.function.name for tool in self.tools
+        }:
+            raise InvalidInputError("tool_choice", f"no tool is named {choice.function.name!r}")
+        if self.forces_tool_call and self.structured_output() is not None:
+            raise InvalidInputError("tool_choice", f"{self.tool_choice_name!r} and an output constraint exclude each other")
+        return self
+
+    @property
+    def tool_choice_name(self) -> str:
+        """The tool choice in a word: none, auto, required, or function (a named one)."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        return choice if isinstance(choice, str) else "function"
+
+    @property
+    def forced_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice_name in ("required", "function")
+
+    def unknown_fields(self) -> list[str]:
+        return [name for name in super().unknown_fields() if name not in ("tools", "tool_choice")]
 
 
 class TokenizeRequest(RequestBody):
@@ -299,6 +428,7 @@ class TokenizeRequest(RequestBody):
     def _check_one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidInputError("prompt", "give either prompt or messages")
+        _check_messages(self.messages or [])
         return self
 
 
@@ -401,12 +531,45 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class ResponseFunctionCall(BaseModel):
+    """A called function: its name and arguments (JSON text)."""
+
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    """A tool call the model made."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(BaseModel):
     """The reply of a whole chat completion."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    """A streamed part of a tool call's function."""
+
+    name: str | None = _omit_if_none()
+    arguments: str | None = _omit_if_none()
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed part of a tool call: its index among the message's calls, and its id, type and
+    name with its first part."""
+
+    index: int
+    id: str | None = _omit_if_none()
+    type: Literal["function"] | None = _omit_if_none()
+    function: DeltaFunctionCall
 
 
 class ChatChoice(BaseModel):
@@ -435,6 +598,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = _omit_if_none()
     content: str | None = _omit_if_none()
+    tool_calls: list[DeltaToolCall] | None = _omit_if_none()
 
 
 class ChatChunkChoice(BaseModel):

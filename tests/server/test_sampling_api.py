@@ -157,7 +157,7 @@ def test_stop_token_ids_end_the_output(client, llm):
         ({"bad_words": "Paris"}, "bad_words"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools"),
         ({"functions": [{"name": "f"}]}, "functions"),
     ],
 )
