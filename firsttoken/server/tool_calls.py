@@ -67,20 +67,24 @@ def hermes_conversation(messages: Sequence[dict[str, Any]], tools: Sequence[dict
         else:
             system = {"role": "system", "content": tools_system_prompt(tools)}
         rewritten.append(system)
+    follows_a_tool = False  # consecutive tool results share one user turn
     for message in messages:
         if message["role"] == "tool":
             response = f"<tool_response>\n{message['content']}\n</tool_response>"
-            if rewritten and rewritten[-1].get("tool_responses"):
+            if follows_a_tool:
                 rewritten[-1]["content"] += "\n" + response
             else:
-                rewritten.append({"role": "user", "content": response, "tool_responses": True})
-        elif message["role"] == "assistant" and message.get("tool_calls"):
+                rewritten.append({"role": "user", "content": response})
+            follows_a_tool = True
+            continue
+        follows_a_tool = False
+        if message["role"] == "assistant" and message.get("tool_calls"):
             blocks = [_call_block(call["function"]) for call in message["tool_calls"]]
             content = "\n".join(([message["content"]] if message.get("content") else []) + blocks)
             rewritten.append({"role": "assistant", "content": content})
         else:
             rewritten.append({"role": message["role"], "content": message["content"]})
-    return [{"role": message["role"], "content": message["content"]} for message in rewritten]
+    return rewritten
 
 
 def _call_block(function: dict[str, Any]) -> str:
