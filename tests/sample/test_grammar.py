@@ -196,9 +196,3 @@ def test_apply_bitmask_equals_a_bit_by_bit_mask():
     apply_bitmask(logits, rows, bitmask)
     assert torch.equal(logits, expected)
 
-
-def test_a_constrained_request_is_tracked_so_it_never_speculates():
-    """The scheduler proposes draft tokens only for requests the sampler does not track: a
-    grammar's matcher advances only with tokens fed back as inputs, never with proposals."""
-    params = constrained(StructuredOutput(json_object=True), temperature=0)
-    assert params.tracks_tokens and params.processes_logits
