@@ -3,7 +3,9 @@
     python bench/grammar_engines.py [--repeats 20]
 
 Both engines get the embedded model's vocabulary as our tokenizer builds it from the GGUF
-(token byte strings, special tokens, end-of-sequence ids; no hub). For each grammar below this
+(token byte strings, special tokens, end-of-sequence ids; no hub); llguidance exactly as the
+engine sets it up (sample/grammar.py), JSON in the engine's compact style. xgrammar is not a
+dependency of firsttoken: `pip install xgrammar==0.2.9` to run this. For each grammar below this
 prints, as medians over --repeats runs taken in turns (xgrammar, llguidance, xgrammar, ...):
 - compile: a fresh compilation of the grammar (no cache), what a request with a new schema waits;
 - first mask: the first token mask of a new matcher over a compiled grammar;
@@ -32,6 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table  # noqa: E402
 
 from firsttoken.models.registry import default_model_path, open_checkpoint  # noqa: E402
+from firsttoken.sample.grammar import JSON_STYLE, GrammarCompiler  # noqa: E402
+from firsttoken.tokenizer import Tokenizer  # noqa: E402
 
 PERSON = {
     "type": "object",
@@ -85,10 +89,9 @@ class XGrammarEngine:
         self.bitmask = xgrammar.allocate_token_bitmask(1, len(vocabulary))
 
     def compile(self, kind: str, spec: str) -> object:
-        if kind == "json":
-            return self.compiler.compile_json_schema(spec)
-        if kind == "json_object":
-            return self.compiler.compile_builtin_json_grammar()
+        if kind in ("json", "json_object"):
+            schema = spec if kind == "json" else '{"type": "object"}'
+            return self.compiler.compile_json_schema(schema, any_whitespace=False, separators=(", ", ": "))
         return self.compiler.compile_regex(spec)
 
     def matcher(self, compiled: object) -> object:
@@ -104,15 +107,16 @@ class XGrammarEngine:
 class LLGuidanceEngine:
     name = "llguidance"
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, stop_token_ids: list[int]) -> None:
-        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=stop_token_ids)
-        self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        # The engine's own set-up: llguidance over our tokenizer's token bytes.
+        self.tokenizer = GrammarCompiler(tokenizer, tokenizer.vocab_size).engine_tokenizer()
+        self.bitmask = llguidance.torch.allocate_token_bitmask(1, tokenizer.vocab_size)
 
     def compile(self, kind: str, spec: str) -> object:
         if kind == "json":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_STYLE)
         elif kind == "json_object":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+            grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_STYLE)
         else:
             grammar = llguidance.LLMatcher.grammar_from_regex(spec)
         # llguidance compiles when a matcher is built: this matcher is the compiled grammar.
@@ -158,14 +162,9 @@ def main() -> None:
     stop_token_ids = sorted(tokenizer.eos_token_ids)
     setup = {
         "xgrammar": seconds(lambda: XGrammarEngine(vocabulary, stop_token_ids)),
-        "llguidance": seconds(
-            lambda: LLGuidanceEngine(tokenizer.backend.to_str(), tokenizer.vocab_size, stop_token_ids)
-        ),
+        "llguidance": seconds(lambda: LLGuidanceEngine(tokenizer)),
     }
-    engines = [
-        XGrammarEngine(vocabulary, stop_token_ids),
-        LLGuidanceEngine(tokenizer.backend.to_str(), tokenizer.vocab_size, stop_token_ids),
-    ]
+    engines = [XGrammarEngine(vocabulary, stop_token_ids), LLGuidanceEngine(tokenizer)]
     print(f"tokenizer set-up: xgrammar {setup['xgrammar'] * 1e3:.1f} ms, llguidance {setup['llguidance'] * 1e3:.1f} ms")
     rows = []
     for label, (kind, spec, valid_output) in GRAMMARS.items():

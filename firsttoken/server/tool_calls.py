@@ -12,7 +12,7 @@ transformers passes them. A template without tool support (SmolLM2's embedded on
 conversation rewritten the way Qwen2.5's template writes it: the tools and the call format
 appended to the system message, an assistant's calls as <tool_call> blocks in its content, and
 tool results as a user turn of <tool_response> blocks; so any model with a ChatML-like template
-can take part in a tool round trip, and the rewriting is what the model sees (/tokenize shows it).
+can take part in a tool round trip.
 
 Forcing. tool_choice "required" (one call or more) and a named function (one call to it) are
 grammars: the tags around a JSON object whose name is one of the allowed tools and whose
