@@ -137,6 +137,9 @@ class SamplingParams:
             raise InvalidInputError(
                 "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
+        if self.structured_output is not None and self.min_tokens > 0:
+            # The grammar decides where the output ends: holding the end back could leave nothing to draw.
+            raise InvalidInputError("min_tokens", "must be 0 with structured output")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidInputError("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):

@@ -51,13 +51,42 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 
 @dataclass(frozen=True)
 class CompiledGrammar:
-    """A grammar compiled for this vocabulary: a matcher at its start, never advanced itself;
-    each request takes a copy."""
+    """A grammar compiled for this vocabulary: a matcher at its start, never advanced itself
+    (each request takes a copy), and the vocabulary's end-of-sequence ids."""
 
     start: llguidance.LLMatcher
+    end_token_ids: tuple[int, ...]
 
-    def new_matcher(self) -> llguidance.LLMatcher:
-        return self.start.deep_copy()
+    def new_state(self) -> GrammarState:
+        return GrammarState(self.start.deep_copy(), self.end_token_ids)
+
+
+@dataclass(frozen=True)
+class GrammarState:
+    """Where one request's output stands in its grammar: its own matcher, advanced by each
+    generated token."""
+
+    matcher: llguidance.LLMatcher
+    end_token_ids: tuple[int, ...]
+
+    def advance(self, token_ids: list[int]) -> None:
+        # A token its mask allowed always advances it; a failure leaves it in an error state,
+        # which fill_bitmask turns into "end here".
+        self.matcher.consume_tokens(token_ids)
+
+    def fill(self, bitmask_row: torch.Tensor) -> None:
+        """The next token's mask into bitmask_row [W] int32 (zeroed). A finished grammar (its
+        end already drawn and kept, as with ignore_eos) or a failed one allows only
+        end-of-sequence, so a row never has no token to draw."""
+        matcher = self.matcher
+        if matcher.is_error():
+            logger.warning("structured output: the grammar matcher failed (%s); ending the request",
+                           _first_line(matcher.get_error()))
+        if matcher.is_error() or matcher.is_stopped():
+            for token_id in self.end_token_ids:
+                bitmask_row[token_id // _BITS] |= _bit(token_id)
+            return
+        matcher.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), bitmask_row.numel() * bitmask_row.element_size())
 
 
 class _VocabularyView:
@@ -114,7 +143,7 @@ class GrammarCompiler:
                 return compiled
         # Compiled outside the lock (llguidance drops the GIL while compiling): two threads
         # compiling one new grammar at once both compile it, and one copy stays.
-        compiled = CompiledGrammar(self._start_matcher(structured))
+        compiled = CompiledGrammar(self._start_matcher(structured), tuple(sorted(self._tokenizer.eos_token_ids)))
         with self._lock:
             self._compiled[key] = compiled
             self._compiled.move_to_end(key)
@@ -156,21 +185,12 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else "invalid grammar"
 
 
-def fill_bitmask(matchers: Sequence[llguidance.LLMatcher], stop_token_ids: Sequence[Sequence[int]],
-                 vocab_size: int) -> torch.Tensor:
+def fill_bitmask(states: Sequence[GrammarState], vocab_size: int) -> torch.Tensor:
     """Token masks [n, ceil(V / 32)] int32 on the host, bit t of a row set where token t may come
-    next. A matcher in an error state (it never is when its rows were masked) allows only its
-    request's stop ids, so the request ends instead of drawing from nothing."""
-    bitmask = torch.zeros(len(matchers), -(-vocab_size // _BITS), dtype=torch.int32)
-    row_bytes = bitmask.shape[1] * bitmask.element_size()
-    for row, (matcher, stop_ids) in enumerate(zip(matchers, stop_token_ids)):
-        if matcher.is_error():
-            logger.warning("structured output: the grammar matcher failed (%s); ending the request",
-                           _first_line(matcher.get_error()))
-            for token_id in stop_ids:
-                bitmask[row, token_id // _BITS] |= _bit(token_id)
-            continue
-        matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
+    next in its request's grammar."""
+    bitmask = torch.zeros(len(states), -(-vocab_size // _BITS), dtype=torch.int32)
+    for row, state in enumerate(states):
+        state.fill(bitmask[row])
     return bitmask
 
 

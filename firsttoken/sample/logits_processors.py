@@ -33,10 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-import llguidance
-
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, TrackedRequest
-from firsttoken.sample.grammar import apply_bitmask, fill_bitmask
+from firsttoken.sample.grammar import GrammarState, apply_bitmask, fill_bitmask
 
 _INITIAL_SLOTS = 4
 _INITIAL_SEEN_WIDTH = 64
@@ -55,7 +53,7 @@ class RequestTokens:
     # repetition penalty (the host's copy of its row of PenaltyBuffers.seen_ids).
     seen_token_ids: set[int]
     # Where its output stands in its grammar (structured output); None without one.
-    grammar: llguidance.LLMatcher | None = None
+    grammar: GrammarState | None = None
 
 
 class PenaltyBuffers:
@@ -162,7 +160,7 @@ class TrackedTokens:
                 bad_words_token_ids=request.bad_words_token_ids,
                 slot=self.penalties.assign() if params.has_penalties else None,
                 seen_token_ids=set(),
-                grammar=None if request.grammar is None else request.grammar.new_matcher(),
+                grammar=None if request.grammar is None else request.grammar.new_state(),
             )
             if params.repetition_penalty != 1:
                 updates.add_seen(tokens, request.prompt_token_ids)
@@ -190,8 +188,7 @@ class TrackedTokens:
             tokens.output_token_ids.extend(new_token_ids)
             tokens.num_counted_positions += len(new_token_ids)
             if tokens.grammar is not None:
-                # A token the mask allowed always advances it; fill_bitmask handles a failure.
-                tokens.grammar.consume_tokens(new_token_ids)
+                tokens.grammar.advance(new_token_ids)
             if tokens.slot is not None:
                 updates.count_slots.extend([tokens.slot] * len(new_token_ids))
                 updates.count_token_ids.extend(new_token_ids)
@@ -218,10 +215,7 @@ def apply_grammars(logits: torch.Tensor, specs: list[SampleSpec], tracked: Track
     rows = [row for row, spec in enumerate(specs) if spec.sampling_params.structured_output is not None]
     if not rows:
         return
-    requests = [tracked.get(specs[row]) for row in rows]
-    bitmask = fill_bitmask(
-        [tokens.grammar for tokens in requests], [tokens.stop_token_ids for tokens in requests], logits.shape[1]
-    )
+    bitmask = fill_bitmask([tracked.get(specs[row]).grammar for row in rows], logits.shape[1])
     apply_bitmask(logits, rows, bitmask)
 
 

@@ -130,3 +130,22 @@ def test_an_aborted_request_frees_its_grammar(llm):
     assert len(llm.engine.worker.runner.sampler.tracked.requests) == 1
     stream.close()
     assert llm.engine.worker.runner.sampler.tracked.requests == {}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_past_the_grammars_end_only_end_of_sequence_is_drawn(llm, temperature):
+    """With ignore_eos the request goes on after its grammar ended: it draws end-of-sequence
+    (never a token from nothing), and its text is the grammar's."""
+    params = SamplingParams(
+        temperature=temperature, seed=1, max_tokens=6, ignore_eos=True,
+        structured_output=StructuredOutput(choice=("yes", "no")),
+    )
+    output = llm.generate(["Pick one:"], params)[0]
+    assert output.finish_reason == "length" and output.text in ("yes", "no")
+    assert set(output.token_ids[-3:]) <= llm.tokenizer.eos_token_ids
+
+
+def test_min_tokens_is_refused_with_structured_output():
+    with pytest.raises(InvalidInputError) as raised:
+        SamplingParams(min_tokens=2, structured_output=StructuredOutput(json_object=True))
+    assert raised.value.field == "min_tokens"

@@ -100,7 +100,7 @@ def compiler():
 
 def _accepts(compiler, constraint, text: str) -> bool:
     tokenizer, grammar_compiler = compiler
-    matcher = grammar_compiler.compile(constraint).new_matcher()
+    matcher = grammar_compiler.compile(constraint).new_state().matcher
     return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
 
 
