@@ -16,9 +16,13 @@ is queued; compiled grammars are cached by constraint, and a request takes a cop
 grammar's start matcher. The sampler owns that matcher (a tracked request: logits_processors.py)
 and advances it with each generated token as it comes back as a step input, so preemption,
 recomputes and aborted draws never desynchronise it. Before a constrained row is sampled its
-mask is filled from the matcher (tens of microseconds) and every token outside it gets -inf;
-rows without a constraint are untouched, and a step without one runs nothing here. Where the
-grammar is complete the mask allows only end-of-sequence, so the request ends there.
+mask is filled from the matcher and every token outside it gets -inf; rows without a
+constraint are untouched, and a step without one runs nothing here. Where the grammar is
+complete the mask allows only end-of-sequence, so the request ends there.
+
+The masks are filled when the rows are sampled, not on another thread while the forward runs:
+filling 8 rows took ~60 us here (applying them ~160 us), about what handing the work to a
+thread and joining it costs, against a forward of 10 ms and more.
 """
 
 from __future__ import annotations
