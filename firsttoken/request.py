@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from firsttoken.sampling_params import SamplingParams
 
@@ -78,6 +79,9 @@ class Request:
     # The token ids of sampling_params.bad_words, each word as it starts text and as it follows
     # a space (tokenized by the engine, which holds the tokenizer).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # Its compiled grammar when sampling_params.structured_output is set (the worker's
+    # CompiledGrammar, compiled by the engine on arrival; opaque here).
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -14,11 +14,47 @@ MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint the output must meet, enforced token by token by the grammar engine
+    (sample/grammar.py): exactly one of a JSON schema, any JSON object, a regular expression, a
+    choice of strings, or a grammar (Lark, or GBNF as llama.cpp writes it). `field` is the
+    request field it came from, which errors about it name."""
+
+    json_schema: str | None = None  # the schema as JSON text
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    field: str = "structured_output"
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [self.json_schema is not None, self.json_object, self.regex is not None,
+                 self.choice is not None, self.grammar is not None]
+        if sum(given) != 1:
+            raise InvalidInputError(self.field, "give exactly one of json_schema, json_object, regex, choice, grammar")
+        if self.choice is not None and (
+            not self.choice or any(not isinstance(option, str) or not option for option in self.choice)
+        ):
+            raise InvalidInputError(self.field, "choice must be a non-empty list of non-empty strings")
+        for name in ("json_schema", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise InvalidInputError(self.field, f"{name} must be a non-empty string")
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        """What identifies its compiled grammar."""
+        return (self.json_schema, self.json_object, self.regex, self.choice, self.grammar)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Sampling and stopping rules of one request; temperature 0 means greedy.
 
-    The logits processors (penalties, min_p, logit_bias, min_tokens, bad_words) change a row's
-    logits before it is sampled; each is off at its default. Validated on construction: a bad
+    The logits processors (structured output, penalties, min_p, logit_bias, min_tokens,
+    bad_words) change a row's logits before it is sampled; each is off at its default. Validated on construction: a bad
     value raises InvalidInputError naming the field and its limit.
     """
 
@@ -49,6 +85,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # The output follows this grammar; it ends where the grammar does (end-of-sequence).
+    structured_output: StructuredOutput | None = None
     # Set from the fields above: the sampler skips its logits processors for rows without any.
     processes_logits: bool = field(init=False, repr=False, compare=False)
     tracks_tokens: bool = field(init=False, repr=False, compare=False)
@@ -66,7 +104,10 @@ class SamplingParams:
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias))
         self._validate()
-        tracks_tokens = self.has_penalties or bool(self.bad_words) or self.min_tokens > 0
+        # A grammar's state follows the request's tokens, as the penalties' counts do.
+        tracks_tokens = (
+            self.has_penalties or bool(self.bad_words) or self.min_tokens > 0 or self.structured_output is not None
+        )
         object.__setattr__(self, "tracks_tokens", tracks_tokens)
         # min_p is a filter of the draw (sampler.py), not a change to the logits.
         object.__setattr__(self, "processes_logits", tracks_tokens or bool(self.logit_bias))
@@ -96,6 +137,9 @@ class SamplingParams:
             raise InvalidInputError(
                 "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
+        if self.structured_output is not None and self.min_tokens > 0:
+            # The grammar decides where the output ends: holding the end back could leave nothing to draw.
+            raise InvalidInputError("min_tokens", "must be 0 with structured output")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidInputError("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import datetime
+import json
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jinja2
+import jinja2.ext
+import jinja2.meta
+import jinja2.nodes
+import jinja2.parser
 import jinja2.sandbox
+import jinja2.utils
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders
 
@@ -22,26 +28,94 @@ def _strftime_now(format_string: str) -> str:
     return datetime.datetime.now().strftime(format_string)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' tojson: plain json.dumps, where Jinja's own escapes <, >, & and ' for HTML."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`, which transformers' templates use to mark the
+    assistant's tokens for training masks: rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _render_body(caller: Callable[[], str]) -> str:
+        return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """transformers' namespace(): no underscore-prefixed attributes (a sandbox escape route)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's signature trick: `self` may be a key
+        self, args = args[0], args[1:]
+        attributes = dict(*args, **kwargs)
+        for name in attributes:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attributes)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set {name!r} on a namespace")
+
+
+# What the template gets from render()'s own arguments; chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
 class ChatTemplate:
-    """A model's Jinja chat template, rendered in a sandbox as transformers renders it."""
+    """A model's Jinja chat template, rendered in a sandbox as transformers renders it: its
+    environment (trim_blocks, lstrip_blocks, loop controls, the generation tag, tojson without
+    HTML escaping, raise_exception, strftime_now, namespace) and its variables (messages, tools,
+    documents, add_generation_prompt, the special tokens, and extra keyword arguments)."""
 
     def __init__(self, source: str, bos_token: str, eos_token: str) -> None:
         environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
         )
+        environment.filters["tojson"] = _tojson
         environment.globals["raise_exception"] = _raise_template_exception
         environment.globals["strftime_now"] = _strftime_now
+        environment.globals["namespace"] = _TemplateNamespace
         self.source = source
         self._template = environment.from_string(source)
+        # Whether the template renders a `tools` variable (else tools need writing into messages).
+        self.renders_tools = "tools" in jinja2.meta.find_undeclared_variables(environment.parse(source))
         self._bos_token = bos_token
         self._eos_token = eos_token
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        documents: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """`template_kwargs` (a request's chat_template_kwargs) may override the special tokens,
+        as in transformers, but not the arguments above."""
+        reserved = RESERVED_TEMPLATE_NAMES.intersection(template_kwargs or {})
+        if reserved:
+            raise InvalidInputError("chat_template_kwargs", f"may not set {sorted(reserved)}")
+        variables = {"bos_token": self._bos_token, "eos_token": self._eos_token, **(template_kwargs or {})}
         return self._template.render(
             messages=list(messages),
+            tools=None if tools is None else list(tools),
+            documents=None if documents is None else list(documents),
             add_generation_prompt=add_generation_prompt,
-            bos_token=self._bos_token,
-            eos_token=self._eos_token,
+            **variables,
         )
 
 
@@ -116,12 +190,20 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        documents: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         if self.chat_template is None:
             raise InvalidInputError("messages", "this model has no chat template; send a plain prompt")
         _validate_messages(messages)
-        return self.chat_template.render(messages, add_generation_prompt)
+        return self.chat_template.render(
+            messages, add_generation_prompt, tools=tools, documents=documents, template_kwargs=template_kwargs
+        )
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -156,5 +238,7 @@ def _validate_messages(messages: Sequence[dict[str, Any]]) -> None:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise InvalidInputError(f"messages[{index}].role", f"must be one of {CHAT_ROLES}, got {role!r}")
-        if not isinstance(message.get("content"), str):
+        content = message.get("content")
+        # An assistant's message that only calls tools has no content.
+        if not isinstance(content, str) and not (content is None and role == "assistant" and message.get("tool_calls")):
             raise InvalidInputError(f"messages[{index}].content", "must be a string")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from firsttoken.outputs import SampledToken
 from firsttoken.sampling_params import SamplingParams
@@ -19,7 +20,8 @@ class SampleSpec:
 
 @dataclass(frozen=True)
 class TrackedRequest:
-    """A request whose logits depend on its tokens so far (penalties, bad words, min_tokens):
+    """A request whose logits depend on its tokens so far (penalties, bad words, min_tokens,
+    structured output):
     what the sampler needs of it beyond its parameters, sent once, with the step that first
     schedules it. The sampler counts its generated tokens from there on, as they come back as
     step inputs, until the engine releases it."""
@@ -29,6 +31,8 @@ class TrackedRequest:
     prompt_token_ids: list[int]
     stop_token_ids: tuple[int, ...]  # the ids that would end it: min_tokens keeps them from being drawn
     bad_words_token_ids: tuple[tuple[int, ...], ...]
+    # Its compiled grammar (the worker's CompiledGrammar; opaque here); None without one.
+    grammar: Any = None
 
 
 @dataclass(frozen=True)

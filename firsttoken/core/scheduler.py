@@ -330,6 +330,7 @@ class Scheduler:
                     request.prompt_token_ids,
                     request.stop_token_ids,
                     request.bad_words_token_ids,
+                    request.grammar,
                 )
         return num_new
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -304,6 +305,9 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run_loop, name="firsttoken-engine", daemon=True)
         self._thread.start()
+        # The grammar engine's view of the vocabulary (~0.1 s), built now on a tokenizer thread
+        # rather than by the first structured-output request.
+        self._tokenize_pool.submit(self.core.worker.grammar_compiler.engine_tokenizer)
 
     async def shutdown(self) -> None:
         """Stop the loop thread; live requests end with EngineDeadError."""
@@ -330,8 +334,11 @@ class AsyncEngine:
         messages: Messages | None = None,
         add_generation_prompt: bool = True,
         add_special_tokens: bool = True,
+        chat_template_args: dict[str, Any] | None = None,
     ) -> TokenizedPrompt:
         """Stamp arrival, then render the chat template (for `messages`) and encode, timed.
+        `chat_template_args`: the keyword arguments of Tokenizer.apply_chat_template (tools,
+        documents, template_kwargs).
 
         Text is encoded on the tokenizer threads: `tokenizers` releases the GIL while encoding,
         so a long prompt never stalls the event loop, and its encode/decode are safe to call
@@ -344,8 +351,9 @@ class AsyncEngine:
             token_ids = list(prompt)
         else:
             loop = asyncio.get_running_loop()
+            encode = functools.partial(self._encode, chat_template_args=chat_template_args or {})
             token_ids = await loop.run_in_executor(
-                self._tokenize_pool, self._encode, prompt, messages, add_generation_prompt, add_special_tokens
+                self._tokenize_pool, encode, prompt, messages, add_generation_prompt, add_special_tokens
             )
         return TokenizedPrompt(token_ids, arrival_time, time.perf_counter())
 
@@ -369,6 +377,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a tokenized request; returns once the engine accepted it.
 
+        A structured-output constraint is compiled first, on the tokenizer threads.
         Raises InvalidInputError for bad input, QueueFullError when the waiting queue is full and
         EngineDeadError when the loop is gone; in each case nothing stays allocated.
         """
@@ -376,6 +385,13 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine: call start() first")
         if self._dead is not None:
             raise self._dead
+        if sampling_params.structured_output is not None:
+            # Compiled here, on a tokenizer thread, not on the loop thread that steps the other
+            # requests; the core's add_request then finds it cached. A bad schema raises here.
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(
+                self._tokenize_pool, self.core.compile_grammar, sampling_params.structured_output
+            )
         request_id = request_id or self.core.new_request_id()
         if request_id in self._streams:
             raise InvalidInputError("request_id", f"{request_id!r} is already in use")
@@ -494,10 +510,11 @@ class AsyncEngine:
         messages: Messages | None,
         add_generation_prompt: bool,
         add_special_tokens: bool,
+        chat_template_args: dict[str, Any],
     ) -> list[int]:
         if messages is not None:
             try:
-                prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+                prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **chat_template_args)
             except jinja2.TemplateError as error:  # a model's template refusing this conversation
                 raise InvalidInputError("messages", f"the chat template failed: {error}") from error
         if not prompt:

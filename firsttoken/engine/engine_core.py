@@ -22,7 +22,7 @@ from firsttoken.engine.output_processor import OutputProcessor
 from firsttoken.errors import InvalidInputError
 from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.request import Request, RequestStatus, RequestTimestamps
-from firsttoken.sampling_params import SamplingParams
+from firsttoken.sampling_params import SamplingParams, StructuredOutput
 from firsttoken.spec.ngram import NgramProposer
 from firsttoken.worker.pinned_prefix_store import validate_pin_id
 from firsttoken.worker.worker import Worker
@@ -93,6 +93,9 @@ class EngineCore:
         """Queue a request; raises InvalidInputError or QueueFullError, changing nothing."""
         self._validate_prompt_tokens(prompt_token_ids)
         self._validate_sampling_token_ids(sampling_params)
+        structured = sampling_params.structured_output
+        # A cache hit when the front end compiled it on arrival (AsyncEngine.add_request).
+        grammar = None if structured is None else self.worker.compile_grammar(structured)
         now = time.perf_counter()
         arrival = arrival_time if arrival_time is not None else now
         request = Request(
@@ -106,6 +109,7 @@ class EngineCore:
             ),
             priority=priority,
             bad_words_token_ids=self.tokenizer.encode_bad_words(sampling_params.bad_words),
+            grammar=grammar,
         )
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
@@ -130,6 +134,11 @@ class EngineCore:
                     raise InvalidInputError(
                         field, f"{token_id} is not a token id: the vocabulary has {vocab_size} tokens"
                     )
+
+    def compile_grammar(self, structured: StructuredOutput) -> None:
+        """Compile a constraint ahead of add_request, from any thread (add_request then finds it
+        cached); raises InvalidInputError naming its field when it is not valid."""
+        self.worker.compile_grammar(structured)
 
     def abort_request(self, req_id: str) -> RequestDelta | None:
         """End a request now; its KV blocks are freed before this returns."""

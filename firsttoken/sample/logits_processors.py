@@ -14,7 +14,10 @@ element-wise ops and a scatter back, so their cost follows the tokens seen, not 
 runs nothing here. Every op on a row is a gather, a scatter or an exactly rounded element-wise
 op (add, multiply, divide, compare), so a row's result does not depend on its neighbours.
 
-Token state (`TrackedTokens`): a request with penalties, bad words or min_tokens is tracked. The
+Structured output (grammar.py) runs first: a constrained row's tokens outside its grammar get -inf.
+
+Token state (`TrackedTokens`): a request with penalties, bad words, min_tokens or structured
+output is tracked (its grammar's matcher advances with the tokens counted here). The
 step that first schedules it sends a TrackedRequest (its prompt, its stop ids, its bad words'
 tokens); from then on its generated tokens are counted as they come back as step inputs: a
 chunk carries the tokens at positions [start, start + n), and the positions past the prompt not
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, TrackedRequest
+from firsttoken.sample.grammar import GrammarState, apply_bitmask, fill_bitmask
 
 _INITIAL_SLOTS = 4
 _INITIAL_SEEN_WIDTH = 64
@@ -48,6 +52,8 @@ class RequestTokens:
     # The distinct tokens its penalties touch: those generated, and the prompt's with a
     # repetition penalty (the host's copy of its row of PenaltyBuffers.seen_ids).
     seen_token_ids: set[int]
+    # Where its output stands in its grammar (structured output); None without one.
+    grammar: GrammarState | None = None
 
 
 class PenaltyBuffers:
@@ -154,6 +160,7 @@ class TrackedTokens:
                 bad_words_token_ids=request.bad_words_token_ids,
                 slot=self.penalties.assign() if params.has_penalties else None,
                 seen_token_ids=set(),
+                grammar=None if request.grammar is None else request.grammar.new_state(),
             )
             if params.repetition_penalty != 1:
                 updates.add_seen(tokens, request.prompt_token_ids)
@@ -180,6 +187,8 @@ class TrackedTokens:
                 continue
             tokens.output_token_ids.extend(new_token_ids)
             tokens.num_counted_positions += len(new_token_ids)
+            if tokens.grammar is not None:
+                tokens.grammar.advance(new_token_ids)
             if tokens.slot is not None:
                 updates.count_slots.extend([tokens.slot] * len(new_token_ids))
                 updates.count_token_ids.extend(new_token_ids)
@@ -195,9 +204,19 @@ class TrackedTokens:
 
 def apply_logits_processors(logits: torch.Tensor, specs: list[SampleSpec], tracked: TrackedTokens) -> None:
     """Process logits [R, V] in place, one row per spec."""
+    apply_grammars(logits, specs, tracked)
     apply_bans(logits, banned_tokens(specs, tracked))
     apply_logit_bias(logits, specs)
     apply_penalties(logits, specs, tracked)
+
+
+def apply_grammars(logits: torch.Tensor, specs: list[SampleSpec], tracked: TrackedTokens) -> None:
+    """Mask each structured-output row to the tokens its grammar allows next."""
+    rows = [row for row, spec in enumerate(specs) if spec.sampling_params.structured_output is not None]
+    if not rows:
+        return
+    bitmask = fill_bitmask([tracked.get(specs[row]).grammar for row in rows], logits.shape[1])
+    apply_bitmask(logits, rows, bitmask)
 
 
 def banned_tokens(specs: list[SampleSpec], tracked: TrackedTokens) -> tuple[list[int], list[int]]:

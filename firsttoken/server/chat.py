@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import Response
 
-from firsttoken.engine import AsyncEngine
+from firsttoken.engine import AsyncEngine, Tokenizer
 from firsttoken.outputs import RequestDelta, SampledToken, TokenLogprob
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.generation import Choice, check_num_choices, sampling_params, start_choices
@@ -17,7 +19,11 @@ from firsttoken.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChoiceLogprobs,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    ResponseFunctionCall,
+    ResponseToolCall,
     TopLogprob,
 )
 from firsttoken.server.protocol import (
@@ -26,6 +32,7 @@ from firsttoken.server.protocol import (
 from firsttoken.server.reply import Reply
 from firsttoken.server.request_checks import RequestChecks
 from firsttoken.server.streaming import respond
+from firsttoken.server.tool_calls import ToolCallParser, forcing_constraint, hermes_conversation, parse_tool_calls
 
 
 async def create_chat_completion(
@@ -37,18 +44,35 @@ async def create_chat_completion(
 ) -> Response:
     checks.check_fields(body)
     check_num_choices(engine, 1, body.n, config.max_choices_per_request)
-    messages = [{"role": message.role, "content": message.text()} for message in body.messages]
-    checks.check_prompt_bytes("messages", [message["content"] for message in messages])
-    prompt = await engine.tokenize(messages=messages)
+    checks.check_prompt_bytes("messages", [message.text() for message in body.messages])
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    messages, chat_template_args = _template_input(engine.tokenizer, body, tools)
+    prompt = await engine.tokenize(messages=messages, chat_template_args=chat_template_args)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    structured = forcing_constraint(tools, body.forced_function) if body.forces_tool_call else body.structured_output()
     requests = [
-        (prompt, sampling_params(body, prompt, max_tokens, engine.max_request_tokens, logprobs, index))
+        (prompt, sampling_params(body, prompt, max_tokens, engine.max_request_tokens, logprobs, index, structured))
         for index in range(body.n)
     ]
     choices = await start_choices(engine, requests, body.priority)
-    reply = _ChatReply(config.model_name, engine.tokenizer)
+    parses_tool_calls = tools is not None and body.tool_choice_name != "none"
+    reply = _ChatReply(config.model_name, engine.tokenizer, parses_tool_calls)
     return await respond(choices, reply, body.stream, body.include_usage, config.retry_after_s, request)
+
+
+def _template_input(
+    tokenizer: Tokenizer, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The messages and the chat template's keyword arguments: tools go to a template that renders
+    them; for one that does not, tools, calls and results are written into the messages in the
+    Hermes format (tool_calls.py)."""
+    messages = [message.template_message() for message in body.messages]
+    uses_tools = tools is not None or any(message.role == "tool" or message.tool_calls for message in body.messages)
+    template = tokenizer.chat_template
+    if uses_tools and (template is None or not template.renders_tools):
+        messages, tools = hermes_conversation(messages, tools), None
+    return messages, {"tools": tools, "documents": body.documents, "template_kwargs": body.chat_template_kwargs}
 
 
 class _ChatReply(Reply):
@@ -58,26 +82,59 @@ class _ChatReply(Reply):
     chunk_model = ChatCompletionChunk
     response_model = ChatCompletionResponse
 
-    def chunk_choice(self, choice: Choice, delta: RequestDelta) -> ChatChunkChoice:
-        """The role goes out with the first content, never alone before it."""
+    def __init__(self, model: str, tokenizer: Tokenizer, parses_tool_calls: bool) -> None:
+        super().__init__(model, tokenizer)
+        self.parses_tool_calls = parses_tool_calls
+        self._parsers: dict[int, ToolCallParser] = {}  # by choice index, while streaming
+
+    def chunk_choice(self, choice: Choice, delta: RequestDelta) -> ChatChunkChoice | None:
+        """The role goes out with the first content, never alone before it. With tools, text
+        that may start a tool call is held back, and each call goes out whole once closed."""
+        text, tool_calls, finish_reason = delta.text, None, delta.finish_reason
+        if self.parses_tool_calls:
+            parser = self._parsers.setdefault(choice.index, ToolCallParser())
+            text, calls = parser.feed(delta.text)
+            if delta.finished:
+                text += parser.finish()
+                finish_reason = _finish_reason(delta.finish_reason, parser.num_calls)
+            first_index = parser.num_calls - len(calls)
+            tool_calls = [
+                DeltaToolCall(
+                    index=first_index + offset, id=call.id, type="function",
+                    function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+                )
+                for offset, call in enumerate(calls)
+            ] or None
+            if not text and tool_calls is None and not delta.finished and delta.logprobs is None:
+                return None
         is_first = choice.num_chunks_sent == 0
         message = DeltaMessage(
             role="assistant" if is_first else None,
-            content=delta.text if delta.text or is_first else None,
+            content=text if text or (is_first and tool_calls is None) else None,
+            tool_calls=tool_calls,
         )
         return ChatChunkChoice(
             index=choice.index,
             delta=message,
             logprobs=self._logprobs(delta.logprobs),
-            finish_reason=delta.finish_reason,
+            finish_reason=finish_reason,
         )
 
     def whole_choice(self, choice: Choice) -> ChatChoice:
+        content, tool_calls = choice.output.text, []
+        finish_reason = choice.output.finish_reason
+        if self.parses_tool_calls:
+            content, calls = parse_tool_calls(choice.output.text)
+            tool_calls = [
+                ResponseToolCall(id=call.id, function=ResponseFunctionCall(name=call.name, arguments=call.arguments))
+                for call in calls
+            ]
+            finish_reason = _finish_reason(finish_reason, len(calls))
         return ChatChoice(
             index=choice.index,
-            message=AssistantMessage(content=choice.output.text),
+            message=AssistantMessage(content=content, tool_calls=tool_calls),
             logprobs=self._logprobs(choice.output.logprobs),
-            finish_reason=choice.output.finish_reason,
+            finish_reason=finish_reason,
         )
 
     def _logprobs(self, sampled: list[SampledToken] | None) -> ChoiceLogprobs | None:
@@ -100,3 +157,8 @@ class _ChatReply(Reply):
             logprob=token.logprob,
             bytes=list(self.tokenizer.token_bytes(token.token_id)),
         )
+
+
+def _finish_reason(finish_reason: str | None, num_calls: int) -> str | None:
+    """OpenAI's "tool_calls" for an output that ended on its own after calling tools."""
+    return "tool_calls" if finish_reason == "stop" and num_calls else finish_reason

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from firsttoken.engine import AsyncEngine, InvalidInputError, RequestStream, TokenizedPrompt
 from firsttoken.metrics.ttft_stages import TTFTStages
 from firsttoken.outputs import RequestDelta, RequestOutput
-from firsttoken.sampling_params import SamplingParams
+from firsttoken.sampling_params import SamplingParams, StructuredOutput
 from firsttoken.server.protocol import (
     ChoiceTTFT,
     FirstTokenExtension,
@@ -53,9 +53,12 @@ def sampling_params(
     max_request_tokens: int,
     logprobs: int | None,
     choice_index: int,
+    structured_output: StructuredOutput | None = None,
 ) -> SamplingParams:
     """One choice's parameters; a missing max_tokens means the rest of the context (as vLLM).
-    A given max_tokens that does not fit is the engine's to refuse (InvalidInputError)."""
+    A given max_tokens that does not fit is the engine's to refuse (InvalidInputError).
+    `structured_output`: a constraint of the endpoint's own (a forced tool call), else the
+    request's (response_format, guided_*)."""
     num_prompt_tokens = len(prompt.token_ids)
     if max_tokens is None:
         max_tokens = max_request_tokens - num_prompt_tokens
@@ -87,6 +90,7 @@ def sampling_params(
         bad_words=tuple(request.bad_words or ()),
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
+        structured_output=structured_output or request.structured_output(),
     )
 
 

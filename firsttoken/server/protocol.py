@@ -6,6 +6,7 @@ limits sit in the schema, so /openapi.json documents them and a bad value is a c
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
@@ -21,6 +22,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from firsttoken.engine import CHAT_ROLES, InvalidInputError
+from firsttoken.sampling_params import StructuredOutput
 
 MAX_N = 16  # choices per prompt; each one is an independent engine request
 MAX_LOGPROBS = 20
@@ -31,6 +33,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_BAD_WORDS = 64
+MAX_TOOLS = 128
 
 
 def _one_error_for_union(expected: str) -> WrapValidator:
@@ -89,17 +92,105 @@ MessageContent = Annotated[
 ]
 
 
+class FunctionCall(_StrictModel):
+    """The function an assistant's tool call names, and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_StrictModel):
+    """One tool call of an assistant's message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_StrictModel):
-    """One message of a conversation."""
+    """One message of a conversation: an assistant's may call tools (then its content may be
+    null), a tool's answers the call `tool_call_id`."""
 
     role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
-    content: MessageContent
+    content: MessageContent | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' shape: a call's arguments as an
+        object, as vLLM passes them)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text() if self.content is not None else None}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        return message
+
+
+def _check_messages(messages: list[ChatMessage]) -> None:
+    """Content is required except in an assistant's message that calls tools; only an
+    assistant's message calls tools."""
+    for index, message in enumerate(messages):
+        if message.content is None and not (message.role == "assistant" and message.tool_calls):
+            raise InvalidInputError(
+                f"messages[{index}].content", "Field required (except in an assistant's message with tool_calls)"
+            )
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidInputError(f"messages[{index}].tool_calls", "only an assistant's message may call tools")
+
+
+def _arguments_object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        raise InvalidInputError("tool_calls.function.arguments", "must be JSON text") from None
+
+
+class FunctionDefinition(_StrictModel):
+    """A function the model may call: its name, what it does, its parameters' JSON schema."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(None, description="accepted; forced calls always follow the schema")
+
+
+class Tool(_StrictModel):
+    """A tool of the request (only functions)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_StrictModel):
+    name: str
+
+
+class NamedToolChoice(_StrictModel):
+    """tool_choice forcing one function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Annotated[
+    Union[Literal["none", "auto", "required"], NamedToolChoice],
+    _one_error_for_union('"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'),
+]
 
 
 # Accepted only at the value that changes nothing: honouring them is not implemented, and
@@ -108,12 +199,32 @@ _UNSUPPORTED_UNLESS_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "tools": (None, []),
+    "tools": (None, []),  # on completions; chat completions define them
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
+
+
+class JsonSchemaFormat(_StrictModel):
+    """response_format's json_schema: the schema the output must validate against."""
+
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = Field(None, description="accepted; the schema is always enforced")
+
+
+class ResponseFormat(_StrictModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+GuidedJson = Annotated[Union[str, dict[str, Any]], _one_error_for_union("a JSON schema (an object or its text)")]
 
 
 class GenerationRequest(RequestBody):
@@ -162,6 +273,15 @@ class GenerationRequest(RequestBody):
     skip_special_tokens: bool = Field(True, description="vLLM extension: leave special tokens out of text")
     user: str | None = Field(None, description="accepted and ignored")
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="firsttoken extension: lower runs first")
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object: any JSON object; json_schema: JSON valid against its schema"
+    )
+    guided_json: GuidedJson | None = Field(None, description="vLLM extension: the output is JSON valid against it")
+    guided_regex: str | None = Field(None, description="vLLM extension: the output matches this regular expression")
+    guided_choice: list[str] | None = Field(None, description="vLLM extension: the output is one of these strings")
+    guided_grammar: str | None = Field(
+        None, description="vLLM extension: the output follows this grammar (GBNF/EBNF as llama.cpp, or Lark)"
+    )
 
     @model_validator(mode="after")
     def _check_neutral_fields(self) -> GenerationRequest:
@@ -172,7 +292,28 @@ class GenerationRequest(RequestBody):
         if self.stream_options is not None and not self.stream:
             raise InvalidInputError("stream_options", "only allowed when stream is true")
         _check_stop_strings(self.stop)
+        self.structured_output()  # a constraint given twice is refused at validation
         return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The output constraint of response_format or a guided_* field (at most one)."""
+        given = []
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append(_response_format_constraint(self.response_format))
+        if self.guided_json is not None:
+            schema = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+            given.append(StructuredOutput(json_schema=schema, field="guided_json"))
+        if self.guided_regex is not None:
+            given.append(StructuredOutput(regex=self.guided_regex, field="guided_regex"))
+        if self.guided_choice is not None:
+            given.append(StructuredOutput(choice=tuple(self.guided_choice), field="guided_choice"))
+        if self.guided_grammar is not None:
+            given.append(StructuredOutput(grammar=self.guided_grammar, field="guided_grammar"))
+        if len(given) > 1:
+            raise InvalidInputError(
+                given[1].field, f"give one output constraint; {given[0].field} is given too"
+            )
+        return given[0] if given else None
 
     def unknown_fields(self) -> list[str]:
         """Fields the request holds that the API does not define (accepted, and ignored)."""
@@ -181,6 +322,16 @@ class GenerationRequest(RequestBody):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _response_format_constraint(response_format: ResponseFormat) -> StructuredOutput:
+    if response_format.type == "json_object":
+        return StructuredOutput(json_object=True, field="response_format")
+    if response_format.json_schema is None:
+        raise InvalidInputError("response_format.json_schema", "required when type is json_schema")
+    return StructuredOutput(
+        json_schema=json.dumps(response_format.json_schema.json_schema), field="response_format.json_schema.schema"
+    )
 
 
 def _check_stop_strings(stop: str | list[str] | None) -> None:
@@ -214,11 +365,51 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = Field(None, description='default: "auto" with tools, else "none"')
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM extension: more variables for the chat template"
+    )
+    documents: list[dict[str, Any]] | None = Field(None, description="vLLM extension: for the chat template")
+
     @model_validator(mode="after")
-    def _check_top_logprobs(self) -> ChatCompletionRequest:
+    def _check_messages_and_logprobs(self) -> ChatCompletionRequest:
+        _check_messages(self.messages)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidInputError("top_logprobs", "requires logprobs to be true")
         return self
+
+    @model_validator(mode="after")
+    def _check_tool_choice(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return self
+        if not self.tools:
+            raise InvalidInputError("tool_choice", f"{self.tool_choice_name!r} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+            tool.function.name for tool in self.tools
+        }:
+            raise InvalidInputError("tool_choice", f"no tool is named {choice.function.name!r}")
+        if self.forces_tool_call and self.structured_output() is not None:
+            raise InvalidInputError("tool_choice", f"{self.tool_choice_name!r} and an output constraint exclude each other")
+        return self
+
+    @property
+    def tool_choice_name(self) -> str:
+        """The tool choice in a word: none, auto, required, or function (a named one)."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        return choice if isinstance(choice, str) else "function"
+
+    @property
+    def forced_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice_name in ("required", "function")
+
+    def unknown_fields(self) -> list[str]:
+        return [name for name in super().unknown_fields() if name not in ("tools", "tool_choice")]
 
 
 class TokenizeRequest(RequestBody):
@@ -237,6 +428,7 @@ class TokenizeRequest(RequestBody):
     def _check_one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise InvalidInputError("prompt", "give either prompt or messages")
+        _check_messages(self.messages or [])
         return self
 
 
@@ -339,12 +531,45 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class ResponseFunctionCall(BaseModel):
+    """A called function: its name and arguments (JSON text)."""
+
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    """A tool call the model made."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(BaseModel):
     """The reply of a whole chat completion."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    """A streamed part of a tool call's function."""
+
+    name: str | None = _omit_if_none()
+    arguments: str | None = _omit_if_none()
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed part of a tool call: its index among the message's calls, and its id, type and
+    name with its first part."""
+
+    index: int
+    id: str | None = _omit_if_none()
+    type: Literal["function"] | None = _omit_if_none()
+    function: DeltaFunctionCall
 
 
 class ChatChoice(BaseModel):
@@ -373,6 +598,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = _omit_if_none()
     content: str | None = _omit_if_none()
+    tool_calls: list[DeltaToolCall] | None = _omit_if_none()
 
 
 class ChatChunkChoice(BaseModel):

@@ -31,8 +31,9 @@ class Reply(ABC):
         self.tokenizer = tokenizer
 
     @abstractmethod
-    def chunk_choice(self, choice: Choice, delta: RequestDelta) -> BaseModel:
-        """What `delta` adds to `choice`, as its part of a stream chunk."""
+    def chunk_choice(self, choice: Choice, delta: RequestDelta) -> BaseModel | None:
+        """What `delta` adds to `choice`, as its part of a stream chunk; None when it shows
+        nothing yet (text held back by a tool-call parser)."""
 
     @abstractmethod
     def whole_choice(self, choice: Choice) -> BaseModel:
@@ -45,9 +46,10 @@ class Reply(ABC):
         has nothing to show (text held back by a stop string, no logprobs asked)."""
         if not delta.text and not delta.finished and delta.logprobs is None:
             return None
-        return self.chunk_model(
-            **self._envelope(), choices=[self.chunk_choice(choice, delta)], firsttoken=extension
-        )
+        choice_part = self.chunk_choice(choice, delta)
+        if choice_part is None:
+            return None
+        return self.chunk_model(**self._envelope(), choices=[choice_part], firsttoken=extension)
 
     def usage_chunk(self, total: Usage, extension: FirstTokenExtension) -> BaseModel:
         return self.chunk_model(**self._envelope(), choices=[], usage=total, firsttoken=extension)

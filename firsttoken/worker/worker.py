@@ -29,7 +29,9 @@ from firsttoken.ops.cpu_info import physical_core_count
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
 from firsttoken.ops.linear import PackedLinear, onednn_packing_available, rows_invariant
 from firsttoken.ops.native import load_native_kernels
+from firsttoken.sample.grammar import CompiledGrammar, GrammarCompiler
 from firsttoken.sample.sampler import Sampler
+from firsttoken.sampling_params import StructuredOutput
 from firsttoken.sampling_params import SamplingParams
 from firsttoken.tokenizer import Tokenizer
 from firsttoken.worker.cost_calibration import CalibrationLimits, load_or_calibrate
@@ -48,7 +50,8 @@ logger = logging.getLogger(__name__)
 
 class Worker:
     """Owns the device and its threads, the kernels, the model, the paged KV tensors and block
-    copies, the runner, the warm-up and the step-cost calibration, and the pinned-prefix files."""
+    copies, the runner, the warm-up and the step-cost calibration, the pinned-prefix files and
+    the compiled grammars of structured output."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -108,6 +111,7 @@ class Worker:
                 self.graph_capture.device_memory_bytes / 2**20,
             )
         self.prefix_store = self._open_prefix_store()
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, arch.vocab_size)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -193,6 +197,11 @@ class Worker:
             finished = time.perf_counter()
             governor.observe(threads, finished - started, self._predicted_seconds(scheduler_output), finished)
         return output
+
+    def compile_grammar(self, structured: StructuredOutput) -> CompiledGrammar:
+        """A structured-output constraint compiled for this vocabulary (cached; thread-safe);
+        raises InvalidInputError naming its field when it is not valid."""
+        return self.grammar_compiler.compile(structured)
 
     def release_requests(self, req_ids: list[str]) -> None:
         """Free the sampler's token state of finished tracked requests."""

@@ -8,6 +8,7 @@ from firsttoken.core.hashing import root_hash
 from firsttoken.core.kv_cache_manager import KVCacheManager
 from firsttoken.core.scheduler import Scheduler
 from firsttoken.outputs import SampledToken
+from firsttoken.sampling_params import SamplingParams, StructuredOutput
 from tests.core.fakes import EOS, make_request
 
 BLOCK = 4
@@ -113,3 +114,22 @@ def test_proposals_never_preempt_and_take_only_free_blocks():
     scheduler.kv.pool.release(held_elsewhere)
     output = model_step(scheduler, lambda req_id, position: 9)
     assert output.chunks[0].num_draft_tokens == 4
+
+
+def test_a_constrained_request_never_speculates_and_its_grammar_reaches_the_sampler():
+    """A grammar's matcher advances only with tokens fed back as inputs, never with proposals:
+    a structured-output request decodes one token a step beside one that speculates, and the
+    step that first schedules it hands its (here stand-in) compiled grammar to the sampler."""
+    scheduler = make_scheduler(proposal=[1, 2], max_speculating=8)
+    grammar = object()
+    constrained = SamplingParams(max_tokens=10, temperature=0, structured_output=StructuredOutput(json_object=True))
+    request = make_request("json", 4, sampling_params=constrained)
+    request.grammar = grammar
+    scheduler.add_request(request)
+    scheduler.add_request(make_request("free", 4, max_tokens=10, first_token=300))
+    first = model_step(scheduler, lambda req_id, position: 9)
+    assert [(tracked.req_id, tracked.grammar) for tracked in first.new_tracked_requests] == [("json", grammar)]
+    for _ in range(3):
+        output = model_step(scheduler, lambda req_id, position: 9)
+        drafts = {chunk.req_id: chunk.num_draft_tokens for chunk in output.chunks}
+        assert drafts["json"] == 0 and drafts["free"] > 0

@@ -1,0 +1,118 @@
+"""The Hermes tool-call format without a server: parsing whole and streamed outputs (split
+anywhere, the same calls and text), held-back tag prefixes, malformed calls kept as text; the
+conversation rewritten for a template without tools; the forcing grammar accepts a call that
+follows a tool's schema and nothing else."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from firsttoken.models.registry import default_model_path, open_checkpoint
+from firsttoken.sample.grammar import GrammarCompiler
+from firsttoken.server.tool_calls import (
+    ToolCallParser,
+    forcing_constraint,
+    hermes_conversation,
+    parse_tool_calls,
+    tools_system_prompt,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+OUTPUT = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+)
+
+
+def test_whole_output_parses_into_text_and_calls():
+    content, calls = parse_tool_calls(OUTPUT)
+    assert content == "Let me check."
+    assert [(call.name, json.loads(call.arguments)) for call in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})
+    ]
+    assert len({call.id for call in calls}) == 2
+
+
+@pytest.mark.parametrize("piece_len", [1, 2, 3, 7, 11])
+def test_streamed_output_split_anywhere_gives_the_same_calls(piece_len):
+    parser = ToolCallParser()
+    text, calls = "", []
+    for start in range(0, len(OUTPUT), piece_len):
+        piece_text, piece_calls = parser.feed(OUTPUT[start : start + piece_len])
+        assert "<" not in piece_text, "a tag's start leaked out as text"
+        text += piece_text
+        calls += piece_calls
+    text += parser.finish()
+    assert text == "Let me check.\n"
+    assert [call.name for call in calls] == ["get_weather", "get_time"]
+    assert parser.num_calls == 2
+
+
+def test_text_that_only_looks_like_a_tag_is_released():
+    parser = ToolCallParser()
+    assert parser.feed("a <tool") == ("a ", [])
+    assert parser.feed("s> b") == ("<tools> b", [])
+    assert parser.finish() == ""
+
+
+def test_malformed_and_unclosed_calls_stay_text():
+    assert parse_tool_calls("<tool_call>\nnot json\n</tool_call>") == ("<tool_call>\nnot json\n</tool_call>", [])
+    assert parse_tool_calls('<tool_call>\n{"name": "f"') == ('<tool_call>\n{"name": "f"', [])
+
+
+def test_conversation_for_a_template_without_tools():
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "b", "content": "rainy"},
+    ]
+    assert hermes_conversation(messages, [WEATHER]) == [
+        {"role": "system", "content": "Be brief.\n\n" + tools_system_prompt([WEATHER])},
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+        )},
+        {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrainy\n</tool_response>"},
+    ]
+    assert json.dumps(WEATHER) in tools_system_prompt([WEATHER])
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    tokenizer = open_checkpoint(default_model_path()).tokenizer
+    return tokenizer, GrammarCompiler(tokenizer, tokenizer.vocab_size)
+
+
+def _accepts(compiler, constraint, text: str) -> bool:
+    tokenizer, grammar_compiler = compiler
+    matcher = grammar_compiler.compile(constraint).new_state().matcher
+    return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+
+def test_forcing_grammars(compiler):
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    time_call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    required = forcing_constraint([WEATHER, TIME], None)
+    assert _accepts(compiler, required, call)
+    assert _accepts(compiler, required, call + "\n" + time_call)
+    assert not _accepts(compiler, required, "Sure! " + call)
+    assert not _accepts(compiler, required, call.replace('"city"', '"town"'))
+    named = forcing_constraint([WEATHER, TIME], "get_time")
+    assert _accepts(compiler, named, time_call)
+    assert not _accepts(compiler, named, call)
+    assert not _accepts(compiler, named, time_call + "\n" + time_call)
