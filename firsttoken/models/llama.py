@@ -17,15 +17,6 @@ from torch import nn
 
 from firsttoken.attention.backend import AttentionBackend
 from firsttoken.models.arch import ModelArch
-from firsttoken.ops.kernels import Kernels
-from firsttoken.ops.linear import (
-    DecodeQuantizedLinear,
-    Linear,
-    NativeInt4Linear,
-    PackedLinear,
-    convert_linears,
-    fastest_linear,
-)
 from firsttoken.models.sharding import (
     Collectives,
     ModelShard,
@@ -34,6 +25,15 @@ from firsttoken.models.sharding import (
     gather_vocab_logits,
     qkv_rows,
     vocab_parallel_embedding,
+)
+from firsttoken.ops.kernels import Kernels
+from firsttoken.ops.linear import (
+    DecodeQuantizedLinear,
+    Linear,
+    NativeInt4Linear,
+    PackedLinear,
+    convert_linears,
+    fastest_linear,
 )
 from firsttoken.ops.native_decode import DecodeLayerWeights, DecodeShape, NativeDecodeStep, supports_layers
 from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin

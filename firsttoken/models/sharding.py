@@ -53,6 +53,12 @@ class ModelShard:
     kv_head_range: Range
     intermediate_range: Range
     vocab_ranges: tuple[Range, ...]  # every rank's, in rank order
+    num_stored_kv_heads: int  # over all ranks, copies included
+
+    @property
+    def kv_share(self) -> float:
+        """This rank's part of the engine's KV cache (of a memory budget the ranks share)."""
+        return self.num_kv_heads / self.num_stored_kv_heads
 
     @property
     def num_heads(self) -> int:
@@ -113,7 +119,8 @@ def shard_for_rank(arch: ModelArch, rank: int, world_size: int) -> ModelShard:
     """What rank `rank` of `world_size` holds; raises InvalidInputError for a split that cannot be."""
     if world_size > arch.vocab_size or world_size > arch.intermediate_size:
         raise InvalidInputError("tensor_parallel_size", f"{world_size} ranks exceed the model's sizes")
-    heads, kv_heads = head_ranges(arch.num_heads, arch.num_kv_heads, world_size)[rank]
+    ranges = head_ranges(arch.num_heads, arch.num_kv_heads, world_size)
+    heads, kv_heads = ranges[rank]
     units_divide = arch.intermediate_size % _INTERMEDIATE_UNIT == 0
     unit = _INTERMEDIATE_UNIT if units_divide and arch.intermediate_size // _INTERMEDIATE_UNIT >= world_size else 1
     return ModelShard(
@@ -123,6 +130,7 @@ def shard_for_rank(arch: ModelArch, rank: int, world_size: int) -> ModelShard:
         kv_head_range=kv_heads,
         intermediate_range=balanced_ranges(arch.intermediate_size, world_size, unit)[rank],
         vocab_ranges=tuple(balanced_ranges(arch.vocab_size, world_size)),
+        num_stored_kv_heads=sum(end - start for _, (start, end) in ranges),
     )
 
 

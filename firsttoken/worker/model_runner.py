@@ -8,7 +8,8 @@ Nothing synchronises the host with the device before the sampler hands back the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch

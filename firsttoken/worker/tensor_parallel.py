@@ -7,8 +7,11 @@ same worker for its slice and then runs, forever, the steps the driver sends: a 
 `SchedulerOutput` pickled once and written to every rank's pipe. Pipes, not a collective, carry
 steps: a rank waits for the next step for as long as the engine idles, which a collective's
 timeout would not allow; the collectives inside a step (the all-reduces, the logits gather) do
-time out. A rank that dies breaks its connections: the driver's next collective fails at once,
-and the driver then reports which rank died and how, and stops the others.
+time out. Start-up (importing torch, loading and slicing the model) is slow and uneven across
+ranks, so no collective runs in it: each rank reports the KV blocks it can hold down its pipe,
+the driver answers with the smallest count, and only then do the ranks form the process group.
+A rank that dies breaks its connections: the driver's next collective fails at once, and the
+driver then reports which rank died and how, and stops the others.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ from __future__ import annotations
 import datetime
 import logging
 import multiprocessing.connection
-import os
 import pickle
 import signal
 import socket
 import time
 import weakref
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
 import torch
@@ -44,25 +47,29 @@ class RankGroup:
     """This process's place among the ranks: its rank, the collectives of the process group
     (the default one, so one tensor-parallel engine per process at a time), and the time they took."""
 
-    def __init__(self, parallel: ParallelConfig, device: torch.device, rank: int, init_method: str) -> None:
+    def __init__(self, parallel: ParallelConfig, device: torch.device, rank: int) -> None:
         if dist.is_initialized():
             raise InvalidInputError(
                 "tensor_parallel_size", "this process already runs a tensor-parallel engine; shut it down first"
             )
+        self.parallel = parallel
+        self.device = device
         self.rank = rank
         self.world_size = parallel.tensor_parallel_size
-        self.backend = distributed_backend(parallel, device)
-        dist.init_process_group(
-            self.backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=parallel.distributed_timeout_s),
-        )
         # Read by the benchmark: seconds spent in all-reduces (waiting for the slowest rank
         # included), and how many.
         self.all_reduce_seconds = 0.0
         self.num_all_reduces = 0
+
+    def connect(self, init_method: str) -> None:
+        """Form the process group with the other ranks (each calls this once it is loaded)."""
+        dist.init_process_group(
+            distributed_backend(self.parallel, self.device),
+            init_method=init_method,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=self.parallel.distributed_timeout_s),
+        )
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         started = time.perf_counter()
@@ -75,11 +82,19 @@ class RankGroup:
         dist.gather(tensor, gathered, dst=0)
         return gathered
 
-    def min_over_ranks(self, value: int, device: torch.device) -> int:
-        """The smallest of every rank's `value` (the KV blocks all ranks can hold)."""
-        tensor = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-        return int(tensor.item())
+
+@dataclass(frozen=True)
+class RankStart:
+    """What a spawned rank starts from: its rank, the rendezvous address, its pipe to the driver."""
+
+    rank: int
+    init_method: str
+    connection: multiprocessing.connection.Connection
+
+    def agree_on_num_blocks(self, num_blocks: int) -> int:
+        """Report the KV blocks this rank can hold; the driver answers with the count for all."""
+        self.connection.send(num_blocks)
+        return self.connection.recv()
 
 
 def distributed_backend(parallel: ParallelConfig, device: torch.device) -> str:
@@ -112,22 +127,40 @@ def local_init_method() -> str:
 class RankProcesses:
     """The driver's handles on ranks 1..N-1: their processes and the pipes their steps go down."""
 
-    def __init__(self, config: EngineConfig, init_method: str) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         context = mp.get_context("spawn")
+        self.init_method = local_init_method()
         self.processes: list[BaseProcess] = []
         self.connections: list[multiprocessing.connection.Connection] = []
         for rank in range(1, config.parallel.tensor_parallel_size):
-            receiver, sender = context.Pipe(duplex=False)
+            driver_end, rank_end = context.Pipe()
             process = context.Process(
-                target=run_rank, args=(config, rank, init_method, receiver), name=f"firsttoken-rank{rank}", daemon=True
+                target=run_rank, args=(config, RankStart(rank, self.init_method, rank_end)),
+                name=f"firsttoken-rank{rank}", daemon=True,
             )
             process.start()
-            receiver.close()  # the rank's end: only the rank holds it, so its death reads as EOF there
+            rank_end.close()  # only the rank holds its end, so either one's death reads as EOF at the other
             self.processes.append(process)
-            self.connections.append(sender)
+            self.connections.append(driver_end)
         self.failure: TensorParallelError | None = None
         # Ranks stop with the engine, even one never shut down explicitly.
         self._finalizer = weakref.finalize(self, _stop_ranks, self.processes, self.connections)
+
+    def agree_on_num_blocks(self, num_blocks: int) -> int:
+        """The KV blocks every rank holds (ranks share block ids): the smallest count any rank
+        reports, sent back to each. Waits for every rank to load; raises TensorParallelError
+        for one that exits instead."""
+        counts = [num_blocks]
+        for rank, (process, connection) in enumerate(zip(self.processes, self.connections), start=1):
+            multiprocessing.connection.wait([connection, process.sentinel])
+            if not connection.poll():
+                process.join()
+                self.shutdown()
+                raise TensorParallelError(f"tensor parallel: rank {rank} {_exit_description(process.exitcode)} while starting")
+            counts.append(connection.recv())
+        for connection in self.connections:
+            connection.send(min(counts))
+        return min(counts)
 
     def send_step(self, scheduler_output: SchedulerOutput) -> None:
         """Write the step to every rank (pickled once); raises TensorParallelError once a rank is gone."""
@@ -146,6 +179,8 @@ class RankProcesses:
         if self.failure is None:
             self.failure = TensorParallelError(f"tensor parallel: {self._describe_ranks()}; the engine cannot continue ({error})")
             logger.error("%s", self.failure)
+            for process in self.processes:  # dead or hung: not worth a polite stop
+                process.kill()
             self.shutdown()
         return self.failure
 
@@ -181,32 +216,27 @@ def _stop_ranks(processes: list[BaseProcess], connections: list[multiprocessing.
     deadline = time.monotonic() + _JOIN_SECONDS
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.terminate()
+        if process.is_alive():  # hung, or stopped: SIGKILL ends even a stopped process
+            process.kill()
             process.join(_JOIN_SECONDS)
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def run_rank(config: EngineConfig, rank: int, init_method: str, steps: multiprocessing.connection.Connection) -> None:
+def run_rank(config: EngineConfig, start: RankStart) -> None:
     """A spawned rank's life: build its slice of the worker, then run the driver's steps until
     told to stop or the driver is gone (its pipe closes)."""
     # Imported here: the worker imports this module to start the ranks.
     from firsttoken.worker.worker import Worker
 
-    exit_code = 0
+    worker = Worker(config, start)
     try:
-        worker = Worker(config, rank=rank, init_method=init_method)
         while True:
-            payload = steps.recv_bytes()
+            payload = start.connection.recv_bytes()
             if payload == _STOP:
                 break
             worker.runner.run_shard(pickle.loads(payload))
     except EOFError:
-        logger.warning("rank %d: the driver is gone; stopping", rank)
-    except BaseException:
-        logger.exception("rank %d failed", rank)
-        exit_code = 1
+        logger.warning("rank %d: the driver is gone; stopping", start.rank)
     finally:
-        # Skip the interpreter's teardown: the driver may be gone, and the process group with it.
-        os._exit(exit_code)
+        dist.destroy_process_group()

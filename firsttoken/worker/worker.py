@@ -41,7 +41,7 @@ from firsttoken.worker.host_memory import keep_freed_host_memory
 from firsttoken.worker.kv_cache import allocate_kv_caches, available_memory_bytes, num_kv_blocks
 from firsttoken.worker.model_runner import ModelRunner
 from firsttoken.worker.pinned_prefix_store import KVIdentity, PinnedPrefixStore, StoredPrefix
-from firsttoken.worker.tensor_parallel import RankGroup, RankProcesses, local_init_method, rank_device
+from firsttoken.worker.tensor_parallel import RankGroup, RankProcesses, RankStart, rank_device
 from firsttoken.worker.thread_governor import ThreadGovernor
 
 if TYPE_CHECKING:
@@ -56,9 +56,9 @@ class Worker:
 
     With `tensor_parallel_size` N > 1 it is one rank of N, holding a slice of the model and of
     the KV cache: rank 0 (the engine's worker) starts ranks 1..N-1 in their own processes and
-    sends them every step it runs (tensor_parallel.py); `rank` and `init_method` are theirs."""
+    sends them every step it runs (tensor_parallel.py); they are started with their `rank_start`."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, rank_start: RankStart | None = None) -> None:
         self.config = config
         model_config = config.model_config
         world_size = config.parallel.tensor_parallel_size
@@ -79,9 +79,10 @@ class Worker:
         arch = self.checkpoint.arch
         self.rank_processes: RankProcesses | None = None
         self.rank_group: RankGroup | None = None
+        self.rank_start = rank_start
         shard = None
         if world_size > 1:
-            shard = self._join_ranks(rank, init_method)
+            shard = self._start_ranks(rank_start.rank if rank_start is not None else 0)
         native_kernels = None
         if model_config.fuse_ops and model_config.native_kernels and self.device.type == "cpu":
             native_kernels = load_native_kernels(os.path.join(self.cache_dir, "native"))
@@ -103,7 +104,9 @@ class Worker:
         )
         # Decode graphs pad their batches with rows that write one scratch block past the manager's.
         use_graphs = self.device.type == "cuda" and model_config.cuda_graphs
-        self.num_kv_blocks = self._num_kv_blocks(attention_arch)
+        self.num_kv_blocks = self._num_kv_blocks(attention_arch, shard)
+        if self.rank_group is not None:
+            self.rank_group.connect(self._init_method())
         self.kv_caches = allocate_kv_caches(
             attention_arch, self.num_kv_blocks + int(use_graphs), config.cache.block_size, self.dtype, self.device
         )
@@ -127,28 +130,27 @@ class Worker:
             )
         self.prefix_store = self._open_prefix_store()
 
-    def _join_ranks(self, rank: int, init_method: str | None) -> ModelShard:
-        """Join the process group as `rank` (rank 0 first starts the others); this rank's slice."""
+    def _start_ranks(self, rank: int) -> ModelShard:
+        """This rank's slice; rank 0 first starts the others. The process group forms later,
+        once every rank has loaded (`_num_kv_blocks`)."""
         config = self.config
-        world_size = config.parallel.tensor_parallel_size
         # Checked before any process starts: a split that cannot be fails here, in the driver.
-        shard = shard_for_rank(self.checkpoint.arch, rank, world_size)
+        shard = shard_for_rank(self.checkpoint.arch, rank, config.parallel.tensor_parallel_size)
         if config.prompt_cache.persist_dir is not None and config.prompt_cache.enable:
             raise InvalidInputError(
                 "prompt_cache_dir", "persisted pinned prefixes need tensor_parallel_size 1 (each rank holds a KV slice)"
             )
         self.device = rank_device(self.device, rank)
+        self.rank_group = RankGroup(config.parallel, self.device, rank)
         if rank == 0:
-            init_method = local_init_method()
-            self.rank_processes = RankProcesses(config, init_method)
-        assert init_method is not None
-        try:
-            self.rank_group = RankGroup(config.parallel, self.device, rank, init_method)
-        except BaseException:
-            if self.rank_processes is not None:
-                self.rank_processes.shutdown()
-            raise
+            self.rank_processes = RankProcesses(config)
         return shard
+
+    def _init_method(self) -> str:
+        if self.rank_processes is not None:
+            return self.rank_processes.init_method
+        assert self.rank_start is not None
+        return self.rank_start.init_method
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -171,18 +173,22 @@ class Worker:
         ranks = f", {self.tensor_parallel_size} tensor-parallel ranks" if self.tensor_parallel_size > 1 else ""
         return f"{self.model_path} ({self.checkpoint.arch.architecture}, {self.dtype} on {self.device}{ranks})"
 
-    def _num_kv_blocks(self, attention_arch: ModelArch) -> int:
+    def _num_kv_blocks(self, attention_arch: ModelArch, shard: ModelShard | None) -> int:
         """Blocks every rank holds: ranks share block ids, so the smallest count serves all.
-        On the CPU the ranks share one memory budget: each sizes its slice from its share."""
+        On the CPU the ranks share one memory budget: each takes its KV heads' part of it."""
         cache = self.config.cache
-        if self.rank_group is None:
+        if shard is None:
             return num_kv_blocks(cache, attention_arch, self.dtype, self.device)
         if self.device.type == "cpu":
             budget = cache.kv_cache_memory_bytes
             if budget is None:
                 budget = int(available_memory_bytes(self.device) * cache.kv_cache_memory_fraction)
-            cache = dataclasses.replace(cache, kv_cache_memory_bytes=max(1, budget // self.tensor_parallel_size))
-        return self.rank_group.min_over_ranks(num_kv_blocks(cache, attention_arch, self.dtype, self.device), self.device)
+            cache = dataclasses.replace(cache, kv_cache_memory_bytes=max(1, int(budget * shard.kv_share)))
+        num_blocks = num_kv_blocks(cache, attention_arch, self.dtype, self.device)
+        if self.rank_processes is not None:
+            return self.rank_processes.agree_on_num_blocks(num_blocks)
+        assert self.rank_start is not None
+        return self.rank_start.agree_on_num_blocks(num_blocks)
 
     def _load_model(self, backend: AttentionBackend, shard: ModelShard | None) -> LlamaForCausalLM:
         """The model's weights in this engine's dtype, then in their fastest layout here."""

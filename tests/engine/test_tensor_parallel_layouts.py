@@ -1,0 +1,47 @@
+"""Tensor parallelism on a tiny random model: three ranks on two KV heads (one replicated),
+and the splits refused before any rank starts.
+Each test starts its own ranks: one tensor-parallel engine runs in a process at a time."""
+
+from __future__ import annotations
+
+import pytest
+
+from firsttoken import LLM
+from firsttoken.errors import InvalidInputError
+from tests.engine.test_tensor_parallel import GREEDY, assert_same_outputs
+from tests.model.tiny_models import save_hf_folder, tiny_hf_model
+from tests.prompts import SHORT_PROMPTS
+
+OPTIONS = {"dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "chunk_size": 32}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """4 query heads on 2 KV heads: three ranks cannot split them evenly."""
+    return save_hf_folder(tiny_hf_model("llama"), str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model) -> LLM:
+    return LLM(tiny_model, **OPTIONS)
+
+
+def test_three_ranks_on_two_kv_heads_replicate_one_and_give_one_ranks_tokens(tiny_model, one_rank):
+    three = LLM(tiny_model, tensor_parallel_size=3, **OPTIONS)
+    try:
+        # Ranks 0 and 1 hold KV head 0 and one query head each; rank 2 holds KV head 1 and two.
+        shard = three.engine.worker.model.tensor_shard
+        assert (shard.head_range, shard.kv_head_range) == ((0, 1), (0, 1))
+        assert_same_outputs(three.generate(SHORT_PROMPTS, GREEDY), one_rank.generate(SHORT_PROMPTS, GREEDY))
+    finally:
+        three.shutdown()
+
+
+def test_more_ranks_than_heads_is_refused_before_any_rank_starts(tiny_model):
+    with pytest.raises(InvalidInputError, match="tensor_parallel_size: 5 ranks exceed the model's 4 attention heads"):
+        LLM(tiny_model, tensor_parallel_size=5, **OPTIONS)
+
+
+def test_persisted_pins_are_refused_with_ranks(tiny_model, tmp_path):
+    with pytest.raises(InvalidInputError, match="prompt_cache_dir"):
+        LLM(tiny_model, tensor_parallel_size=2, prompt_cache_dir=str(tmp_path), **OPTIONS)
