@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from firsttoken import LLM
+from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
 from tests.engine.test_tensor_parallel import GREEDY, assert_same_outputs
 from tests.model.tiny_models import save_hf_folder, tiny_hf_model
@@ -45,3 +45,21 @@ def test_more_ranks_than_heads_is_refused_before_any_rank_starts(tiny_model):
 def test_persisted_pins_are_refused_with_ranks(tiny_model, tmp_path):
     with pytest.raises(InvalidInputError, match="prompt_cache_dir"):
         LLM(tiny_model, tensor_parallel_size=2, prompt_cache_dir=str(tmp_path), **OPTIONS)
+
+
+@pytest.mark.slow
+def test_two_ranks_in_bf16_stay_batch_invariant(model_path):
+    """Each rank's rows are row-invariant and two partial sums add to the same bits in either
+    order: a request's tokens and logprobs alone are those it gets in a batch."""
+    two = LLM(model_path, dtype="bfloat16", kv_cache_memory_bytes=128 << 20, chunk_size=64, tensor_parallel_size=2)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    try:
+        if not two.engine.worker.batch_invariant:
+            pytest.skip("batch invariance is not in effect on this CPU")
+        batched = two.generate(SHORT_PROMPTS, params)
+        for prompt, output in zip(SHORT_PROMPTS, batched, strict=True):
+            (alone,) = two.generate([prompt], params)
+            assert alone.token_ids == output.token_ids
+            assert [token.logprob for token in alone.logprobs] == [token.logprob for token in output.logprobs]
+    finally:
+        two.shutdown()
