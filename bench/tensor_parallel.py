@@ -5,8 +5,8 @@ the time rank 0 spends in all-reduces per step.
 
 Two engines on the embedded model (default dtype), one process each rank: TP=1 on all the
 physical cores, TP=2 on half of them per rank (so both use the same cores), timed in turns in
-one run. The thread governor is off in both (it is off with ranks), so that both run on fixed
-threads. TTFT: one fresh prompt alone. Decode: tokens per second of a batch of streams with
+one run, each with its default threads: TP=1's thread governor drops a thread while another
+process holds a core; with ranks it is off (`--fixed-threads` turns it off for TP=1 too). TTFT: one fresh prompt alone. Decode: tokens per second of a batch of streams with
 256-token prompts, 32 steps each. All-reduce: seconds rank 0 spends inside all_reduce calls per
 step (the transfer, and the wait for the slower rank), and their share of the step.
 Prints medians and ratios; the JSON goes to bench_results/.
@@ -88,8 +88,10 @@ def main() -> None:
     parser.add_argument("--input-lens", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--fixed-threads", action="store_true", help="TP=1 without the thread governor")
     args = parser.parse_args()
-    options = dict(enable_prompt_cache=False, kv_cache_memory_bytes=256 << 20, adaptive_threads=False, chunk_size=2048)
+    options = dict(enable_prompt_cache=False, kv_cache_memory_bytes=256 << 20, chunk_size=2048,
+                   adaptive_threads=not args.fixed_threads)
     engines = {"tp1": LLM(**options), "tp2": LLM(**options, tensor_parallel_size=2)}
     clocks = {name: AllReduceClock(llm) for name, llm in engines.items()}
     print(f"tp1: {engines['tp1'].engine.worker.describe()}, {engines['tp1'].engine.worker.num_threads} threads")
