@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 # What the driver writes to a rank's pipe to stop it (a step is never empty).
 _STOP = b""
-# How long shutdown waits for a rank to stop by itself before terminating it.
+# How long shutdown waits for a rank to stop by itself before killing it.
 _JOIN_SECONDS = 5.0
 
 
