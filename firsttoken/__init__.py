@@ -6,6 +6,7 @@ from firsttoken.config import (
     ChunkedPrefillConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     PromptCacheConfig,
     SchedulerConfig,
 )
@@ -29,4 +30,5 @@ __all__ = [
     "ChunkedPrefillConfig",
     "PromptCacheConfig",
     "AttentionConfig",
+    "ParallelConfig",
 ]

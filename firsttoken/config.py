@@ -17,6 +17,9 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 SPECULATIVE_METHODS = ("ngram", "draft")
+# Process-group backends chosen by `distributed_backend=auto`; any other name passes through
+# to torch.distributed (an accelerator's own, such as hccl).
+DEFAULT_DISTRIBUTED_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -317,6 +320,39 @@ class SpeculativeConfig:
         )
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: how many processes share each layer's weights, and how they talk."""
+
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_help("processes (ranks) that each hold a slice of every layer and of the KV cache; "
+                       "1: one process, no process group"),
+    )
+    distributed_backend: str = field(
+        default="auto",
+        metadata=_help("torch.distributed backend of the ranks: auto (gloo on cpu, nccl on cuda) or a "
+                       "backend name passed through (e.g. hccl)"),
+    )
+    distributed_timeout_s: float = field(
+        default=60.0,
+        metadata=_help("seconds a collective may wait for a rank before the engine fails with an error"),
+    )
+
+    def __post_init__(self) -> None:
+        _require(
+            self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            f"must be >= 1, got {self.tensor_parallel_size}",
+        )
+        _require(bool(self.distributed_backend), "distributed_backend", "must not be empty")
+        _require(
+            self.distributed_timeout_s > 0,
+            "distributed_timeout_s",
+            f"must be > 0, got {self.distributed_timeout_s}",
+        )
+
+
 SUBCONFIGS: dict[str, type] = {
     "model_config": ModelConfig,
     "cache": CacheConfig,
@@ -325,6 +361,7 @@ SUBCONFIGS: dict[str, type] = {
     "prompt_cache": PromptCacheConfig,
     "attention": AttentionConfig,
     "speculative_config": SpeculativeConfig,
+    "parallel": ParallelConfig,
 }
 
 # Flat keyword names that would be ambiguous across subsystems get a prefix.
@@ -354,6 +391,7 @@ class EngineConfig:
     prompt_cache: PromptCacheConfig = field(default_factory=PromptCacheConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

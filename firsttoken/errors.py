@@ -18,3 +18,8 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (an unexpected error, or shutdown); no request can run."""
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died, failed, or kept a collective waiting past its timeout; the
+    engine cannot step again."""

@@ -315,6 +315,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
         self._tokenize_pool.shutdown(wait=False)
+        self.core.shutdown()
         self._fail_all(EngineDeadError("the engine was shut down"))
 
     def add_observer(self, observer: RequestObserver) -> None:

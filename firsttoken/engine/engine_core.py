@@ -180,6 +180,10 @@ class EngineCore:
         self._release_finished()
         return deltas
 
+    def shutdown(self) -> None:
+        """Stop the worker's other tensor-parallel ranks; the engine cannot step afterwards."""
+        self.worker.shutdown()
+
     # -- pinned prefixes -----------------------------------------------------------------
 
     def pin_prefix(self, token_ids: list[int], pin_id: str) -> str:

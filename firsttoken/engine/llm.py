@@ -113,6 +113,11 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks' processes now (they also stop when this LLM is
+        garbage collected, or at exit); nothing to do with one rank."""
+        self.engine.shutdown()
+
     def _prepare(
         self,
         prompts: PromptInput,

@@ -17,6 +17,15 @@ from torch import nn
 
 from firsttoken.attention.backend import AttentionBackend
 from firsttoken.models.arch import ModelArch
+from firsttoken.models.sharding import (
+    Collectives,
+    ModelShard,
+    RowParallelLinear,
+    gate_up_rows,
+    gather_vocab_logits,
+    qkv_rows,
+    vocab_parallel_embedding,
+)
 from firsttoken.ops.kernels import Kernels
 from firsttoken.ops.linear import (
     DecodeQuantizedLinear,
@@ -50,6 +59,14 @@ class LlamaAttention(nn.Module):
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None  # [2, blocks, block_size, kv_heads, D], bound later
 
+    def shard(self, shard: ModelShard, arch: ModelArch, collectives: Collectives) -> None:
+        """Keep this rank's heads: their rows of QKV, their columns of the output projection."""
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
+        self.q_size, self.kv_size = shard.num_heads * self.head_dim, shard.num_kv_heads * self.head_dim
+        self.qkv_proj = _rows_of(self.qkv_proj, qkv_rows(shard, arch))
+        q_start, q_end = shard.head_range
+        self.o_proj = RowParallelLinear(_columns_of(self.o_proj, q_start * self.head_dim, q_end * self.head_dim), collectives)
+
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attn_metadata: Any) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q + 2 kv]
@@ -70,6 +87,11 @@ class LlamaMLP(nn.Module):
         self.kernels = kernels
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, dtype)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, dtype)
+
+    def shard(self, shard: ModelShard, arch: ModelArch, collectives: Collectives) -> None:
+        """Keep this rank's slice of the intermediate features."""
+        self.gate_up_proj = _rows_of(self.gate_up_proj, gate_up_rows(shard, arch))
+        self.down_proj = RowParallelLinear(_columns_of(self.down_proj, *shard.intermediate_range), collectives)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(hidden)))
@@ -128,6 +150,25 @@ class LlamaForCausalLM(nn.Module):
         inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_frequency_divisors)
         self.register_buffer("rope_table", cos_sin_table(inv_freq, max_positions), persistent=False)
         self.native_decode: NativeDecodeStep | None = None
+        # Set by shard(): this rank's slices, and the process group that joins them.
+        self.tensor_shard: ModelShard | None = None
+        self.collectives: Collectives | None = None
+
+    def shard(self, shard: ModelShard, collectives: Collectives) -> None:
+        """Keep only rank `shard.rank`'s slices of the loaded weights (call before
+        `prepare_projections`). Row-parallel projections then sum over the ranks, so the
+        whole-step native decode, which runs every layer in one call, is not used."""
+        for layer in self.layers:
+            layer.self_attn.shard(shard, self.arch, collectives)
+            layer.mlp.shard(shard, self.arch, collectives)
+        vocab_start, vocab_end = shard.vocab_range
+        tied = self.lm_head.weight is self.embed_weight
+        self.embed_weight = nn.Parameter(self.embed_weight.data[vocab_start:vocab_end].clone(), requires_grad=False)
+        if tied:
+            self.lm_head.weight = self.embed_weight
+        else:
+            self.lm_head = _rows_of(self.lm_head, torch.arange(vocab_start, vocab_end))
+        self.tensor_shard, self.collectives = shard, collectives
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -161,7 +202,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm."""
-        hidden = F.embedding(input_ids, self.embed_weight)
+        if self.collectives is None:
+            hidden = F.embedding(input_ids, self.embed_weight)
+        else:
+            hidden = vocab_parallel_embedding(input_ids, self.embed_weight, self.tensor_shard.vocab_range, self.collectives)
         rotary = rotary_cos_sin(self.rope_table, positions, hidden.dtype)
         # Decode tables come with decode-only steps the native step takes; backends without
         # them (CUDA) carry none.
@@ -173,10 +217,14 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, rotary, attn_metadata)
         return hidden + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [R, vocab] for the R rows that sample."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [R, vocab] for the R rows that sample; sharded, on rank 0 only (the
+        other ranks send their vocabulary slices and get None)."""
         normed = self.kernels.rms_norm(hidden, self.norm_weight, self.arch.rms_norm_eps)
-        return self.lm_head(normed).float()
+        logits = self.lm_head(normed).float()
+        if self.collectives is None:
+            return logits
+        return gather_vocab_logits(logits, self.tensor_shard, self.collectives)
 
     def prepare_projections(
         self, quantization: str | None, quantized_prefill: bool, pack_onednn: bool, batch_invariant: bool = False
@@ -197,6 +245,24 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up on the way."""
         WeightLoader(self).load(weights)
+
+
+def _rows_of(linear: Linear, rows: torch.Tensor) -> Linear:
+    """A Linear computing only `rows` of `linear`'s outputs (column-parallel slice)."""
+    weight = linear.weight.data
+    sliced = Linear(weight.shape[1], rows.numel(), linear.bias is not None, weight.dtype).to(weight.device)
+    sliced.weight.data = weight[rows.to(weight.device)].contiguous()
+    if linear.bias is not None:
+        sliced.bias.data = linear.bias.data[rows.to(weight.device)].contiguous()
+    return sliced
+
+
+def _columns_of(linear: Linear, start: int, end: int) -> Linear:
+    """A Linear over input features [start, end) of `linear` (row-parallel slice; no bias)."""
+    weight = linear.weight.data
+    sliced = Linear(end - start, weight.shape[0], False, weight.dtype).to(weight.device)
+    sliced.weight.data = weight[:, start:end].contiguous()
+    return sliced
 
 
 def _decode_form(projection: nn.Module) -> nn.Module:

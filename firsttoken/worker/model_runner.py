@@ -8,6 +8,7 @@ Nothing synchronises the host with the device before the sampler hands back the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,7 +28,10 @@ if TYPE_CHECKING:
 
 class ModelRunner:
     """Runs the model on a scheduled batch and samples; owns the model, attention backend and
-    sampler, the staging buffer of step inputs, and the decode graphs once captured."""
+    sampler, the staging buffer of step inputs, and the decode graphs once captured.
+
+    Tensor-parallel: rank 0's runner hands each step to `send_step` (the other ranks, which run
+    it with `run_shard`) before running its own slice; only rank 0 samples."""
 
     def __init__(
         self,
@@ -36,8 +40,10 @@ class ModelRunner:
         sampler: Sampler,
         block_size: int,
         device: torch.device,
+        send_step: Callable[[SchedulerOutput], None] | None = None,
     ) -> None:
         self.model = model
+        self.send_step = send_step
         self.backend = backend
         self.sampler = sampler
         self.block_size = block_size
@@ -78,6 +84,8 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         if scheduler_output.is_empty:
             return ModelOutput(sampled={})
+        if self.send_step is not None:
+            self.send_step(scheduler_output)
         self.sampler.begin_step(scheduler_output)
         step = build_host_step(scheduler_output.chunks, self.block_size, self.index_dtype)
         sampling_chunks = [chunk for chunk in step.chunks if chunk.sample is not None]
@@ -85,9 +93,18 @@ class ModelRunner:
         if not sampling_chunks:
             return ModelOutput(sampled={})
         logits = self.model.compute_logits(hidden)
+        assert logits is not None  # rank 0 holds the gathered logits
         # The step's one synchronisation: the sampler hands the ids to Python.
         sampled = self.sampler.sample(logits, [spec for chunk in sampling_chunks for spec in chunk.sample_specs()])
         return _model_output(sampling_chunks, sampled)
+
+    @torch.inference_mode()
+    def run_shard(self, scheduler_output: SchedulerOutput) -> None:
+        """A rank other than 0: run this rank's slice of the step and send its logits to rank 0."""
+        step = build_host_step(scheduler_output.chunks, self.block_size, self.index_dtype)
+        hidden = self.forward_sampled_rows(step)
+        if any(chunk.sample is not None for chunk in step.chunks):
+            self.model.compute_logits(hidden)
 
     def forward_sampled_rows(self, step: HostStep) -> torch.Tensor:
         """Run the step; hidden states [R, hidden] of the rows that sample, still on the device."""

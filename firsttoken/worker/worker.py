@@ -7,6 +7,7 @@ of pinned prefixes by block id.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -21,10 +22,12 @@ from firsttoken.attention.selector import select_attention_backend
 from firsttoken.config import EngineConfig
 from firsttoken.core.batch import ModelOutput, SampleSpec, ScheduledChunk, SchedulerOutput
 from firsttoken.core.cost_model import StepCostModel, attention_pairs
-from firsttoken.errors import InvalidInputError
+from firsttoken.errors import InvalidInputError, TensorParallelError
+from firsttoken.models.arch import ModelArch
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.models.registry import build_model, open_checkpoint, resolve_model_path
+from firsttoken.models.sharding import ModelShard, shard_for_rank
 from firsttoken.ops.cpu_info import physical_core_count
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
 from firsttoken.ops.linear import PackedLinear, onednn_packing_available, rows_invariant
@@ -37,9 +40,10 @@ from firsttoken.tokenizer import Tokenizer
 from firsttoken.worker.cost_calibration import CalibrationLimits, load_or_calibrate
 from firsttoken.worker.device import resolve_device, resolve_dtype
 from firsttoken.worker.host_memory import keep_freed_host_memory
-from firsttoken.worker.kv_cache import allocate_kv_caches, num_kv_blocks
+from firsttoken.worker.kv_cache import allocate_kv_caches, available_memory_bytes, num_kv_blocks
 from firsttoken.worker.model_runner import ModelRunner
 from firsttoken.worker.pinned_prefix_store import KVIdentity, PinnedPrefixStore, StoredPrefix
+from firsttoken.worker.tensor_parallel import RankGroup, RankProcesses, RankStart, rank_device
 from firsttoken.worker.thread_governor import ThreadGovernor
 
 if TYPE_CHECKING:
@@ -51,14 +55,20 @@ logger = logging.getLogger(__name__)
 class Worker:
     """Owns the device and its threads, the kernels, the model, the paged KV tensors and block
     copies, the runner, the warm-up and the step-cost calibration, the pinned-prefix files and
-    the compiled grammars of structured output."""
+    the compiled grammars of structured output.
 
-    def __init__(self, config: EngineConfig) -> None:
+    With `tensor_parallel_size` N > 1 it is one rank of N, holding a slice of the model and of
+    the KV cache: rank 0 (the engine's worker) starts ranks 1..N-1 in their own processes and
+    sends them every step it runs (tensor_parallel.py); they are started with their `rank_start`."""
+
+    def __init__(self, config: EngineConfig, rank_start: RankStart | None = None) -> None:
         self.config = config
         model_config = config.model_config
+        world_size = config.parallel.tensor_parallel_size
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
-        self.num_threads = model_config.num_threads or physical_core_count()
+        # Each rank gets its share of the cores: more threads than cores would stall every op.
+        self.num_threads = model_config.num_threads or max(1, physical_core_count() // world_size)
         if self.device.type == "cpu":
             torch.set_num_threads(self.num_threads)
             keep_freed_host_memory()
@@ -69,18 +79,25 @@ class Worker:
         self.model_path = resolve_model_path(model_config.model)
         self.checkpoint = open_checkpoint(self.model_path, self.cache_dir)
         self.max_model_len = self._max_model_len()
+        arch = self.checkpoint.arch
+        self.rank_processes: RankProcesses | None = None
+        self.rank_group: RankGroup | None = None
+        self.rank_start = rank_start
+        shard = None
+        if world_size > 1:
+            shard = self._start_ranks(rank_start.rank if rank_start is not None else 0)
         native_kernels = None
         if model_config.fuse_ops and model_config.native_kernels and self.device.type == "cpu":
             native_kernels = load_native_kernels(os.path.join(self.cache_dir, "native"))
-        arch = self.checkpoint.arch
+        attention_arch = shard.attention_arch(arch) if shard is not None else arch
         backend = select_attention_backend(
-            config.attention, self.device, arch.num_heads, arch.num_kv_heads, native_kernels,
+            config.attention, self.device, attention_arch.num_heads, attention_arch.num_kv_heads, native_kernels,
             batch_invariant=model_config.batch_invariant,
         )
         self.kernels = Kernels(
             fused=model_config.fuse_ops, native_kernels=native_kernels, triton_ops=_triton_ops(self.device)
         )
-        self.model = self._load_model(backend)
+        self.model = self._load_model(backend, shard)
         # What the invariance rests on: decode rows attending with the prefill kernel's
         # arithmetic, each alone; row-invariant matmuls.
         # Quantized weights are out: decode steps read them, prefills the float ones.
@@ -90,17 +107,21 @@ class Worker:
         )
         # Decode graphs pad their batches with rows that write one scratch block past the manager's.
         use_graphs = self.device.type == "cuda" and model_config.cuda_graphs
-        self.num_kv_blocks = num_kv_blocks(config.cache, arch, self.dtype, self.device)
+        self.num_kv_blocks = self._num_kv_blocks(attention_arch, shard)
+        if self.rank_group is not None:
+            self.rank_group.connect(self._init_method())
         self.kv_caches = allocate_kv_caches(
-            arch, self.num_kv_blocks + int(use_graphs), config.cache.block_size, self.dtype, self.device
+            attention_arch, self.num_kv_blocks + int(use_graphs), config.cache.block_size, self.dtype, self.device
         )
         if config.cache.prefault_kv_cache and self.device.type == "cpu":
             self._prefault_kv_cache()
         self.model.bind_kv_caches(self.kv_caches)
         sampler = Sampler(model_config.seed, self.device, arch.vocab_size)
-        self.runner = ModelRunner(self.model, backend, sampler, config.cache.block_size, self.device)
+        send_step = self.rank_processes.send_step if self.rank_processes is not None else None
+        self.runner = ModelRunner(self.model, backend, sampler, config.cache.block_size, self.device, send_step)
         self.graph_capture: GraphCaptureReport | None = None
         if use_graphs:
+            # Every rank captures the same sizes in the same order: the collectives inside match.
             self.graph_capture = self.runner.capture_decode_graphs(
                 config.scheduler.max_num_seqs, self.max_model_len, scratch_block_id=self.num_kv_blocks
             )
@@ -112,6 +133,28 @@ class Worker:
             )
         self.prefix_store = self._open_prefix_store()
         self.grammar_compiler = GrammarCompiler(self.tokenizer, arch.vocab_size)
+
+    def _start_ranks(self, rank: int) -> ModelShard:
+        """This rank's slice; rank 0 first starts the others. The process group forms later,
+        once every rank has loaded (`_num_kv_blocks`)."""
+        config = self.config
+        # Checked before any process starts: a split that cannot be fails here, in the driver.
+        shard = shard_for_rank(self.checkpoint.arch, rank, config.parallel.tensor_parallel_size)
+        if config.prompt_cache.persist_dir is not None and config.prompt_cache.enable:
+            raise InvalidInputError(
+                "prompt_cache_dir", "persisted pinned prefixes need tensor_parallel_size 1 (each rank holds a KV slice)"
+            )
+        self.device = rank_device(self.device, rank)
+        self.rank_group = RankGroup(config.parallel, self.device, rank)
+        if rank == 0:
+            self.rank_processes = RankProcesses(config)
+        return shard
+
+    def _init_method(self) -> str:
+        if self.rank_processes is not None:
+            return self.rank_processes.init_method
+        assert self.rank_start is not None
+        return self.rank_start.init_method
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -126,10 +169,32 @@ class Worker:
         """What makes this worker's KV of a token sequence the same as another's."""
         return f"{self.checkpoint.fingerprint}|{self.dtype}|{self.config.cache.block_size}"
 
-    def describe(self) -> str:
-        return f"{self.model_path} ({self.checkpoint.arch.architecture}, {self.dtype} on {self.device})"
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.parallel.tensor_parallel_size
 
-    def _load_model(self, backend: AttentionBackend) -> LlamaForCausalLM:
+    def describe(self) -> str:
+        ranks = f", {self.tensor_parallel_size} tensor-parallel ranks" if self.tensor_parallel_size > 1 else ""
+        return f"{self.model_path} ({self.checkpoint.arch.architecture}, {self.dtype} on {self.device}{ranks})"
+
+    def _num_kv_blocks(self, attention_arch: ModelArch, shard: ModelShard | None) -> int:
+        """Blocks every rank holds: ranks share block ids, so the smallest count serves all.
+        On the CPU the ranks share one memory budget: each takes its KV heads' part of it."""
+        cache = self.config.cache
+        if shard is None:
+            return num_kv_blocks(cache, attention_arch, self.dtype, self.device)
+        if self.device.type == "cpu":
+            budget = cache.kv_cache_memory_bytes
+            if budget is None:
+                budget = int(available_memory_bytes(self.device) * cache.kv_cache_memory_fraction)
+            cache = dataclasses.replace(cache, kv_cache_memory_bytes=max(1, int(budget * shard.kv_share)))
+        num_blocks = num_kv_blocks(cache, attention_arch, self.dtype, self.device)
+        if self.rank_processes is not None:
+            return self.rank_processes.agree_on_num_blocks(num_blocks)
+        assert self.rank_start is not None
+        return self.rank_start.agree_on_num_blocks(num_blocks)
+
+    def _load_model(self, backend: AttentionBackend, shard: ModelShard | None) -> LlamaForCausalLM:
         """The model's weights in this engine's dtype, then in their fastest layout here."""
         model = build_model(
             self.checkpoint,
@@ -140,6 +205,8 @@ class Worker:
             self.max_model_len,
             self.cache_dir,
         )
+        if shard is not None:
+            model.shard(shard, self.rank_group)
         model_config = self.config.model_config
         model.prepare_projections(
             model_config.quantization,
@@ -181,9 +248,28 @@ class Worker:
     @property
     def adapts_threads(self) -> bool:
         """Whether steps choose their thread count (needs `step_cost_model()` called once)."""
-        return self.device.type == "cpu" and self.config.model_config.adaptive_threads and self.num_threads > 1
+        # Not with ranks: a step waits for the slowest rank, whatever the driver's threads.
+        return (
+            self.device.type == "cpu" and self.config.model_config.adaptive_threads and self.num_threads > 1
+            and self.tensor_parallel_size == 1
+        )
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        if self.rank_processes is None:
+            return self._execute(scheduler_output)
+        try:
+            return self._execute(scheduler_output)
+        except TensorParallelError:
+            raise
+        except (RuntimeError, OSError) as error:  # a collective failed or timed out
+            raise self.rank_processes.fail(error) from error
+
+    def shutdown(self) -> None:
+        """Stop the other ranks and leave the process group (nothing to do with one rank)."""
+        if self.rank_processes is not None:
+            self.rank_processes.shutdown()
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         if self.device.type != "cpu":
             return self.runner.execute(scheduler_output)
         governor = self.thread_governor
@@ -254,7 +340,7 @@ class Worker:
         threads = self.num_threads if self.device.type == "cpu" else 0
         name = (
             f"{self.checkpoint.fingerprint}-{str(self.dtype).removeprefix('torch.')}-{self.device.type}"
-            f"-t{threads}-b{self.config.cache.block_size}.json"
+            f"-t{threads}-b{self.config.cache.block_size}{self._ranks_suffix()}.json"
         )
         limits = CalibrationLimits(
             block_size=self.config.cache.block_size,
@@ -267,6 +353,9 @@ class Worker:
         if self.adapts_threads:
             self.thread_governor = ThreadGovernor(self.num_threads)
         return self._calibrated
+
+    def _ranks_suffix(self) -> str:
+        return f"-tp{self.tensor_parallel_size}" if self.tensor_parallel_size > 1 else ""
 
     # -- pinned prefixes on disk ---------------------------------------------------------
 
