@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from firsttoken.engine import AsyncEngine
+from firsttoken.engine import EngineClient
 from firsttoken.outputs import RequestDelta, SampledToken, TokenLogprob
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.generation import Choice, check_num_choices, sampling_params, start_choices
@@ -29,7 +29,7 @@ from firsttoken.server.streaming import respond
 
 
 async def create_chat_completion(
-    engine: AsyncEngine,
+    engine: EngineClient,
     config: ServerConfig,
     checks: RequestChecks,
     body: ChatCompletionRequest,
