@@ -364,10 +364,6 @@ class ReplicaEngineClient:
         if num_cached_tokens > 0:
             count.num_prefix_hits += 1
 
-    def replica_actor_names(self) -> dict[str, str]:
-        """Each replica's Ray actor name (namespace "serve"), by the name metrics label it with."""
-        return {name: snapshot.actor_name for name, snapshot in self._snapshots.items()}
-
     # -- sync ----------------------------------------------------------------------------------
 
     async def _sync_forever(self) -> None:

@@ -86,9 +86,8 @@ class Refusal:
 
 @dataclass(frozen=True)
 class ReplicaSnapshot:
-    """One replica as the ingress sees it between two syncs: its names, stats and pins."""
+    """One replica as the ingress sees it between two syncs: its name, stats and pins."""
 
-    replica: str  # the short name metrics are labelled with
-    actor_name: str  # its Ray actor's name (namespace "serve")
+    replica: str  # its Ray Serve replica id, which metrics are labelled with
     stats: EngineStats
     pinned: tuple[PinnedPrefix, ...]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+import pathlib
 from typing import Any
 
 from ray import serve
@@ -21,89 +21,39 @@ from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
 from firsttoken.deploy.client import ReplicaEngineClient, RouterCollector
+from firsttoken.deploy.config import ReplicasConfig
 from firsttoken.deploy.replica import EngineReplica
 from firsttoken.deploy.router import PrefixAwareRouter
 from firsttoken.metrics.prometheus import PrometheusMetrics
+from firsttoken.models.registry import resolve_model_path
 from firsttoken.server.app import create_app
-from firsttoken.server.config import ServerConfig
-
-ROUTERS = ("prefix", "pow2")
+from firsttoken.server.config import ServerConfig, default_model_name
 
 
-@dataclass(frozen=True)
-class ReplicasConfig:
-    """How the engine replicas are deployed and routed to."""
+def autoscaling_config(replicas: ReplicasConfig) -> AutoscalingConfig | None:
+    if replicas.max_replicas is None:
+        return None
+    options: dict[str, Any] = {
+        "min_replicas": replicas.min_replicas if replicas.min_replicas is not None else 1,
+        "max_replicas": replicas.max_replicas,
+        "initial_replicas": replicas.num_replicas,
+    }
+    if replicas.target_ongoing_requests is not None:
+        options["target_ongoing_requests"] = replicas.target_ongoing_requests
+    return AutoscalingConfig(**options)
 
-    num_replicas: int = field(default=2, metadata={"help": "engine replicas (without autoscaling)"})
-    min_replicas: int | None = field(default=None, metadata={"help": "autoscaling: fewest replicas"})
-    max_replicas: int | None = field(default=None, metadata={"help": "autoscaling: most replicas"})
-    target_ongoing_requests: float | None = field(
-        default=None, metadata={"help": "autoscaling: requests per replica to scale towards"}
-    )
-    num_cpus: float = field(default=1.0, metadata={"help": "CPUs Ray reserves for each replica"})
-    num_gpus: float = field(default=0.0, metadata={"help": "GPUs Ray reserves for each replica"})
-    max_ongoing_requests: int = field(
-        default=256, metadata={"help": "requests one replica takes at once; more wait in the router"}
-    )
-    router: str = field(
-        default="prefix", metadata={"help": "prefix: prefix-cache aware; pow2: Ray's power of two choices"}
-    )
-    imbalance_bound: int = field(
-        default=4,
-        metadata={"help": "requests the best-matching replica may have beyond the least loaded"},
-    )
-    max_routing_blocks: int = field(default=64, metadata={"help": "a prompt's first blocks routed on"})
-    max_reported_blocks: int = field(
-        default=4096, metadata={"help": "prefix blocks a replica reports to the router at most"}
-    )
-    routing_stats_period_s: float = field(
-        default=1.0, metadata={"help": "seconds between a replica's reports of its prefix cache"}
-    )
-    routed_memory_s: float = field(
-        default=5.0, metadata={"help": "seconds the router remembers where it sent a prefix"}
-    )
-    sync_interval_s: float = field(
-        default=1.0, metadata={"help": "seconds between the ingress's syncs of stats and pins"}
-    )
 
-    def __post_init__(self) -> None:
-        if self.num_replicas < 1:
-            raise ValueError(f"replicas: must be >= 1, got {self.num_replicas}")
-        if self.router not in ROUTERS:
-            raise ValueError(f"router: must be one of {ROUTERS}, got {self.router!r}")
-        if self.imbalance_bound < 0:
-            raise ValueError(f"imbalance_bound: must be >= 0, got {self.imbalance_bound}")
-        if self.max_routing_blocks < 1:
-            raise ValueError(f"max_routing_blocks: must be >= 1, got {self.max_routing_blocks}")
-        autoscaling = (self.min_replicas, self.max_replicas, self.target_ongoing_requests)
-        if any(value is not None for value in autoscaling) and self.max_replicas is None:
-            raise ValueError(
-                "max_replicas: autoscaling needs it (with min_replicas and target_ongoing_requests)"
-            )
-
-    def autoscaling_config(self) -> AutoscalingConfig | None:
-        if self.max_replicas is None:
-            return None
-        options: dict[str, Any] = {
-            "min_replicas": self.min_replicas if self.min_replicas is not None else 1,
-            "max_replicas": self.max_replicas,
-            "initial_replicas": self.num_replicas,
-        }
-        if self.target_ongoing_requests is not None:
-            options["target_ongoing_requests"] = self.target_ongoing_requests
-        return AutoscalingConfig(**options)
-
-    def request_router_config(self) -> RequestRouterConfig | None:
-        if self.router == "pow2":
-            return None  # Ray Serve's default
-        return RequestRouterConfig(
-            request_router_class=PrefixAwareRouter,
-            request_router_kwargs={
-                "imbalance_bound": self.imbalance_bound,
-                "routed_memory_s": self.routed_memory_s,
-            },
-            request_routing_stats_period_s=self.routing_stats_period_s,
-        )
+def request_router_config(replicas: ReplicasConfig) -> RequestRouterConfig | None:
+    if replicas.router == "pow2":
+        return None  # Ray Serve's default
+    return RequestRouterConfig(
+        request_router_class=PrefixAwareRouter,
+        request_router_kwargs={
+            "imbalance_bound": replicas.imbalance_bound,
+            "routed_memory_s": replicas.routed_memory_s,
+        },
+        request_routing_stats_period_s=replicas.routing_stats_period_s,
+    )
 
 
 @serve.ingress()
@@ -138,10 +88,10 @@ def build_application(
         EngineReplica,
         name="FirstTokenEngine",
         num_replicas="auto" if replicas.max_replicas is not None else replicas.num_replicas,
-        autoscaling_config=replicas.autoscaling_config(),
+        autoscaling_config=autoscaling_config(replicas),
         ray_actor_options={"num_cpus": replicas.num_cpus, "num_gpus": replicas.num_gpus},
         max_ongoing_requests=replicas.max_ongoing_requests,
-        request_router_config=replicas.request_router_config(),
+        request_router_config=request_router_config(replicas),
         # Loading and warming up a model takes longer than Ray's default health-check timeout.
         health_check_timeout_s=60,
     ).bind(model, engine_options, system_prompt, replicas.max_reported_blocks)
@@ -152,49 +102,37 @@ def build_application(
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    """`serve run firsttoken.deploy.ray:build_app key=value ...` (or a Serve config's `args`).
+    """`serve run firsttoken.deploy.ray:build_app key=value ...` (or a Serve config file's `args`).
 
-    Keys: model, system_prompt_file, served_model_name, api_key, engine_options (a JSON object of
-    LLM(...) keywords), and every ReplicasConfig field, `replicas` for num_replicas.
+    Keys: model, system_prompt_file, served_model_name (comma-separated), api_key,
+    engine_options (a JSON object of LLM(...) keywords), and any ReplicasConfig field, with
+    `replicas` for num_replicas. Values may be text (serve run) or typed (a config file).
     """
-    from firsttoken.engine_args import read_system_prompt
-    from firsttoken.models.registry import resolve_model_path
-
     options = dict(args)
     model = resolve_model_path(options.pop("model", None))
     engine_options = options.pop("engine_options", {})
     if isinstance(engine_options, str):
         engine_options = json.loads(engine_options)
     system_prompt_file = options.pop("system_prompt_file", None)
-    system_prompt = read_system_prompt(_Namespace(pin_system_prompt=system_prompt_file))
+    system_prompt = (
+        pathlib.Path(system_prompt_file).read_text(encoding="utf-8") if system_prompt_file else None
+    )
     names = options.pop("served_model_name", None)
-    server_options = {"api_key": options.pop("api_key", None)}
-    if names:
-        server_options["served_model_names"] = tuple(str(names).split(","))
-    else:
-        server_options["served_model_names"] = (_model_name(model),)
+    server_config = ServerConfig(
+        served_model_names=tuple(str(names).split(",")) if names else (default_model_name(model),),
+        api_key=options.pop("api_key", None),
+    )
     if "replicas" in options:
         options["num_replicas"] = options.pop("replicas")
     replicas = ReplicasConfig(**{name: _typed(name, value) for name, value in options.items()})
-    return build_application(model, engine_options, ServerConfig(**server_options), replicas, system_prompt)
-
-
-def _model_name(model_path: str) -> str:
-    import os
-
-    return os.path.basename(os.path.normpath(model_path)).removesuffix(".gguf")
-
-
-@dataclass(frozen=True)
-class _Namespace:
-    pin_system_prompt: str | None
+    return build_application(model, engine_options, server_config, replicas, system_prompt)
 
 
 def _typed(name: str, value: Any) -> Any:
     """A ReplicasConfig value given as text (serve run's key=value) as its field's type."""
     fields = {field.name: field for field in dataclasses.fields(ReplicasConfig)}
     if name not in fields:
-        raise ValueError(f"{name}: not an option (options: {', '.join(sorted(fields))})")
+        raise ValueError(f"{name}: not an option of build_app (options: {', '.join(sorted(fields))})")
     if not isinstance(value, str):
         return value
     field_type = str(fields[name].type)

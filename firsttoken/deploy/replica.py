@@ -56,9 +56,7 @@ class EngineReplica:
     ) -> None:
         self._engine = AsyncEngine.from_options(model, system_prompt=system_prompt, **engine_options)
         await self._engine.start()
-        replica_id = serve.get_replica_context().replica_id
-        self._name = replica_id.unique_id
-        self._actor_name = replica_id.to_full_id_str()
+        self._name = serve.get_replica_context().replica_id.unique_id
         self._served = ServedPrefixes(max_reported_blocks)
 
     def info(self) -> EngineInfo:
@@ -118,9 +116,7 @@ class EngineReplica:
         started after they were pinned), and report its stats and pins."""
         for system_prompt in system_prompts:
             await self.pin_system_prompt(system_prompt)
-        return ReplicaSnapshot(
-            self._name, self._actor_name, self._engine.stats(), self._engine.pinned_prefixes()
-        )
+        return ReplicaSnapshot(self._name, self._engine.stats(), self._engine.pinned_prefixes())
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve's hook, polled every request_routing_stats_period_s: the routing keys of the

@@ -41,7 +41,11 @@ def endpoint(model_path):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         replicas = ReplicasConfig(num_replicas=2, num_cpus=1, routing_stats_period_s=0.5, sync_interval_s=0.5)
         config = ServerConfig(served_model_names=(MODEL_NAME,))
-        serve.run(build_application(model_path, ENGINE_OPTIONS, config, replicas), name="firsttoken", route_prefix="/")
+        serve.run(
+            build_application(model_path, ENGINE_OPTIONS, config, replicas),
+            name="firsttoken",
+            route_prefix="/",
+        )
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -82,7 +86,9 @@ def test_chat_completions_and_streaming_through_the_openai_client(client):
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == chat.choices[0].message.content
+    assert (
+        "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == chat.choices[0].message.content
+    )
 
     completion = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=6)
     assert completion.choices[0].text and completion.usage.prompt_tokens == 5
@@ -159,7 +165,10 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(endpoint):
     other replica's request completes, new requests succeed, and Ray starts a replacement."""
     body = {"model": MODEL_NAME, "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
     with httpx.Client(base_url=endpoint, timeout=120) as http:
-        streams = [http.stream("POST", "/v1/completions", json={**body, "prompt": f"Story {seed}:"}) for seed in (1, 2)]
+        streams = [
+            http.stream("POST", "/v1/completions", json={**body, "prompt": f"Story {seed}:"})
+            for seed in (1, 2)
+        ]
         responses = [stream.__enter__() for stream in streams]
         lines = [response.iter_lines() for response in responses]
         for line_iterator in lines:  # both are decoding: one on each replica (the router balances load)
@@ -177,7 +186,9 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(endpoint):
         assert len(errors) == 1, endings
         assert "engine_unavailable" in errors[0] and "engine replica" in errors[0]
 
-        survivor = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2})
+        survivor = http.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
+        )
         assert survivor.status_code == 200
 
         deadline = time.monotonic() + 120
@@ -191,6 +202,7 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(endpoint):
             replicas = metric_by_replica(endpoint, "firsttoken:num_requests_running")
         for seed in range(200, 206):
             reply = http.post(
-                "/v1/completions", json={"model": MODEL_NAME, "prompt": prefix_text(seed, 40), "max_tokens": 1}
+                "/v1/completions",
+                json={"model": MODEL_NAME, "prompt": prefix_text(seed, 40), "max_tokens": 1},
             )
             assert reply.status_code == 200
