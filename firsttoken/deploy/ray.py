@@ -30,30 +30,36 @@ from firsttoken.server.app import create_app
 from firsttoken.server.config import ServerConfig, default_model_name
 
 
-def autoscaling_config(replicas: ReplicasConfig) -> AutoscalingConfig | None:
-    if replicas.max_replicas is None:
-        return None
+def engine_deployment_options(replicas: ReplicasConfig) -> dict[str, Any]:
+    """Ray Serve's options of the engine deployment: replicas or autoscaling, actor resources,
+    and the request router (Ray's default power-of-two router when none is given)."""
     options: dict[str, Any] = {
-        "min_replicas": replicas.min_replicas if replicas.min_replicas is not None else 1,
-        "max_replicas": replicas.max_replicas,
-        "initial_replicas": replicas.num_replicas,
+        "ray_actor_options": {"num_cpus": replicas.num_cpus, "num_gpus": replicas.num_gpus},
+        "max_ongoing_requests": replicas.max_ongoing_requests,
+        # Loading and warming up a model takes longer than Ray's default health-check timeout.
+        "health_check_timeout_s": 60,
     }
-    if replicas.target_ongoing_requests is not None:
-        options["target_ongoing_requests"] = replicas.target_ongoing_requests
-    return AutoscalingConfig(**options)
-
-
-def request_router_config(replicas: ReplicasConfig) -> RequestRouterConfig | None:
-    if replicas.router == "pow2":
-        return None  # Ray Serve's default
-    return RequestRouterConfig(
-        request_router_class=PrefixAwareRouter,
-        request_router_kwargs={
-            "imbalance_bound": replicas.imbalance_bound,
-            "routed_memory_s": replicas.routed_memory_s,
-        },
-        request_routing_stats_period_s=replicas.routing_stats_period_s,
-    )
+    if replicas.max_replicas is None:
+        options["num_replicas"] = replicas.num_replicas
+    else:
+        autoscaling = {
+            "min_replicas": replicas.min_replicas if replicas.min_replicas is not None else 1,
+            "max_replicas": replicas.max_replicas,
+            "initial_replicas": replicas.num_replicas,
+        }
+        if replicas.target_ongoing_requests is not None:
+            autoscaling["target_ongoing_requests"] = replicas.target_ongoing_requests
+        options["autoscaling_config"] = AutoscalingConfig(**autoscaling)
+    if replicas.router == "prefix":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class=PrefixAwareRouter,
+            request_router_kwargs={
+                "imbalance_bound": replicas.imbalance_bound,
+                "routed_memory_s": replicas.routed_memory_s,
+            },
+            request_routing_stats_period_s=replicas.routing_stats_period_s,
+        )
+    return options
 
 
 @serve.ingress()
@@ -85,15 +91,7 @@ def build_application(
 ) -> Application:
     """The application: `replicas` engine replicas of `model` and the ingress in front."""
     engines = serve.deployment(
-        EngineReplica,
-        name="FirstTokenEngine",
-        num_replicas="auto" if replicas.max_replicas is not None else replicas.num_replicas,
-        autoscaling_config=autoscaling_config(replicas),
-        ray_actor_options={"num_cpus": replicas.num_cpus, "num_gpus": replicas.num_gpus},
-        max_ongoing_requests=replicas.max_ongoing_requests,
-        request_router_config=request_router_config(replicas),
-        # Loading and warming up a model takes longer than Ray's default health-check timeout.
-        health_check_timeout_s=60,
+        EngineReplica, name="FirstTokenEngine", **engine_deployment_options(replicas)
     ).bind(model, engine_options, system_prompt, replicas.max_reported_blocks)
     ingress = serve.deployment(
         OpenAIIngress, name="FirstTokenIngress", num_replicas=1, ray_actor_options={"num_cpus": 0}
