@@ -310,6 +310,8 @@ class ReplicaEngineClient:
         """Pin on every replica; returns once all have computed it (replicas started later pin
         it at their first sync)."""
         results = await self._broadcast("pin_system_prompt", system_prompt)
+        if not results:
+            raise EngineDeadError("no engine replica is running")
         refusals = [result for result in results if isinstance(result, Refusal)]
         if refusals:
             raise refusals[0].error()

@@ -50,3 +50,23 @@ def test_serve_run_arguments_are_typed_and_checked():
     with pytest.raises(ValueError, match="^colour: not an option"):
         build_app({"colour": "blue"})
     assert build_app({"replicas": "2", "router": "pow2", "max_replicas": "none", "engine_options": "{}"})
+
+
+def test_the_engine_deployment_options_pass_autoscaling_and_the_router_through():
+    pytest.importorskip("ray")
+    from firsttoken.deploy.ray import engine_deployment_options
+    from firsttoken.deploy.router import PrefixAwareRouter
+
+    fixed = engine_deployment_options(ReplicasConfig(num_replicas=3, num_gpus=1, imbalance_bound=7))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1}
+    assert fixed["request_router_config"].request_router_kwargs["imbalance_bound"] == 7
+    assert fixed["request_router_config"].get_request_router_class() is PrefixAwareRouter
+
+    scaled = engine_deployment_options(
+        ReplicasConfig(num_replicas=2, min_replicas=1, max_replicas=4, target_ongoing_requests=8, router="pow2")
+    )
+    assert "num_replicas" not in scaled and "request_router_config" not in scaled
+    autoscaling = scaled["autoscaling_config"]
+    assert (autoscaling.min_replicas, autoscaling.max_replicas, autoscaling.initial_replicas) == (1, 4, 2)
+    assert autoscaling.target_ongoing_requests == 8
