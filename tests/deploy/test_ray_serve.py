@@ -152,6 +152,28 @@ def test_a_pinned_system_prompt_is_pinned_on_every_replica(endpoint):
         assert too_short.status_code == 400 and too_short.json()["error"]["param"] == "system_prompt"
 
 
+def test_a_client_that_goes_away_frees_the_replicas_kv(endpoint):
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(base_url=endpoint, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: {")
+    deadline = time.monotonic() + 10
+    while True:  # the ingress cancels the call, and the replica aborts the request
+        running = metric_by_replica(endpoint, "firsttoken:num_requests_running")
+        usage = metric_by_replica(endpoint, "firsttoken:kv_cache_usage_perc")
+        if sum(running.values()) == 0 and sum(usage.values()) == 0:
+            break
+        assert time.monotonic() < deadline, f"still running {running}, KV in use {usage}"
+        time.sleep(0.2)
+
+
 def _engine_actors() -> list[str]:
     return [
         actor["name"]
