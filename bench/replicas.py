@@ -138,12 +138,16 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
 
+    # Medians over the rounds; failures are the most any round had.
     medians = {
-        router: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        router: {
+            key: (max if key == "failed" else statistics.median)(run[key] for run in runs) for key in runs[0]
+        }
         for router, runs in results.items()
     }
     print(
-        f"\n{args.replicas} replicas x {args.threads_per_replica} thread(s), 4 prefixes x {args.prefix_len} tokens, "
+        f"\n{args.replicas} replicas x {args.threads_per_replica} thread(s), "
+        f"4 prefixes x {args.prefix_len} tokens, "
         f"{len(prompts)} requests at {args.request_rate}/s, {args.rounds} round(s); medians over rounds"
     )
     rows = [
