@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import Sequence
@@ -25,8 +26,36 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
     group.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1] (default: 0.95)")
     group.add_argument("--top-k", type=int, default=40, help="-1 disables (default: 40)")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top one's probability")
     group.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
+    group.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    group.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    group.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="> 0, over prompt and output tokens (1 is off)"
+    )
+    group.add_argument(
+        "--logit-bias", type=_logit_bias, default=None, metavar="JSON", help='{"token id": bias in [-100, 100]}'
+    )
+    group.add_argument("--min-tokens", type=int, default=0, help="tokens before end-of-sequence may end the reply")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument(
+        "--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[],
+        help="token id that ends the reply (repeatable)",
+    )
+    group.add_argument(
+        "--bad-word", dest="bad_words", action="append", default=[], help="a word never generated (repeatable)"
+    )
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def _logit_bias(value: str) -> dict[int, float]:
+    try:
+        bias = json.loads(value)
+        return {int(token_id): float(amount) for token_id, amount in bias.items()}
+    except (ValueError, TypeError, AttributeError) as error:
+        raise argparse.ArgumentTypeError(
+            f'not a JSON object of token ids to biases, e.g. {{"1234": -100}}: {value!r}'
+        ) from error
 
 
 def sampling_params_from(args: argparse.Namespace):
@@ -37,8 +66,17 @@ def sampling_params_from(args: argparse.Namespace):
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
         seed=args.seed,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=args.logit_bias,
+        min_tokens=args.min_tokens,
         stop=tuple(args.stop),
+        stop_token_ids=tuple(args.stop_token_ids),
+        bad_words=tuple(args.bad_words),
+        ignore_eos=args.ignore_eos,
     )
 
 

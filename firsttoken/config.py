@@ -235,6 +235,13 @@ class PromptCacheConfig:
         default=None,
         metadata=_help("folder where pinned prefixes' KV is saved and restored across restarts"),
     )
+    max_pinned_fraction: float = field(
+        default=0.5,
+        metadata=_help("fraction of the KV blocks that pinned prefixes may hold together; a pin past it is refused"),
+    )
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.max_pinned_fraction <= 1, "max_pinned_fraction", "must be in [0, 1]")
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,8 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)",
+        help="GGUF file, Hugging Face folder, or repo id (org/name[@revision]) in the local Hugging Face cache "
+        "(default: embedded SmolLM2-135M-Instruct)",
     )
 
 

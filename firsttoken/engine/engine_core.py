@@ -188,6 +188,7 @@ class EngineCore:
             )
         if pin_id in self.pinned or pin_id in self._pending_pins.values():
             raise InvalidInputError("pin_id", f"{pin_id!r} is already pinned")
+        self._check_pinned_blocks_limit(len(token_ids) // block_size)
         req_id = f"pin:{pin_id}"
         self.add_request(
             req_id, list(token_ids), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -195,6 +196,24 @@ class EngineCore:
         self.output_processor.remove(req_id)
         self._pending_pins[req_id] = pin_id
         return req_id
+
+    def _check_pinned_blocks_limit(self, num_new_blocks: int) -> None:
+        """Pins never give up their blocks, so together they may hold only a share of the cache:
+        the rest serves requests."""
+        block_size = self.config.cache.block_size
+        num_pinned = sum(len(pinned.token_ids) // block_size for pinned in self.pinned.values())
+        num_pinned += sum(
+            self.scheduler.requests[req_id].num_prompt_tokens // block_size for req_id in self._pending_pins
+        )
+        fraction = self.config.prompt_cache.max_pinned_fraction
+        limit = int(fraction * self.kv_manager.num_blocks)
+        if num_pinned + num_new_blocks > limit:
+            raise InvalidInputError(
+                "prefix",
+                f"pinning {num_new_blocks} more KV blocks would make {num_pinned + num_new_blocks} pinned, "
+                f"over the limit of {limit} ({fraction:g} of {self.kv_manager.num_blocks}: "
+                "max_pinned_fraction); unpin a prefix first",
+            )
 
     def resident_pin(self, pin_id: str, token_ids: list[int]) -> PinnedPrefix | None:
         """The pin `pin_id` if it already holds the full blocks of `token_ids`, else None."""

@@ -1,4 +1,5 @@
-"""Finds a model (the embedded default, a GGUF file or a Hugging Face folder) and builds it."""
+"""Finds a model (the embedded default, a GGUF file, a Hugging Face folder or a repo id in the local
+Hugging Face cache) and builds it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from firsttoken.attention.backend import AttentionBackend
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.models.loaders.checkpoint import Checkpoint, NamedTensors
 from firsttoken.models.loaders.conversion_cache import ConversionCache
+from firsttoken.models.loaders.hf_cache import cached_model_path, looks_like_repo_id
 from firsttoken.models.loaders.hf_folder import is_hf_folder, load_hf_folder
 from firsttoken.ops.kernels import Kernels
 
@@ -35,10 +37,16 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(model: str | None) -> str:
-    path = default_model_path() if model is None else os.path.expanduser(model)
-    if not os.path.exists(path):
-        raise ValueError(f"model: no such file or folder: {path}")
-    return path
+    """The embedded default, a file or folder that exists, or else a Hugging Face repo id found
+    in the local Hugging Face cache."""
+    if model is None:
+        return default_model_path()
+    path = os.path.expanduser(model)
+    if os.path.exists(path):
+        return path
+    if looks_like_repo_id(model):
+        return cached_model_path(model)
+    raise ValueError(f"model: no such file or folder: {path}")
 
 
 def open_checkpoint(path: str, cache_dir: str | None = None) -> Checkpoint:

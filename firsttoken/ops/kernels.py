@@ -3,7 +3,9 @@
 - On CPUs with a C compiler, the hand-written kernels of `native`: one ctypes call, one pass
   over memory, on torch's OpenMP threads once a step is large. They beat both alternatives
   at every size measured (bf16, 64 to 2048 rows; see `NativeKernels`).
-- Otherwise (another device, no compiler), from `FUSED_MIN_TOKENS` rows the reference
+- On CUDA, the Triton kernels of `triton_ops`: one launch per op at every size, where a
+  reference takes several (a prefill's time on a GPU is mostly the host's launches).
+- Otherwise (no compiler, or triton missing), from `FUSED_MIN_TOKENS` rows the reference
   functions compiled by inductor: one pass over memory instead of one per elementwise op. A
   compiled call costs tens of microseconds to dispatch, more than it saves on fewer rows.
 - Where neither applies (a dtype or layout the native kernels do not take, short steps
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+from types import ModuleType
 
 import torch
 
@@ -44,12 +47,21 @@ _fused_apply_rotary = _compiled(apply_rotary_reference)
 class Kernels:
     """Owns one model's choice between fused and reference ops."""
 
-    def __init__(self, fused: bool, native_kernels: native.NativeKernels | None = None) -> None:
+    def __init__(
+        self,
+        fused: bool,
+        native_kernels: native.NativeKernels | None = None,
+        triton_ops: ModuleType | None = None,
+    ) -> None:
         self.fused = fused
         self.native = native_kernels if fused else None
+        self.triton = triton_ops if fused else None  # firsttoken.ops.triton_ops, imported on CUDA only
 
     def _use_compiled(self, x: torch.Tensor) -> bool:
-        return self.fused and self.native is None and x.shape[0] >= FUSED_MIN_TOKENS
+        return self.fused and self.native is None and self.triton is None and x.shape[0] >= FUSED_MIN_TOKENS
+
+    def _use_triton(self, x: torch.Tensor) -> bool:
+        return self.triton is not None and x.stride(-1) == 1
 
     def _use_native(self, x: torch.Tensor) -> bool:
         return self.native is not None and native.supports(x)
@@ -57,6 +69,8 @@ class Kernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self._use_native(x) and x.is_contiguous() and weight.dtype == x.dtype:
             return self.native.rms_norm(x, weight, eps)
+        if self._use_triton(x):
+            return self.triton.rms_norm(x, weight, eps)
         if self._use_compiled(x):
             return _fused_rms_norm(x, weight, eps)
         return rms_norm_reference(x, weight, eps)
@@ -66,6 +80,8 @@ class Kernels:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._use_native(x) and x.is_contiguous() and residual.is_contiguous() and weight.dtype == x.dtype:
             return self.native.add_rms_norm(x, residual, weight, eps)
+        if self._use_triton(x) and residual.stride(-1) == 1:
+            return self.triton.add_rms_norm(x, residual, weight, eps)
         if self._use_compiled(x):
             return _fused_add_rms_norm(x, residual, weight, eps)
         return add_rms_norm_reference(x, residual, weight, eps)
@@ -73,6 +89,8 @@ class Kernels:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self._use_native(gate_up) and gate_up.is_contiguous():
             return self.native.silu_and_mul(gate_up)
+        if self._use_triton(gate_up):
+            return self.triton.silu_and_mul(gate_up)
         if self._use_compiled(gate_up):
             return _fused_silu_and_mul(gate_up)
         return silu_and_mul_reference(gate_up)
@@ -81,6 +99,8 @@ class Kernels:
         """x [T, heads, head_dim] rotated; the native kernel rotates x in place."""
         if self._use_native(x) and native.heads_contiguous(x) and cos.is_contiguous() and cos.dtype == x.dtype:
             return self.native.apply_rotary_(x, cos, sin)
+        if self._use_triton(x) and cos.stride(-1) == 1 and sin.stride(-1) == 1:
+            return self.triton.apply_rotary_(x, cos, sin)
         if self._use_compiled(x):
             return _fused_apply_rotary(x, cos, sin)
         return apply_rotary_reference(x, cos, sin)
@@ -89,7 +109,7 @@ class Kernels:
         """Compile the fused ops by running a step of `FUSED_MIN_TOKENS` tokens (nothing to
         compile where the native kernels serve); if this machine cannot compile (no C++
         compiler), fall back to the reference ops."""
-        if not self.fused or self.native is not None:
+        if not self.fused or self.native is not None or self.triton is not None:
             return
         try:
             run_model_step(FUSED_MIN_TOKENS)

@@ -13,6 +13,8 @@ its K/V there, reads only that slot back, and is never sampled.
 from __future__ import annotations
 
 import bisect
+import time
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -39,6 +41,24 @@ def padded_batch_size(num_decodes: int, sizes: list[int]) -> int | None:
     """The smallest captured size holding `num_decodes` rows; None when none is large enough."""
     index = bisect.bisect_left(sizes, num_decodes)
     return sizes[index] if index < len(sizes) else None
+
+
+@dataclass(frozen=True)
+class GraphCaptureReport:
+    """What capturing the decode graphs cost at start-up."""
+
+    batch_sizes: tuple[int, ...]
+    seconds: float
+    device_memory_bytes: int  # taken on the device by the graphs' pool and static inputs; 0 on a CPU
+
+
+def device_memory_in_use(device: torch.device) -> int:
+    """Bytes in use on a CUDA device by every process (what a capture's pool adds to); 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
 
 
 class GraphCapture(Protocol):
@@ -110,6 +130,26 @@ class DecodeGraphs:
         # Largest first: smaller graphs then fit in the memory pool the largest one sized.
         for size in reversed(sizes):
             self.replays[size] = capture.capture(self._forward(model, backend, size))
+
+    @classmethod
+    def captured(
+        cls,
+        model: LlamaForCausalLM,
+        backend: CudaAttentionBackend,
+        capture: GraphCapture,
+        sizes: list[int],
+        max_blocks_per_seq: int,
+        scratch_block_id: int,
+        block_size: int,
+        device: torch.device,
+    ) -> tuple[DecodeGraphs, GraphCaptureReport]:
+        """The graphs, and what capturing them took in time and device memory."""
+        memory_before = device_memory_in_use(device)
+        started = time.perf_counter()
+        graphs = cls(model, backend, capture, sizes, max_blocks_per_seq, scratch_block_id, block_size, device)
+        seconds = time.perf_counter() - started
+        report = GraphCaptureReport(tuple(sizes), seconds, device_memory_in_use(device) - memory_before)
+        return graphs, report
 
     def _forward(self, model: LlamaForCausalLM, backend: CudaAttentionBackend, size: int) -> Forward:
         input_ids, positions, slot_mapping, seq_lens = self.scalars[:, :size]

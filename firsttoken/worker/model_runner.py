@@ -22,7 +22,7 @@ from firsttoken.sample.sampler import Sampler
 from firsttoken.worker.step_inputs import HostStep, build_host_step
 
 if TYPE_CHECKING:
-    from firsttoken.worker.cuda_graphs import DecodeGraphs, GraphCapture
+    from firsttoken.worker.cuda_graphs import DecodeGraphs, GraphCapture, GraphCaptureReport
 
 
 class ModelRunner:
@@ -52,7 +52,7 @@ class ModelRunner:
         max_model_len: int,
         scratch_block_id: int,
         capture: GraphCapture | None = None,
-    ) -> None:
+    ) -> GraphCaptureReport:
         """Capture decode graphs up to `max_num_seqs` rows; their padding rows write only
         `scratch_block_id`, a block the KV cache manager never hands out."""
         # Imported here: the graphs need the CUDA backend, which needs triton.
@@ -62,7 +62,7 @@ class ModelRunner:
         if not isinstance(self.backend, CudaAttentionBackend):
             raise ValueError("cuda graphs: the attention backend must be the CUDA one")
         with torch.inference_mode():
-            self.graphs = DecodeGraphs(
+            self.graphs, report = DecodeGraphs.captured(
                 self.model,
                 self.backend,
                 capture or CudaGraphCapture(self.device),
@@ -72,6 +72,7 @@ class ModelRunner:
                 block_size=self.block_size,
                 device=self.device,
             )
+        return report
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +39,9 @@ from firsttoken.worker.kv_cache import allocate_kv_caches, num_kv_blocks
 from firsttoken.worker.model_runner import ModelRunner
 from firsttoken.worker.pinned_prefix_store import KVIdentity, PinnedPrefixStore, StoredPrefix
 from firsttoken.worker.thread_governor import ThreadGovernor
+
+if TYPE_CHECKING:
+    from firsttoken.worker.cuda_graphs import GraphCaptureReport
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +74,9 @@ class Worker:
             config.attention, self.device, arch.num_heads, arch.num_kv_heads, native_kernels,
             batch_invariant=model_config.batch_invariant,
         )
-        self.kernels = Kernels(fused=model_config.fuse_ops, native_kernels=native_kernels)
+        self.kernels = Kernels(
+            fused=model_config.fuse_ops, native_kernels=native_kernels, triton_ops=_triton_ops(self.device)
+        )
         self.model = self._load_model(backend)
         # What the invariance rests on: decode rows attending with the prefill kernel's
         # arithmetic, each alone; row-invariant matmuls.
@@ -89,9 +96,16 @@ class Worker:
         self.model.bind_kv_caches(self.kv_caches)
         sampler = Sampler(model_config.seed, self.device, arch.vocab_size)
         self.runner = ModelRunner(self.model, backend, sampler, config.cache.block_size, self.device)
+        self.graph_capture: GraphCaptureReport | None = None
         if use_graphs:
-            self.runner.capture_decode_graphs(
+            self.graph_capture = self.runner.capture_decode_graphs(
                 config.scheduler.max_num_seqs, self.max_model_len, scratch_block_id=self.num_kv_blocks
+            )
+            logger.info(
+                "captured decode graphs for batch sizes %s in %.2f s, %.1f MiB of device memory",
+                list(self.graph_capture.batch_sizes),
+                self.graph_capture.seconds,
+                self.graph_capture.device_memory_bytes / 2**20,
             )
         self.prefix_store = self._open_prefix_store()
 
@@ -287,3 +301,13 @@ class Worker:
         """[layers, 2, blocks, block_size, kv_heads, head_dim] copy of those blocks' KV."""
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         return torch.stack([kv_cache.index_select(1, index) for kv_cache in self.kv_caches])
+
+
+def _triton_ops(device: torch.device) -> ModuleType | None:
+    """The Triton kernels of the elementwise ops on CUDA; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    # Imported here: triton is needed on CUDA only (where the attention backend needs it too).
+    from firsttoken.ops import triton_ops
+
+    return triton_ops

@@ -48,6 +48,15 @@ def test_exit_status_fails_on_a_clear_miss_a_logprob_gap_or_no_checks():
     assert gpu_check.exit_status([]) == 1
 
 
+def test_ttft_targets_read_as_the_device_check_states_them():
+    assert gpu_check.ttft_target(gpu_check.LLAMA2_7B, 128, floor_s=0.002) == (0.005, "<= 5 ms")
+    assert gpu_check.ttft_target(gpu_check.LLAMA2_7B, 512, floor_s=0.01) == (pytest.approx(0.013), "<= 1.3x floor")
+    assert gpu_check.ttft_target(gpu_check.SMOLLM2_135M, 512, floor_s=1e-4) == (0.003, "<= 3 ms")
+    assert gpu_check.ttft_target(gpu_check.TINY_MHA, 64, floor_s=1e-4) == (None, "-")
+    assert gpu_check.ttft_lengths(gpu_check.SMOLLM2_135M, gpu_check.FULL_PLAN) == [128, 512, 2048]
+    assert gpu_check.ttft_lengths(gpu_check.LLAMA2_7B, gpu_check.FULL_PLAN) == [128, 512, 2048, 8192]
+
+
 def test_forward_flops_of_the_7b_shape():
     shape = gpu_check.LLAMA2_7B
     # 6.48e9 non-embedding weights: 2 FLOPs each per token, plus causal attention and one LM-head row.
@@ -81,5 +90,7 @@ def test_cpu_smoke_run_prints_the_tables_and_passes(tmp_path):
     results = json.loads(results_file.read_text())
     assert len(results["parity"]) == 8 and all(row["passed"] for row in results["parity"])
     assert any(row["cached_tokens"] > 0 for row in results["parity"])  # a chunk on cached context ran
-    assert [row["prompt_tokens"] for row in results["ttft"]] == list(gpu_check.TINY_PLAN.ttft_lengths)
+    assert [row["prompt_tokens"] for row in results["ttft"]] == 2 * list(gpu_check.TINY_PLAN.ttft_lengths)
+    assert all(row["transformers_s"] > 0 and row["meets_targets"] is None for row in results["ttft"])
+    assert results["graph_capture"] == []  # no graphs on a CPU
     assert [row["batch"] for row in results["decode"]] == [1, 16, 1, 16]

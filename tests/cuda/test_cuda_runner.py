@@ -1,7 +1,8 @@
-"""The runner on the CUDA path (pinned staging, Triton backend, padded decode graphs) gives the
-CPU path's greedy tokens; padding rows write only the scratch block.
+"""The runner on the CUDA path (pinned staging, Triton attention and elementwise ops, padded
+decode graphs) gives the plain path's greedy tokens; padding rows write only the scratch block.
 
-Without a GPU, graph capture is replaced by eager replays of the same static-buffer forward
+Both run on the GPU where there is one (the Triton kernels compiled), else on the CPU through
+the interpreter. Graph capture is replaced by eager replays of the same static-buffer forward
 (EagerCapture), which exercises the ladder, the static inputs and the padding rows; the CUDA
 capture itself is covered by tests/cuda/test_gpu.py on a GPU.
 """
@@ -14,6 +15,8 @@ import torch
 from firsttoken.attention.cuda_backend import CudaAttentionBackend
 from firsttoken.attention.sdpa import SDPABackend
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput
+from firsttoken.ops import triton_ops
+from firsttoken.ops.kernels import Kernels
 from firsttoken.sample.sampler import Sampler
 from firsttoken.sampling_params import SamplingParams
 from firsttoken.worker.cuda_graphs import Forward
@@ -49,7 +52,8 @@ class EagerCapture:
 def _runners(device, dtype):
     reference_model = random_model(SDPABackend(device), dtype, device)
     backend = CudaAttentionBackend(device, TINY_ARCH.num_heads, TINY_ARCH.num_kv_heads)
-    model = random_model(backend, dtype, device)
+    # As the worker builds it on CUDA: the Triton kernels of the elementwise ops.
+    model = random_model(backend, dtype, device, kernels=Kernels(fused=True, triton_ops=triton_ops))
     reference_caches = allocate_kv_caches(TINY_ARCH, NUM_BLOCKS + 1, BLOCK_SIZE, dtype, device)
     caches = allocate_kv_caches(TINY_ARCH, NUM_BLOCKS + 1, BLOCK_SIZE, dtype, device)
     reference_model.bind_kv_caches(reference_caches)
@@ -61,8 +65,7 @@ def _runners(device, dtype):
 
 
 @pytest.mark.parametrize("use_graphs", [True, False])
-def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(use_graphs):
-    device = torch.device("cpu")
+def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(use_graphs, device):
     reference, reference_caches, runner, caches = _runners(device, torch.float32)
     capture = EagerCapture()
     if use_graphs:
@@ -79,12 +82,16 @@ def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(use_graphs):
         assert bool(cache[:, NUM_BLOCKS].abs().sum() > 0) == use_graphs
 
 
-def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots():
-    device = torch.device("cpu")
+def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots(device):
     _, _, runner, caches = _runners(device, torch.float32)
     capture = EagerCapture()
-    runner.capture_decode_graphs(max_num_seqs=8, max_model_len=512, scratch_block_id=NUM_BLOCKS, capture=capture)
-    assert runner.graphs.sizes == [1, 2, 4, 8]
+    report = runner.capture_decode_graphs(
+        max_num_seqs=8, max_model_len=512, scratch_block_id=NUM_BLOCKS, capture=capture
+    )
+    assert runner.graphs.sizes == [1, 2, 4, 8] and report.batch_sizes == (1, 2, 4, 8)
+    assert report.seconds > 0
+    if device.type == "cpu":
+        assert report.device_memory_bytes == 0
     greedy = SamplingParams(temperature=0, max_tokens=4)
     positions = [0, 3, 4, 9, 17]  # 5 decodes: padded to 8
     chunks = [

@@ -31,9 +31,13 @@ TINY_ARCH = ModelArch(
 )
 
 
-def random_model(backend, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
-    """Seeded weights large enough that greedy choices are far from ties."""
-    model = LlamaForCausalLM(TINY_ARCH, backend, Kernels(fused=False), dtype, TINY_ARCH.max_position_embeddings)
+def random_model(
+    backend, dtype: torch.dtype, device: torch.device, seed: int = 0, kernels: Kernels | None = None
+) -> LlamaForCausalLM:
+    """Seeded weights large enough that greedy choices are far from ties; the reference ops
+    unless `kernels` says otherwise."""
+    kernels = kernels or Kernels(fused=False)
+    model = LlamaForCausalLM(TINY_ARCH, backend, kernels, dtype, TINY_ARCH.max_position_embeddings)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():

@@ -108,6 +108,20 @@ def test_pin_needs_a_full_block_and_the_cache(model_path, llm):
         off.pin_prefix(list(range(100, 140)))
 
 
+def test_pins_hold_at_most_their_share_of_the_cache(model_path):
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 4
+    llm = _engine(model_path, kv_cache_memory_bytes=40 * block_bytes, max_pinned_fraction=0.25)
+    first = llm.pin_prefix(list(range(100, 100 + 6 * 16)), pin_id="six-blocks")
+    with pytest.raises(ValueError, match=r"^prefix: pinning 6 more KV blocks would make 12 pinned, over the limit of 10"):
+        llm.pin_prefix(list(range(300, 300 + 6 * 16)), pin_id="six-more")
+    assert "six-more" not in llm.engine.pinned
+    llm.pin_prefix(list(range(300, 300 + 4 * 16)), pin_id="four-more")  # 10 of 10: at the limit
+    llm.unpin_prefix(first.pin_id)
+    llm.pin_prefix(list(range(300, 300 + 6 * 16)), pin_id="six-more")
+    with pytest.raises(ValueError, match="max_pinned_fraction: must be in"):
+        _engine(model_path, max_pinned_fraction=1.5)
+
+
 def test_reset_frees_every_block(model_path):
     llm = _engine(model_path)
     llm.pin_prefix(long_prompt(2))

@@ -6,14 +6,16 @@ import functools
 import json
 import os
 
-import gguf
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.models.registry import default_model_path, open_checkpoint
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 # Resolved at import (the test run's cache), before a test points XDG_CACHE_HOME elsewhere.
 _RUN_CACHE_DIR = default_cache_dir()
@@ -96,6 +98,11 @@ def write_gguf(model, path: str, gguf_arch: str, qtypes: dict[str, GGMLQuantizat
 
     qtypes maps a substring of the GGUF tensor name to its type; 1-D tensors stay F32.
     """
+    # Imported here: the GPU image runs tests/cuda, which use this module, without the gguf package.
+    import gguf
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
     config = model.config
     tokenizer = smollm_tokenizer_json()
     vocab = tokenizer["model"]["vocab"]

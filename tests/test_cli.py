@@ -1,0 +1,89 @@
+"""`firsttoken generate | chat`: sampling flags reach SamplingParams, bad values are errors naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from firsttoken.cli import build_parser, main, sampling_params_from
+
+
+def _params(*flags: str):
+    return sampling_params_from(build_parser().parse_args(["generate", "hello", *flags]))
+
+
+def test_every_sampling_flag_reaches_the_sampling_params():
+    params = _params(
+        "--temperature",
+        "0.5",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "7",
+        "--min-p",
+        "0.1",
+        "--seed",
+        "3",
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "-0.5",
+        "--repetition-penalty",
+        "1.2",
+        "--logit-bias",
+        '{"42": -100, "7": 2.5}',
+        "--min-tokens",
+        "4",
+        "--stop",
+        "END",
+        "--stop",
+        "\n\n",
+        "--stop-token-id",
+        "2",
+        "--stop-token-id",
+        "9",
+        "--bad-word",
+        "Paris",
+        "--ignore-eos",
+        "--max-tokens",
+        "12",
+    )
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == (
+        0.5,
+        0.9,
+        7,
+        0.1,
+        3,
+    )
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert dict(params.logit_bias) == {42: -100.0, 7: 2.5}
+    assert (params.min_tokens, params.max_tokens, params.ignore_eos) == (4, 12, True)
+    assert (
+        params.stop == ("END", "\n\n") and params.stop_token_ids == (2, 9) and params.bad_words == ("Paris",)
+    )
+
+
+def test_defaults_leave_the_new_fields_off():
+    params = _params()
+    assert params.logit_bias is None and not params.processes_logits and not params.tracks_tokens
+
+
+def test_logit_bias_that_is_not_a_json_object_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["generate", "hello", "--logit-bias", "[1, 2]"])
+    assert exit_info.value.code == 2
+    assert "--logit-bias: not a JSON object of token ids to biases" in capsys.readouterr().err
+
+
+def test_out_of_range_value_names_the_field_before_loading_a_model(capsys):
+    assert main(["generate", "hello", "--presence-penalty", "3", "--model", "/nonexistent.gguf"]) == 2
+    assert "presence_penalty" in capsys.readouterr().err
+
+
+def test_bad_word_changes_the_greedy_reply(capsys):
+    prompt = ["generate", "The capital of France is", "--temperature", "0", "--max-tokens", "6"]
+    assert main(prompt) == 0
+    plain_reply = capsys.readouterr().out
+    first_word = plain_reply.split()[0]
+    assert main([*prompt, "--bad-word", first_word]) == 0
+    banned_reply = capsys.readouterr().out
+    assert banned_reply != plain_reply and first_word not in banned_reply.split()
