@@ -9,6 +9,7 @@ import sys
 from typing import Sequence
 
 from firsttoken.bench.cli import register_bench_verbs
+from firsttoken.deploy.cli import add_replica_args
 from firsttoken.engine_args import (
     add_engine_args,
     add_model_arg,
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.set_defaults(handler=run_chat)
 
-    register_serve_verb(verbs)
+    add_replica_args(register_serve_verb(verbs))
     register_bench_verbs(verbs)
     return parser
 

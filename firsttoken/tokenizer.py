@@ -141,6 +141,12 @@ class Tokenizer:
         self._added_token_ids = frozenset(backend.get_added_tokens_decoder())
         self._is_byte_level = isinstance(backend.decoder, decoders.ByteLevel)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as what built it (the compiled chat template is not picklable), so that a
+        router in another process tokenizes exactly as the engine does."""
+        chat_template = self.chat_template.source if self.chat_template is not None else None
+        return Tokenizer, (self.backend, sorted(self.eos_token_ids), self.bos_token_id, chat_template)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # `encode_batch` releases the GIL while it works and `encode` does not: a long prompt
         # encoded on a worker thread must not stall the server's event loop.

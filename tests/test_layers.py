@@ -1,6 +1,7 @@
 """The package's imports point down its layers, and the server talks to the engine only.
 
-Layers, top to bottom (DESIGN.md section 3): the command line; the server and the benchmarks;
+Layers, top to bottom (DESIGN.md section 3): the command line; the Ray Serve deployment (an
+ingress serving the server's app in front of engine replicas); the server and the benchmarks;
 the public API (`firsttoken/__init__.py`); the engine; the worker; the sampler; models, core,
 metrics and the speculative proposers; attention; ops; then the plain modules everything may use (config, errors,
 outputs, request, sampling parameters, the tokenizer). A module may import its own part of
@@ -22,6 +23,7 @@ PACKAGE_DIR = pathlib.Path(firsttoken.engine.__file__).parent.parent
 LAYERS: list[set[str]] = [
     {"__main__"},
     {"cli"},
+    {"deploy"},
     {"server", "bench"},
     {"firsttoken"},
     {"engine"},
@@ -140,3 +142,17 @@ def test_bookkeeping_holds_no_tensor(package):
         if imported.split(".")[0] in {"torch", "numpy", "triton"}
     ]
     assert not tensor_imports, f"{package}/ imports a tensor library:\n" + "\n".join(tensor_imports)
+
+
+def test_ray_is_imported_by_the_deployment_alone():
+    """Ray is an optional extra: the engine and the server import without it, and so does the
+    routing decision (its tests run without Ray)."""
+    ray_free = {"firsttoken.deploy", "firsttoken.deploy.routing", "firsttoken.deploy.messages"}
+    strays = [
+        f"{path.relative_to(PACKAGE_DIR.parent)}:{line}: {imported}"
+        for path in _sources()
+        if _part(_module_name(path)) != "deploy" or _module_name(path) in ray_free
+        for line, imported, _ in _imports(path)
+        if imported.split(".")[0] == "ray"
+    ]
+    assert not strays, "imports of ray outside firsttoken/deploy's Ray-facing modules:\n" + "\n".join(strays)

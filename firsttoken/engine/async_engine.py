@@ -12,34 +12,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import functools
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence, Union
 
-import jinja2
-
+from firsttoken.core.hashing import BlockHash
 from firsttoken.engine.engine_core import EngineCore
-from firsttoken.engine.llm import LLM, default_pin_id, render_system_prompt
+from firsttoken.engine.llm import LLM, default_pin_id
+from firsttoken.engine.prompt_encoder import Messages, Prompt, PromptEncoder, TokenizedPrompt
 from firsttoken.errors import EngineDeadError, InvalidInputError
 from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-Messages = Sequence[dict[str, Any]]
-Prompt = Union[str, Sequence[int]]  # text, or token ids
-
-
-@dataclass(frozen=True)
-class TokenizedPrompt:
-    """A prompt's token ids, with when it arrived and when tokenizing ended (perf_counter s)."""
-
-    token_ids: list[int]
-    arrival_time: float
-    tokenized_time: float
 
 
 class RequestObserver(Protocol):
@@ -86,7 +73,15 @@ class _UnpinCommand:
     done: concurrent.futures.Future[None]
 
 
-_Command = Union[_AddCommand, _AbortCommand, _PinCommand, _UnpinCommand]
+@dataclass(frozen=True)
+class _CachedQuery:
+    """Block hashes for the loop thread to look up in the prefix cache; `done` gets those held."""
+
+    block_hashes: list[BlockHash]
+    done: concurrent.futures.Future[list[BlockHash]]
+
+
+_Command = Union[_AddCommand, _AbortCommand, _PinCommand, _UnpinCommand, _CachedQuery]
 
 
 def _settle(
@@ -251,6 +246,9 @@ class AsyncEngine:
         self.max_model_len = core.max_model_len
         self.max_request_tokens = core.max_request_tokens
         self.vocab_size = core.worker.vocab_size
+        self.block_size = core.config.cache.block_size
+        # The parent of every request's first block hash (block hashes depend on it).
+        self.hash_root = core.hash_root
         # Requests allowed to wait for admission (None: no limit); more raise QueueFullError.
         self.max_waiting_requests = core.config.scheduler.max_waiting_requests
         self._observers: list[RequestObserver] = []
@@ -261,9 +259,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: EngineDeadError | None = None
-        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
-            2, thread_name_prefix="firsttoken-tokenize"
-        )
+        self._encoder = PromptEncoder(self.tokenizer, self.vocab_size)
 
     @classmethod
     def from_options(
@@ -307,14 +303,14 @@ class AsyncEngine:
         self._thread.start()
         # The grammar engine's view of the vocabulary (~0.1 s), built now on a tokenizer thread
         # rather than by the first structured-output request.
-        self._tokenize_pool.submit(self.core.worker.grammar_compiler.engine_tokenizer)
+        self._encoder.submit(self.core.worker.grammar_compiler.engine_tokenizer)
 
     async def shutdown(self) -> None:
         """Stop the loop thread; live requests end with EngineDeadError."""
         self._inbox.close()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
-        self._tokenize_pool.shutdown(wait=False)
+        self._encoder.shutdown()
         self.core.shutdown()
         self._fail_all(EngineDeadError("the engine was shut down"))
 
@@ -337,36 +333,20 @@ class AsyncEngine:
         add_special_tokens: bool = True,
         chat_template_args: dict[str, Any] | None = None,
     ) -> TokenizedPrompt:
-        """Stamp arrival, then render the chat template (for `messages`) and encode, timed.
-        `chat_template_args`: the keyword arguments of Tokenizer.apply_chat_template (tools,
-        documents, template_kwargs).
-
-        Text is encoded on the tokenizer threads: `tokenizers` releases the GIL while encoding,
-        so a long prompt never stalls the event loop, and its encode/decode are safe to call
-        concurrently (tests/engine/test_async_engine.py checks both claims).
-        """
-        arrival_time = time.perf_counter()
-        if (prompt is None) == (messages is None):
-            raise InvalidInputError("prompt", "give either a prompt or messages")
-        if messages is None and not isinstance(prompt, str):
-            token_ids = list(prompt)
-        else:
-            loop = asyncio.get_running_loop()
-            encode = functools.partial(self._encode, chat_template_args=chat_template_args or {})
-            token_ids = await loop.run_in_executor(
-                self._tokenize_pool, encode, prompt, messages, add_generation_prompt, add_special_tokens
-            )
-        return TokenizedPrompt(token_ids, arrival_time, time.perf_counter())
+        """Stamp arrival, then render the chat template (for `messages`) and encode, timed, off
+        the event loop (PromptEncoder.tokenize). `chat_template_args`: the keyword arguments of
+        Tokenizer.apply_chat_template (tools, documents, template_kwargs)."""
+        return await self._encoder.tokenize(
+            prompt,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            add_special_tokens=add_special_tokens,
+            chat_template_args=chat_template_args,
+        )
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of token ids (special tokens included), decoded on the tokenizer threads."""
-        for token_id in token_ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise InvalidInputError(
-                    "token_ids", f"{token_id} is not a token id in [0, {self.vocab_size})"
-                )
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, self.tokenizer.decode, token_ids, False)
+        return await self._encoder.detokenize(token_ids)
 
     async def add_request(
         self,
@@ -389,10 +369,7 @@ class AsyncEngine:
         if sampling_params.structured_output is not None:
             # Compiled here, on a tokenizer thread, not on the loop thread that steps the other
             # requests; the core's add_request then finds it cached. A bad schema raises here.
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(
-                self._tokenize_pool, self.core.compile_grammar, sampling_params.structured_output
-            )
+            await self._encoder.run(self.core.compile_grammar, sampling_params.structured_output)
         request_id = request_id or self.core.new_request_id()
         if request_id in self._streams:
             raise InvalidInputError("request_id", f"{request_id!r} is already in use")
@@ -458,8 +435,7 @@ class AsyncEngine:
         Raises InvalidInputError (field `system_prompt`) when the rendering is shorter than one KV
         block, QueueFullError and EngineDeadError as add_request does.
         """
-        loop = asyncio.get_running_loop()
-        token_ids = await loop.run_in_executor(self._tokenize_pool, self._encode_system_prompt, system_prompt)
+        token_ids = await self._encoder.encode_system_prompt(system_prompt)
         self._check_pinnable(len(token_ids))
         done: concurrent.futures.Future[PinnedPrefix] = concurrent.futures.Future()
         self._send(_PinCommand(default_pin_id(token_ids), token_ids, done))
@@ -488,7 +464,14 @@ class AsyncEngine:
                 f"renders to {num_tokens} tokens; a request here holds at most {self.max_request_tokens}",
             )
 
-    def _send(self, command: _PinCommand | _UnpinCommand) -> None:
+    async def cached_block_hashes(self, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Those of `block_hashes` whose KV the prefix cache holds now, answered by the loop
+        thread between two steps (a router asks which prefixes this engine still has)."""
+        done: concurrent.futures.Future[list[BlockHash]] = concurrent.futures.Future()
+        self._send(_CachedQuery(list(block_hashes), done))
+        return await asyncio.wrap_future(done)
+
+    def _send(self, command: _PinCommand | _UnpinCommand | _CachedQuery) -> None:
         if self._loop is None:
             raise RuntimeError("AsyncEngine: call start() first")
         if self._dead is not None:
@@ -498,29 +481,6 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The engine's gauges and counters as of its latest step (a consistent snapshot)."""
         return self._stats
-
-    def _encode_system_prompt(self, system_prompt: str) -> list[int]:
-        try:
-            return self.tokenizer.encode(render_system_prompt(self.tokenizer, system_prompt))
-        except jinja2.TemplateError as error:
-            raise InvalidInputError("system_prompt", f"the chat template failed: {error}") from error
-
-    def _encode(
-        self,
-        prompt: str | None,
-        messages: Messages | None,
-        add_generation_prompt: bool,
-        add_special_tokens: bool,
-        chat_template_args: dict[str, Any],
-    ) -> list[int]:
-        if messages is not None:
-            try:
-                prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **chat_template_args)
-            except jinja2.TemplateError as error:  # a model's template refusing this conversation
-                raise InvalidInputError("messages", f"the chat template failed: {error}") from error
-        if not prompt:
-            raise InvalidInputError("prompt", "must not be empty")
-        return self.tokenizer.encode(prompt, add_special_tokens)
 
     # -- the loop thread -----------------------------------------------------------------------
 
@@ -566,6 +526,9 @@ class AsyncEngine:
                 continue
             if isinstance(command, _UnpinCommand):
                 self._unpin(command)
+                continue
+            if isinstance(command, _CachedQuery):
+                _settle(command.done, self.core.cached_block_hashes(command.block_hashes))
                 continue
             if isinstance(command, _AbortCommand):
                 live.discard(command.request_id)

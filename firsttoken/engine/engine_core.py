@@ -11,10 +11,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 
 from firsttoken.config import EngineConfig
 from firsttoken.core.cost_model import StepTimeTracker
-from firsttoken.core.hashing import extend_block_hashes, root_hash
+from firsttoken.core.hashing import BlockHash, extend_block_hashes, root_hash
 from firsttoken.core.kv_cache_manager import KVCacheManager
 from firsttoken.core.scheduler import DraftProposer, Scheduler
 from firsttoken.engine.draft_model import DraftModelProposer
@@ -242,6 +243,11 @@ class EngineCore:
         self.kv_manager.unpin(pin_id)
         del self.pinned[pin_id]
         self.worker.delete_prefix(pin_id)
+
+    def cached_block_hashes(self, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Those of `block_hashes` whose blocks the prefix cache holds now."""
+        pool = self.kv_manager.pool
+        return [block_hash for block_hash in block_hashes if pool.cached_block(block_hash) is not None]
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached and pinned prefix (persisted pins stay on disk)."""

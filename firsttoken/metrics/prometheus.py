@@ -7,7 +7,7 @@ at scrape time. Everything lives in one CollectorRegistry per server, never the 
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -95,9 +95,19 @@ REQUEST_LATENCY_BUCKETS = (
 
 class PrometheusMetrics:
     """Owns a server's CollectorRegistry: request histograms and counters it observes from
-    deltas, and a collector that reads the engine's stats snapshot when scraped."""
+    deltas, and a collector that reads the engine's stats snapshot when scraped.
 
-    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]) -> None:
+    With `replica_stats` (engine replicas behind a router: each replica's latest snapshot by
+    its name), the engine's gauges and counters are one series per replica, labelled `replica`,
+    and `engine_stats` is not read.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        engine_stats: Callable[[], EngineStats],
+        replica_stats: Callable[[], Mapping[str, EngineStats]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
 
@@ -142,7 +152,7 @@ class PrometheusMetrics:
         for reason in FINISH_REASONS:  # every series exists from the start, at 0
             self._request_success.labels(model_name, reason)
         self._model_name = model_name
-        self.registry.register(_EngineStatsCollector(model_name, engine_stats))
+        self.registry.register(_EngineStatsCollector(model_name, engine_stats, replica_stats))
 
     def on_delta(self, delta: RequestDelta, received_time: float, previous_token_time: float | None) -> None:
         """Observe one delta as it reaches the front end (AsyncEngine's RequestObserver)."""
@@ -169,59 +179,83 @@ class PrometheusMetrics:
 
 
 class _EngineStatsCollector:
-    """Reads the engine's gauges and lifetime counters from its stats snapshot at scrape time."""
+    """Reads the engine's gauges and lifetime counters from its stats snapshot at scrape time
+    (each replica's, when given)."""
 
-    def __init__(self, model_name: str, engine_stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        engine_stats: Callable[[], EngineStats],
+        replica_stats: Callable[[], Mapping[str, EngineStats]] | None,
+    ) -> None:
         self._model_name = model_name
         self._engine_stats = engine_stats
+        self._replica_stats = replica_stats
+
+    def _labelled_snapshots(self) -> tuple[list[str], list[tuple[list[str], EngineStats]]]:
+        """The label names, and each snapshot with its label values."""
+        if self._replica_stats is None:
+            return ["model_name"], [([self._model_name], self._engine_stats())]
+        snapshots = sorted(self._replica_stats().items())
+        return ["model_name", "replica"], [([self._model_name, name], stats) for name, stats in snapshots]
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._engine_stats()
-        gauges = (
-            ("num_requests_running", "Number of requests in model execution batches.", stats.num_running),
-            ("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
-            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
-            (
-                "prefill_token_budget",
-                "Prefill tokens the last engine step allowed (the adaptive chunk size).",
-                stats.last_prefill_budget,
-            ),
-            ("num_pinned_tokens", "Prompt tokens whose KV is pinned in the prefix cache.", stats.num_pinned_tokens),
-        )
-        counters = (
-            (
-                "prefix_cache_queries",
-                "Prefix cache queries, in terms of number of queried tokens.",
-                stats.prefix_cache_queries,
-            ),
-            (
-                "prefix_cache_hits",
-                "Prefix cache hits, in terms of number of cached tokens.",
-                stats.prefix_cache_hits,
-            ),
-            ("num_preemptions", "Cumulative number of preemptions from the engine.", stats.num_preemptions),
-            ("spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_decode_num_drafts),
-            (
-                "spec_decode_num_draft_tokens",
-                "Number of draft tokens.",
-                stats.spec_decode_num_draft_tokens,
-            ),
-            (
-                "spec_decode_num_accepted_tokens",
-                "Number of accepted tokens.",
-                stats.spec_decode_num_accepted_tokens,
-            ),
-        )
-        for family_type, entries in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
-            for name, documentation, value in entries:
-                family = family_type(PREFIX + name, documentation, labels=["model_name"])
-                family.add_metric([self._model_name], value)
-                yield family
+        label_names, snapshots = self._labelled_snapshots()
+        families: dict[str, Metric] = {}
+        for label_values, stats in snapshots:
+            for family_type, name, documentation, value in _engine_series(stats):
+                if name not in families:
+                    families[name] = family_type(PREFIX + name, documentation, labels=label_names)
+                families[name].add_metric(label_values, value)
+        yield from families.values()
         per_position = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.",
-            labels=["model_name", "position"],
+            labels=[*label_names, "position"],
         )
-        for position, count in enumerate(stats.spec_decode_accepted_per_position):
-            per_position.add_metric([self._model_name, str(position)], count)
+        for label_values, stats in snapshots:
+            for position, count in enumerate(stats.spec_decode_accepted_per_position):
+                per_position.add_metric([*label_values, str(position)], count)
         yield per_position
+
+
+def _engine_series(stats: EngineStats) -> Iterator[tuple[type, str, str, float]]:
+    """(family type, name, documentation, value) of every engine gauge and counter."""
+    gauges = (
+        ("num_requests_running", "Number of requests in model execution batches.", stats.num_running),
+        ("num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
+        ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+        (
+            "prefill_token_budget",
+            "Prefill tokens the last engine step allowed (the adaptive chunk size).",
+            stats.last_prefill_budget,
+        ),
+        ("num_pinned_tokens", "Prompt tokens whose KV is pinned in the prefix cache.", stats.num_pinned_tokens),
+    )
+    counters = (
+        (
+            "prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            stats.prefix_cache_queries,
+        ),
+        (
+            "prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            stats.prefix_cache_hits,
+        ),
+        ("num_preemptions", "Cumulative number of preemptions from the engine.", stats.num_preemptions),
+        ("spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_decode_num_drafts),
+        (
+            "spec_decode_num_draft_tokens",
+            "Number of draft tokens.",
+            stats.spec_decode_num_draft_tokens,
+        ),
+        (
+            "spec_decode_num_accepted_tokens",
+            "Number of accepted tokens.",
+            stats.spec_decode_num_accepted_tokens,
+        ),
+    )
+    for family_type, entries in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+        for name, documentation, value in entries:
+            yield family_type, name, documentation, value

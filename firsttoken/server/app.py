@@ -1,4 +1,5 @@
-"""create_app: the OpenAI-compatible FastAPI app over one AsyncEngine."""
+"""create_app: the OpenAI-compatible FastAPI app over one engine client: an AsyncEngine in this
+process, or engine replicas behind a router (firsttoken.deploy)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from firsttoken import __version__
-from firsttoken.engine import AsyncEngine
+from firsttoken.engine import EngineClient
 from firsttoken.metrics.prometheus import PrometheusMetrics
 from firsttoken.server.auth import ApiKeyGate
 from firsttoken.server.body_limit import BodySizeLimit
@@ -59,9 +60,15 @@ _STREAMED = {
 }
 
 
-def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
-    """The app serving `engine`; its lifespan starts and stops the engine's step loop."""
-    metrics = PrometheusMetrics(config.model_name, engine.stats)
+def create_app(
+    engine: EngineClient, config: ServerConfig, metrics: PrometheusMetrics | None = None
+) -> FastAPI:
+    """The app serving `engine`; its lifespan starts and stops the engine.
+
+    `metrics`: what /metrics shows and requests are observed into (default: this engine's own
+    stats and request metrics; replicas behind a router bring theirs, labelled by replica).
+    """
+    metrics = metrics or PrometheusMetrics(config.model_name, engine.stats)
     engine.add_observer(metrics)
     created = int(time.time())
     checks = RequestChecks(engine, config.strict_fields)

@@ -7,7 +7,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from firsttoken.engine import AsyncEngine, Tokenizer
+from firsttoken.engine import EngineClient, Tokenizer
 from firsttoken.outputs import RequestDelta, SampledToken, TokenLogprob
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.generation import Choice, check_num_choices, sampling_params, start_choices
@@ -36,7 +36,7 @@ from firsttoken.server.tool_calls import ToolCallParser, forcing_constraint, her
 
 
 async def create_chat_completion(
-    engine: AsyncEngine,
+    engine: EngineClient,
     config: ServerConfig,
     checks: RequestChecks,
     body: ChatCompletionRequest,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -14,12 +13,12 @@ from firsttoken.engine_args import (
     engine_kwargs,
     read_system_prompt,
 )
-from firsttoken.server.config import JSONLimits, ServerConfig
+from firsttoken.server.config import JSONLimits, ServerConfig, default_model_name
 
 _DEFAULTS = ServerConfig()
 
 
-def register_serve_verb(subparsers: Any) -> None:
+def register_serve_verb(subparsers: Any) -> argparse.ArgumentParser:
     """Add `serve` to the `firsttoken` command's verbs: every LLM(...) option is a flag."""
     serve = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_model_arg(serve)
@@ -102,6 +101,7 @@ def register_serve_verb(subparsers: Any) -> None:
     )
     add_engine_args(serve)
     serve.set_defaults(handler=run_serve)
+    return serve
 
 
 # A server writes its KV cache at start: no request pays the cache's first page faults.
@@ -119,7 +119,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
     """The server's settings; without --served-model-name, the model file's name (no .gguf)."""
-    names = args.served_model_name or [os.path.basename(os.path.normpath(model_path)).removesuffix(".gguf")]
+    names = args.served_model_name or [default_model_name(model_path)]
     return ServerConfig(
         host=args.host,
         port=args.port,

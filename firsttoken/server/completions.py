@@ -7,7 +7,7 @@ import codecs
 from starlette.requests import Request
 from starlette.responses import Response
 
-from firsttoken.engine import AsyncEngine, InvalidInputError, Tokenizer
+from firsttoken.engine import EngineClient, InvalidInputError, Tokenizer
 from firsttoken.outputs import RequestDelta, SampledToken
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.generation import Choice, check_num_choices, sampling_params, start_choices
@@ -26,7 +26,7 @@ _ENGINE_PROMPT_FIELD = "prompt_token_ids"
 
 
 async def create_completion(
-    engine: AsyncEngine,
+    engine: EngineClient,
     config: ServerConfig,
     checks: RequestChecks,
     body: CompletionRequest,
@@ -70,7 +70,7 @@ def _prompt_items(body: CompletionRequest) -> list[str | list[int]]:
     return items
 
 
-def _prompt_lengths(engine: AsyncEngine, items: list[str | list[int]]) -> list[int]:
+def _prompt_lengths(engine: EngineClient, items: list[str | list[int]]) -> list[int]:
     """Each prompt's length in characters, where logprobs' text_offset of its first generated
     token lies (OpenAI counts offsets from the prompt's start); token ids count as their text."""
     return [len(item) if isinstance(item, str) else len(engine.tokenizer.decode(item)) for item in items]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from firsttoken.engine import InvalidInputError
@@ -74,3 +75,8 @@ class ServerConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+
+def default_model_name(model_path: str) -> str:
+    """The name a model is served under without --served-model-name: its file's (no .gguf)."""
+    return os.path.basename(os.path.normpath(model_path)).removesuffix(".gguf")

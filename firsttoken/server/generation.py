@@ -14,7 +14,7 @@ from typing import AsyncIterator, Coroutine
 
 from starlette.requests import Request
 
-from firsttoken.engine import AsyncEngine, InvalidInputError, RequestStream, TokenizedPrompt
+from firsttoken.engine import DeltaStream, EngineClient, InvalidInputError, TokenizedPrompt
 from firsttoken.metrics.ttft_stages import TTFTStages
 from firsttoken.outputs import RequestDelta, RequestOutput
 from firsttoken.sampling_params import SamplingParams, StructuredOutput
@@ -36,7 +36,7 @@ class Choice:
 
     index: int
     prompt: TokenizedPrompt
-    stream: RequestStream
+    stream: DeltaStream
     output: RequestOutput
     num_chunks_sent: int = 0
 
@@ -94,7 +94,7 @@ def sampling_params(
     )
 
 
-def check_num_choices(engine: AsyncEngine, num_prompts: int, n: int, max_choices: int) -> None:
+def check_num_choices(engine: EngineClient, num_prompts: int, n: int, max_choices: int) -> None:
     """Every choice is an engine request, all submitted at once: refuse a request that asks for
     more than `max_choices`, or for more than the waiting queue could ever take (it would be
     refused as "queue full" however long the client retried)."""
@@ -114,14 +114,14 @@ def check_num_choices(engine: AsyncEngine, num_prompts: int, n: int, max_choices
 
 
 async def start_choices(
-    engine: AsyncEngine, requests: list[tuple[TokenizedPrompt, SamplingParams]], priority: int
+    engine: EngineClient, requests: list[tuple[TokenizedPrompt, SamplingParams]], priority: int
 ) -> list[Choice]:
     """Submit every choice in one go (so they share engine steps); if one is refused, none stays."""
     results = await asyncio.gather(
         *(engine.add_request(prompt, params, priority=priority) for prompt, params in requests),
         return_exceptions=True,
     )
-    streams = [result for result in results if isinstance(result, RequestStream)]
+    streams = [result for result in results if not isinstance(result, BaseException)]
     error = next((result for result in results if isinstance(result, BaseException)), None)
     if error is not None:
         await close_streams(streams)
@@ -132,7 +132,7 @@ async def start_choices(
     ]
 
 
-async def close_streams(streams: list[RequestStream]) -> None:
+async def close_streams(streams: list[DeltaStream]) -> None:
     """Abort whatever has not finished (client gone, error, cancellation)."""
     for stream in streams:
         await stream.aclose()

@@ -3,13 +3,13 @@ its prefill. Under /v1, so a server started with --api-key requires the key here
 
 from __future__ import annotations
 
-from firsttoken.engine import AsyncEngine, InvalidInputError
+from firsttoken.engine import EngineClient, InvalidInputError
 from firsttoken.outputs import PinnedPrefix
 from firsttoken.server.errors import APIError
 from firsttoken.server.protocol import Pin, PinDeleted, PinList, PinRequest
 
 
-async def pin_system_prompt(engine: AsyncEngine, body: PinRequest) -> Pin:
+async def pin_system_prompt(engine: EngineClient, body: PinRequest) -> Pin:
     """Returns once the prompt's KV is computed and pinned."""
     if not engine.can_pin:
         raise APIError(
@@ -21,11 +21,11 @@ async def pin_system_prompt(engine: AsyncEngine, body: PinRequest) -> Pin:
     return _pin(await engine.pin_system_prompt(body.system_prompt))
 
 
-def list_pins(engine: AsyncEngine) -> PinList:
+def list_pins(engine: EngineClient) -> PinList:
     return PinList(data=[_pin(pinned) for pinned in engine.pinned_prefixes()])
 
 
-async def unpin(engine: AsyncEngine, pin_id: str) -> PinDeleted:
+async def unpin(engine: EngineClient, pin_id: str) -> PinDeleted:
     try:
         await engine.unpin_prefix(pin_id)
     except InvalidInputError as error:

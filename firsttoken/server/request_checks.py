@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from firsttoken.engine import AsyncEngine, InvalidInputError
+from firsttoken.engine import EngineClient, InvalidInputError
 from firsttoken.server.protocol import RequestBody
 
 logger = logging.getLogger(__name__)
@@ -19,7 +19,7 @@ class RequestChecks:
     """The server's cheap up-front checks. Owns the longest token's byte count (no token covers
     more, so a prompt's bytes bound its token count from below)."""
 
-    def __init__(self, engine: AsyncEngine, strict_fields: bool) -> None:
+    def __init__(self, engine: EngineClient, strict_fields: bool) -> None:
         self.max_request_tokens = engine.max_request_tokens
         self.max_token_bytes = engine.tokenizer.longest_token_bytes()
         self.strict_fields = strict_fields

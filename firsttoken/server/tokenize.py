@@ -3,7 +3,7 @@ count tokens against the context or read ids back as text."""
 
 from __future__ import annotations
 
-from firsttoken.engine import AsyncEngine, InvalidInputError
+from firsttoken.engine import EngineClient, InvalidInputError
 from firsttoken.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -13,7 +13,7 @@ from firsttoken.server.protocol import (
 from firsttoken.server.request_checks import RequestChecks
 
 
-async def tokenize(engine: AsyncEngine, checks: RequestChecks, body: TokenizeRequest) -> TokenizeResponse:
+async def tokenize(engine: EngineClient, checks: RequestChecks, body: TokenizeRequest) -> TokenizeResponse:
     """The token ids generation would see: a prompt as /v1/completions encodes it, messages as
     /v1/chat/completions renders and encodes them."""
     checks.check_fields(body)
@@ -36,7 +36,7 @@ async def tokenize(engine: AsyncEngine, checks: RequestChecks, body: TokenizeReq
 
 
 async def detokenize(
-    engine: AsyncEngine, checks: RequestChecks, body: DetokenizeRequest
+    engine: EngineClient, checks: RequestChecks, body: DetokenizeRequest
 ) -> DetokenizeResponse:
     checks.check_fields(body)
     try:

@@ -235,6 +235,24 @@ def test_tokenizer_is_safe_under_concurrent_encode_and_decode(core):
 PIN_SYSTEM_PROMPT = "You are a careful math tutor who explains each step of a calculation and checks it."
 
 
+def test_cached_block_hashes_names_the_prompt_blocks_the_prefix_cache_holds(core):
+    from firsttoken.core.hashing import extend_block_hashes
+
+    async def test(engine: AsyncEngine) -> None:
+        prompt = await engine.tokenize("A prompt no other test sends. " + long_prompt(1))
+        block_hashes: list[bytes] = []
+        extend_block_hashes(block_hashes, prompt.token_ids, engine.block_size, engine.hash_root)
+        assert len(block_hashes) >= 3
+        assert await engine.cached_block_hashes(block_hashes) == []
+        stream = await engine.add_request(prompt, GREEDY)
+        async for _ in stream:
+            pass
+        unknown = bytes(32)
+        assert await engine.cached_block_hashes([unknown, *block_hashes]) == block_hashes
+
+    run(core, test)
+
+
 def test_a_pinned_system_prompt_is_reused_until_unpinned(core):
     conversation = [{"role": "system", "content": PIN_SYSTEM_PROMPT}, {"role": "user", "content": "2+2?"}]
 

@@ -134,6 +134,18 @@ def test_engine_stats_are_read_at_scrape_time():
     assert value(metrics, "firsttoken:num_requests_running") == 0
 
 
+def test_replica_stats_give_one_series_per_replica():
+    busy = EngineStats(**{**STATS.__dict__, "num_running": 5, "spec_decode_accepted_per_position": (1,)})
+    metrics = PrometheusMetrics("m", lambda: STATS, replica_stats=lambda: {"r1": STATS, "r2": busy})
+    assert value(metrics, "firsttoken:num_requests_running", replica="r1") == 3
+    assert value(metrics, "firsttoken:num_requests_running", replica="r2") == 5
+    assert value(metrics, "firsttoken:prefix_cache_hits_total", replica="r2") == 96
+    assert value(metrics, "firsttoken:spec_decode_num_accepted_tokens_per_pos_total", replica="r2", position="0") == 1
+    families = {family.name: family for family in text_string_to_metric_families(metrics.render().decode())}
+    running = families["firsttoken:num_requests_running"].samples
+    assert sorted(sample.labels["replica"] for sample in running) == ["r1", "r2"], "one family, two series"
+
+
 def test_two_servers_do_not_share_metrics():
     first, second = PrometheusMetrics("m", lambda: STATS), PrometheusMetrics("m", lambda: STATS)
     first.on_delta(delta([1], metrics_at(10.2, 10.2, None, 1)), received_time=10.3, previous_token_time=None)

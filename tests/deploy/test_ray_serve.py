@@ -1,0 +1,230 @@
+"""The Ray Serve application end to end: a local Ray instance, two replicas of the embedded model
+(one thread and a small KV cache each), the official `openai` client against the ingress.
+
+Ray starts once for the module; the replica-killing test runs last, since it replaces one.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from firsttoken.deploy.ray import ReplicasConfig, build_application  # noqa: E402
+from firsttoken.server.config import ServerConfig  # noqa: E402
+
+MODEL_NAME = "smollm2"
+ENGINE_OPTIONS = dict(dtype="float32", kv_cache_memory_bytes=48 << 20, chunk_size=256, num_threads=1)
+SYSTEM_PROMPT = "You are a patient tutor who explains each step of a calculation and checks the result twice."
+WORDS = "river comet ledger valley mill pasture flood volume daughter astronomer spring height".split()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def endpoint(model_path):
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        replicas = ReplicasConfig(num_replicas=2, num_cpus=1, routing_stats_period_s=0.5, sync_interval_s=0.5)
+        config = ServerConfig(served_model_names=(MODEL_NAME,))
+        serve.run(
+            build_application(model_path, ENGINE_OPTIONS, config, replicas),
+            name="firsttoken",
+            route_prefix="/",
+        )
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(endpoint):
+    return openai.OpenAI(base_url=endpoint + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metric_by_replica(endpoint: str, name: str) -> dict[str, float]:
+    """One metric's value per replica label, from /metrics."""
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(endpoint + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name:
+                values[sample.labels["replica"]] = sample.value
+    return values
+
+
+def counts_since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {replica: value - before.get(replica, 0.0) for replica, value in after.items()}
+
+
+def prefix_text(seed: int, num_words: int = 150) -> str:
+    chooser = random.Random(seed)
+    return " ".join(chooser.choice(WORDS) for _ in range(num_words))
+
+
+def test_chat_completions_and_streaming_through_the_openai_client(client):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 8
+
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert (
+        "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == chat.choices[0].message.content
+    )
+
+    completion = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=6)
+    assert completion.choices[0].text and completion.usage.prompt_tokens == 5
+    assert [model.id for model in client.models.list().data] == [MODEL_NAME]
+
+
+def test_engine_errors_keep_their_status_and_field(endpoint):
+    response = httpx.post(
+        endpoint + "/v1/completions", json={"prompt": "Hi", "max_tokens": 10**6, "model": MODEL_NAME}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "max_tokens"
+    unknown = httpx.post(endpoint + "/v1/completions", json={"prompt": "Hi", "model": "nope"})
+    assert unknown.status_code == 404
+
+
+def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(client, endpoint):
+    prefixes = [prefix_text(seed) for seed in range(4)]
+    for prefix in prefixes:  # each prefix's first request lands somewhere and computes it
+        client.completions.create(model=MODEL_NAME, prompt=prefix + " warm up", max_tokens=1)
+    requests_before = metric_by_replica(endpoint, "firsttoken:router_requests_total")
+    hits_before = metric_by_replica(endpoint, "firsttoken:router_prefix_hits_total")
+
+    num_hits = 0
+    for index in range(40):
+        prompt = f"{prefixes[index % 4]} question {index}:"
+        completion = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1)
+        num_hits += completion.usage.prompt_tokens_details.cached_tokens >= 128
+
+    requests = counts_since(requests_before, metric_by_replica(endpoint, "firsttoken:router_requests_total"))
+    hits = counts_since(hits_before, metric_by_replica(endpoint, "firsttoken:router_prefix_hits_total"))
+    assert sum(requests.values()) == 40
+    assert sum(hits.values()) / 40 >= 0.9 and num_hits / 40 >= 0.9
+    assert len([replica for replica, count in requests.items() if count > 0]) == 2, "4 prefixes, 2 replicas"
+
+
+def test_random_prefixes_spread_over_both_replicas(client, endpoint):
+    before = metric_by_replica(endpoint, "firsttoken:router_requests_total")
+    for seed in range(100, 110):
+        client.completions.create(model=MODEL_NAME, prompt=prefix_text(seed, num_words=60), max_tokens=1)
+    routed = counts_since(before, metric_by_replica(endpoint, "firsttoken:router_requests_total"))
+    assert sum(routed.values()) == 10
+    assert len(routed) == 2 and min(routed.values()) >= 3, routed
+
+
+def test_a_pinned_system_prompt_is_pinned_on_every_replica(endpoint):
+    with httpx.Client(base_url=endpoint, timeout=60) as http:
+        pin = http.post("/v1/pins", json={"system_prompt": SYSTEM_PROMPT}).json()
+        assert pin["num_tokens"] >= 16
+        assert http.get("/v1/pins").json()["data"] == [pin]
+        pinned = metric_by_replica(endpoint, "firsttoken:num_pinned_tokens")
+        deadline = time.monotonic() + 10
+        while sorted(pinned.values()) != [pin["num_tokens"]] * 2 and time.monotonic() < deadline:
+            time.sleep(0.2)  # the ingress syncs every replica's stats every 0.5 s
+            pinned = metric_by_replica(endpoint, "firsttoken:num_pinned_tokens")
+        assert sorted(pinned.values()) == [pin["num_tokens"]] * 2
+
+        assert http.delete(f"/v1/pins/{pin['id']}").status_code == 200
+        assert http.delete(f"/v1/pins/{pin['id']}").status_code == 404
+        too_short = http.post("/v1/pins", json={"system_prompt": "Hi"})
+        assert too_short.status_code == 400 and too_short.json()["error"]["param"] == "system_prompt"
+
+
+def test_a_client_that_goes_away_frees_the_replicas_kv(endpoint):
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(base_url=endpoint, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: {")
+    deadline = time.monotonic() + 10
+    while True:  # the ingress cancels the call, and the replica aborts the request
+        running = metric_by_replica(endpoint, "firsttoken:num_requests_running")
+        usage = metric_by_replica(endpoint, "firsttoken:kv_cache_usage_perc")
+        if sum(running.values()) == 0 and sum(usage.values()) == 0:
+            break
+        assert time.monotonic() < deadline, f"still running {running}, KV in use {usage}"
+        time.sleep(0.2)
+
+
+def _engine_actors() -> list[str]:
+    return [
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == "serve" and "FirstTokenEngine" in actor["name"]
+    ]
+
+
+def test_a_killed_replica_fails_its_requests_and_is_replaced(endpoint):
+    """Runs last: one replica is killed mid-stream. Its request ends with an error event, the
+    other replica's request completes, new requests succeed, and Ray starts a replacement."""
+    body = {"model": MODEL_NAME, "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.Client(base_url=endpoint, timeout=120) as http:
+        streams = [
+            http.stream("POST", "/v1/completions", json={**body, "prompt": f"Story {seed}:"})
+            for seed in (1, 2)
+        ]
+        responses = [stream.__enter__() for stream in streams]
+        lines = [response.iter_lines() for response in responses]
+        for line_iterator in lines:  # both are decoding: one on each replica (the router balances load)
+            assert next(line_iterator).startswith("data: {")
+        victim = _engine_actors()[0]
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        endings = []
+        for line_iterator in lines:
+            events = [line for line in line_iterator if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            endings.append(events[-2])
+        for stream in streams:
+            stream.__exit__(None, None, None)
+        errors = [ending for ending in endings if '"error"' in ending]
+        assert len(errors) == 1, endings
+        assert "engine_unavailable" in errors[0] and "engine replica" in errors[0]
+
+        survivor = http.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
+        )
+        assert survivor.status_code == 200
+
+        deadline = time.monotonic() + 120
+        while not (len(_engine_actors()) == 2 and victim not in _engine_actors()):
+            assert time.monotonic() < deadline, "no replacement replica"
+            time.sleep(0.5)
+        replicas = metric_by_replica(endpoint, "firsttoken:num_requests_running")
+        while len(replicas) != 2 or victim.split("#")[-1] in replicas:
+            assert time.monotonic() < deadline, f"the ingress does not see the replacement: {replicas}"
+            time.sleep(0.5)
+            replicas = metric_by_replica(endpoint, "firsttoken:num_requests_running")
+        for seed in range(200, 206):
+            reply = http.post(
+                "/v1/completions",
+                json={"model": MODEL_NAME, "prompt": prefix_text(seed, 40), "max_tokens": 1},
+            )
+            assert reply.status_code == 200
