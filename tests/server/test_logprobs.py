@@ -23,7 +23,7 @@ def _sampled(token_ids: list[int]) -> list[SampledToken]:
 
 def test_chat_logprobs_of_a_split_character_carry_its_bytes(tokenizer):
     token_ids = tokenizer.encode("go " + ROCKET, add_special_tokens=False)
-    content = _ChatReply("m", tokenizer)._logprobs(_sampled(token_ids)).content
+    content = _ChatReply("m", tokenizer, parses_tool_calls=False)._logprobs(_sampled(token_ids)).content
     assert bytes(byte for entry in content for byte in entry.bytes) == ("go " + ROCKET).encode()
     assert all("\ufffd" not in entry.token for entry in content)
     assert any(entry.token.startswith("\\x") for entry in content), "a partial character shows its bytes"
