@@ -13,7 +13,6 @@ its K/V there, reads only that slot back, and is never sampled.
 from __future__ import annotations
 
 import bisect
-import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -130,26 +129,6 @@ class DecodeGraphs:
         # Largest first: smaller graphs then fit in the memory pool the largest one sized.
         for size in reversed(sizes):
             self.replays[size] = capture.capture(self._forward(model, backend, size))
-
-    @classmethod
-    def captured(
-        cls,
-        model: LlamaForCausalLM,
-        backend: CudaAttentionBackend,
-        capture: GraphCapture,
-        sizes: list[int],
-        max_blocks_per_seq: int,
-        scratch_block_id: int,
-        block_size: int,
-        device: torch.device,
-    ) -> tuple[DecodeGraphs, GraphCaptureReport]:
-        """The graphs, and what capturing them took in time and device memory."""
-        memory_before = device_memory_in_use(device)
-        started = time.perf_counter()
-        graphs = cls(model, backend, capture, sizes, max_blocks_per_seq, scratch_block_id, block_size, device)
-        seconds = time.perf_counter() - started
-        report = GraphCaptureReport(tuple(sizes), seconds, device_memory_in_use(device) - memory_before)
-        return graphs, report
 
     def _forward(self, model: LlamaForCausalLM, backend: CudaAttentionBackend, size: int) -> Forward:
         input_ids, positions, slot_mapping, seq_lens = self.scalars[:, :size]

@@ -9,6 +9,7 @@ Nothing synchronises the host with the device before the sampler hands back the 
 from __future__ import annotations
 
 from collections.abc import Callable
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -63,22 +64,32 @@ class ModelRunner:
         `scratch_block_id`, a block the KV cache manager never hands out."""
         # Imported here: the graphs need the CUDA backend, which needs triton.
         from firsttoken.attention.cuda_backend import CudaAttentionBackend
-        from firsttoken.worker.cuda_graphs import CudaGraphCapture, DecodeGraphs, graph_batch_sizes
+        from firsttoken.worker.cuda_graphs import (
+            CudaGraphCapture,
+            DecodeGraphs,
+            GraphCaptureReport,
+            device_memory_in_use,
+            graph_batch_sizes,
+        )
 
         if not isinstance(self.backend, CudaAttentionBackend):
             raise ValueError("cuda graphs: the attention backend must be the CUDA one")
+        sizes = graph_batch_sizes(max_num_seqs)
+        memory_before = device_memory_in_use(self.device)
+        started = time.perf_counter()
         with torch.inference_mode():
-            self.graphs, report = DecodeGraphs.captured(
+            self.graphs = DecodeGraphs(
                 self.model,
                 self.backend,
                 capture or CudaGraphCapture(self.device),
-                graph_batch_sizes(max_num_seqs),
+                sizes,
                 max_blocks_per_seq=-(-max_model_len // self.block_size),
                 scratch_block_id=scratch_block_id,
                 block_size=self.block_size,
                 device=self.device,
             )
-        return report
+        seconds = time.perf_counter() - started
+        return GraphCaptureReport(tuple(sizes), seconds, device_memory_in_use(self.device) - memory_before)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
