@@ -2,7 +2,10 @@
 
 - This step's K/V are written to the cache first, by one Triton kernel over the slot mapping.
 - Prefills with no cached context attend to their own fresh K/V through PyTorch's SDPA,
-  which runs its FlashAttention kernel for 16-bit inputs (causal, GQA without copying K/V).
+  which runs its FlashAttention kernel for 16-bit inputs (causal, GQA without copying K/V),
+  unless the backend is built with `paged_prefills`: then they too read their keys from the
+  cache through the Triton kernel. One kernel for every row gives a step fixed launch shapes
+  (what a captured graph needs) and a row the same arithmetic whatever shares its step.
 - Decodes and prefill chunks on cached context (a prefix-cache hit, an earlier chunk) read
   every key from the cache through their block tables: the Triton paged kernel.
 
@@ -51,15 +54,17 @@ class CudaAttentionMetadata:
 
 
 class CudaAttentionBackend:
-    """SDPA flash for fresh prefills, Triton for everything read from the paged cache.
+    """SDPA flash for fresh prefills (unless `paged_prefills`), Triton for everything read
+    from the paged cache.
 
     Owns the staging buffer its per-step tables travel through.
     """
 
     index_dtype = torch.int32  # what the Triton kernels read
 
-    def __init__(self, device: torch.device, num_heads: int, num_kv_heads: int) -> None:
+    def __init__(self, device: torch.device, num_heads: int, num_kv_heads: int, paged_prefills: bool = False) -> None:
         self.device = device
+        self.paged_prefills = paged_prefills
         self.chunk_tile_tokens = prefill_tile_shape(num_heads // num_kv_heads).query_tokens
         self.staging = StagingBuffer(device, torch.int32)
 
@@ -70,7 +75,7 @@ class CudaAttentionBackend:
         fresh_prefills = []
         row = layout.num_decodes
         for sequence in layout.sequences[layout.num_decodes :]:
-            if sequence.num_context_tokens:
+            if sequence.num_context_tokens or self.paged_prefills:
                 chunks.append(sequence)
                 chunk_rows.append((row, sequence.num_context_tokens, sequence.query_len))
             else:
