@@ -78,8 +78,15 @@ class ModelConfig:
     )
     cuda_graphs: bool = field(
         default=True,
-        metadata=_help("cuda: replay decode steps from CUDA graphs captured for batch sizes 1, 2, 4, 8, 16, "
-                       "then every 16 up to max_num_seqs"),
+        metadata=_help("cuda: replay steps from CUDA graphs captured at start: decode-only steps for batch sizes "
+                       "1, 2, 4, 8, 16, then every 16 up to max_num_seqs; steps with prefill rows by token count "
+                       "(see cuda_graph_max_tokens)"),
+    )
+    cuda_graph_max_tokens: int = field(
+        default=2048,
+        metadata=_help("cuda: the longest step with prefill rows replayed from a graph (token counts 16, 32, 48, "
+                       "64, 96, 128, then every 64 to 512, 128 to 1024, 256 beyond; capped by "
+                       "max_num_batched_tokens); longer steps and 0 run eagerly, fresh prompts on SDPA flash"),
     )
     quantization: str | None = field(
         default=None,
@@ -100,6 +107,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(
+            self.cuda_graph_max_tokens >= 0,
+            "cuda_graph_max_tokens",
+            f"must be >= 0, got {self.cuda_graph_max_tokens}",
+        )
         _require(self.device in DEVICES, "device", f"must be one of {DEVICES}, got {self.device!r}")
         _require(
             self.max_model_len is None or self.max_model_len >= 1,

@@ -51,6 +51,9 @@ class CudaAttentionMetadata:
     decodes: DecodeQueries | None  # rows [0, num_decodes)
     chunks: ChunkQueries | None  # prefills on cached context
     fresh_prefills: list[FreshPrefill]
+    # Rows no query covers (a graph's padding tokens): their output is zeroed, so padding rows
+    # carry finite values through the layers instead of whatever the memory held.
+    has_uncovered_rows: bool = False
 
 
 class CudaAttentionBackend:
@@ -105,6 +108,14 @@ class CudaAttentionBackend:
         """Metadata of a decode-only step over tensors the caller owns (a graph's static inputs)."""
         return CudaAttentionMetadata(slot_mapping, DecodeQueries(block_tables, seq_lens), None, [])
 
+    @staticmethod
+    def chunk_metadata(
+        slot_mapping: torch.Tensor, block_tables: torch.Tensor, tiles: torch.Tensor
+    ) -> CudaAttentionMetadata:
+        """Metadata of a step whose every row attends through the chunk kernel's `tiles`, over
+        tensors the caller owns (a graph's static inputs)."""
+        return CudaAttentionMetadata(slot_mapping, None, ChunkQueries(block_tables, tiles), [], has_uncovered_rows=True)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -114,7 +125,7 @@ class CudaAttentionBackend:
         metadata: CudaAttentionMetadata,
     ) -> torch.Tensor:
         store_kv(kv_cache, key, value, metadata.slot_mapping)
-        output = torch.empty_like(query)
+        output = torch.zeros_like(query) if metadata.has_uncovered_rows else torch.empty_like(query)
         if metadata.decodes is not None:
             paged_decode_attention(output, query, kv_cache, metadata.decodes)
         if metadata.chunks is not None:

@@ -1,13 +1,20 @@
-"""Decode steps replayed from captured graphs.
+"""Steps replayed from captured CUDA graphs.
 
-A decode step launches a few kernels per layer on tiny tensors, so its time is the host's
-launch overhead; a captured graph replays them all in one call. Graphs have fixed shapes and
-addresses, so one is captured per batch size of a ladder (1, 2, 4, 8, 16, then every 16 up to
-`max_num_seqs`), each reading static input buffers, and a batch is padded to the next size.
+A step launches a few kernels per layer; unless it is long, its time is the host's launch
+overhead, and a captured graph replays all of them in one call. Graphs have fixed shapes and
+addresses, so each reads static input buffers and is captured once per size of a ladder; a
+step is padded to the next captured size.
 
-Padding rows are harmless by construction: each is a one-token sequence at position 0 whose
-block table points at a scratch block that the KV cache manager never hands out, so it writes
-its K/V there, reads only that slot back, and is never sampled.
+- Decode-only steps (`DecodeGraphs`): one graph per batch size (1, 2, 4, 8, 16, then every 16
+  up to `max_num_seqs`); decodes attend with the decode kernel.
+- Steps with prefill rows (`StepGraphs`: prompts, chunks, verification of drafts, with or
+  without decodes): one graph per token count (`graph_token_sizes`). Every row attends through
+  the chunk kernel, which reads its tiles from a device table of fixed length, so the launch
+  shapes depend only on the token count, never on how the tokens split into sequences.
+
+Padding is harmless by construction: padding tokens sit at position 0 and write their K/V to a
+scratch block that the KV cache manager never hands out; padding decode rows read only that
+block; padding tiles have no rows. None of them is sampled.
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ import bisect
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from firsttoken.attention.cuda_backend import CudaAttentionBackend
-from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.attention.staging import wait_for_copy
+from firsttoken.attention.triton_kernels import TILE_FIELDS, chunk_tiles
+from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.worker.step_inputs import HostStep
 
 Forward = Callable[[], torch.Tensor]
@@ -36,17 +45,35 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-def padded_batch_size(num_decodes: int, sizes: list[int]) -> int | None:
-    """The smallest captured size holding `num_decodes` rows; None when none is large enough."""
-    index = bisect.bisect_left(sizes, num_decodes)
+def graph_token_sizes(max_tokens: int) -> list[int]:
+    """The ladder of captured token counts, ending at `max_tokens`: 16, 32, 48, 64, 96, 128, then
+    every 64 up to 512, every 128 up to 1024, every 256 beyond. Steps finer than the compute's
+    own granularity would add graphs without saving work; coarser ones would pad a 7B model's
+    compute-bound prefill by more than an eighth."""
+    sizes = [16, 32, 48, 64, 96] + list(range(128, 512, 64)) + list(range(512, 1024, 128))
+    sizes += list(range(1024, max_tokens, 256))
+    return [size for size in sizes if size < max_tokens] + [max_tokens]
+
+
+def padded_size(count: int, sizes: list[int]) -> int | None:
+    """The smallest captured size holding `count` rows or tokens; None when none is large enough."""
+    index = bisect.bisect_left(sizes, count)
     return sizes[index] if index < len(sizes) else None
+
+
+def max_chunk_tiles(num_tokens: int, max_num_seqs: int, tile_tokens: int) -> int:
+    """Most chunk-kernel tiles `num_tokens` tokens of at most `max_num_seqs` sequences can need:
+    each sequence's first tile, plus one per further `tile_tokens` of its tokens; never more
+    than one per token."""
+    return min(num_tokens, max_num_seqs + (num_tokens - 1) // tile_tokens)
 
 
 @dataclass(frozen=True)
 class GraphCaptureReport:
-    """What capturing the decode graphs cost at start-up."""
+    """What capturing the graphs cost at start-up."""
 
-    batch_sizes: tuple[int, ...]
+    batch_sizes: tuple[int, ...]  # decode-only steps
+    token_sizes: tuple[int, ...]  # steps with prefill rows; empty when they run eagerly
     seconds: float
     device_memory_bytes: int  # taken on the device by the graphs' pool and static inputs; 0 on a CPU
 
@@ -58,6 +85,33 @@ def device_memory_in_use(device: torch.device) -> int:
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     return total - free
+
+
+class StaticInputs:
+    """Index arrays that captured graphs read: a pinned host mirror the step writes, and its
+    device copy. Every copy is non-blocking; the mirror is written again only once the
+    previous copy out of it is done."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], device: torch.device) -> None:
+        pin = device.type != "cpu"
+        self.host = {name: torch.zeros(shape, dtype=torch.int32, pin_memory=pin) for name, shape in shapes.items()}
+        self.on_device = {name: torch.zeros_like(tensor, device=device) for name, tensor in self.host.items()}
+        self._copy_done: torch.Event | None = None
+
+    def writable(self) -> dict[str, np.ndarray]:
+        """The host mirror as NumPy arrays, once the previous copy out of it is done."""
+        wait_for_copy(self._copy_done)
+        return {name: tensor.numpy() for name, tensor in self.host.items()}
+
+    def ship(self, num_rows: dict[str, int]) -> None:
+        """Copy the first `num_rows[name]` rows of each array to the device (all of those not named)."""
+        for name, host in self.host.items():
+            rows = num_rows.get(name, host.shape[0])
+            self.on_device[name][:rows].copy_(host[:rows], non_blocking=True)
+        device = next(iter(self.on_device.values())).device
+        if device.type != "cpu":
+            self._copy_done = torch.Event(device=device)
+            self._copy_done.record()
 
 
 class GraphCapture(Protocol):
@@ -98,13 +152,11 @@ class CudaGraphCapture:
 
 
 class DecodeGraphs:
-    """Owns the static decode inputs (a pinned host mirror and their device buffers) and one
-    replay per ladder size, each with its own output tensor."""
+    """Owns the static decode inputs and one replay per batch size, each with its own output."""
 
     def __init__(
         self,
         model: LlamaForCausalLM,
-        backend: CudaAttentionBackend,
         capture: GraphCapture,
         sizes: list[int],
         max_blocks_per_seq: int,
@@ -116,60 +168,131 @@ class DecodeGraphs:
         self.scratch_block_id = scratch_block_id
         self.block_size = block_size
         max_size = sizes[-1]
-        pin = device.type != "cpu"
-        self.host_scalars = torch.zeros((4, max_size), dtype=torch.int32, pin_memory=pin)
-        self.host_tables = torch.zeros((max_size, max_blocks_per_seq), dtype=torch.int32, pin_memory=pin)
-        self.scalars = torch.zeros_like(self.host_scalars, device=device)
-        self.block_tables = torch.zeros_like(self.host_tables, device=device)
-        self._copy_done: torch.Event | None = None
+        self.inputs = StaticInputs({"scalars": (4, max_size), "block_tables": (max_size, max_blocks_per_seq)}, device)
         # Every row starts as padding, so the warm-up and capture runs touch only the scratch block.
-        self._write_padding(0, max_size)
-        self._ship(max_size)
+        self._write_padding(self.inputs.writable(), 0, max_size)
+        self.inputs.ship({})
         self.replays: dict[int, Forward] = {}
         # Largest first: smaller graphs then fit in the memory pool the largest one sized.
         for size in reversed(sizes):
-            self.replays[size] = capture.capture(self._forward(model, backend, size))
+            self.replays[size] = capture.capture(self._forward(model, size))
 
-    def _forward(self, model: LlamaForCausalLM, backend: CudaAttentionBackend, size: int) -> Forward:
-        input_ids, positions, slot_mapping, seq_lens = self.scalars[:, :size]
-        metadata = backend.decode_metadata(slot_mapping, self.block_tables[:size], seq_lens)
+    def _forward(self, model: LlamaForCausalLM, size: int) -> Forward:
+        input_ids, positions, slot_mapping, seq_lens = self.inputs.on_device["scalars"][:, :size]
+        block_tables = self.inputs.on_device["block_tables"][:size]
+        metadata = CudaAttentionBackend.decode_metadata(slot_mapping, block_tables, seq_lens)
         return lambda: model(input_ids, positions, metadata)
 
     def padded_size(self, step: HostStep) -> int | None:
         """The graph size that runs `step`; None if it must run eagerly."""
         if not step.is_decode_only:
             return None
-        return padded_batch_size(step.num_tokens, self.sizes)
+        return padded_size(step.num_tokens, self.sizes)
 
     def run(self, step: HostStep, size: int) -> torch.Tensor:
         """Hidden states [num_decodes, hidden] of a decode-only step, from the graph of `size` rows."""
         num_rows = step.num_tokens
-        wait_for_copy(self._copy_done)  # the previous copy out of the host mirror
-        scalars = self.host_scalars.numpy()
+        arrays = self.inputs.writable()
+        scalars = arrays["scalars"]
         scalars[_INPUT_IDS, :num_rows] = step.input_ids
         scalars[_POSITIONS, :num_rows] = step.positions
         scalars[_SLOTS, :num_rows] = step.slot_mapping
         scalars[_SEQ_LENS, :num_rows] = step.positions + 1
-        tables = self.host_tables.numpy()
+        tables = arrays["block_tables"]
         for row, chunk in enumerate(step.chunks):
             num_blocks = chunk.start_position // self.block_size + 1
             tables[row, :num_blocks] = chunk.block_table[:num_blocks]
-        self._write_padding(num_rows, size)
-        self._ship(size)
+        self._write_padding(arrays, num_rows, size)
+        self.inputs.ship({"block_tables": size})
         return self.replays[size]()[:num_rows]
 
-    def _write_padding(self, start: int, end: int) -> None:
-        scalars = self.host_scalars.numpy()
+    def _write_padding(self, arrays: dict[str, np.ndarray], start: int, end: int) -> None:
+        scalars = arrays["scalars"]
         scalars[_INPUT_IDS, start:end] = 0
         scalars[_POSITIONS, start:end] = 0
         scalars[_SLOTS, start:end] = self.scratch_block_id * self.block_size
         scalars[_SEQ_LENS, start:end] = 1
-        self.host_tables.numpy()[start:end, 0] = self.scratch_block_id
+        arrays["block_tables"][start:end, 0] = self.scratch_block_id
 
-    def _ship(self, num_rows: int) -> None:
-        """Copy the scalars and the first `num_rows` block-table rows to the device, without blocking."""
-        self.scalars.copy_(self.host_scalars, non_blocking=True)
-        self.block_tables[:num_rows].copy_(self.host_tables[:num_rows], non_blocking=True)
-        if self.scalars.device.type != "cpu":
-            self._copy_done = torch.Event(device=self.scalars.device)
-            self._copy_done.record()
+
+class StepGraphs:
+    """Owns the static inputs of steps with prefill rows (token scalars, block tables, the chunk
+    kernel's tile table) and one replay per token count, each with its own output."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        capture: GraphCapture,
+        sizes: list[int],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        tile_tokens: int,
+        scratch_block_id: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.sizes = sizes
+        self.max_num_seqs = max_num_seqs
+        self.tile_tokens = tile_tokens
+        self.scratch_block_id = scratch_block_id
+        self.block_size = block_size
+        max_tokens = sizes[-1]
+        self.inputs = StaticInputs(
+            {
+                "scalars": (3, max_tokens),
+                "block_tables": (max_num_seqs, max_blocks_per_seq),
+                "tiles": (self._num_tiles(max_tokens), TILE_FIELDS),
+            },
+            device,
+        )
+        # All padding: the warm-up and capture runs write only the scratch block and attend to nothing.
+        self._write_padding(self.inputs.writable(), 0, max_tokens)
+        self.inputs.ship({})
+        self.replays: dict[int, Forward] = {}
+        for size in reversed(sizes):
+            self.replays[size] = capture.capture(self._forward(model, size))
+
+    def _num_tiles(self, num_tokens: int) -> int:
+        return max_chunk_tiles(num_tokens, self.max_num_seqs, self.tile_tokens)
+
+    def _forward(self, model: LlamaForCausalLM, size: int) -> Forward:
+        input_ids, positions, slot_mapping = self.inputs.on_device["scalars"][:, :size]
+        block_tables = self.inputs.on_device["block_tables"]
+        tiles = self.inputs.on_device["tiles"][: self._num_tiles(size)]
+        metadata = CudaAttentionBackend.chunk_metadata(slot_mapping, block_tables, tiles)
+        return lambda: model(input_ids, positions, metadata)
+
+    def padded_size(self, step: HostStep) -> int | None:
+        """The graph size that runs `step`; None if it is decode-only or too long."""
+        if step.is_decode_only or len(step.chunks) > self.max_num_seqs:
+            return None
+        return padded_size(step.num_tokens, self.sizes)
+
+    def run(self, step: HostStep, size: int) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of the step, from the graph of `size` tokens."""
+        num_tokens = step.num_tokens
+        arrays = self.inputs.writable()
+        scalars = arrays["scalars"]
+        scalars[0, :num_tokens] = step.input_ids
+        scalars[1, :num_tokens] = step.positions
+        scalars[2, :num_tokens] = step.slot_mapping
+        self._write_padding(arrays, num_tokens, size)
+        tables = arrays["block_tables"]
+        tile_rows = []  # (first query row, context length, query length) per sequence
+        row = 0
+        for index, sequence in enumerate(step.layout.sequences):
+            num_blocks = -(-sequence.seq_len // self.block_size)
+            tables[index, :num_blocks] = sequence.block_table[:num_blocks]
+            tile_rows.append((row, sequence.num_context_tokens, sequence.query_len))
+            row += sequence.query_len
+        tiles = chunk_tiles(tile_rows, self.tile_tokens)
+        num_tiles = self._num_tiles(size)
+        arrays["tiles"][: len(tiles)] = tiles
+        arrays["tiles"][len(tiles) : num_tiles] = 0  # no rows: the kernel reads no key and writes nothing
+        self.inputs.ship({"block_tables": len(step.layout.sequences), "tiles": num_tiles})
+        return self.replays[size]()[:num_tokens]
+
+    def _write_padding(self, arrays: dict[str, np.ndarray], start: int, end: int) -> None:
+        scalars = arrays["scalars"]
+        scalars[:2, start:end] = 0
+        scalars[2, start:end] = self.scratch_block_id * self.block_size

@@ -1,8 +1,8 @@
 """ModelRunner: execute(SchedulerOutput) -> ModelOutput.
 
 The one place a scheduled batch runs: its inputs are built on the host (step_inputs.py),
-staged to the device in one copy, run through the model eagerly or, for decode-only steps
-on CUDA, replayed from a captured graph; logits are computed only for the rows that sample.
+staged to the device in one copy, run through the model eagerly or, on CUDA, replayed from a
+captured graph (decode-only steps by batch size, steps with prefill rows by token count); logits are computed only for the rows that sample.
 Nothing synchronises the host with the device before the sampler hands back the ids.
 """
 
@@ -24,12 +24,12 @@ from firsttoken.sample.sampler import Sampler
 from firsttoken.worker.step_inputs import HostStep, build_host_step
 
 if TYPE_CHECKING:
-    from firsttoken.worker.cuda_graphs import DecodeGraphs, GraphCapture, GraphCaptureReport
+    from firsttoken.worker.cuda_graphs import DecodeGraphs, GraphCapture, GraphCaptureReport, StepGraphs
 
 
 class ModelRunner:
     """Runs the model on a scheduled batch and samples; owns the model, attention backend and
-    sampler, the staging buffer of step inputs, and the decode graphs once captured.
+    sampler, the staging buffer of step inputs, and the graphs once captured.
 
     Tensor-parallel: rank 0's runner hands each step to `send_step` (the other ranks, which run
     it with `run_shard`) before running its own slice; only rank 0 samples."""
@@ -51,45 +51,61 @@ class ModelRunner:
         self.device = device
         self.index_dtype = np.dtype(str(backend.index_dtype).removeprefix("torch."))
         self.staging = StagingBuffer(device, backend.index_dtype)
-        self.graphs: DecodeGraphs | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        self.step_graphs: StepGraphs | None = None
 
-    def capture_decode_graphs(
+    def capture_graphs(
         self,
         max_num_seqs: int,
         max_model_len: int,
+        max_graph_tokens: int,
         scratch_block_id: int,
         capture: GraphCapture | None = None,
     ) -> GraphCaptureReport:
-        """Capture decode graphs up to `max_num_seqs` rows; their padding rows write only
-        `scratch_block_id`, a block the KV cache manager never hands out."""
+        """Capture steps with prefill rows up to `max_graph_tokens` tokens (none when 0), then
+        decode-only steps up to `max_num_seqs` rows; padding writes only `scratch_block_id`, a
+        block the KV cache manager never hands out."""
         # Imported here: the graphs need the CUDA backend, which needs triton.
         from firsttoken.attention.cuda_backend import CudaAttentionBackend
         from firsttoken.worker.cuda_graphs import (
             CudaGraphCapture,
             DecodeGraphs,
             GraphCaptureReport,
+            StepGraphs,
             device_memory_in_use,
             graph_batch_sizes,
+            graph_token_sizes,
         )
 
         if not isinstance(self.backend, CudaAttentionBackend):
             raise ValueError("cuda graphs: the attention backend must be the CUDA one")
-        sizes = graph_batch_sizes(max_num_seqs)
+        capture = capture or CudaGraphCapture(self.device)
+        batch_sizes = graph_batch_sizes(max_num_seqs)
+        token_sizes = graph_token_sizes(max_graph_tokens) if max_graph_tokens else []
+        max_blocks_per_seq = -(-max_model_len // self.block_size)
         memory_before = device_memory_in_use(self.device)
         started = time.perf_counter()
         with torch.inference_mode():
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.backend,
-                capture or CudaGraphCapture(self.device),
-                sizes,
-                max_blocks_per_seq=-(-max_model_len // self.block_size),
-                scratch_block_id=scratch_block_id,
-                block_size=self.block_size,
-                device=self.device,
+            # The largest graphs first: the shared pool is sized once, by them.
+            if token_sizes:
+                self.step_graphs = StepGraphs(
+                    self.model,
+                    capture,
+                    token_sizes,
+                    max_num_seqs,
+                    max_blocks_per_seq,
+                    self.backend.chunk_tile_tokens,
+                    scratch_block_id,
+                    self.block_size,
+                    self.device,
+                )
+            self.decode_graphs = DecodeGraphs(
+                self.model, capture, batch_sizes, max_blocks_per_seq, scratch_block_id, self.block_size, self.device
             )
         seconds = time.perf_counter() - started
-        return GraphCaptureReport(tuple(sizes), seconds, device_memory_in_use(self.device) - memory_before)
+        return GraphCaptureReport(
+            tuple(batch_sizes), tuple(token_sizes), seconds, device_memory_in_use(self.device) - memory_before
+        )
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
@@ -119,9 +135,8 @@ class ModelRunner:
 
     def forward_sampled_rows(self, step: HostStep) -> torch.Tensor:
         """Run the step; hidden states [R, hidden] of the rows that sample, still on the device."""
-        size = self.graphs.padded_size(step) if self.graphs is not None else None
-        if size is not None:
-            hidden = self.graphs.run(step, size)
+        hidden = self._replay(step)
+        if hidden is not None:
             if step.samples_every_row:
                 return hidden
             (sample_rows,) = self.staging.stage([step.sample_rows])
@@ -132,6 +147,14 @@ class ModelRunner:
         metadata = self.backend.build_metadata(step.layout, slot_mapping)
         hidden = self.model(input_ids, positions, metadata)
         return hidden if step.samples_every_row else hidden[sample_rows]
+
+    def _replay(self, step: HostStep) -> torch.Tensor | None:
+        """Hidden states [T, hidden] of the step from a captured graph; None when none holds it."""
+        for graphs in (self.decode_graphs, self.step_graphs):
+            size = graphs.padded_size(step) if graphs is not None else None
+            if size is not None:
+                return graphs.run(step, size)
+        return None
 
 
 def _model_output(sampling_chunks: list[ScheduledChunk], sampled: list[SampledToken]) -> ModelOutput:

@@ -105,7 +105,7 @@ class Worker:
             model_config.batch_invariant and model_config.quantization is None and isinstance(backend, SDPABackend)
             and backend.decodes_as_prefill(config.cache.block_size) and self._matmuls_rows_invariant(self.model)
         )
-        # Decode graphs pad their batches with rows that write one scratch block past the manager's.
+        # Graphs pad their steps with tokens that write one scratch block past the manager's.
         use_graphs = self.device.type == "cuda" and model_config.cuda_graphs
         self.num_kv_blocks = self._num_kv_blocks(attention_arch, shard)
         if self.rank_group is not None:
@@ -122,12 +122,17 @@ class Worker:
         self.graph_capture: GraphCaptureReport | None = None
         if use_graphs:
             # Every rank captures the same sizes in the same order: the collectives inside match.
-            self.graph_capture = self.runner.capture_decode_graphs(
-                config.scheduler.max_num_seqs, self.max_model_len, scratch_block_id=self.num_kv_blocks
+            self.graph_capture = self.runner.capture_graphs(
+                config.scheduler.max_num_seqs,
+                self.max_model_len,
+                min(model_config.cuda_graph_max_tokens, config.scheduler.max_num_batched_tokens),
+                scratch_block_id=self.num_kv_blocks,
             )
             logger.info(
-                "captured decode graphs for batch sizes %s in %.2f s, %.1f MiB of device memory",
+                "captured CUDA graphs for decode batch sizes %s and step token counts %s in %.2f s, "
+                "%.1f MiB of device memory",
                 list(self.graph_capture.batch_sizes),
+                list(self.graph_capture.token_sizes),
                 self.graph_capture.seconds,
                 self.graph_capture.device_memory_bytes / 2**20,
             )

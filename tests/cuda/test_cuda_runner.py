@@ -1,9 +1,9 @@
 """The runner on the CUDA path (pinned staging, Triton attention and elementwise ops, padded
-decode graphs) gives the plain path's greedy tokens; padding rows write only the scratch block.
+decode and step graphs) gives the plain path's greedy tokens; padding writes only the scratch block.
 
 Both run on the GPU where there is one (the Triton kernels compiled), else on the CPU through
 the interpreter. Graph capture is replaced by eager replays of the same static-buffer forward
-(EagerCapture), which exercises the ladder, the static inputs and the padding rows; the CUDA
+(EagerCapture), which exercises the ladders, the static inputs and the padding; the CUDA
 capture itself is covered by tests/cuda/test_gpu.py on a GPU.
 """
 
@@ -64,16 +64,24 @@ def _runners(device, dtype):
     return reference, reference_caches, runner, caches
 
 
-@pytest.mark.parametrize("use_graphs", [True, False])
-def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(use_graphs, device):
+@pytest.mark.parametrize("max_graph_tokens", [None, 0, 16, 64])
+def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(max_graph_tokens, device):
+    """None: no graphs; 0: decode graphs only; 16: steps up to 16 tokens replayed, longer ones
+    eager; 64: every step replayed (the scheduler's steps hold at most 64 tokens)."""
     reference, reference_caches, runner, caches = _runners(device, torch.float32)
     capture = EagerCapture()
+    use_graphs = max_graph_tokens is not None
     if use_graphs:
-        runner.capture_decode_graphs(max_num_seqs=8, max_model_len=512, scratch_block_id=NUM_BLOCKS, capture=capture)
+        runner.capture_graphs(
+            max_num_seqs=8, max_model_len=512, max_graph_tokens=max_graph_tokens,
+            scratch_block_id=NUM_BLOCKS, capture=capture,
+        )
+    step_replays = _count_step_replays(runner)
     expected = greedy_generate(reference, PROMPTS, 6, NUM_BLOCKS, BLOCK_SIZE, chunk_size=16)
     generated = greedy_generate(runner, PROMPTS, 6, NUM_BLOCKS, BLOCK_SIZE, chunk_size=16)
     assert generated == expected
     assert (capture.num_replays > 0) == use_graphs
+    assert (step_replays() > 0) == bool(max_graph_tokens)
     for cache, reference_cache in zip(caches, reference_caches):
         # Every real block holds the same K/V; padding rows wrote only the scratch block.
         torch.testing.assert_close(
@@ -85,10 +93,11 @@ def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(use_graphs, device):
 def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots(device):
     _, _, runner, caches = _runners(device, torch.float32)
     capture = EagerCapture()
-    report = runner.capture_decode_graphs(
-        max_num_seqs=8, max_model_len=512, scratch_block_id=NUM_BLOCKS, capture=capture
+    report = runner.capture_graphs(
+        max_num_seqs=8, max_model_len=512, max_graph_tokens=0, scratch_block_id=NUM_BLOCKS, capture=capture
     )
-    assert runner.graphs.sizes == [1, 2, 4, 8] and report.batch_sizes == (1, 2, 4, 8)
+    assert runner.decode_graphs.sizes == [1, 2, 4, 8] and report.batch_sizes == (1, 2, 4, 8)
+    assert runner.step_graphs is None and report.token_sizes == ()
     assert report.seconds > 0
     if device.type == "cpu":
         assert report.device_memory_bytes == 0
@@ -107,9 +116,9 @@ def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots
     output = runner.execute(SchedulerOutput(chunks))
 
     assert capture.num_replays == 1 and sorted(output.sampled) == [chunk.req_id for chunk in chunks]
-    scalars = runner.graphs.host_scalars
+    scalars = runner.decode_graphs.inputs.host["scalars"]
     assert scalars[:, 5:8].tolist() == [[0] * 3, [0] * 3, [NUM_BLOCKS * BLOCK_SIZE] * 3, [1] * 3]
-    assert runner.graphs.host_tables[5:8, 0].tolist() == [NUM_BLOCKS] * 3
+    assert runner.decode_graphs.inputs.host["block_tables"][5:8, 0].tolist() == [NUM_BLOCKS] * 3
     assert scalars[3, :5].tolist() == [position + 1 for position in positions]
     real_slots = {
         chunk.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
@@ -118,3 +127,62 @@ def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots
     for cache in caches:
         written = cache[0].reshape(NUM_BLOCKS + 1, BLOCK_SIZE, -1).abs().sum(-1).flatten().nonzero().flatten()
         assert set(written.tolist()) == real_slots | {NUM_BLOCKS * BLOCK_SIZE}
+
+
+def _count_step_replays(runner: ModelRunner):
+    """A function returning how many steps the runner's step graphs have run so far."""
+    if runner.step_graphs is None:
+        return lambda: 0
+    calls = []
+    run = runner.step_graphs.run
+
+    def counting_run(step, size):
+        calls.append(size)
+        return run(step, size)
+
+    runner.step_graphs.run = counting_run
+    return lambda: len(calls)
+
+
+def test_a_mixed_step_pads_to_the_next_token_count_and_writes_only_its_slots(device):
+    """Two decodes, a fresh prompt and a chunk on cached context: 2 + 9 + 6 = 17 tokens run in
+    the 32-token graph; the 15 padding tokens write only the scratch block, padding tiles are empty."""
+    reference, reference_caches, runner, caches = _runners(device, torch.float32)
+    capture = EagerCapture()
+    report = runner.capture_graphs(
+        max_num_seqs=8, max_model_len=512, max_graph_tokens=64, scratch_block_id=NUM_BLOCKS, capture=capture
+    )
+    assert report.token_sizes == (16, 32, 48, 64) and runner.step_graphs.sizes == [16, 32, 48, 64]
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    # Context of the decodes and of the chunk, written by an eager step of both runners first.
+    context = [
+        ScheduledChunk("decode-a", list(range(20, 25)), 0, [3, 4], None),
+        ScheduledChunk("decode-b", [40, 41], 0, [9], None),
+        ScheduledChunk("chunk", list(range(60, 70)), 0, [12, 13, 14], None),
+    ]
+    mixed = [
+        ScheduledChunk("decode-a", [25], 5, [3, 4], SampleSpec(greedy, 0, "decode-a")),
+        ScheduledChunk("prompt", list(range(80, 89)), 0, [20, 21, 22], SampleSpec(greedy, 0, "prompt")),
+        ScheduledChunk("decode-b", [42], 2, [9], SampleSpec(greedy, 0, "decode-b")),
+        ScheduledChunk("chunk", list(range(70, 76)), 10, [12, 13, 14, 15], SampleSpec(greedy, 0, "chunk")),
+    ]
+    for step_runner in (reference, runner):
+        step_runner.execute(SchedulerOutput(context))
+    assert capture.num_replays == 1  # 17 context tokens, fresh prompts: the 32-token graph
+    capture.num_replays = 0
+    expected = reference.execute(SchedulerOutput(mixed))
+    output = runner.execute(SchedulerOutput(mixed))
+    assert capture.num_replays == 1
+    assert output.sampled == expected.sampled
+
+    scalars = runner.step_graphs.inputs.host["scalars"]
+    assert scalars[:2, 17:32].tolist() == [[0] * 15, [0] * 15]
+    assert scalars[2, 17:32].tolist() == [NUM_BLOCKS * BLOCK_SIZE] * 15
+    # Decodes first, then the prompt in one tile, then the chunk; empty tiles up to the bound.
+    tiles = runner.step_graphs.inputs.host["tiles"]
+    assert tiles[:4].tolist() == [[0, 0, 5, 1], [1, 1, 2, 1], [2, 2, 0, 9], [3, 11, 10, 6]]
+    assert tiles[4:].abs().sum() == 0
+    for cache, reference_cache in zip(caches, reference_caches):
+        torch.testing.assert_close(cache[:, :NUM_BLOCKS], reference_cache[:, :NUM_BLOCKS], atol=1e-5, rtol=1e-5)
+        written = cache[0, NUM_BLOCKS].abs().sum((-2, -1)).nonzero().flatten()
+        assert written.tolist() == [0]  # every padding token at the scratch block's first slot

@@ -8,7 +8,8 @@ import torch
 
 from firsttoken.core.batch import SampleSpec, ScheduledChunk
 from firsttoken.sampling_params import SamplingParams
-from firsttoken.worker.cuda_graphs import graph_batch_sizes, padded_batch_size
+from firsttoken.attention.triton_kernels import chunk_tiles
+from firsttoken.worker.cuda_graphs import graph_batch_sizes, graph_token_sizes, max_chunk_tiles, padded_size
 from firsttoken.attention.backend import SequenceLayout
 from firsttoken.attention.staging import StagingBuffer
 from firsttoken.worker.step_inputs import build_host_step
@@ -31,7 +32,7 @@ def test_graph_ladder(max_num_seqs, expected):
 
 def test_a_batch_pads_to_the_smallest_size_that_holds_it():
     sizes = graph_batch_sizes(64)
-    assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)] == [
+    assert [padded_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64)] == [
         1,
         2,
         4,
@@ -43,7 +44,47 @@ def test_a_batch_pads_to_the_smallest_size_that_holds_it():
         48,
         64,
     ]
-    assert padded_batch_size(65, sizes) is None
+    assert padded_size(65, sizes) is None
+
+
+@pytest.mark.parametrize(
+    "max_tokens,expected",
+    [
+        (1, [1]),
+        (16, [16]),
+        (40, [16, 32, 40]),
+        (200, [16, 32, 48, 64, 96, 128, 192, 200]),
+        (
+            2048,
+            [16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048],
+        ),
+    ],
+)
+def test_token_ladder(max_tokens, expected):
+    assert graph_token_sizes(max_tokens) == expected
+
+
+@pytest.mark.parametrize("tile_tokens", [1, 7, 21, 64])
+def test_the_tile_table_holds_every_split_of_a_step(tile_tokens):
+    """No split of up to `num_tokens` tokens over up to `max_num_seqs` sequences needs more tiles
+    than the graph's table holds, and some split needs exactly that many."""
+    rng = np.random.default_rng(tile_tokens)
+    max_num_seqs = 8
+    for num_tokens in (1, 5, 16, 64, 100, 512):
+        bound = max_chunk_tiles(num_tokens, max_num_seqs, tile_tokens)
+        most = 0
+        for _ in range(200):
+            num_seqs = int(rng.integers(1, min(num_tokens, max_num_seqs) + 1))
+            cuts = np.sort(rng.choice(np.arange(1, num_tokens), size=num_seqs - 1, replace=False))
+            lengths = np.diff(np.concatenate([[0], cuts, [num_tokens]]))
+            most = max(most, len(chunk_tiles([(0, 0, int(n)) for n in lengths], tile_tokens)))
+        # The worst split: all but one sequence one tile past a multiple of tile_tokens.
+        num_seqs = min(num_tokens, max_num_seqs)
+        worst = [tile_tokens + 1] * (num_seqs - 1)
+        if sum(worst) < num_tokens:
+            worst.append(num_tokens - sum(worst))
+            most = max(most, len(chunk_tiles([(0, 0, n) for n in worst], tile_tokens)))
+        assert most <= bound
 
 
 def _chunk(req_id, token_ids, start, table, samples=True):
