@@ -1,6 +1,6 @@
 """Device check of the CUDA path, in one run: greedy parity with transformers on the same
 weights, the bf16 matmul rate, TTFT against the compute floor and against a transformers
-forward, decode tokens/s with and without CUDA graphs, and what capturing the graphs cost.
+forward, TTFT and decode tokens/s with and without CUDA graphs, and what capturing them cost.
 
     python bench/gpu_check.py [--json results.json]          # on a CUDA machine, < 8 minutes on an H200
     python bench/gpu_check.py --device cpu --tiny            # the same steps on tiny shapes, in seconds
@@ -21,6 +21,8 @@ TTFT: wall time of `LLM.generate(max_tokens=1)` on a fresh prompt (median of 3 a
 warm-up), timed in turns with transformers' forward in the run's dtype on the same prompt
 (logits of the last row only, as its generate prefills), against the floor: forward FLOPs /
 the measured matmul rate. Each row is held to the device targets where the shape has them.
+Graphs: the same TTFT prompts timed in turns on an engine that replays steps from graphs and
+on one that runs them eagerly (fresh prompts on SDPA flash).
 Decode: (batch x new tokens) / (time of a generate with them - time of one with 1 token).
 """
 
@@ -353,6 +355,22 @@ def measure_ttft(
     return rows
 
 
+def compare_graphs(graphed: LLM, eager: LLM, shape: Shape, plan: Plan, seed: int) -> list[dict]:
+    """TTFT of prompts replayed from captured graphs against the same prompts run eagerly, in turns."""
+    rows = []
+    for length in ttft_lengths(shape, plan):
+        graph_times, eager_times = [], []
+        for run in range(4):
+            prompt = random_prompt(length, f"graphs-{seed}-{length}-{run}", shape.vocab_size)
+            graph_times.append(timed_generate(graphed, [prompt], 1))
+            eager_times.append(timed_generate(eager, [prompt], 1))
+        graph_ttft, eager_ttft = statistics.median(graph_times[1:]), statistics.median(eager_times[1:])
+        rows.append(
+            {"prompt_tokens": length, "graphs_s": graph_ttft, "eager_s": eager_ttft, "speedup": eager_ttft / graph_ttft}
+        )
+    return rows
+
+
 def measure_decode(llm: LLM, shape: Shape, plan: Plan, seed: int) -> list[dict]:
     rows = []
     for batch in plan.decode_batches:
@@ -487,7 +505,7 @@ def release(device: torch.device) -> None:
 def run(
     plan: Plan, device: torch.device, workdir: str, seed: int, say: Callable[[str], None]
 ) -> tuple[dict, list[ParityResult]]:
-    results: dict[str, Any] = {"parity": [], "ttft": [], "decode": [], "graph_capture": []}
+    results: dict[str, Any] = {"parity": [], "ttft": [], "decode": [], "graph_capture": [], "graphs_ttft": []}
     all_parity: list[ParityResult] = []
     results["matmul_tflops"] = tflops = matmul_tflops(plan.matmul_size, plan.dtype, device)
     dtype_name = str(plan.dtype).removeprefix("torch.")
@@ -513,8 +531,9 @@ def run(
         if capture is not None:
             results["graph_capture"].append({"shape": shape.name} | asdict(capture))
             say(
-                f"decode graphs for batch sizes {list(capture.batch_sizes)} captured at start-up in "
-                f"{capture.seconds:.2f} s, {capture.device_memory_bytes / 2**20:.0f} MiB of device memory"
+                f"graphs for decode batch sizes {list(capture.batch_sizes)} and step token counts "
+                f"{list(capture.token_sizes)} captured at start-up in {capture.seconds:.2f} s, "
+                f"{capture.device_memory_bytes / 2**20:.0f} MiB of device memory"
             )
         # Float32 on the engine's own (rounded) weights: the reference parity is scored against.
         hf_model.float()
@@ -575,16 +594,22 @@ def run(
             {"shape": shape.name, "cuda_graphs": graphs} | row
             for row in measure_decode(llm, shape, plan, seed)
         ]
-        del llm
-        release(device)
         if graphs:
             eager = open_engine(folder, shape, plan, device, cuda_graphs=False)
             decode_rows += [
                 {"shape": shape.name, "cuda_graphs": False} | row
                 for row in measure_decode(eager, shape, plan, seed)
             ]
+            graph_rows = compare_graphs(llm, eager, shape, plan, seed)
+            results["graphs_ttft"] += [{"shape": shape.name} | row for row in graph_rows]
+            say("TTFT (median of 3 after a warm-up): steps replayed from graphs vs run eagerly, in turns")
+            print_table(
+                ["prompt tokens", "graphs ms", "eager ms", "speed-up"],
+                [[r["prompt_tokens"], r["graphs_s"] * 1e3, r["eager_s"] * 1e3, r["speedup"]] for r in graph_rows],
+            )
             del eager
-            release(device)
+        del llm
+        release(device)
         results["decode"] += decode_rows
         lengths = f"{plan.decode_prompt_tokens}-token prompts, {plan.decode_new_tokens} new tokens each"
         say(f"decode tokens/s ({lengths})")
