@@ -30,14 +30,18 @@ def _prompts() -> list[list[int]]:
 
 
 def test_cuda_engine_gives_the_cpu_engines_greedy_tokens_with_and_without_graphs(tiny_folder):
+    """Every step from graphs (prompts, chunks, prefix hits, decodes), decodes only, none."""
     expected = LLM(tiny_folder, device="cpu", **OPTIONS).generate(
         prompt_token_ids=_prompts(), sampling_params=GREEDY
     )
-    for cuda_graphs in (True, False):
-        llm = LLM(tiny_folder, device="cuda", cuda_graphs=cuda_graphs, **OPTIONS)
+    for cuda_graphs, max_graph_tokens in ((True, 2048), (True, 0), (False, 2048)):
+        llm = LLM(
+            tiny_folder, device="cuda", cuda_graphs=cuda_graphs, cuda_graph_max_tokens=max_graph_tokens, **OPTIONS
+        )
         assert llm.engine.worker.kv_caches[0].device.type == "cuda"
+        assert (llm.engine.worker.runner.step_graphs is not None) == (cuda_graphs and max_graph_tokens > 0)
         outputs = llm.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY)
-        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected], f"cuda_graphs={cuda_graphs}"
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected], (cuda_graphs, max_graph_tokens)
 
 
 def test_cuda_defaults_to_bfloat16_and_sizes_the_cache_from_free_memory(tiny_folder):
@@ -47,19 +51,21 @@ def test_cuda_defaults_to_bfloat16_and_sizes_the_cache_from_free_memory(tiny_fol
     assert 0 < cache_bytes <= 0.05 * torch.cuda.get_device_properties(0).total_memory
 
 
-def test_a_step_does_not_synchronise_before_sampling(tiny_folder):
-    llm = LLM(tiny_folder, device="cuda", **OPTIONS)
+@pytest.mark.parametrize("max_graph_tokens", [2048, 0])
+def test_a_step_does_not_synchronise_before_sampling(tiny_folder, max_graph_tokens):
+    """The mixed step replays a step graph, or (0) runs eagerly: Triton chunks, SDPA fresh prompt."""
+    llm = LLM(tiny_folder, device="cuda", cuda_graph_max_tokens=max_graph_tokens, **OPTIONS)
     runner = llm.engine.worker.runner
 
     def chunk(req_id: str, token_ids: list[int], start: int, block_table: list[int]) -> ScheduledChunk:
         return ScheduledChunk(req_id, token_ids, start, block_table, SampleSpec(GREEDY, 0, req_id))
 
     steps = [
-        [chunk("a", [3], 5, [0]), chunk("b", [4], 9, [1, 2])],  # graph replay
+        [chunk("a", [3], 5, [0]), chunk("b", [4], 9, [1, 2])],  # a decode graph
         [
             chunk("a", [3], 5, [0]),
-            chunk("c", list(range(20)), 4, [3, 4, 5]),  # on cached context: Triton
-            chunk("d", list(range(30)), 0, [6, 7]),  # fresh: SDPA
+            chunk("c", list(range(20)), 4, [3, 4, 5]),  # on cached context
+            chunk("d", list(range(30)), 0, [6, 7]),  # fresh
         ],
     ]
     for chunks in steps:
