@@ -83,6 +83,12 @@ class CudaAttentionBackend:
         self.chunk_tile_tokens = prefill_tile_shape(num_heads // num_kv_heads).query_tokens
         self.staging = StagingBuffer(device, torch.int32)
 
+    @property
+    def rows_invariant(self) -> bool:
+        """Whether a row's attention is the same bits whatever shares its step: every row on
+        the chunk kernel's tiles, fresh prefills and decodes included."""
+        return self.paged_prefills and self.decodes_as_chunks
+
     def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> CudaAttentionMetadata:
         decodes = layout.sequences[: layout.num_decodes]
         chunks: list[SequenceLayout] = []

@@ -141,5 +141,10 @@ class RowInvariantLinear(nn.Module):
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self.bias = nn.Parameter(bias.contiguous(), requires_grad=False) if bias is not None else None
 
+    @classmethod
+    def from_linear(cls, linear: nn.Module) -> RowInvariantLinear:
+        """The same weights (shared, not copied) as a float `linear` (a `firsttoken.ops.linear.Linear`)."""
+        return cls(linear.weight.data, linear.bias.data if linear.bias is not None else None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return row_invariant_matmul(x, self.weight, self.bias)
