@@ -184,7 +184,7 @@ def _paged_attention_kernel(
         seq = tile
         first_row = tile
         first_position = tl.load(queries_ptr + tile) - 1
-        num_rows = tl.full([], 1, tl.int32)
+        num_rows = 1
     else:
         fields = queries_ptr + tile * 4  # TILE_FIELDS
         seq = tl.load(fields)
