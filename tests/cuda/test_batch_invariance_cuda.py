@@ -3,7 +3,9 @@ alone, beside other prompts and decodes, in chunks, after a prefix-cache hit, an
 recomputed as a prefill row (what a request preempted and recomputed goes through).
 
 The runner drives the tiny model on the row-invariant Triton matmul, the Triton elementwise
-ops and the attention backend as the worker builds it with `batch_invariant`, without graphs.
+ops and the attention backend as the worker builds it with `batch_invariant`, eagerly and with
+its steps replayed from graphs (EagerCapture: decode-only steps padded to a batch size, steps
+with prefill rows padded to a token count), against the prompt's logits alone in an eager step.
 On a GPU the kernels run compiled; elsewhere under the Triton interpreter, whose dots sum each
 row's products in K order (tests/cuda/triton_interpreter.py), so there these tests check the
 kernels' structure (fixed tiles, key blocks and reduction order), and on a GPU the hardware too.
@@ -27,6 +29,7 @@ from firsttoken.sampling_params import SamplingParams
 from firsttoken.worker.kv_cache import allocate_kv_caches
 from firsttoken.worker.model_runner import ModelRunner
 from firsttoken.worker.step_inputs import build_host_step, order_decodes_first
+from tests.cuda.test_cuda_runner import EagerCapture
 from tests.cuda.tiny_engine import TINY_ARCH, random_model
 
 BLOCK_SIZE = 4
@@ -39,16 +42,20 @@ class InvariantRunner:
     """The runner as the worker builds it on CUDA with `batch_invariant`, the logits of each
     step's sampled rows kept, and fresh blocks handed out in order."""
 
-    def __init__(self, device: torch.device, batch_invariant: bool = True) -> None:
+    def __init__(self, device: torch.device, batch_invariant: bool = True, graphs: bool = False) -> None:
         backend = CudaAttentionBackend(
             device, TINY_ARCH.num_heads, TINY_ARCH.num_kv_heads,
             paged_prefills=batch_invariant, decodes_as_chunks=batch_invariant,
         )
         model = random_model(backend, torch.bfloat16, device, kernels=Kernels(fused=True, triton_ops=triton_ops))
         model.prepare_projections(None, False, False, batch_invariant=batch_invariant, triton_matmuls=True)
-        model.bind_kv_caches(allocate_kv_caches(TINY_ARCH, NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16, device))
+        # One block past the manager's: the graphs' padding writes only there.
+        model.bind_kv_caches(allocate_kv_caches(TINY_ARCH, NUM_BLOCKS + 1, BLOCK_SIZE, torch.bfloat16, device))
         self.model = model
         self.runner = ModelRunner(model, backend, Sampler(0, device, TINY_ARCH.vocab_size), BLOCK_SIZE, device)
+        self.capture = EagerCapture()
+        if graphs:
+            self.runner.capture_graphs(16, TINY_ARCH.max_position_embeddings, 256, NUM_BLOCKS, self.capture)
         compute_logits = model.compute_logits
         self.logits: torch.Tensor | None = None
 
@@ -99,14 +106,20 @@ def _other_prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(TINY_ARCH.vocab_size) for _ in range(rng.randrange(1, 30))] for _ in range(count)]
 
 
-@pytest.fixture(scope="module")
-def invariant(device) -> InvariantRunner:
-    return InvariantRunner(device)
+@pytest.fixture(scope="module", params=["eager", "graphs"])
+def invariant(request, device) -> InvariantRunner:
+    return InvariantRunner(device, graphs=request.param == "graphs")
 
 
 @pytest.fixture(scope="module")
-def alone(invariant) -> torch.Tensor:
-    return _prefill(invariant, "alone", PROMPT, len(PROMPT))
+def alone(device) -> torch.Tensor:
+    """The prompt's first-token logits, alone in an eager step."""
+    return _prefill(InvariantRunner(device), "alone", PROMPT, len(PROMPT))
+
+
+def test_alone_the_logits_are_the_same_bits(invariant, alone):
+    assert torch.equal(_prefill(invariant, "again", PROMPT, len(PROMPT)), alone)
+    assert (invariant.capture.num_replays > 0) == (invariant.runner.step_graphs is not None)
 
 
 @pytest.mark.parametrize("num_others", [1, 3, 7, 15])
@@ -150,11 +163,13 @@ def test_a_decode_row_is_the_bits_of_the_same_token_recomputed_as_a_prefill_row(
     neighbour_table = invariant.blocks(len(neighbour) + 4)
     step = invariant.step([_chunk("decoding", token_ids, 0, table), _chunk("neighbour", neighbour, 0, neighbour_table)])
     decoded = []
+    replays = invariant.capture.num_replays
     for _ in range(3):
         token_ids.append(int(step["decoding"].argmax()))
         neighbour.append(7)
         step = invariant.step([_decode("decoding", token_ids, table), _decode("neighbour", neighbour, neighbour_table)])
         decoded.append(step["decoding"])
+    assert invariant.capture.num_replays - replays == (3 if invariant.runner.decode_graphs is not None else 0)
     recomputed = _prefill(invariant, "recomputed", token_ids, len(token_ids))
     assert torch.equal(recomputed, decoded[-1])
     assert torch.equal(_prefill(invariant, "recomputed-in-chunks", token_ids[:-1], 11), decoded[-2])
