@@ -12,6 +12,7 @@ from firsttoken.attention.backend import BatchLayout
 from firsttoken.attention.reference import paged_attention_reference, write_kv_reference
 from firsttoken.attention.triton_kernels import (
     ChunkQueries,
+    _paged_attention_kernel,
     DecodeQueries,
     chunk_tiles,
     decode_tile_shape,
@@ -174,6 +175,23 @@ def test_a_tokens_attention_is_the_same_bits_in_any_chunk_and_as_a_decode(
         paged_decode_attention(decoded, inputs.query[row : row + 1], inputs.kv_cache,
                                DecodeQueries(block_tables, seq_lens), as_chunk_tiles=True)
         assert torch.equal(decoded[0], whole[row]), row
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reads the compiled kernels' cache")
+def test_a_decode_on_chunk_tiles_runs_the_binary_a_chunk_launch_compiled(device):
+    inputs = random_paged_inputs([(70, 60)], 0, 16, 9, 3, 64, torch.bfloat16, device)
+    store_kv(inputs.kv_cache, inputs.key, inputs.value, inputs.slot_mapping)
+    block_tables = _block_tables(inputs.layout, device)
+    tiles = chunk_tiles([(0, 70, 60)], prefill_tile_shape(3).query_tokens)
+    output = torch.empty_like(inputs.query)
+    queries = ChunkQueries(block_tables, torch.tensor(tiles, dtype=torch.int32, device=device))
+    paged_chunk_attention(output, inputs.query, inputs.kv_cache, queries)
+    compiled = _paged_attention_kernel.device_caches[torch.cuda.current_device()][0]
+    binaries = set(compiled)
+    seq_lens = torch.tensor([71, 75], dtype=torch.int32, device=device)
+    decodes = DecodeQueries(block_tables.expand(2, -1).contiguous(), seq_lens)
+    paged_decode_attention(output[:2], inputs.query[:2], inputs.kv_cache, decodes, as_chunk_tiles=True)
+    assert set(compiled) == binaries
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import torch
 
 from firsttoken.ops.triton_matmul import (
     BLOCK_M,
+    _matmul_kernel,
     RowInvariantLinear,
     linear_reference,
     matmul_tiles,
@@ -47,6 +48,17 @@ def test_a_rows_bits_do_not_depend_on_the_row_count(dtype, device):
         # The first rows of a smaller batch, and the same rows at the end of a batch (another tile offset).
         assert torch.equal(row_invariant_matmul(x[:rows], weight, bias), whole[:rows]), rows
         assert torch.equal(row_invariant_matmul(x[-rows:], weight, bias), whole[-rows:]), rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reads the compiled kernels' cache")
+def test_every_row_count_runs_one_binary(device):
+    x, weight, bias = _inputs(max(ROW_COUNTS), 96, 192, torch.bfloat16, device, bias=True)
+    row_invariant_matmul(x, weight, bias)
+    compiled = _matmul_kernel.device_caches[torch.cuda.current_device()][0]
+    binaries = set(compiled)
+    for rows in ROW_COUNTS:
+        row_invariant_matmul(x[:rows], weight, bias)
+    assert set(compiled) == binaries
 
 
 def test_tiles_depend_on_the_weight_only():
