@@ -219,8 +219,11 @@ def leading_matches(ours: list[int], reference: list[int]) -> int:
 
 
 def exit_status(parity: list[ParityResult], invariance: list[dict]) -> int:
-    """1 on a parity failure, or where an engine claims batch invariance and a row's bits moved."""
-    invariant = all(row["same_bits_beside_others"] for row in invariance if row["claimed"])
+    """1 on a parity failure, where an engine claims batch invariance and a row's bits moved, or
+    where an engine that must claim it (the invariant one on CUDA) does not."""
+    invariant = all(
+        row["same_bits_beside_others"] if row["claimed"] else not row["must_claim"] for row in invariance
+    )
     return 0 if parity and all(result.passed for result in parity) and invariant else 1
 
 
@@ -433,12 +436,16 @@ def same_bits_beside_others(llm: LLM, shape: Shape, plan: Plan, seed: int) -> bo
     return _output_bits(alone) == _output_bits(beside)
 
 
-def check_batch_invariance(invariant: LLM, plain: LLM, shape: Shape, plan: Plan, seed: int) -> list[dict]:
-    """Per engine: whether it claims invariance, and whether a prompt's bits held beside others."""
+def check_batch_invariance(
+    invariant: LLM, plain: LLM, shape: Shape, plan: Plan, device: torch.device, seed: int
+) -> list[dict]:
+    """Per engine: whether it claims invariance (the invariant one must, on CUDA), and whether
+    a prompt's bits held beside others."""
     return [
         {
             "engine": name,
             "claimed": llm.engine.worker.batch_invariant,
+            "must_claim": name == "invariant" and device.type == "cuda",
             "same_bits_beside_others": same_bits_beside_others(llm, shape, plan, seed),
         }
         for name, llm in (("invariant", invariant), ("plain", plain))
@@ -670,7 +677,7 @@ def run(
         release(device)
         graphs = device.type == "cuda"
         plain = open_engine(folder, shape, plan, device, cuda_graphs=graphs, batch_invariant=False)
-        invariance = check_batch_invariance(llm, plain, shape, plan, seed)
+        invariance = check_batch_invariance(llm, plain, shape, plan, device, seed)
         results["batch_invariance"] += [{"shape": shape.name} | row for row in invariance]
         say(f"batch invariance: a prompt alone and beside {INVARIANCE_OTHERS} others, every log-prob bit")
         print_table(
@@ -763,7 +770,10 @@ def main(argv: list[str] | None = None) -> int:
     missed = [f"{r['shape']} {r['prompt_tokens']}" for r in results["ttft"] if r["meets_targets"] is False]
     claimed = [r for r in results["batch_invariance"] if r["claimed"]]
     moved = [r["shape"] for r in claimed if not r["same_bits_beside_others"]]
-    invariance = "not claimed" if not claimed else "held" if not moved else "BROKEN on " + ", ".join(moved)
+    unclaimed = [r["shape"] for r in results["batch_invariance"] if r["must_claim"] and not r["claimed"]]
+    invariance = "held" if claimed and not moved else "not claimed" if not claimed else "BROKEN on " + ", ".join(moved)
+    if unclaimed:
+        invariance += "; NOT CLAIMED on " + ", ".join(unclaimed)
     say(
         f"\nRESULT: parity {'ok' if failures == 0 and parity else f'FAILED ({failures} prompts)'}; "
         f"batch invariance {invariance}; "

@@ -49,11 +49,13 @@ def test_exit_status_fails_on_a_clear_miss_a_logprob_gap_or_no_checks():
 
 
 def test_exit_status_fails_where_claimed_batch_invariance_moved_a_bit():
-    held = {"engine": "invariant", "claimed": True, "same_bits_beside_others": True}
-    moved = {"engine": "invariant", "claimed": True, "same_bits_beside_others": False}
-    unclaimed = {"engine": "plain", "claimed": False, "same_bits_beside_others": False}
-    assert gpu_check.exit_status([_result(0, 0.1)], [held, unclaimed]) == 0
-    assert gpu_check.exit_status([_result(0, 0.1)], [moved, unclaimed]) == 1
+    held = {"engine": "invariant", "claimed": True, "must_claim": True, "same_bits_beside_others": True}
+    moved = held | {"same_bits_beside_others": False}
+    plain = {"engine": "plain", "claimed": False, "must_claim": False, "same_bits_beside_others": False}
+    assert gpu_check.exit_status([_result(0, 0.1)], [held, plain]) == 0
+    assert gpu_check.exit_status([_result(0, 0.1)], [moved, plain]) == 1
+    assert gpu_check.exit_status([_result(0, 0.1)], [held | {"claimed": False}, plain]) == 1  # CUDA must claim
+    assert gpu_check.exit_status([_result(0, 0.1)], [held | {"claimed": False, "must_claim": False}, plain]) == 0
 
 
 def test_ttft_targets_read_as_the_device_check_states_them():
