@@ -1,9 +1,11 @@
 """What batch invariance costs: TTFT and decode speed with `batch_invariant` on and off.
 
-    python bench/batch_invariance.py [--input-lens 128 512 2048] [--decode-batches 1 8] [--repeats 7]
+    python bench/batch_invariance.py [--device cpu|cuda] [--input-lens 128 512 2048] [--decode-batches 1 8] [--repeats 7]
 
-Two engines on the same bf16 model, one with `batch_invariant=True` (the default: one-row
-matmuls run as two rows), one without, timed in turns in one process so that drift in this
+Two engines on the same bf16 model, one with `batch_invariant=True` (the default; on the CPU
+one-row matmuls run as two rows, on CUDA every projection runs on the row-invariant Triton
+matmul and every attention row on the chunk kernel's tiles), one without (oneDNN's one-row
+kernel; on CUDA cuBLAS and SDPA prefills), timed in turns in one process so that drift in this
 machine's speed hits both alike. TTFT: one fresh prompt alone (prefill, LM head, sampling).
 Decode: tokens per second of a batch of streams with 256-token prompts, 32 steps each.
 Prints medians and invariant / plain; the JSON goes to bench_results/.
@@ -54,8 +56,9 @@ def main() -> None:
     parser.add_argument("--input-lens", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
-    options = dict(dtype="bfloat16", enable_prompt_cache=False, kv_cache_memory_bytes=512 << 20)
+    options = dict(device=args.device, dtype="bfloat16", enable_prompt_cache=False, kv_cache_memory_bytes=512 << 20)
     engines = {"invariant": LLM(**options, batch_invariant=True), "plain": LLM(**options, batch_invariant=False)}
     print(f"batch invariance in effect: {engines['invariant'].engine.worker.batch_invariant}")
     rows, payload = [], {}

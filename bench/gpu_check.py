@@ -1,6 +1,7 @@
 """Device check of the CUDA path, in one run: greedy parity with transformers on the same
 weights, the bf16 matmul rate, TTFT against the compute floor and against a transformers
-forward, TTFT and decode tokens/s with and without CUDA graphs, and what capturing them cost.
+forward, TTFT and decode tokens/s with and without CUDA graphs, what capturing them cost, and
+batch invariance: the same bits beside other requests, and what it costs.
 
     python bench/gpu_check.py [--json results.json]          # on a CUDA machine, < 8 minutes on an H200
     python bench/gpu_check.py --device cpu --tiny            # the same steps on tiny shapes, in seconds
@@ -24,6 +25,11 @@ the measured matmul rate. Each row is held to the device targets where the shape
 Graphs: the same TTFT prompts timed in turns on an engine that replays steps from graphs and
 on one that runs them eagerly (fresh prompts on SDPA flash).
 Decode: (batch x new tokens) / (time of a generate with them - time of one with 1 token).
+Batch invariance (engines run with `batch_invariant=True`, the default, unless named plain): a
+300-token prompt's greedy tokens and top-20 log-probs alone and beside 15 random prompts must be
+the same bits wherever the engine claims invariance (exit status 1 if not); a plain engine
+(`batch_invariant=False`: cuBLAS projections, SDPA prefills) is checked beside it for
+comparison, and both are timed in turns: TTFT at 128/512/2048 tokens and decode tokens/s.
 """
 
 from __future__ import annotations
@@ -122,6 +128,8 @@ class Plan:
     decode_new_tokens: int
     matmul_size: int
     dtype: torch.dtype
+    invariance_lengths: tuple[int, ...]  # TTFT with batch_invariant on and off
+    invariance_new_tokens: int  # tokens whose log-prob bits are compared alone and beside others
 
 
 FULL_PLAN = Plan(
@@ -134,6 +142,8 @@ FULL_PLAN = Plan(
     decode_new_tokens=64,
     matmul_size=8192,
     dtype=torch.bfloat16,
+    invariance_lengths=(128, 512, 2048),
+    invariance_new_tokens=8,
 )
 TINY_PLAN = Plan(
     shapes=(TINY_GQA, TINY_MHA),
@@ -145,12 +155,17 @@ TINY_PLAN = Plan(
     decode_new_tokens=8,
     matmul_size=256,
     dtype=torch.float32,
+    invariance_lengths=(16, 64),
+    invariance_new_tokens=4,
 )
 
 # Our dtype rounds where float32 does not: a greedy token may differ where the float32 top two
 # logits are this close; beyond it a different token is a bug. Log-prob tolerance likewise.
 NEAR_TIE = {torch.bfloat16: 0.25, torch.float32: 1e-3}
 LOGPROB_TOLERANCE = {torch.bfloat16: 0.25, torch.float32: 1e-3}
+# The batch-invariance check: a prompt alone, then beside this many random others.
+INVARIANCE_OTHERS = 15
+INVARIANCE_PROMPT_TOKENS = 300
 
 
 # -- parity -------------------------------------------------------------------------------------
@@ -203,8 +218,13 @@ def leading_matches(ours: list[int], reference: list[int]) -> int:
     return count
 
 
-def exit_status(parity: list[ParityResult]) -> int:
-    return 0 if parity and all(result.passed for result in parity) else 1
+def exit_status(parity: list[ParityResult], invariance: list[dict]) -> int:
+    """1 on a parity failure, where an engine claims batch invariance and a row's bits moved, or
+    where an engine that must claim it (the invariant one on CUDA) does not."""
+    invariant = all(
+        row["same_bits_beside_others"] if row["claimed"] else not row["must_claim"] for row in invariance
+    )
+    return 0 if parity and all(result.passed for result in parity) and invariant else 1
 
 
 def check_parity(
@@ -389,6 +409,68 @@ def measure_decode(llm: LLM, shape: Shape, plan: Plan, seed: int) -> list[dict]:
     return rows
 
 
+# -- batch invariance ------------------------------------------------------------------------
+
+
+def _output_bits(output) -> tuple:
+    """A completion's tokens and every top log-prob, as exact floats: the logits' bits as far as
+    the output shows them."""
+    return tuple(output.token_ids), tuple(
+        (entry.logprob, tuple((alt.token_id, alt.logprob) for alt in entry.top_logprobs)) for entry in output.logprobs
+    )
+
+
+def same_bits_beside_others(llm: LLM, shape: Shape, plan: Plan, seed: int) -> bool:
+    """Whether a prompt's greedy tokens and top-20 log-probs are the same bits alone as beside
+    INVARIANCE_OTHERS random prompts of 1 to 600 tokens, which share its prefill step, then its
+    decode steps (the second run also reads the prompt's cached prefix blocks)."""
+    params = SamplingParams(temperature=0, max_tokens=plan.invariance_new_tokens, ignore_eos=True, logprobs=20)
+    target = random_prompt(min(INVARIANCE_PROMPT_TOKENS, max(plan.ttft_lengths)), f"invariance-{seed}", shape.vocab_size)
+    rng = random.Random(seed)
+    others = [
+        random_prompt(rng.randrange(1, 2 * len(target)), f"invariance-{seed}-other-{i}", shape.vocab_size)
+        for i in range(INVARIANCE_OTHERS)
+    ]
+    alone = llm.generate(prompt_token_ids=[target], sampling_params=params)[0]
+    beside = llm.generate(prompt_token_ids=others[:7] + [target] + others[7:], sampling_params=params)[7]
+    return _output_bits(alone) == _output_bits(beside)
+
+
+def check_batch_invariance(
+    invariant: LLM, plain: LLM, shape: Shape, plan: Plan, device: torch.device, seed: int
+) -> list[dict]:
+    """Per engine: whether it claims invariance (the invariant one must, on CUDA), and whether
+    a prompt's bits held beside others."""
+    return [
+        {
+            "engine": name,
+            "claimed": llm.engine.worker.batch_invariant,
+            "must_claim": name == "invariant" and device.type == "cuda",
+            "same_bits_beside_others": same_bits_beside_others(llm, shape, plan, seed),
+        }
+        for name, llm in (("invariant", invariant), ("plain", plain))
+    ]
+
+
+def measure_invariance_ttft(
+    invariant: LLM, plain: LLM, shape: Shape, plan: Plan, device: torch.device, seed: int
+) -> list[dict]:
+    """TTFT with invariance on and off, timed in turns on the same prompts (median of 3 after a warm-up)."""
+    rows = []
+    for length in plan.invariance_lengths:
+        if length >= shape.max_position_embeddings:
+            continue
+        timings: dict[str, list[float]] = {"invariant": [], "plain": []}
+        for run in range(4):
+            prompt = random_prompt(length, f"invariance-ttft-{seed}-{length}-{run}", shape.vocab_size)
+            for name, llm in (("invariant", invariant), ("plain", plain)):
+                synchronize(device)
+                timings[name].append(timed_generate(llm, [prompt], 1))
+        invariant_s, plain_s = (statistics.median(timings[name][1:]) for name in ("invariant", "plain"))
+        rows.append({"prompt_tokens": length, "invariant_s": invariant_s, "plain_s": plain_s, "ratio": invariant_s / plain_s})
+    return rows
+
+
 def median_call_seconds(call: Callable[[], Any], device: torch.device, repeats: int = 50) -> float:
     """Median wall time of `call` (host launch and device run), synchronized each time."""
     for _ in range(3):
@@ -477,7 +559,9 @@ def save_folder(hf_model: Any, shape: Shape, folder: str) -> str:
     return folder
 
 
-def open_engine(folder: str, shape: Shape, plan: Plan, device: torch.device, cuda_graphs: bool) -> LLM:
+def open_engine(
+    folder: str, shape: Shape, plan: Plan, device: torch.device, cuda_graphs: bool, batch_invariant: bool = True
+) -> LLM:
     longest = max(max(plan.ttft_lengths), max(plan.parity_lengths) + plan.parity_new_tokens)
     kv_tokens = 3 * longest + max(plan.decode_batches) * (plan.decode_prompt_tokens + plan.decode_new_tokens)
     return LLM(
@@ -490,6 +574,7 @@ def open_engine(folder: str, shape: Shape, plan: Plan, device: torch.device, cud
         max_num_batched_tokens=longest,
         max_num_seqs=max(plan.decode_batches),
         max_model_len=shape.max_position_embeddings,
+        batch_invariant=batch_invariant,
     )
 
 
@@ -505,7 +590,8 @@ def release(device: torch.device) -> None:
 def run(
     plan: Plan, device: torch.device, workdir: str, seed: int, say: Callable[[str], None]
 ) -> tuple[dict, list[ParityResult]]:
-    results: dict[str, Any] = {"parity": [], "ttft": [], "decode": [], "graph_capture": [], "graphs_ttft": []}
+    results: dict[str, Any] = {"parity": [], "ttft": [], "decode": [], "graph_capture": [], "graphs_ttft": [],
+                               "batch_invariance": [], "invariance_ttft": []}
     all_parity: list[ParityResult] = []
     results["matmul_tflops"] = tflops = matmul_tflops(plan.matmul_size, plan.dtype, device)
     dtype_name = str(plan.dtype).removeprefix("torch.")
@@ -590,14 +676,35 @@ def run(
         del hf_model
         release(device)
         graphs = device.type == "cuda"
+        plain = open_engine(folder, shape, plan, device, cuda_graphs=graphs, batch_invariant=False)
+        invariance = check_batch_invariance(llm, plain, shape, plan, device, seed)
+        results["batch_invariance"] += [{"shape": shape.name} | row for row in invariance]
+        say(f"batch invariance: a prompt alone and beside {INVARIANCE_OTHERS} others, every log-prob bit")
+        print_table(
+            ["engine", "claims invariance", "same bits beside others"],
+            [[r["engine"], r["claimed"], r["same_bits_beside_others"]] for r in invariance],
+        )
+        invariance_ttft = measure_invariance_ttft(llm, plain, shape, plan, device, seed)
+        results["invariance_ttft"] += [{"shape": shape.name} | row for row in invariance_ttft]
+        say("TTFT with batch_invariant on and off, timed in turns (median of 3 after a warm-up)")
+        print_table(
+            ["prompt tokens", "invariant ms", "plain ms", "invariant / plain"],
+            [[r["prompt_tokens"], r["invariant_s"] * 1e3, r["plain_s"] * 1e3, r["ratio"]] for r in invariance_ttft],
+        )
         decode_rows = [
-            {"shape": shape.name, "cuda_graphs": graphs} | row
+            {"shape": shape.name, "cuda_graphs": graphs, "batch_invariant": True} | row
             for row in measure_decode(llm, shape, plan, seed)
         ]
+        decode_rows += [
+            {"shape": shape.name, "cuda_graphs": graphs, "batch_invariant": False} | row
+            for row in measure_decode(plain, shape, plan, seed)
+        ]
+        del plain
+        release(device)
         if graphs:
             eager = open_engine(folder, shape, plan, device, cuda_graphs=False)
             decode_rows += [
-                {"shape": shape.name, "cuda_graphs": False} | row
+                {"shape": shape.name, "cuda_graphs": False, "batch_invariant": True} | row
                 for row in measure_decode(eager, shape, plan, seed)
             ]
             graph_rows = compare_graphs(llm, eager, shape, plan, seed)
@@ -614,8 +721,8 @@ def run(
         lengths = f"{plan.decode_prompt_tokens}-token prompts, {plan.decode_new_tokens} new tokens each"
         say(f"decode tokens/s ({lengths})")
         print_table(
-            ["batch", "cuda graphs", "tokens/s"],
-            [[r["batch"], r["cuda_graphs"], r["tokens_per_s"]] for r in decode_rows],
+            ["batch", "cuda graphs", "batch invariant", "tokens/s"],
+            [[r["batch"], r["cuda_graphs"], r["batch_invariant"], r["tokens_per_s"]] for r in decode_rows],
         )
     return results, all_parity
 
@@ -649,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         results, parity = run(plan, device, workdir, args.seed, say)
-    status = exit_status(parity)
+    status = exit_status(parity, results["batch_invariance"])
     results |= {
         "device": name,
         "torch": torch.__version__,
@@ -661,8 +768,15 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(results, handle, indent=2)
     failures = sum(1 for result in parity if not result.passed)
     missed = [f"{r['shape']} {r['prompt_tokens']}" for r in results["ttft"] if r["meets_targets"] is False]
+    claimed = [r for r in results["batch_invariance"] if r["claimed"]]
+    moved = [r["shape"] for r in claimed if not r["same_bits_beside_others"]]
+    unclaimed = [r["shape"] for r in results["batch_invariance"] if r["must_claim"] and not r["claimed"]]
+    invariance = "held" if claimed and not moved else "not claimed" if not claimed else "BROKEN on " + ", ".join(moved)
+    if unclaimed:
+        invariance += "; NOT CLAIMED on " + ", ".join(unclaimed)
     say(
-        f"\nRESULT: parity {'ok' if status == 0 else f'FAILED ({failures} prompts)'}; "
+        f"\nRESULT: parity {'ok' if failures == 0 and parity else f'FAILED ({failures} prompts)'}; "
+        f"batch invariance {invariance}; "
         f"TTFT targets {'met' if not missed else 'missed at ' + ', '.join(missed)}; "
         f"{results['seconds']:.0f} s in all"
     )

@@ -56,10 +56,11 @@ class ModelConfig:
     )
     batch_invariant: bool = field(
         default=True,
-        metadata=_help("cpu, bf16, unquantized: a request's tokens and logprobs are the same bits whatever "
-                       "else runs in its steps, chunked, cached or recomputed (one-row matmuls run as two rows, "
-                       "decode rows attend with the prefill kernel's arithmetic); off: oneDNN's one-row kernel "
-                       "and an exact-softmax decode kernel"),
+        metadata=_help("unquantized (cpu: bf16; cuda: one rank): a request's tokens and logprobs are the same "
+                       "bits whatever else runs in its steps, chunked, cached or recomputed (cpu: one-row matmuls "
+                       "run as two rows, decode rows attend with the prefill kernel's arithmetic; cuda: projections "
+                       "on a fixed-tile Triton matmul, every attention row on the chunk kernel's tiles); off: "
+                       "oneDNN's one-row kernel and an exact-softmax decode kernel (cuda: cuBLAS, SDPA prefills)"),
     )
     adaptive_threads: bool = field(
         default=True,

@@ -7,7 +7,11 @@
   cache through the Triton kernel. One kernel for every row gives a step fixed launch shapes
   (what a captured graph needs) and a row the same arithmetic whatever shares its step.
 - Decodes and prefill chunks on cached context (a prefix-cache hit, an earlier chunk) read
-  every key from the cache through their block tables: the Triton paged kernel.
+  every key from the cache through their block tables: the Triton paged kernel. With
+  `decodes_as_chunks` a decode runs as a one-token tile of the chunk kernel's shape, so it
+  gets the bits the same token gets as a prefill row (a request recomputed after preemption
+  prefills the tokens it had decoded). With both options a row's attention is the same bits
+  whatever else shares its step: one-shot, chunked, prefix-cached or decoded.
 
 Metadata is built once per step: its integer tables are packed on the host and reach the
 device in one non-blocking copy.
@@ -58,18 +62,32 @@ class CudaAttentionMetadata:
 
 class CudaAttentionBackend:
     """SDPA flash for fresh prefills (unless `paged_prefills`), Triton for everything read
-    from the paged cache.
+    from the paged cache (decodes on the chunk kernel's tiles when `decodes_as_chunks`).
 
     Owns the staging buffer its per-step tables travel through.
     """
 
     index_dtype = torch.int32  # what the Triton kernels read
 
-    def __init__(self, device: torch.device, num_heads: int, num_kv_heads: int, paged_prefills: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        num_heads: int,
+        num_kv_heads: int,
+        paged_prefills: bool = False,
+        decodes_as_chunks: bool = False,
+    ) -> None:
         self.device = device
         self.paged_prefills = paged_prefills
+        self.decodes_as_chunks = decodes_as_chunks
         self.chunk_tile_tokens = prefill_tile_shape(num_heads // num_kv_heads).query_tokens
         self.staging = StagingBuffer(device, torch.int32)
+
+    @property
+    def rows_invariant(self) -> bool:
+        """Whether a row's attention is the same bits whatever shares its step: every row on
+        the chunk kernel's tiles, fresh prefills and decodes included."""
+        return self.paged_prefills and self.decodes_as_chunks
 
     def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> CudaAttentionMetadata:
         decodes = layout.sequences[: layout.num_decodes]
@@ -127,7 +145,8 @@ class CudaAttentionBackend:
         store_kv(kv_cache, key, value, metadata.slot_mapping)
         output = torch.zeros_like(query) if metadata.has_uncovered_rows else torch.empty_like(query)
         if metadata.decodes is not None:
-            paged_decode_attention(output, query, kv_cache, metadata.decodes)
+            # Captured decode graphs run this too: their decodes take the same tiles.
+            paged_decode_attention(output, query, kv_cache, metadata.decodes, self.decodes_as_chunks)
         if metadata.chunks is not None:
             paged_chunk_attention(output, query, kv_cache, metadata.chunks)
         for prefill in metadata.fresh_prefills:

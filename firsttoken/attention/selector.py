@@ -18,9 +18,10 @@ def select_attention_backend(
     native_kernels: NativeKernels | None = None,
     batch_invariant: bool = False,
 ) -> AttentionBackend:
-    """cuda: SDPA flash prefills plus Triton paged attention; cpu: SDPA, writing K/V into the
-    cache with `native_kernels` when given, whose decode rows take the prefill kernel's
-    arithmetic when `batch_invariant`."""
+    """cuda: SDPA flash prefills plus Triton paged attention, or when `batch_invariant` every
+    row on the Triton chunk kernel (fresh prefills and decodes too); cpu: SDPA, writing K/V
+    into the cache with `native_kernels` when given, whose decode rows take the prefill
+    kernel's arithmetic when `batch_invariant`."""
     if device.type == "cuda":
         if config.backend == "sdpa":
             raise ValueError("attention_backend: sdpa runs on the CPU; on cuda choose auto or triton")
@@ -32,7 +33,9 @@ def select_attention_backend(
             raise ValueError(
                 "device: cuda needs the triton package (pip install 'firsttoken[cuda]')"
             ) from error
-        return CudaAttentionBackend(device, num_heads, num_kv_heads)
+        return CudaAttentionBackend(
+            device, num_heads, num_kv_heads, paged_prefills=batch_invariant, decodes_as_chunks=batch_invariant
+        )
     if config.backend == "triton":
         raise ValueError(f"attention_backend: triton needs device cuda, not {device.type}")
     return SDPABackend(device, native_kernels, decode_as_prefill=batch_invariant)

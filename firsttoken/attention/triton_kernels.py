@@ -146,13 +146,19 @@ def chunk_tiles(chunks: list[tuple[int, int, int]], tile_tokens: int) -> list[tu
     return tiles
 
 
-@triton.jit
+# What differs between a decode launch and a chunk launch of the same tile shape is data (the
+# decode flag, the tables' addresses and row stride), never a specialization: both run one binary.
+@triton.jit(
+    do_not_specialize=["one_token_per_seq", "stride_table_seq"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "queries_ptr"],
+)
 def _paged_attention_kernel(
     output_ptr,
     query_ptr,
     cache_ptr,
     block_tables_ptr,
     queries_ptr,  # decodes: seq_lens [S]; chunks: tiles [num_tiles, TILE_FIELDS]
+    one_token_per_seq,  # 1: decodes, 0: chunks
     scale_log2,
     stride_query_token,
     stride_query_head,
@@ -170,12 +176,11 @@ def _paged_attention_kernel(
     TILE_TOKENS: tl.constexpr,
     TILE_ROWS: tl.constexpr,
     KEYS_PER_TILE: tl.constexpr,
-    ONE_TOKEN_PER_SEQ: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    if ONE_TOKEN_PER_SEQ:
+    if one_token_per_seq:
         seq = tile
         first_row = tile
         first_position = tl.load(queries_ptr + tile) - 1
@@ -209,6 +214,19 @@ def _paged_attention_kernel(
 
     # Online softmax in base 2. A finite start for the running max keeps rows that see no key
     # in a tile (padding rows, causal edges) free of inf - inf.
+    #
+    # A row's result depends on its own query and keys only, never on the other rows of its
+    # tile (other tokens of its chunk, padding, or none: a decode as a one-token tile), so one
+    # token gets the same bits alone, in any chunk, at any place in a tile, and as a decode:
+    # - key blocks start at 0 and step by KEYS_PER_TILE whatever the tile: a row always meets
+    #   its keys in the same blocks, in the same order;
+    # - every product of a tl.dot output row is that row of the query times the keys (or of the
+    #   probabilities times the values), summed over the same K as every other row;
+    # - what the tile's other rows add for this row is exact no-ops: a key past this row's
+    #   position (loaded for a later row, or masked to 0 past the tile's last one) scores -inf,
+    #   so it leaves the block's max as it is, adds exp2(-inf) = 0 to the sum and a zero
+    #   product to the accumulator; a block holding no key this row sees (the tile's last
+    #   rows see more keys) rescales by exp2(0) = 1 and adds zeros.
     running_max = tl.full([TILE_ROWS], -1.0e30, dtype=tl.float32)
     running_sum = tl.zeros([TILE_ROWS], dtype=tl.float32)
     accumulator = tl.zeros([TILE_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
@@ -252,21 +270,22 @@ def _paged_attention_kernel(
 
 
 def paged_decode_attention(
-    output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, decodes: DecodeQueries
+    output: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    decodes: DecodeQueries,
+    as_chunk_tiles: bool = False,
 ) -> None:
-    """Rows [0, S) of `output` [T, heads, D]: each decode's query over its whole context."""
+    """Rows [0, S) of `output` [T, heads, D]: each decode's query over its whole context.
+
+    `as_chunk_tiles`: each decode is a one-token tile of the chunk kernel's shape, the binary
+    `paged_chunk_attention` runs, so a decode row gets the bits the same token gets as a row
+    of a prefill chunk (see `_paged_attention_kernel`'s note on rows); else a tile of just the
+    decode's heads (16 rows rather than 64 for small groups)."""
     num_seqs = decodes.seq_lens.shape[0]
     group = query.shape[1] // kv_cache.shape[3]
-    _launch(
-        output,
-        query,
-        kv_cache,
-        decodes.block_tables,
-        decodes.seq_lens,
-        num_seqs,
-        decode_tile_shape(group),
-        True,
-    )
+    tile = prefill_tile_shape(group) if as_chunk_tiles else decode_tile_shape(group)
+    _launch(output, query, kv_cache, decodes.block_tables, decodes.seq_lens, num_seqs, tile, True)
 
 
 def paged_chunk_attention(
@@ -303,6 +322,7 @@ def _launch(
         kv_cache,
         block_tables,
         queries,
+        int(one_token_per_seq),
         _LOG2_E / head_dim**0.5,
         query.stride(0),
         query.stride(1),
@@ -320,7 +340,6 @@ def _launch(
         TILE_TOKENS=tile.query_tokens,
         TILE_ROWS=tile.rows,
         KEYS_PER_TILE=KEYS_PER_TILE,
-        ONE_TOKEN_PER_SEQ=one_token_per_seq,
         # float32 stays exact; 16-bit inputs use the tensor cores' native precision.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )

@@ -34,6 +34,7 @@ from firsttoken.ops.linear import (
     PackedLinear,
     convert_linears,
     fastest_linear,
+    replace_linears,
 )
 from firsttoken.ops.native_decode import DecodeLayerWeights, DecodeShape, NativeDecodeStep, supports_layers
 from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin
@@ -227,12 +228,26 @@ class LlamaForCausalLM(nn.Module):
         return gather_vocab_logits(logits, self.tensor_shard, self.collectives)
 
     def prepare_projections(
-        self, quantization: str | None, quantized_prefill: bool, pack_onednn: bool, batch_invariant: bool = False
+        self,
+        quantization: str | None,
+        quantized_prefill: bool,
+        pack_onednn: bool,
+        batch_invariant: bool = False,
+        triton_matmuls: bool = False,
     ) -> None:
         """Every projection and the LM head in its fastest form here (the embedding stays as
         loaded). The LM head is never quantized below int8: its logits pick the token, and a
         tied embedding is often stored at 8 bits (SmolLM2's GGUF: Q8_0 beside Q4_1 layers).
-        `batch_invariant`: packed projections give a row the same bits at any row count."""
+        `batch_invariant`: packed projections give a row the same bits at any row count; with
+        `triton_matmuls` (CUDA) and float weights, every projection and the LM head run on the
+        row-invariant Triton matmul instead of cuBLAS, which picks its kernel by the row count."""
+        if batch_invariant and triton_matmuls and quantization is None:
+            # Imported here: triton is needed on CUDA only.
+            from firsttoken.ops.triton_matmul import RowInvariantLinear
+
+            replace_linears(self.layers, RowInvariantLinear.from_linear)
+            self.lm_head = RowInvariantLinear.from_linear(self.lm_head)
+            return
         convert_linears(self.layers, quantization, quantized_prefill, pack_onednn, self.kernels.native)
         head_quantization = "int8" if quantization else None
         self.lm_head = fastest_linear(

@@ -87,12 +87,13 @@ def _bias_of(linear: Linear) -> torch.Tensor | None:
     return linear.bias.data if linear.bias is not None else None
 
 
-def _replace_linears(module: nn.Module, convert) -> None:
+def replace_linears(module: nn.Module, convert) -> None:
+    """Replace every Linear below `module` (in place) with `convert(linear)`."""
     for name, child in list(module.named_children()):
         if isinstance(child, Linear):
             setattr(module, name, convert(child))
         else:
-            _replace_linears(child, convert)
+            replace_linears(child, convert)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,7 +335,7 @@ def convert_linears(
 ) -> None:
     """Replace every Linear below `module` (in place) with the form that serves it fastest:
     oneDNN-packed where available, and with quantized weights for decode when asked."""
-    _replace_linears(
+    replace_linears(
         module,
         lambda linear: fastest_linear(linear, quantization, quantized_prefill, pack_onednn, native_kernels),
     )

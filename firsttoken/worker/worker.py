@@ -30,7 +30,7 @@ from firsttoken.models.registry import build_model, open_checkpoint, resolve_mod
 from firsttoken.models.sharding import ModelShard, shard_for_rank
 from firsttoken.ops.cpu_info import physical_core_count
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
-from firsttoken.ops.linear import PackedLinear, onednn_packing_available, rows_invariant
+from firsttoken.ops.linear import Linear, PackedLinear, onednn_packing_available, rows_invariant
 from firsttoken.ops.native import load_native_kernels
 from firsttoken.sample.grammar import CompiledGrammar, GrammarCompiler
 from firsttoken.sample.sampler import Sampler
@@ -98,13 +98,7 @@ class Worker:
             fused=model_config.fuse_ops, native_kernels=native_kernels, triton_ops=_triton_ops(self.device)
         )
         self.model = self._load_model(backend, shard)
-        # What the invariance rests on: decode rows attending with the prefill kernel's
-        # arithmetic, each alone; row-invariant matmuls.
-        # Quantized weights are out: decode steps read them, prefills the float ones.
-        self.batch_invariant = (
-            model_config.batch_invariant and model_config.quantization is None and isinstance(backend, SDPABackend)
-            and backend.decodes_as_prefill(config.cache.block_size) and self._matmuls_rows_invariant(self.model)
-        )
+        self.batch_invariant = self._claims_batch_invariance(backend)
         # Graphs pad their steps with tokens that write one scratch block past the manager's.
         use_graphs = self.device.type == "cuda" and model_config.cuda_graphs
         self.num_kv_blocks = self._num_kv_blocks(attention_arch, shard)
@@ -218,8 +212,45 @@ class Worker:
             model_config.quantized_prefill,
             onednn_packing_available(self.dtype, self.device),
             batch_invariant=model_config.batch_invariant,
+            triton_matmuls=self.device.type == "cuda",
         )
         return model
+
+    def _claims_batch_invariance(self, backend: AttentionBackend) -> bool:
+        """Whether a row's logits are the same bits whatever else runs in its steps.
+
+        What the invariance rests on: decode rows attending with the prefill kernel's
+        arithmetic, each alone; row-invariant matmuls and per-row elementwise ops. Quantized
+        weights are out: decode steps read them, prefills the float ones."""
+        model_config = self.config.model_config
+        if not model_config.batch_invariant or model_config.quantization is not None:
+            return False
+        if self.device.type == "cuda":
+            return self._cuda_rows_invariant(backend)
+        return (
+            isinstance(backend, SDPABackend) and backend.decodes_as_prefill(self.config.cache.block_size)
+            and self._matmuls_rows_invariant(self.model)
+        )
+
+    def _cuda_rows_invariant(self, backend: AttentionBackend) -> bool:
+        """Every row on the attention chunk kernel's tiles, every projection on the row-invariant
+        Triton matmul, the norms on their one-row-per-program Triton kernels (torch's own
+        reductions pick their split by the tensor's size); not across ranks."""
+        if self.tensor_parallel_size > 1:
+            logger.warning(
+                "batch_invariant: NCCL's all-reduce may sum the ranks' partial products in an order that "
+                "depends on the step's size; with tensor_parallel_size > 1 greedy outputs may depend on what else runs"
+            )
+            return False
+        # Imported here: triton is needed on CUDA only.
+        from firsttoken.attention.cuda_backend import CudaAttentionBackend
+        from firsttoken.ops.triton_matmul import RowInvariantLinear
+
+        on_cublas = [module for module in self.model.modules() if isinstance(module, Linear)]
+        return (
+            isinstance(backend, CudaAttentionBackend) and backend.rows_invariant and self.kernels.triton is not None
+            and not on_cublas and isinstance(self.model.lm_head, RowInvariantLinear)
+        )
 
     def _matmuls_rows_invariant(self, model: LlamaForCausalLM) -> bool:
         """Probe the packed projections that batch invariance rests on; warn where this CPU's

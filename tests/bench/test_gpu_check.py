@@ -42,10 +42,20 @@ def _result(clear_misses: int, logprob_error: float) -> gpu_check.ParityResult:
 
 
 def test_exit_status_fails_on_a_clear_miss_a_logprob_gap_or_no_checks():
-    assert gpu_check.exit_status([_result(0, 0.1), _result(0, 0.2)]) == 0
-    assert gpu_check.exit_status([_result(0, 0.1), _result(1, 0.2)]) == 1
-    assert gpu_check.exit_status([_result(0, 0.3)]) == 1
-    assert gpu_check.exit_status([]) == 1
+    assert gpu_check.exit_status([_result(0, 0.1), _result(0, 0.2)], []) == 0
+    assert gpu_check.exit_status([_result(0, 0.1), _result(1, 0.2)], []) == 1
+    assert gpu_check.exit_status([_result(0, 0.3)], []) == 1
+    assert gpu_check.exit_status([], []) == 1
+
+
+def test_exit_status_fails_where_claimed_batch_invariance_moved_a_bit():
+    held = {"engine": "invariant", "claimed": True, "must_claim": True, "same_bits_beside_others": True}
+    moved = held | {"same_bits_beside_others": False}
+    plain = {"engine": "plain", "claimed": False, "must_claim": False, "same_bits_beside_others": False}
+    assert gpu_check.exit_status([_result(0, 0.1)], [held, plain]) == 0
+    assert gpu_check.exit_status([_result(0, 0.1)], [moved, plain]) == 1
+    assert gpu_check.exit_status([_result(0, 0.1)], [held | {"claimed": False}, plain]) == 1  # CUDA must claim
+    assert gpu_check.exit_status([_result(0, 0.1)], [held | {"claimed": False, "must_claim": False}, plain]) == 0
 
 
 def test_ttft_targets_read_as_the_device_check_states_them():
@@ -93,4 +103,8 @@ def test_cpu_smoke_run_prints_the_tables_and_passes(tmp_path):
     assert [row["prompt_tokens"] for row in results["ttft"]] == 2 * list(gpu_check.TINY_PLAN.ttft_lengths)
     assert all(row["transformers_s"] > 0 and row["meets_targets"] is None for row in results["ttft"])
     assert results["graph_capture"] == []  # no graphs on a CPU
-    assert [row["batch"] for row in results["decode"]] == [1, 16, 1, 16]
+    assert [row["batch"] for row in results["decode"]] == [1, 16, 1, 16, 1, 16, 1, 16]  # invariant, plain
+    assert [row["engine"] for row in results["batch_invariance"]] == ["invariant", "plain"] * 2
+    ttft_ratios = results["invariance_ttft"]
+    assert [row["prompt_tokens"] for row in ttft_ratios] == 2 * list(gpu_check.TINY_PLAN.invariance_lengths)
+    assert all(row["ratio"] > 0 for row in ttft_ratios)

@@ -78,3 +78,11 @@ def test_selector_picks_by_device_and_refuses_mismatches():
         select_attention_backend(AttentionConfig(backend="triton"), torch.device("cpu"), *heads)
     with pytest.raises(ValueError, match="sdpa runs on the CPU"):
         select_attention_backend(AttentionConfig(backend="sdpa"), torch.device("cuda"), *heads)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="builds the CUDA backend's pinned staging buffer")
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_batch_invariance_sends_every_row_through_the_chunk_kernels_tiles(batch_invariant):
+    heads = (TINY_ARCH.num_heads, TINY_ARCH.num_kv_heads)
+    backend = select_attention_backend(AttentionConfig(), torch.device("cuda"), *heads, batch_invariant=batch_invariant)
+    assert backend.paged_prefills == backend.decodes_as_chunks == batch_invariant

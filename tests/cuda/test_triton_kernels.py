@@ -12,6 +12,7 @@ from firsttoken.attention.backend import BatchLayout
 from firsttoken.attention.reference import paged_attention_reference, write_kv_reference
 from firsttoken.attention.triton_kernels import (
     ChunkQueries,
+    _paged_attention_kernel,
     DecodeQueries,
     chunk_tiles,
     decode_tile_shape,
@@ -85,13 +86,14 @@ def test_store_kv_matches_reference(device, dtype, num_kv_heads, head_dim, block
     assert torch.equal(cache, expected)
 
 
+@pytest.mark.parametrize("as_chunk_tiles", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size",
     [(9, 3, 64, 16), (4, 4, 32, 5), (8, 1, 16, 1), (12, 2, 48, 16)],
 )
 def test_paged_decode_attention_matches_reference(
-    device, dtype, num_heads, num_kv_heads, head_dim, block_size
+    device, dtype, num_heads, num_kv_heads, head_dim, block_size, as_chunk_tiles
 ):
     seqs = [
         (0, 1),  # a one-token prompt: the query sees only itself
@@ -105,7 +107,9 @@ def test_paged_decode_attention_matches_reference(
     )
     store_kv(inputs.kv_cache, inputs.key, inputs.value, inputs.slot_mapping)
     output = torch.full_like(inputs.query, float("nan"))
-    paged_decode_attention(output, inputs.query, inputs.kv_cache, _decode_queries(inputs.layout, device))
+    paged_decode_attention(
+        output, inputs.query, inputs.kv_cache, _decode_queries(inputs.layout, device), as_chunk_tiles
+    )
     expected = paged_attention_reference(inputs.query.cpu(), inputs.kv_cache.cpu(), inputs.layout)
     torch.testing.assert_close(
         output.cpu().float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
@@ -136,6 +140,58 @@ def test_paged_chunk_attention_matches_reference(
     torch.testing.assert_close(
         output.cpu().float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
     )
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 5)])
+def test_a_tokens_attention_is_the_same_bits_in_any_chunk_and_as_a_decode(
+    device, num_heads, num_kv_heads, head_dim, block_size
+):
+    """bf16 rows of one sequence (70 cached tokens, 60 new ones, all K/V in the cache): computed
+    as one chunk, as chunks cut elsewhere (other tiles, other places in a tile), and each token
+    as a decode on the chunk kernel's tiles (what a decode is before a preemption, and the
+    prefill row it is recomputed as after)."""
+    context, num_new = 70, 60
+    inputs = random_paged_inputs([(context, num_new)], 0, block_size, num_heads, num_kv_heads, head_dim,
+                                 torch.bfloat16, device)
+    store_kv(inputs.kv_cache, inputs.key, inputs.value, inputs.slot_mapping)
+    group = num_heads // num_kv_heads
+    block_tables = _block_tables(inputs.layout, device)
+
+    def as_chunks(cuts: list[int]) -> torch.Tensor:
+        """The rows computed as the chunks [cuts[i], cuts[i + 1]) of the new tokens."""
+        output = torch.full_like(inputs.query, float("nan"))
+        chunks = [(start, context + start, end - start) for start, end in zip(cuts, cuts[1:])]
+        for chunk in chunks:  # one launch per chunk, as steps of a chunked prefill
+            tiles = torch.tensor(chunk_tiles([chunk], prefill_tile_shape(group).query_tokens), dtype=torch.int32)
+            paged_chunk_attention(output, inputs.query, inputs.kv_cache, ChunkQueries(block_tables, tiles.to(device)))
+        return output
+
+    whole = as_chunks([0, num_new])
+    for cuts in ([0, 1, 17, num_new], [0, 29, 30, 59, num_new]):
+        assert torch.equal(as_chunks(cuts), whole), cuts
+    for row in (0, 1, 20, 21, 45, num_new - 1):
+        seq_lens = torch.tensor([context + row + 1], dtype=torch.int32, device=device)
+        decoded = torch.full_like(inputs.query[row : row + 1], float("nan"))
+        paged_decode_attention(decoded, inputs.query[row : row + 1], inputs.kv_cache,
+                               DecodeQueries(block_tables, seq_lens), as_chunk_tiles=True)
+        assert torch.equal(decoded[0], whole[row]), row
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reads the compiled kernels' cache")
+def test_a_decode_on_chunk_tiles_runs_the_binary_a_chunk_launch_compiled(device):
+    inputs = random_paged_inputs([(70, 60)], 0, 16, 9, 3, 64, torch.bfloat16, device)
+    store_kv(inputs.kv_cache, inputs.key, inputs.value, inputs.slot_mapping)
+    block_tables = _block_tables(inputs.layout, device)
+    tiles = chunk_tiles([(0, 70, 60)], prefill_tile_shape(3).query_tokens)
+    output = torch.empty_like(inputs.query)
+    queries = ChunkQueries(block_tables, torch.tensor(tiles, dtype=torch.int32, device=device))
+    paged_chunk_attention(output, inputs.query, inputs.kv_cache, queries)
+    compiled = _paged_attention_kernel.device_caches[torch.cuda.current_device()][0]
+    binaries = set(compiled)
+    seq_lens = torch.tensor([71, 75], dtype=torch.int32, device=device)
+    decodes = DecodeQueries(block_tables.expand(2, -1).contiguous(), seq_lens)
+    paged_decode_attention(output[:2], inputs.query[:2], inputs.kv_cache, decodes, as_chunk_tiles=True)
+    assert set(compiled) == binaries
 
 
 @pytest.mark.slow
