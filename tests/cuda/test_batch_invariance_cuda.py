@@ -122,7 +122,13 @@ def test_alone_the_logits_are_the_same_bits(invariant, alone):
     assert (invariant.capture.num_replays > 0) == (invariant.runner.step_graphs is not None)
 
 
-@pytest.mark.parametrize("num_others", [1, 3, 7, 15])
+# 7 and 15 others take the interpreter ~10 s each: slow on the CPU, in the default run on a GPU.
+_SLOW_ON_CPU = [] if torch.cuda.is_available() else [pytest.mark.slow]
+
+
+@pytest.mark.parametrize(
+    "num_others", [1, 3, pytest.param(7, marks=_SLOW_ON_CPU), pytest.param(15, marks=_SLOW_ON_CPU)]
+)
 def test_beside_other_prompts_and_decodes_the_logits_are_the_same_bits(invariant, alone, num_others):
     others = _other_prompts(num_others, seed=num_others)
     decoding = others[: num_others // 2]  # these run their first decode beside the prompt
