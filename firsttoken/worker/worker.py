@@ -227,6 +227,13 @@ class Worker:
             return False
         if self.device.type == "cuda":
             return self._cuda_rows_invariant(backend)
+        if self.tensor_parallel_size > 2:
+            # Two partial sums are the same bits in either order; three or more are not.
+            logger.warning(
+                "batch_invariant: gloo's all-reduce may add three or more ranks' partial sums in an order that "
+                "depends on the step's size; with tensor_parallel_size > 2 greedy outputs may depend on what else runs"
+            )
+            return False
         return (
             isinstance(backend, SDPABackend) and backend.decodes_as_prefill(self.config.cache.block_size)
             and self._matmuls_rows_invariant(self.model)

@@ -37,6 +37,16 @@ def test_three_ranks_on_two_kv_heads_replicate_one_and_give_one_ranks_tokens(tin
         three.shutdown()
 
 
+def test_three_ranks_in_bf16_do_not_claim_batch_invariance(tiny_model, caplog):
+    """Three partial sums may be added in a size-dependent order: the engine warns, not claims."""
+    three = LLM(tiny_model, tensor_parallel_size=3, **(OPTIONS | {"dtype": "bfloat16"}))
+    try:
+        assert not three.engine.worker.batch_invariant
+        assert "tensor_parallel_size > 2" in caplog.text
+    finally:
+        three.shutdown()
+
+
 def test_more_ranks_than_heads_is_refused_before_any_rank_starts(tiny_model):
     with pytest.raises(InvalidInputError, match="tensor_parallel_size: 5 ranks exceed the model's 4 attention heads"):
         LLM(tiny_model, tensor_parallel_size=5, **OPTIONS)
