@@ -182,6 +182,7 @@ def _engine_actors() -> list[str]:
     ]
 
 
+@pytest.mark.slow  # ~25 s: Ray restarts the replica and the test waits for it
 def test_a_killed_replica_fails_its_requests_and_is_replaced(endpoint):
     """Runs last: one replica is killed mid-stream. Its request ends with an error event, the
     other replica's request completes, new requests succeed, and Ray starts a replacement."""
