@@ -151,6 +151,12 @@ class CudaGraphCapture:
         return replay
 
 
+def capture_ladder(capture: GraphCapture, sizes: list[int], forward_of: Callable[[int], Forward]) -> dict[int, Forward]:
+    """One replay per size, the largest captured first: smaller graphs then fit in the memory
+    pool the largest one sized."""
+    return {size: capture.capture(forward_of(size)) for size in reversed(sizes)}
+
+
 class DecodeGraphs:
     """Owns the static decode inputs and one replay per batch size, each with its own output."""
 
@@ -172,10 +178,7 @@ class DecodeGraphs:
         # Every row starts as padding, so the warm-up and capture runs touch only the scratch block.
         self._write_padding(self.inputs.writable(), 0, max_size)
         self.inputs.ship({})
-        self.replays: dict[int, Forward] = {}
-        # Largest first: smaller graphs then fit in the memory pool the largest one sized.
-        for size in reversed(sizes):
-            self.replays[size] = capture.capture(self._forward(model, size))
+        self.replays = capture_ladder(capture, sizes, lambda size: self._forward(model, size))
 
     def _forward(self, model: LlamaForCausalLM, size: int) -> Forward:
         input_ids, positions, slot_mapping, seq_lens = self.inputs.on_device["scalars"][:, :size]
@@ -248,9 +251,7 @@ class StepGraphs:
         # All padding: the warm-up and capture runs write only the scratch block and attend to nothing.
         self._write_padding(self.inputs.writable(), 0, max_tokens)
         self.inputs.ship({})
-        self.replays: dict[int, Forward] = {}
-        for size in reversed(sizes):
-            self.replays[size] = capture.capture(self._forward(model, size))
+        self.replays = capture_ladder(capture, sizes, lambda size: self._forward(model, size))
 
     def _num_tiles(self, num_tokens: int) -> int:
         return max_chunk_tiles(num_tokens, self.max_num_seqs, self.tile_tokens)
@@ -273,9 +274,9 @@ class StepGraphs:
         num_tokens = step.num_tokens
         arrays = self.inputs.writable()
         scalars = arrays["scalars"]
-        scalars[0, :num_tokens] = step.input_ids
-        scalars[1, :num_tokens] = step.positions
-        scalars[2, :num_tokens] = step.slot_mapping
+        scalars[_INPUT_IDS, :num_tokens] = step.input_ids
+        scalars[_POSITIONS, :num_tokens] = step.positions
+        scalars[_SLOTS, :num_tokens] = step.slot_mapping
         self._write_padding(arrays, num_tokens, size)
         tables = arrays["block_tables"]
         tile_rows = []  # (first query row, context length, query length) per sequence
@@ -294,5 +295,6 @@ class StepGraphs:
 
     def _write_padding(self, arrays: dict[str, np.ndarray], start: int, end: int) -> None:
         scalars = arrays["scalars"]
-        scalars[:2, start:end] = 0
-        scalars[2, start:end] = self.scratch_block_id * self.block_size
+        scalars[_INPUT_IDS, start:end] = 0
+        scalars[_POSITIONS, start:end] = 0
+        scalars[_SLOTS, start:end] = self.scratch_block_id * self.block_size
