@@ -7,6 +7,7 @@ server build their flags from these, so a new field is a new flag everywhere at 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
@@ -16,6 +17,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("int8", "int4")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
+# Instruction sets the native CPU kernels build for (firsttoken/ops/cpu_isa.py).
+CPU_ISAS = ("auto", "avx2", "avx512", "avx512_bf16")
+# Sets `cpu_isa`'s default, so a whole test or benchmark run can be forced onto one CPU class.
+CPU_ISA_ENVIRONMENT_VARIABLE = "FIRSTTOKEN_ISA"
 SPECULATIVE_METHODS = ("ngram", "draft")
 # Process-group backends chosen by `distributed_backend=auto`; any other name passes through
 # to torch.distributed (an accelerator's own, such as hccl).
@@ -77,6 +82,13 @@ class ModelConfig:
         metadata=_help("cpu: hand-written C kernels (norms, rotary, SwiGLU, KV write, AMX prefill attention) "
                        "built with the machine's compiler at start; off: torch ops (compiled when fuse_ops)"),
     )
+    cpu_isa: str = field(
+        default_factory=lambda: os.environ.get(CPU_ISA_ENVIRONMENT_VARIABLE, "auto"),
+        metadata=_help("cpu: the instruction set the native kernels are built for: auto (this CPU's own), avx2 "
+                       "(AVX2 + FMA), avx512 (AVX-512 F/BW/DQ/VL, no BF16), avx512_bf16; a narrower one runs the "
+                       f"kernels of that CPU class here; default: ${CPU_ISA_ENVIRONMENT_VARIABLE}, else auto",
+                       choices=CPU_ISAS),
+    )
     cuda_graphs: bool = field(
         default=True,
         metadata=_help("cuda: replay steps from CUDA graphs captured at start: decode-only steps for batch sizes "
@@ -114,6 +126,7 @@ class ModelConfig:
             f"must be >= 0, got {self.cuda_graph_max_tokens}",
         )
         _require(self.device in DEVICES, "device", f"must be one of {DEVICES}, got {self.device!r}")
+        _require(self.cpu_isa in CPU_ISAS, "cpu_isa", f"must be one of {CPU_ISAS}, got {self.cpu_isa!r}")
         _require(
             self.max_model_len is None or self.max_model_len >= 1,
             "max_model_len",

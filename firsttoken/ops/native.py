@@ -34,19 +34,21 @@ import torch
 
 from firsttoken.ops import native_abi
 from firsttoken.ops.cpu_info import cpu_flags
+from firsttoken.ops.cpu_isa import CpuIsa, resolve_cpu_isa
 
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).parent / "csrc"
 _SOURCES = [_SOURCE_DIR / "cpu_kernels.c", _SOURCE_DIR / "prefill_attention.c", _SOURCE_DIR / "decode_step.c"]
-_HEADERS = [_SOURCE_DIR / "common.h"]
+_HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h"]
 # Written into the build folder from `native_abi` (common.h includes it).
 _ABI_HEADER_NAME = "native_abi.h"
 # Reassociation lets sums vectorize. Not -ffast-math: a shared library built with it sets
 # flush-to-zero for the whole process when loaded (denormals would read as 0 everywhere).
-# OpenMP binds, by soname, to the libgomp torch has already loaded: one thread pool.
+# OpenMP binds, by soname, to the libgomp torch has already loaded: one thread pool. The
+# target ISA's flags (`cpu_isa`) follow these.
 _COMPILE_FLAGS = [
-    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+    "-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
     "-fopenmp", "-shared", "-fPIC", "-std=c11",
 ]
 _DTYPE_CODES = {torch.float32: native_abi.DTYPE_FLOAT32, torch.bfloat16: native_abi.DTYPE_BFLOAT16}
@@ -116,6 +118,9 @@ class NativeKernels:
             function.restype = ctypes.c_int
         # Asks the OS for the tile registers once for the process, as oneDNN does.
         self.has_amx = hasattr(library, "ft_amx_available") and bool(library.ft_amx_available())
+        library.ft_isa_name.restype = ctypes.c_char_p
+        # What the build targets: avx2, avx512, avx512_bf16 (+amx), neon or generic.
+        self.isa: str = library.ft_isa_name().decode()
         self.has_decode_kernels = hasattr(library, "ft_decode_step")
         self.has_prefill_attention = hasattr(library, "ft_prefill_attention")
 
@@ -346,12 +351,14 @@ def _check(succeeded: int) -> None:
 
 
 @functools.cache
-def load_native_kernels(cache_dir: str) -> NativeKernels | None:
-    """The compiled kernels, built into `cache_dir` on first use; None where they cannot be built."""
+def load_native_kernels(cache_dir: str, cpu_isa: str = "auto") -> NativeKernels | None:
+    """The compiled kernels for `cpu_isa` (see `firsttoken.ops.cpu_isa`), built into `cache_dir`
+    on first use; None where they cannot be built. An ISA this CPU cannot run is an error."""
+    isa = resolve_cpu_isa(cpu_isa)
     if platform.system() != "Linux":
         return None
     try:
-        return NativeKernels(ctypes.CDLL(str(_built_library(Path(cache_dir)))))
+        return NativeKernels(ctypes.CDLL(str(_built_library(Path(cache_dir), isa))))
     except subprocess.CalledProcessError as error:
         compiler_errors = error.stderr.decode(errors="replace").strip()
         logger.warning("native CPU kernels unavailable, using torch ops (the build failed: %s)", compiler_errors)
@@ -361,11 +368,12 @@ def load_native_kernels(cache_dir: str) -> NativeKernels | None:
         return None
 
 
-def _built_library(cache_dir: Path) -> Path:
+def _built_library(cache_dir: Path, isa: CpuIsa) -> Path:
     compiler = os.environ.get("CC", "cc")
     sources = [path.read_bytes() for path in _SOURCES + _HEADERS]
     abi_header = native_abi.c_header()
-    build_command = " ".join([compiler, *_COMPILE_FLAGS]).encode()
+    compile_flags = [*_COMPILE_FLAGS, *isa.compiler_flags]
+    build_command = " ".join([compiler, *compile_flags]).encode()
     key = hashlib.sha256(b"\0".join([*sources, abi_header.encode(), build_command, _cpu_identity()]))
     library = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if library.exists():
@@ -376,7 +384,7 @@ def _built_library(cache_dir: Path) -> Path:
         (Path(build_dir) / _ABI_HEADER_NAME).write_text(abi_header)
         partial = Path(build_dir) / library.name
         subprocess.run(
-            [compiler, *_COMPILE_FLAGS, f"-I{build_dir}", *map(str, _SOURCES), "-o", str(partial), "-lm"],
+            [compiler, *compile_flags, f"-I{build_dir}", *map(str, _SOURCES), "-o", str(partial), "-lm"],
             check=True, capture_output=True, timeout=120,
         )
         os.replace(partial, library)
@@ -384,5 +392,5 @@ def _built_library(cache_dir: Path) -> Path:
 
 
 def _cpu_identity() -> bytes:
-    """-march=native code runs only on CPUs with these features: key the build by them."""
+    """-march=native and -mtune=native code is made for CPUs with these features: key the build by them."""
     return f"{platform.machine()}|{' '.join(sorted(cpu_flags()))}".encode()

@@ -88,7 +88,9 @@ class Worker:
             shard = self._start_ranks(rank_start.rank if rank_start is not None else 0)
         native_kernels = None
         if model_config.fuse_ops and model_config.native_kernels and self.device.type == "cpu":
-            native_kernels = load_native_kernels(os.path.join(self.cache_dir, "native"))
+            native_kernels = load_native_kernels(os.path.join(self.cache_dir, "native"), model_config.cpu_isa)
+            if native_kernels is not None:
+                logger.info("native CPU kernels built for %s", native_kernels.isa)
         attention_arch = shard.attention_arch(arch) if shard is not None else arch
         backend = select_attention_backend(
             config.attention, self.device, attention_arch.num_heads, attention_arch.num_kv_heads, native_kernels,

@@ -211,3 +211,20 @@ int ft_write_kv(void *cache, int64_t values_offset, int64_t num_slots, const voi
     }
     return 1;
 }
+
+/* The instruction set this build targets, as the compiler saw it. */
+const char *ft_isa_name(void) {
+#if defined(__AMX_BF16__) && VECTOR_BF16
+    return "avx512_bf16+amx";
+#elif VECTOR_BF16
+    return "avx512_bf16";
+#elif defined(__AVX512F__)
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
+#elif defined(__ARM_NEON)
+    return "neon";
+#else
+    return "generic";
+#endif
+}

@@ -1,0 +1,131 @@
+/* The ISA layer of the portable kernels: one float vector type and the few operations they
+ * need, over GCC's vector extensions, so one kernel source builds for every CPU class.
+ *
+ * The vector is as wide as the widest float registers the build targets: 16 floats with
+ * AVX-512F, 8 with AVX (AVX2 + FMA), 4 elsewhere (SSE2, NEON). The compiler maps each
+ * operation to that ISA's instructions (a * b + c to an FMA where the target has one).
+ * Loads and stores go through memcpy, which compiles to one unaligned vector move. Which variant a build holds is `ft_isa_name()` in cpu_kernels.c.
+ *
+ * Every function here works lane by lane, except the two reductions, whose lane order is
+ * fixed: a result never depends on anything but its own inputs.
+ */
+#ifndef FIRSTTOKEN_ISA_H
+#define FIRSTTOKEN_ISA_H
+
+/* The build is ISO C (-std=c11), where GCC never fuses a * b + c; with FMA units that fusion
+ * is the whole point here. It applies to the functions that follow the pragma, so only the
+ * portable kernels' sources include this header. */
+#pragma GCC optimize("fp-contract=fast")
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VEC_WIDTH 16
+#elif defined(__AVX__)
+#define VEC_WIDTH 8
+#else
+#define VEC_WIDTH 4
+#endif
+
+typedef float vfloat __attribute__((vector_size(VEC_WIDTH * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(VEC_WIDTH * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(VEC_WIDTH * sizeof(uint32_t))));
+typedef uint16_t vbf16 __attribute__((vector_size(VEC_WIDTH * sizeof(uint16_t))));
+typedef uint8_t vbyte __attribute__((vector_size(VEC_WIDTH * sizeof(uint8_t))));
+
+static inline vfloat vf_splat(float value) {
+    return (vfloat){0} + value;
+}
+
+static inline vfloat vf_load(const float *source) {
+    vfloat v;
+    memcpy(&v, source, sizeof v);
+    return v;
+}
+
+static inline void vf_store(float *destination, vfloat v) {
+    memcpy(destination, &v, sizeof v);
+}
+
+/* VEC_WIDTH bf16 values (raw bits) widened to float32: exact. */
+static inline vfloat vf_load_bf16(const uint16_t *source) {
+    vbf16 bits;
+    memcpy(&bits, source, sizeof bits);
+    vuint widened = __builtin_convertvector(bits, vuint) << 16;
+    return (vfloat)widened;
+}
+
+/* Rounded to bf16 to nearest even, as torch does; NaN stays a quiet NaN. */
+static inline void vf_store_bf16(uint16_t *destination, vfloat v) {
+    vuint bits = (vuint)v;
+    vuint is_nan = (vuint)((bits & 0x7fffffffu) > 0x7f800000u);
+    vuint rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    vuint quiet_nan = (bits >> 16) | 0x40u;
+    vbf16 narrowed = __builtin_convertvector((rounded & ~is_nan) | (quiet_nan & is_nan), vbf16);
+    memcpy(destination, &narrowed, sizeof narrowed);
+}
+
+/* Loads VEC_WIDTH values stored in `dtype` (DTYPE_FLOAT32 or DTYPE_BFLOAT16) at `index`. */
+static inline vfloat vf_load_as(const void *source, int64_t index, int is_bf16) {
+    return is_bf16 ? vf_load_bf16((const uint16_t *)source + index) : vf_load((const float *)source + index);
+}
+
+/* Lane by lane: `when_true` where `mask` is all ones, else `when_false`. */
+static inline vfloat vf_select(vint mask, vfloat when_true, vfloat when_false) {
+    return (vfloat)(((vint)when_true & mask) | ((vint)when_false & ~mask));
+}
+
+static inline vfloat vf_max(vfloat a, vfloat b) {
+    return vf_select(a > b, a, b);
+}
+
+static inline vfloat vf_min(vfloat a, vfloat b) {
+    return vf_select(a < b, a, b);
+}
+
+/* Lanes added in a fixed tree order. */
+static inline float vf_sum(vfloat v) {
+    float lanes[VEC_WIDTH];
+    vf_store(lanes, v);
+    for (int width = VEC_WIDTH / 2; width >= 1; width /= 2) {
+        for (int lane = 0; lane < width; lane++) {
+            lanes[lane] += lanes[lane + width];
+        }
+    }
+    return lanes[0];
+}
+
+static inline float vf_max_lane(vfloat v) {
+    float lanes[VEC_WIDTH];
+    vf_store(lanes, v);
+    float best = lanes[0];
+    for (int lane = 1; lane < VEC_WIDTH; lane++) {
+        best = lanes[lane] > best ? lanes[lane] : best;
+    }
+    return best;
+}
+
+/* e^x: 2^n * e^r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error
+ * ~2e-7); inputs below -87 give 0 or a tiny denormal-free value, as softmax needs. */
+static inline vfloat vf_exp(vfloat x) {
+    x = vf_max(x, vf_splat(-87.0f));
+    x = vf_min(x, vf_splat(88.0f));
+    /* Round to nearest: adding 1.5 * 2^23 leaves the integer part in the low mantissa bits. */
+    const vfloat shifter = vf_splat(12582912.0f);
+    vfloat shifted = x * 1.44269504f + shifter;
+    vfloat n = shifted - shifter;
+    vfloat r = x - n * 0.693145752f;
+    r = r - n * 1.42860677e-06f;
+    vfloat p = vf_splat(1.0f / 720.0f);
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    vint exponent = (__builtin_convertvector(n, vint) + 127) << 23;
+    return p * (vfloat)exponent;
+}
+
+#endif
