@@ -34,6 +34,14 @@ class StepCostModel:
             seconds_per_attention_pair=self.seconds_per_attention_pair * factor,
         )
 
+    def weight_read_tokens(self) -> int:
+        """Tokens whose compute costs what a step pays whatever it holds (reading every weight,
+        dispatch): a chunk smaller than this spends more of its step re-reading the weights
+        than computing, so cutting a prompt that fine costs it more than it saves others."""
+        if self.seconds_per_token <= 0:
+            return 0
+        return int(-(-self.seconds_fixed // self.seconds_per_token))
+
     def max_prefill_tokens(
         self, seconds: float, num_decodes: int, decode_attention_pairs: int, prefill_context_tokens: int
     ) -> int:

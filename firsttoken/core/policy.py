@@ -46,9 +46,13 @@ class LatencyTargets:
 
 def adaptive_prefill_budget(load: StepLoad, cost_model: StepCostModel, targets: LatencyTargets) -> int:
     """Prefill tokens for this step: the largest chunk when nobody else waits on the step,
-    otherwise as many as keep the step under the latency target (at least `min_chunk`, so
-    prefills always progress). A head prompt whose remainder would leave a tail shorter than
-    `min_chunk` takes the tail now: a step of its own would cost a weight read for little work."""
+    otherwise as many as keep the step under the latency target, and never fewer than
+    `min_chunk` (so prefills always progress) nor than the cost model's weight-read tokens:
+    every extra step re-reads the weights, and on a CPU that reads them slowly against its
+    compute (float32 on AVX2: ~70 ms a step for SmolLM2-135M) a finer cut makes the prompt
+    wait longer than the streams it spares. A head prompt whose remainder would leave a tail
+    shorter than that floor takes the tail now: a step of its own would cost a weight read for
+    little work."""
     if load.num_decodes == 0 and load.num_prefill_candidates <= 1:
         return targets.max_chunk
     affordable = cost_model.max_prefill_tokens(
@@ -57,8 +61,9 @@ def adaptive_prefill_budget(load: StepLoad, cost_model: StepCostModel, targets: 
         load.decode_attention_pairs,
         load.head_prefill_context_tokens,
     )
-    budget = max(targets.min_chunk, min(targets.max_chunk, affordable))
-    if budget < load.head_prefill_remaining_tokens < budget + targets.min_chunk:
+    floor = min(targets.max_chunk, max(targets.min_chunk, cost_model.weight_read_tokens()))
+    budget = max(floor, min(targets.max_chunk, affordable))
+    if budget < load.head_prefill_remaining_tokens < budget + floor:
         return min(targets.max_chunk, load.head_prefill_remaining_tokens)
     return budget
 

@@ -34,9 +34,16 @@ class Linear(nn.Module):
 _PACKING_BATCH_HINT = 64
 
 
+def cpu_computes_bf16() -> bool:
+    """Whether oneDNN has bf16 matmul kernels for this CPU (AVX512-BF16, AMX, AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT); elsewhere (AVX2) it has none, and a bf16 matmul takes a slow fallback."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def onednn_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """oneDNN packs bf16 weights on CPUs; other dtypes and devices keep plain matmuls."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """oneDNN packs bf16 weights on CPUs it has bf16 kernels for; other dtypes, CPUs and devices
+    keep plain matmuls."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_computes_bf16()
 
 
 class PackedLinear(nn.Module):
@@ -66,6 +73,28 @@ class PackedLinear(nn.Module):
             flat = flat.expand(2, -1).contiguous()
         output = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
         return output[:rows].reshape(*leading, self.out_features)
+
+
+class WidenedLinear(nn.Module):
+    """A bf16 projection on a CPU without bf16 matmul kernels: the weight widened to float32 once
+    (exact), each step's input widened, the product summed in float32 and rounded to bf16, as a
+    bf16 matmul with float32 accumulation does (vLLM-CPU's way on such CPUs). torch's own bf16
+    matmul there is ~5.6x slower than float32 at 512 x 576 x 1536 (AVX2, 2 cores)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.register_buffer("weight", weight.float())
+        self.bias = bias.float() if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
+
+
+def widens_to_float32(weight: torch.Tensor) -> bool:
+    """Whether a projection of this weight computes in float32: bf16 on a CPU oneDNN has no bf16
+    kernels for."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not cpu_computes_bf16()
 
 
 # Row counts `rows_invariant` compares: decode batches, a chunk, a long prefill.
@@ -348,10 +377,18 @@ def fastest_linear(
     pack_onednn: bool,
     native_kernels: native.NativeKernels | None = None,
 ) -> nn.Module:
-    full_precision = PackedLinear(linear.weight.data, _bias_of(linear)) if pack_onednn else linear
+    full_precision = _float_linear(linear, pack_onednn)
     if quantization is None:
         return full_precision
     quantized = quantized_linear(linear, quantization, native_kernels)
     if quantized_prefill:
         return quantized
     return DecodeQuantizedLinear(quantized, full_precision, QUANTIZED_MAX_ROWS[quantization])
+
+
+def _float_linear(linear: Linear, pack_onednn: bool) -> nn.Module:
+    if pack_onednn:
+        return PackedLinear(linear.weight.data, _bias_of(linear))
+    if widens_to_float32(linear.weight):
+        return WidenedLinear(linear.weight.data, _bias_of(linear))
+    return linear

@@ -59,6 +59,21 @@ def test_long_context_shrinks_the_chunk_and_min_chunk_guarantees_progress():
     assert adaptive_prefill_budget(near, slow, TARGETS) == TARGETS.min_chunk
 
 
+def test_no_chunk_is_smaller_than_the_step_s_weight_read():
+    """A CPU that reads its weights slowly against its compute: 80 ms a step, 2 ms a token. A
+    25 ms target would cut chunks of the minimum 32 tokens, each step spending 80 ms of its 144
+    re-reading the weights; the floor is the 40 tokens whose compute costs one weight read."""
+    weight_bound = StepCostModel(seconds_fixed=0.08, seconds_per_token=0.002, seconds_per_attention_pair=0.0)
+    assert weight_bound.weight_read_tokens() == 40
+    tight = LatencyTargets(itl_target_s=0.025, min_chunk=32, max_chunk=2048)
+    load = load_of(num_decodes=2, decode_attention_pairs=1000)
+    assert adaptive_prefill_budget(load, weight_bound, tight) == 40
+    assert adaptive_prefill_budget(load_of(num_decodes=2, remaining=79), weight_bound, tight) == 79
+    assert adaptive_prefill_budget(load_of(num_decodes=2, remaining=80), weight_bound, tight) == 40
+    tighter = LatencyTargets(itl_target_s=0.006, min_chunk=32, max_chunk=2048)
+    assert adaptive_prefill_budget(load, COST, tighter) == 32  # 25 weight-read tokens: the minimum rules
+
+
 def test_online_correction_follows_the_observed_speed():
     tracker = StepTimeTracker(COST, smoothing=0.5)
     for _ in range(20):

@@ -17,6 +17,8 @@ from firsttoken.ops.linear import (
     Int8Linear,
     Linear,
     PackedLinear,
+    WidenedLinear,
+    cpu_computes_bf16,
     dequantize_int4,
     fastest_linear,
     int4_linear_reference,
@@ -26,6 +28,9 @@ from firsttoken.ops.linear import (
 )
 
 ROW_COUNTS = [1, 4, 8, 33]
+needs_onednn_bf16 = pytest.mark.skipif(
+    not cpu_computes_bf16(), reason="oneDNN has no bf16 kernels for this CPU (needs AVX512-BF16, AMX or AVX-512 BW/VL/DQ)"
+)
 # bf16 activations and outputs: one bf16 rounding of each ~0.5-sized output, plus the
 # kernels' fp32 sums in their own order.
 BF16_OUTPUT_TOLERANCE = dict(atol=2e-2, rtol=2e-2)
@@ -36,6 +41,7 @@ def _weight(out_features: int = 96, in_features: int = 128, seed: int = 0) -> to
     return torch.randn(out_features, in_features, generator=generator) * 0.05
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("rows", ROW_COUNTS)
 def test_packed_linear_is_the_plain_matmul_bit_for_bit(rows):
     weight = _weight().bfloat16()
@@ -43,7 +49,7 @@ def test_packed_linear_is_the_plain_matmul_bit_for_bit(rows):
     torch.testing.assert_close(PackedLinear(weight, None)(x), F.linear(x, weight), atol=0, rtol=0)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+@needs_onednn_bf16
 def test_a_padded_single_row_gets_the_bits_it_gets_beside_other_rows():
     from firsttoken.ops.linear import rows_invariant
 
@@ -60,7 +66,7 @@ def test_a_padded_single_row_gets_the_bits_it_gets_beside_other_rows():
     assert linear(rows[0]).shape == (576,)  # a 1-D input keeps its shape
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
+@needs_onednn_bf16
 def test_the_invariance_probe_catches_a_kernel_that_changes_with_the_row_count(monkeypatch):
     from firsttoken.ops.linear import rows_invariant
 
@@ -124,20 +130,42 @@ def test_int4_linear_matches_its_reference(rows, dtype):
 def test_decode_quantized_linear_takes_quantized_weights_only_for_few_rows(quantization):
     linear = Linear(128, 96, bias=False, dtype=torch.bfloat16)
     linear.weight.data = _weight().bfloat16()
-    dispatch = fastest_linear(linear, quantization, quantized_prefill=False, pack_onednn=True)
+    dispatch = fastest_linear(linear, quantization, quantized_prefill=False, pack_onednn=cpu_computes_bf16())
     assert isinstance(dispatch, DecodeQuantizedLinear)
     max_rows = QUANTIZED_MAX_ROWS[quantization]
     for rows in (1, max_rows, max_rows + 1, 64):
         x = torch.randn(rows, 128).bfloat16()
         expected_path = dispatch.quantized if rows <= max_rows else dispatch.full_precision
         torch.testing.assert_close(dispatch(x), expected_path(x), atol=0, rtol=0)
-    assert isinstance(dispatch.full_precision, PackedLinear)
+    assert isinstance(dispatch.full_precision, PackedLinear if cpu_computes_bf16() else WidenedLinear)
+
+
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_a_widened_bf16_projection_rounds_the_float32_product_once(rows):
+    """On a CPU without bf16 kernels a bf16 projection sums in float32 and rounds once, as a bf16
+    matmul with float32 accumulation does: within one bf16 rounding of torch's own bf16 matmul."""
+    weight, bias = _weight().bfloat16(), torch.randn(96).bfloat16()
+    x = torch.randn(rows, 128).bfloat16()
+    output = WidenedLinear(weight, bias)(x)
+    assert output.dtype == torch.bfloat16
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    # Half a bf16 step of rounding, plus float32's summation error.
+    assert ((output.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
+    torch.testing.assert_close(output, F.linear(x, weight, bias), **BF16_OUTPUT_TOLERANCE)
+
+
+def test_bf16_projections_widen_exactly_where_onednn_has_no_bf16_kernels():
+    linear = Linear(128, 96, bias=False, dtype=torch.bfloat16)
+    linear.weight.data = _weight().bfloat16()
+    plain = fastest_linear(linear, None, quantized_prefill=False, pack_onednn=False)
+    assert isinstance(plain, WidenedLinear) != cpu_computes_bf16()
 
 
 def test_quantized_prefill_drops_the_float_weights():
     linear = Linear(128, 96, bias=False, dtype=torch.bfloat16)
     linear.weight.data = _weight().bfloat16()
-    assert isinstance(fastest_linear(linear, "int4", quantized_prefill=True, pack_onednn=True), Int4Linear)
+    dropped = fastest_linear(linear, "int4", quantized_prefill=True, pack_onednn=cpu_computes_bf16())
+    assert isinstance(dropped, Int4Linear)
 
 
 def test_int4_falls_back_to_int8_without_whole_groups():
