@@ -70,6 +70,8 @@ class ProfileResult:
     instrumented_ttft: Distribution
     stage_runs: list[dict[str, float]] = field(repr=False)
     chunk_plans: dict[int, PrefillPlan] = field(default_factory=dict)
+    # The model, dtype, device and the ISA the native kernels were built for.
+    engine_description: str = ""
 
     @property
     def stage_medians(self) -> dict[str, float]:
@@ -87,6 +89,7 @@ class ProfileResult:
 
     def to_json_dict(self) -> dict[str, Any]:
         return {
+            "engine": self.engine_description,
             "num_prompt_tokens": self.num_prompt_tokens,
             "runs": self.ttft.count,
             "ttft_ms": self.ttft.median * 1000,
@@ -145,6 +148,7 @@ def profile_ttft(llm: LLM, spec: ProfileSpec) -> ProfileResult:
         instrumented_ttft=summarize(instrumented_ttfts),
         stage_runs=stage_runs,
         chunk_plans=auto_chunk_plans(llm, plain[0].metrics.num_prompt_tokens),
+        engine_description=llm.engine.worker.describe(),
     )
 
 
@@ -203,7 +207,7 @@ def format_report(result: ProfileResult, input_len: int) -> str:
         f"min {ttft_ms.min:.2f}, max {ttft_ms.max:.2f}"
     )
     table = format_table(["stage (median of instrumented runs)", "ms", "of TTFT"], rows)
-    report = f"{header}\n\n{table}"
+    report = f"engine: {result.engine_description}\n{header}\n\n{table}"
     if result.chunk_plans:
         report += "\n\n" + format_chunk_plans(result.chunk_plans, result.num_prompt_tokens)
     if not result.stages_add_up:

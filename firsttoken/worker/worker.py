@@ -176,7 +176,16 @@ class Worker:
 
     def describe(self) -> str:
         ranks = f", {self.tensor_parallel_size} tensor-parallel ranks" if self.tensor_parallel_size > 1 else ""
-        return f"{self.model_path} ({self.checkpoint.arch.architecture}, {self.dtype} on {self.device}{ranks})"
+        return (
+            f"{self.model_path} ({self.checkpoint.arch.architecture}, {self.dtype} on {self.device}"
+            f"{self._kernels_description()}{ranks})"
+        )
+
+    def _kernels_description(self) -> str:
+        if self.device.type != "cpu":
+            return ""
+        native_kernels = self.kernels.native
+        return f", native kernels for {native_kernels.isa}" if native_kernels is not None else ", torch ops"
 
     def _num_kv_blocks(self, attention_arch: ModelArch, shard: ModelShard | None) -> int:
         """Blocks every rank holds: ranks share block ids, so the smallest count serves all.

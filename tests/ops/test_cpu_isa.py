@@ -1,0 +1,45 @@
+"""The ISA the native kernels build for: chosen by name, refused where the CPU cannot run it,
+and reported by the library that was built."""
+
+from __future__ import annotations
+
+import pytest
+
+from firsttoken.config import CPU_ISAS, ModelConfig
+from firsttoken.errors import InvalidInputError
+from firsttoken.ops import cpu_isa, native
+
+
+def test_every_configurable_isa_has_a_build_target():
+    assert tuple(cpu_isa.ISAS) == CPU_ISAS
+
+
+def test_an_unknown_isa_is_refused_naming_the_field():
+    with pytest.raises(InvalidInputError, match="cpu_isa"):
+        cpu_isa.resolve_cpu_isa("sse9")
+    with pytest.raises(InvalidInputError, match="cpu_isa"):
+        ModelConfig(cpu_isa="sse9")
+
+
+def test_an_isa_the_cpu_lacks_is_refused_naming_the_missing_flags(monkeypatch):
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    monkeypatch.setattr(cpu_isa.platform, "machine", lambda: "x86_64")
+    assert cpu_isa.runnable_cpu_isas() == ["avx2"]
+    with pytest.raises(InvalidInputError, match="avx512_bf16.*avx512f"):
+        cpu_isa.resolve_cpu_isa("avx512_bf16")
+    assert cpu_isa.resolve_cpu_isa("avx2").compiler_flags[0] == "-march=x86-64-v3"
+
+
+def test_the_environment_forces_the_default_isa(monkeypatch):
+    monkeypatch.setenv("FIRSTTOKEN_ISA", "avx2")
+    assert ModelConfig().cpu_isa == "avx2"
+    monkeypatch.delenv("FIRSTTOKEN_ISA")
+    assert ModelConfig().cpu_isa == "auto"
+
+
+@pytest.mark.parametrize("isa", cpu_isa.runnable_cpu_isas())
+def test_a_forced_build_reports_the_isa_it_targets(tmp_path, isa):
+    kernels = native.load_native_kernels(str(tmp_path), isa)
+    if kernels is None:
+        pytest.skip("no working C compiler on this machine")
+    assert kernels.isa == isa
