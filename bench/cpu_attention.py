@@ -123,7 +123,7 @@ def main() -> None:
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     for isa in args.isa:
-        native = load_native_kernels(str(default_cache_dir() / "native"), isa)
+        native = load_native_kernels(os.path.join(default_cache_dir(), "native"), isa)
         if native is None:
             sys.exit("no working C compiler: the native kernels could not be built")
         print(f"\n{isa} build ({native.isa}), {args.dtype}, {args.threads} threads; microseconds, medians")
