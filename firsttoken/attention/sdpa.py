@@ -14,6 +14,10 @@
   `decode_as_prefill`, the prefill kernel's arithmetic, so a position's bits do not depend on
   whether a decode or a prefill computed it); and a decode-only step carries `DecodeTables`
   for the model's whole-step native decode.
+- Where those AVX512-BF16 kernels do not apply (float32 on any CPU, bf16 without AVX512-BF16),
+  the portable flash kernel (csrc/attention.c) takes prefills, chunks on cached context (read
+  in place, scattered blocks too) and decode rows, each decode row with the bits a prefill
+  gives its position.
 """
 
 from __future__ import annotations
@@ -123,9 +127,11 @@ class SDPABackend:
         )
 
     def _native_decode_tables(self, layout: BatchLayout, decode_rows: DecodeTables | None) -> dict[str, DecodeTables | None]:
-        if self.native is None or not self.native.has_decode_kernels or decode_rows is None:
+        if self.native is None or decode_rows is None:
             return {}
-        whole_step = layout.num_decodes == len(layout.sequences) <= native_abi.DECODE_MAX_ROWS
+        whole_step = (
+            self.native.has_decode_kernels and layout.num_decodes == len(layout.sequences) <= native_abi.DECODE_MAX_ROWS
+        )
         return {"paged_decodes": decode_rows, "decode_tables": decode_rows if whole_step else None}
 
     def forward(
@@ -151,31 +157,73 @@ class SDPABackend:
         return output
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:
-        """The native paged kernel where it applies (bf16, heads of 32 to 128), else SDPA."""
+        """The AVX512-BF16 paged kernel where it applies (bf16, heads of 32 to 128), else the
+        portable flash kernel (the prefill's arithmetic, always), else SDPA."""
         paged = metadata.paged_decodes
         if paged is not None and self.native.paged_decode_attention_supports(query, kv_cache):
-            as_prefill = self.decode_as_prefill and self.decodes_as_prefill(kv_cache.shape[2])
+            as_prefill = self.decode_as_prefill and self.decodes_as_prefill(kv_cache.shape[2], query.dtype, query.shape[2])
             return self.native.paged_decode_attention(
                 query, kv_cache, paged.block_table, paged.seq_lens, as_prefill=as_prefill
             )
+        if paged is not None and self.native.flash_attention_supports(query, kv_cache) and kv_cache.is_contiguous():
+            return self.native.flash_decode_attention(query, kv_cache, paged.block_table, paged.seq_lens)
         return _decode_attention(query, kv_cache, metadata)
 
-    def decodes_as_prefill(self, block_size: int) -> bool:
-        """Whether bf16 decode rows can take the prefill kernel's arithmetic here."""
-        return (
-            self.native is not None and self.native.has_decode_kernels and self.native.has_prefill_attention
-            and block_size % native.DECODE_AS_PREFILL_BLOCK_MULTIPLE == 0
-        )
+    def decodes_as_prefill(self, block_size: int, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether decode rows of this dtype and head size take the prefill kernel's arithmetic
+        here: on the AVX512-BF16 kernels where they apply, else on the portable flash kernel."""
+        if self.native is None:
+            return False
+        if _takes_vector_bf16_attention(self.native, dtype, head_dim):
+            return self.native.has_prefill_attention and block_size % native.DECODE_AS_PREFILL_BLOCK_MULTIPLE == 0
+        probe = torch.empty(1, 1, head_dim, dtype=dtype)
+        return self.native.flash_attention_supports(probe, probe)
 
     def _prefill(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
     ) -> torch.Tensor:
-        """The native kernel where it applies (bf16, heads of 32 to 128), else SDPA."""
+        """The AVX512-BF16 kernel where it applies (bf16, heads of 32 to 128), else the portable
+        flash kernel, else SDPA."""
         if self.native is not None and self.native.has_prefill_attention:
             keys_values = _all_keys_values(key, value, kv_cache, span)
             if self.native.prefill_attention_supports(query, *keys_values):
                 return self.native.prefill_attention(query, *keys_values, torch.get_num_threads())
+        if self.native is not None and _flash_takes(self.native, query, key, value, kv_cache, span):
+            return _flash_prefill(self.native, query, key, value, kv_cache, span)
         return _prefill_attention(query, key, value, kv_cache, span)
+
+
+def _takes_vector_bf16_attention(kernels: native.NativeKernels, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the AVX512-BF16 kernels take decode rows and prefills of this dtype and head size."""
+    probe = torch.empty(1, 1, head_dim, dtype=dtype)
+    return kernels.paged_decode_attention_supports(probe, probe.view(1, 1, 1, 1, head_dim))
+
+
+def _flash_takes(
+    kernels: native.NativeKernels, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    kv_cache: torch.Tensor, span: PrefillSpan,
+) -> bool:
+    if span.num_context_tokens:
+        return kernels.flash_attention_supports(query, kv_cache) and kv_cache.is_contiguous()
+    return (
+        kernels.flash_attention_supports(query, key) and key.dtype == value.dtype
+        and native.heads_contiguous(key) and native.heads_contiguous(value)
+    )
+
+
+def _flash_prefill(
+    kernels: native.NativeKernels, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    kv_cache: torch.Tensor, span: PrefillSpan,
+) -> torch.Tensor:
+    """A fresh prompt over its own K/V; a chunk over its context and new tokens, already in
+    the cache: a view of a run of blocks, or its scattered blocks read in place (no gather)."""
+    threads = torch.get_num_threads()
+    if not span.num_context_tokens:
+        return kernels.flash_attention(query, key, value, threads)
+    num_keys = span.num_context_tokens + span.query_len
+    if span.sequence_first_block is not None:
+        return kernels.flash_attention(query, *context_in_place(kv_cache, span.sequence_first_block, num_keys), threads)
+    return kernels.flash_attention_paged(query, kv_cache, span.sequence_block_ids, num_keys, threads)
 
 
 def _native_writable(

@@ -9,6 +9,9 @@
   rotary 37 / 149 / 525 (104 / 344 / 981; 73 / 342 / 1358).
 - Causal prefill attention, flash-style (csrc/prefill_attention.c): on AMX tiles (x86-64
   CPUs with AMX-BF16), else on AVX512-BF16.
+- Flash attention in float32 arithmetic for every CPU class, float32 or bf16 tensors
+  (csrc/attention.c): prefills, chunks reading their cached context in place through block
+  ids, and decode rows with a prefill's bits.
 - int4 and int8 projections for decode-sized steps and a whole int4 decode step in one call
   (csrc/decode_step.c, x86-64 CPUs with AVX512-BF16; see `firsttoken.ops.native_decode`).
 
@@ -39,7 +42,10 @@ from firsttoken.ops.cpu_isa import CpuIsa, resolve_cpu_isa
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).parent / "csrc"
-_SOURCES = [_SOURCE_DIR / "cpu_kernels.c", _SOURCE_DIR / "prefill_attention.c", _SOURCE_DIR / "decode_step.c"]
+_SOURCES = [
+    _SOURCE_DIR / "cpu_kernels.c", _SOURCE_DIR / "prefill_attention.c", _SOURCE_DIR / "decode_step.c",
+    _SOURCE_DIR / "attention.c",
+]
 _HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h"]
 # Written into the build folder from `native_abi` (common.h includes it).
 _ABI_HEADER_NAME = "native_abi.h"
@@ -62,7 +68,17 @@ _SIGNATURES = {
     "ft_rotary": [_POINTER, _INT64, _INT64, _INT64, _INT64, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int],
     "ft_write_kv": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64, _INT64]
     + [ctypes.c_int],
+    "ft_flash_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64, _POINTER]
+    + [_INT64] * 8
+    + [ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int],
+    "ft_flash_decode_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64, _POINTER]
+    + [_INT64] * 5
+    + [ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int],
+    "ft_flash_attention_head_dim_multiple": [],
 }
+# ft_flash_attention's and ft_flash_decode_attention's statuses besides 1 (done) and 0 (out of memory).
+_FLASH_OUT_OF_BOUNDS = -1
+_FLASH_BAD_SHAPE = -2
 # x86-64 with AMX only: the permission for the tile registers.
 _AMX_SIGNATURES = {"ft_amx_available": []}
 # x86-64 with AVX512-BF16 only: causal prefill attention (on AMX tiles where the CPU has
@@ -123,6 +139,8 @@ class NativeKernels:
         self.isa: str = library.ft_isa_name().decode()
         self.has_decode_kernels = hasattr(library, "ft_decode_step")
         self.has_prefill_attention = hasattr(library, "ft_prefill_attention")
+        # The portable flash attention takes head sizes in whole vectors of this build.
+        self.flash_head_dim_multiple: int = library.ft_flash_attention_head_dim_multiple()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x contiguous [rows, cols]."""
@@ -230,6 +248,101 @@ class NativeKernels:
         )
         return out
 
+
+    def flash_attention_supports(self, query: torch.Tensor, key_values: torch.Tensor) -> bool:
+        """Whether the portable flash attention takes query [n, heads, head_dim] over K/V of
+        `key_values`' dtype (a K tensor or the paged cache): the same dtype, float32 or bf16, on
+        the CPU, query heads contiguous, a head size of whole vectors up to
+        `native_abi.ATTENTION_MAX_HEAD_DIM`."""
+        head_dim = query.shape[2]
+        return (
+            supports(query) and query.dtype == key_values.dtype and key_values.device.type == "cpu"
+            and heads_contiguous(query) and head_dim % self.flash_head_dim_multiple == 0
+            and head_dim <= native_abi.ATTENTION_MAX_HEAD_DIM
+        )
+
+    def flash_attention(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_threads: int
+    ) -> torch.Tensor:
+        """Causal attention of query [n, heads, head_dim] over key and value [m, kv_heads,
+        head_dim] (heads contiguous, rows strided), m >= n, the queries being the last n of the m
+        positions; float32 arithmetic, the inputs' dtype out. Inputs must pass
+        `flash_attention_supports` (key and value too)."""
+        num_queries, num_heads, head_dim = query.shape
+        num_keys, num_kv_heads = key.shape[0], key.shape[1]
+        if value.shape != key.shape or not (heads_contiguous(key) and heads_contiguous(value)):
+            raise ValueError(f"flash_attention: keys {tuple(key.shape)} and values {tuple(value.shape)}")
+        out = query.new_empty(num_queries, num_heads, head_dim)
+        status = self._library.ft_flash_attention(
+            query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+            None, 0, 1, num_keys, num_queries, num_keys, num_heads, num_kv_heads, head_dim, head_dim**-0.5,
+            out.data_ptr(), _code(query), max(1, num_threads),
+        )
+        self._check_flash(status, "flash_attention", query, num_keys, num_kv_heads)
+        return out
+
+    def flash_attention_paged(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_keys: int, num_threads: int
+    ) -> torch.Tensor:
+        """`flash_attention` over the first num_keys keys of one sequence, read in place from
+        kv_cache [2, blocks, block_size, kv_heads, head_dim] (contiguous) through its block ids
+        (long [>= ceil(num_keys / block_size)]): a chunk on cached context with no gather, the
+        bits `flash_attention` gives the same keys."""
+        num_queries, num_heads, head_dim = query.shape
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        if not kv_cache.is_contiguous() or block_ids.dtype != torch.long or block_ids.dim() != 1:
+            raise ValueError(f"flash_attention_paged: block ids {tuple(block_ids.shape)} {block_ids.dtype}")
+        block_ids = block_ids.contiguous()
+        kv_width = num_kv_heads * head_dim
+        out = query.new_empty(num_queries, num_heads, head_dim)
+        status = self._library.ft_flash_attention(
+            query.data_ptr(), query.stride(0), kv_cache[0].data_ptr(), kv_width, kv_cache[1].data_ptr(), kv_width,
+            block_ids.data_ptr(), block_ids.shape[0], block_size, num_blocks * block_size, num_queries, num_keys,
+            num_heads, num_kv_heads, head_dim, head_dim**-0.5, out.data_ptr(), _code(query), max(1, num_threads),
+        )
+        self._check_flash(status, "flash_attention_paged", query, num_keys, num_kv_heads)
+        return out
+
+    def flash_decode_attention(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """One new query per sequence, query [rows, heads, head_dim], over the first seq_lens[r]
+        keys of sequence r, read in place through block_table (long [rows, max_blocks]) from
+        kv_cache [2, blocks, block_size, kv_heads, head_dim] (contiguous): for each row the bits
+        `flash_attention` gives the last position of a prefill of those keys, whatever the other
+        rows. Inputs must pass `flash_attention_supports`; seq_lens long [rows]."""
+        rows, num_heads, head_dim = query.shape
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        if (
+            block_table.shape[0] != rows or seq_lens.shape != (rows,) or not kv_cache.is_contiguous()
+            or block_table.dtype != torch.long or seq_lens.dtype != torch.long
+        ):
+            raise ValueError(
+                f"flash_decode_attention: {rows} queries, block table {tuple(block_table.shape)} "
+                f"{block_table.dtype}, seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype}"
+            )
+        block_table = block_table.contiguous()
+        seq_lens = seq_lens.contiguous()
+        out = query.new_empty(rows, num_heads, head_dim)
+        status = self._library.ft_flash_decode_attention(
+            query.data_ptr(), query.stride(0), kv_cache.data_ptr(), num_blocks * block_size, block_table.data_ptr(),
+            block_table.shape[1], seq_lens.data_ptr(), block_size, rows, num_heads, num_kv_heads, head_dim,
+            head_dim**-0.5, out.data_ptr(), _code(query), torch.get_num_threads(),
+        )
+        self._check_flash(status, "flash_decode_attention", query, int(seq_lens.max()), num_kv_heads)
+        return out
+
+    def _check_flash(self, status: int, name: str, query: torch.Tensor, num_keys: int, num_kv_heads: int) -> None:
+        if status == _FLASH_OUT_OF_BOUNDS:
+            raise IndexError(f"{name}: a block id or sequence length lies outside the KV cache or the block table")
+        if status == _FLASH_BAD_SHAPE:
+            num_queries, num_heads, head_dim = query.shape
+            raise ValueError(
+                f"{name}: {num_queries} queries of {num_heads} heads over {num_keys} keys of {num_kv_heads} heads "
+                f"(needs 1 <= queries <= keys and heads a multiple of KV heads), head_dim {head_dim} (needs a "
+                f"multiple of {self.flash_head_dim_multiple} up to {native_abi.ATTENTION_MAX_HEAD_DIM})"
+            )
+        _check(status)
 
     def int4_matmul(
         self, levels: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor

@@ -19,6 +19,9 @@ DECODE_MAX_HEAD_DIM = 128
 # Prefill attention holds a block of queries and their outputs on the stack, sized for this
 # head size. A separate limit from the decode step's, equal today.
 PREFILL_MAX_HEAD_DIM = 128
+# The largest head size the portable flash attention (csrc/attention.c) takes: its row of
+# zeros (keys past the last) is this long.
+ATTENTION_MAX_HEAD_DIM = 256
 # The `dtype` argument of the kernels that take either (bf16 as its raw uint16 bits).
 DTYPE_FLOAT32 = 0
 DTYPE_BFLOAT16 = 1
@@ -27,6 +30,7 @@ _C_CONSTANTS = {
     "DECODE_MAX_ROWS": DECODE_MAX_ROWS,
     "DECODE_MAX_HEAD_DIM": DECODE_MAX_HEAD_DIM,
     "PREFILL_MAX_HEAD_DIM": PREFILL_MAX_HEAD_DIM,
+    "ATTENTION_MAX_HEAD_DIM": ATTENTION_MAX_HEAD_DIM,
     "DTYPE_FLOAT32": DTYPE_FLOAT32,
     "DTYPE_BFLOAT16": DTYPE_BFLOAT16,
 }

@@ -246,7 +246,8 @@ class Worker:
             )
             return False
         return (
-            isinstance(backend, SDPABackend) and backend.decodes_as_prefill(self.config.cache.block_size)
+            isinstance(backend, SDPABackend)
+            and backend.decodes_as_prefill(self.config.cache.block_size, self.dtype, self.checkpoint.arch.head_dim)
             and self._matmuls_rows_invariant(self.model)
         )
 

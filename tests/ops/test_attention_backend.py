@@ -262,7 +262,9 @@ def test_decode_rows_as_prefill_need_blocks_of_whole_16_key_tiles(native_kernels
     query = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="blocks of 8"):
         kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 1]]), torch.tensor([9]), as_prefill=True)
-    assert not SDPABackend(torch.device("cpu"), kernels, decode_as_prefill=True).decodes_as_prefill(8)
+    assert not SDPABackend(torch.device("cpu"), kernels, decode_as_prefill=True).decodes_as_prefill(
+        8, torch.bfloat16, 64
+    )
 
 
 @pytest.mark.parametrize("as_prefill", [False, True])
@@ -276,3 +278,68 @@ def test_paged_decode_attention_rejects_a_block_outside_the_cache(native_kernels
         kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 1]]), torch.tensor([33]), as_prefill)
     with pytest.raises(ValueError, match="block table"):
         kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20]))
+
+
+def _flash_kernels_or_skip(native_kernels, dtype):
+    """The kernels when the portable flash kernel serves `dtype` here (not the AVX512-BF16 ones)."""
+    kernels = _native_or_skip(native_kernels)
+    if dtype == torch.bfloat16 and kernels.has_decode_kernels:
+        pytest.skip("bf16 takes the AVX512-BF16 kernels on this CPU")
+    return kernels
+
+
+def _counting(kernels, monkeypatch, *names):
+    calls = {name: 0 for name in names}
+    for name in names:
+        original = getattr(kernels, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_order", [False, True])
+def test_portable_flash_takes_every_row_and_decodes_get_a_prefills_bits(dtype, in_order, native_kernels, monkeypatch):
+    """Without the AVX512-BF16 kernels: fresh prefills, chunks on cached context (blocks in a
+    run or scattered) and decode rows each take one portable flash call; a decode row gives the
+    same bits alone, beside decodes or beside chunks, and the bits a prefill of the same tokens
+    gives its position."""
+    kernels = _flash_kernels_or_skip(native_kernels, dtype)
+    calls = _counting(kernels, monkeypatch, "flash_attention", "flash_attention_paged", "flash_decode_attention")
+    backend = SDPABackend(torch.device("cpu"), kernels, decode_as_prefill=True)
+    assert backend.decodes_as_prefill(16, dtype, 64)
+    seqs = [(70, 1), (200, 1), (3, 1), (0, 40), (33, 17)]
+    layout, slot_mapping, kv_cache, query, key, value = _random_batch(seqs, 16, 9, 3, 64, dtype, in_order=in_order)
+    row_starts = [0, 1, 2, 3, 43, 60]
+    first_rows = []
+    for picked in ([0], [0, 1, 2], [0, 3, 4]):
+        rows = torch.cat([torch.arange(row_starts[i], row_starts[i + 1]) for i in picked])
+        sequences = [layout.sequences[i] for i in picked]
+        part = BatchLayout(sequences, sum(1 for s in sequences if s.query_len == 1), layout.block_size)
+        metadata = backend.build_metadata(part, slot_mapping[rows])
+        output = backend.forward(query[rows], key[rows], value[rows], kv_cache, metadata)
+        expected = paged_attention_reference(query[rows], kv_cache, part)
+        torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        first_rows.append(output[0])
+    assert calls["flash_decode_attention"] == 3
+    assert calls["flash_attention"] + calls["flash_attention_paged"] == 2  # the fresh prompt and the chunk
+    assert calls["flash_attention_paged"] == (0 if in_order else 1)
+    assert torch.equal(first_rows[0], first_rows[1]) and torch.equal(first_rows[0], first_rows[2])
+    # The decode row's sequence (70 cached tokens and 1 new) as a chunk of 71 on nothing cached.
+    decoded = layout.sequences[0]
+    positions = torch.arange(decoded.seq_len)
+    slots = torch.tensor(decoded.block_table)[positions // 16] * 16 + positions % 16
+    keys, values = kv_cache[0].flatten(0, 1)[slots], kv_cache[1].flatten(0, 1)[slots]
+    queries = torch.randn(decoded.seq_len, 9, 64).to(dtype)
+    queries[-1] = query[0]
+    as_prefill = BatchLayout([SequenceLayout(decoded.seq_len, 0, decoded.block_table)], 0, 16)
+    prefill = backend.forward(queries, keys, values, kv_cache.clone(), backend.build_metadata(as_prefill, slots))
+    assert torch.equal(prefill[-1], first_rows[0])
+
+
+def test_without_native_kernels_decodes_do_not_take_a_prefills_arithmetic():
+    assert not SDPABackend(torch.device("cpu"), None, decode_as_prefill=True).decodes_as_prefill(16, torch.float32, 64)

@@ -111,10 +111,11 @@ static inline float vf_max_lane(vfloat v) {
 static inline vfloat vf_exp(vfloat x) {
     x = vf_max(x, vf_splat(-87.0f));
     x = vf_min(x, vf_splat(88.0f));
-    /* Round to nearest: adding 1.5 * 2^23 leaves the integer part in the low mantissa bits. */
-    const vfloat shifter = vf_splat(12582912.0f);
-    vfloat shifted = x * 1.44269504f + shifter;
-    vfloat n = shifted - shifter;
+    /* n = x log2(e) rounded half away from zero, by conversions: the build's
+     * -fassociative-math folds the add-and-subtract-1.5*2^23 rounding trick away. */
+    vfloat scaled = x * 1.44269504f;
+    vint whole = __builtin_convertvector(scaled + vf_select(scaled < 0.0f, vf_splat(-0.5f), vf_splat(0.5f)), vint);
+    vfloat n = __builtin_convertvector(whole, vfloat);
     vfloat r = x - n * 0.693145752f;
     r = r - n * 1.42860677e-06f;
     vfloat p = vf_splat(1.0f / 720.0f);
@@ -124,8 +125,53 @@ static inline vfloat vf_exp(vfloat x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    vint exponent = (__builtin_convertvector(n, vint) + 127) << 23;
+    vint exponent = (whole + 127) << 23;
     return p * (vfloat)exponent;
+}
+
+/* ---- Added for the attention kernels (csrc/attention.c). ---- */
+
+/* Lane indices 0, 1, ..., VEC_WIDTH - 1. */
+static inline vint vi_lane_indices(void) {
+    vint indices;
+    for (int lane = 0; lane < VEC_WIDTH; lane++) {
+        indices[lane] = lane;
+    }
+    return indices;
+}
+
+/* One level of vf_sums: lanes of a and b picked by the `even` and `odd` index masks, added. */
+#define VF_PAIR_SUM(a, b, even, odd) (__builtin_shuffle((a), (b), (even)) + __builtin_shuffle((a), (b), (odd)))
+
+/* Lane i of the result is the sum of the lanes of v[i], for VEC_WIDTH vectors at once (a
+ * transpose as it adds). Each sum is a fixed tree: neighbours in each group of four lanes,
+ * twice (one SHUFPS each), then halves of 128-bit blocks. Overwrites `v`. */
+static inline vfloat vf_sums(vfloat v[VEC_WIDTH]) {
+#if VEC_WIDTH == 16
+    const vint even = {0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30};
+    const vint even_blocks = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+#elif VEC_WIDTH == 8
+    const vint even = {0, 2, 8, 10, 4, 6, 12, 14};
+    const vint even_blocks = {0, 1, 2, 3, 8, 9, 10, 11};
+#else
+    const vint even = {0, 2, 4, 6};
+#endif
+    const vint odd = even + 1;
+    int count = VEC_WIDTH;
+    for (int level = 0; level < 2; level++, count /= 2) {
+        for (int i = 0; i < count / 2; i++) {
+            v[i] = VF_PAIR_SUM(v[2 * i], v[2 * i + 1], even, odd);
+        }
+    }
+#if VEC_WIDTH > 4
+    const vint odd_blocks = even_blocks + 4;
+    for (; count > 1; count /= 2) {
+        for (int i = 0; i < count / 2; i++) {
+            v[i] = VF_PAIR_SUM(v[2 * i], v[2 * i + 1], even_blocks, odd_blocks);
+        }
+    }
+#endif
+    return v[0];
 }
 
 #endif

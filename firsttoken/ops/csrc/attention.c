@@ -1,0 +1,399 @@
+/* Causal attention, flash-style, in float32 arithmetic over float32 or bf16 tensors, written
+ * once over isa.h so it builds for every CPU class (AVX2+FMA, AVX-512F, SSE2/NEON).
+ *
+ * Queries i attend keys j <= i + (num_keys - num_queries). Keys stream through in tiles of
+ * KEY_TILE at fixed positions from key 0, each with an online softmax (running max and sum per
+ * query row, no score matrix): for every key a dot product along the head dims (VEC_WIDTH keys
+ * at a time, their lane sums transposed into one vector of scores), then output += P V.
+ *
+ * A query row's bits depend on its own query, its keys and its position only: every row runs
+ * the one compiled body of attend_tile (noinline) over the same tiles, whether a prefill of
+ * many rows, a chunk on cached context or a lone decode row computes it, whatever the other
+ * rows of its call and however the work is split over threads. So a decode row gets exactly
+ * the bits a prefill of the same tokens gives its position.
+ *
+ * Each K/V tile serves a block of rows (QUERY_BLOCK positions x the query heads of its KV
+ * head) while it sits in the core's L1 cache. K/V are read in place: consecutive rows, or a
+ * sequence's slots in the paged cache through its block ids (no gather copy); bf16 tiles are
+ * widened to float32 once per block of rows.
+ *
+ * Built at run time by firsttoken/ops/native.py with the machine's C compiler.
+ */
+#include "common.h"
+#include "isa.h"
+
+#define KEY_TILE 64
+#define QUERY_BLOCK 16
+/* Output vectors one pass over a tile's values keeps in registers. */
+#define DIM_GROUP 8
+/* ft_flash_attention / ft_flash_decode_attention: a head size they do not take. */
+#define BAD_SHAPE (-2)
+#define OUT_OF_BOUNDS (-1)
+
+/* The K and V rows of one sequence at one KV head: consecutive rows, or slots of a paged cache. */
+typedef struct {
+    const void *keys, *values;       /* row (or slot) 0, at the KV head */
+    int64_t key_stride, value_stride; /* elements from one row (slot) to the next */
+    const int64_t *blocks;           /* NULL: consecutive rows; else the sequence's block ids */
+    int64_t block_size;
+    int64_t count; /* keys that exist */
+} KeyValueRows;
+
+/* One sequence's queries and where their outputs go. */
+typedef struct {
+    const void *query; /* query 0's row, head 0 */
+    int64_t query_stride;
+    void *out; /* query 0's row, head 0 */
+    int64_t out_stride;
+    int64_t first_position; /* query 0's position: it sees keys 0..first_position */
+    int64_t num_queries;
+    KeyValueRows kv; /* at KV head 0 */
+} Sequence;
+
+typedef struct {
+    int64_t num_heads, num_kv_heads, head_dim;
+    float scale;
+    int dtype;
+} Shape;
+
+/* Up to KEY_TILE keys from `first_key` as float32 rows: in place, or widened into a buffer. */
+typedef struct {
+    const float *keys[KEY_TILE];
+    const float *values[KEY_TILE];
+} KeyTile;
+
+/* A query row's running softmax and its unnormalized output. */
+typedef struct {
+    float max;                /* of the scaled scores so far */
+    float sums[VEC_WIDTH];    /* of their exponentials, by lane */
+    float *output;            /* head_dim floats */
+} RowState;
+
+static const float zero_row[ATTENTION_MAX_HEAD_DIM];
+
+static inline int64_t element_size(int dtype) {
+    return dtype == DTYPE_BFLOAT16 ? 2 : 4;
+}
+
+static inline int64_t row_slot(const KeyValueRows *rows, int64_t index) {
+    if (rows->blocks == NULL) {
+        return index;
+    }
+    return rows->blocks[index / rows->block_size] * rows->block_size + index % rows->block_size;
+}
+
+static void widen_row(const uint16_t *source, int64_t head_dim, float *destination) {
+    for (int64_t d = 0; d < head_dim; d += VEC_WIDTH) {
+        vf_store(destination + d, vf_load_bf16(source + d));
+    }
+}
+
+/* The tile's `count` rows from `first_key`, up to a whole vector of keys (keys past the last
+ * read as zeros: scores take VEC_WIDTH keys at a time). */
+static void load_tile(const KeyValueRows *rows, int64_t first_key, int64_t count, const Shape *shape,
+                      float *key_buffer, float *value_buffer, KeyTile *tile) {
+    int64_t head_dim = shape->head_dim;
+    for (int64_t k = 0; k < (count + VEC_WIDTH - 1) / VEC_WIDTH * VEC_WIDTH; k++) {
+        int64_t index = first_key + k;
+        if (k >= count || index >= rows->count) {
+            tile->keys[k] = tile->values[k] = zero_row;
+            continue;
+        }
+        int64_t slot = row_slot(rows, index);
+        if (shape->dtype == DTYPE_BFLOAT16) {
+            widen_row((const uint16_t *)rows->keys + slot * rows->key_stride, head_dim, key_buffer + k * head_dim);
+            widen_row((const uint16_t *)rows->values + slot * rows->value_stride, head_dim,
+                      value_buffer + k * head_dim);
+            tile->keys[k] = key_buffer + k * head_dim;
+            tile->values[k] = value_buffer + k * head_dim;
+        } else {
+            tile->keys[k] = (const float *)rows->keys + slot * rows->key_stride;
+            tile->values[k] = (const float *)rows->values + slot * rows->value_stride;
+        }
+    }
+}
+
+/* Scores of VEC_WIDTH keys, one per lane: each a chain of FMAs along the head dims, then its
+ * lanes summed in vf_sums' fixed tree. */
+static inline vfloat score_keys(const float *query, const float *const *keys, int64_t dim_vectors) {
+    vfloat sums[VEC_WIDTH];
+    vfloat q = vf_load(query);
+    for (int i = 0; i < VEC_WIDTH; i++) {
+        sums[i] = q * vf_load(keys[i]);
+    }
+    for (int64_t c = 1; c < dim_vectors; c++) {
+        q = vf_load(query + c * VEC_WIDTH);
+        for (int i = 0; i < VEC_WIDTH; i++) {
+            sums[i] = q * vf_load(keys[i] + c * VEC_WIDTH) + sums[i];
+        }
+    }
+    return vf_sums(sums);
+}
+
+/* output[dims] = output * rescale + sum over keys j < valid of p[j] * V[j], in key order, for
+ * `vectors` (a constant at each call site) vectors of dims from `first_dim`. A lane's chain is
+ * the same whichever group its dims fall in. */
+static inline __attribute__((always_inline)) void weigh_dims(const float *p, const float *const *values,
+                                                             int64_t valid, int64_t first_dim, vfloat rescale,
+                                                             float *output, const int vectors) {
+    vfloat sums[DIM_GROUP];
+    for (int v = 0; v < vectors; v++) {
+        sums[v] = vf_load(output + first_dim + v * VEC_WIDTH) * rescale;
+    }
+    for (int64_t j = 0; j < valid; j++) {
+        vfloat weight = vf_splat(p[j]);
+        const float *row = values[j] + first_dim;
+        for (int v = 0; v < vectors; v++) {
+            sums[v] = weight * vf_load(row + v * VEC_WIDTH) + sums[v];
+        }
+    }
+    for (int v = 0; v < vectors; v++) {
+        vf_store(output + first_dim + v * VEC_WIDTH, sums[v]);
+    }
+}
+
+static void weigh_values(const float *p, const float *const *values, int64_t valid, int64_t dim_vectors,
+                         vfloat rescale, float *output) {
+    int64_t v = 0;
+    for (; v + 8 <= dim_vectors; v += 8) {
+        weigh_dims(p, values, valid, v * VEC_WIDTH, rescale, output, 8);
+    }
+    if (v + 4 <= dim_vectors) {
+        weigh_dims(p, values, valid, v * VEC_WIDTH, rescale, output, 4);
+        v += 4;
+    }
+    if (v + 2 <= dim_vectors) {
+        weigh_dims(p, values, valid, v * VEC_WIDTH, rescale, output, 2);
+        v += 2;
+    }
+    if (v < dim_vectors) {
+        weigh_dims(p, values, valid, v * VEC_WIDTH, rescale, output, 1);
+    }
+}
+
+/* One query row over the first `valid` keys of a tile (1..KEY_TILE: those up to its causal
+ * limit): scores, the online softmax update, output += P V. Not inlined: every row, from
+ * whichever call, runs this one compiled body, so its bits never depend on the caller. */
+__attribute__((noinline)) static void attend_tile(const float *query, const KeyTile *tile, int64_t valid,
+                                                  int64_t head_dim, float scale, RowState *state) {
+    int64_t dim_vectors = head_dim / VEC_WIDTH, key_vectors = (valid + VEC_WIDTH - 1) / VEC_WIDTH;
+    const vint lanes = vi_lane_indices();
+    const vfloat absent = vf_splat(-INFINITY);
+    vfloat scores[KEY_TILE / VEC_WIDTH];
+    vfloat tile_max = absent;
+    for (int64_t g = 0; g < key_vectors; g++) {
+        vint inside = lanes + (int32_t)(g * VEC_WIDTH) < (int32_t)valid;
+        scores[g] = vf_select(inside, score_keys(query, tile->keys + g * VEC_WIDTH, dim_vectors) * scale, absent);
+        tile_max = vf_max(tile_max, scores[g]);
+    }
+    float new_max = vf_max_lane(tile_max);
+    new_max = state->max > new_max ? state->max : new_max;
+    /* e^(old - new): exactly 1 when the max stands, ~0 on the first tile (old = -inf). */
+    vfloat rescale = vf_splat(vf_exp(vf_splat(state->max - new_max))[0]);
+    float probabilities[KEY_TILE];
+    vfloat sums = vf_load(state->sums) * rescale;
+    for (int64_t g = 0; g < key_vectors; g++) {
+        vint inside = lanes + (int32_t)(g * VEC_WIDTH) < (int32_t)valid;
+        vfloat p = vf_select(inside, vf_exp(scores[g] - new_max), vf_splat(0.0f));
+        sums = sums + p;
+        vf_store(probabilities + g * VEC_WIDTH, p);
+    }
+    vf_store(state->sums, sums);
+    state->max = new_max;
+    weigh_values(probabilities, tile->values, valid, dim_vectors, rescale, state->output);
+}
+
+/* out = output / sum, stored in `dtype`. Not inlined, as attend_tile. */
+__attribute__((noinline)) static void finish_row(const RowState *state, int64_t head_dim, int dtype, void *out) {
+    vfloat inverse = vf_splat(1.0f / vf_sum(vf_load(state->sums)));
+    for (int64_t d = 0; d < head_dim; d += VEC_WIDTH) {
+        vfloat value = vf_load(state->output + d) * inverse;
+        if (dtype == DTYPE_BFLOAT16) {
+            vf_store_bf16((uint16_t *)out + d, value);
+        } else {
+            vf_store((float *)out + d, value);
+        }
+    }
+}
+
+/* What one thread works in: a block of rows' queries and states, and a widened tile. */
+typedef struct {
+    float *queries; /* max_rows * head_dim (bf16 queries, widened) */
+    float *outputs; /* max_rows * head_dim */
+    RowState *states;
+    const float **query_rows; /* max_rows: each row's float32 query */
+    float *key_buffer, *value_buffer; /* KEY_TILE * head_dim each */
+} Scratch;
+
+static void free_scratch(Scratch *scratch) {
+    free(scratch->queries);
+    free(scratch->states);
+    free(scratch->query_rows);
+}
+
+static int allocate_scratch(Scratch *scratch, int64_t max_rows, int64_t head_dim) {
+    size_t floats = (size_t)((2 * max_rows + 2 * KEY_TILE) * head_dim);
+    scratch->queries = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+    scratch->states = malloc((size_t)max_rows * sizeof(RowState));
+    scratch->query_rows = malloc((size_t)max_rows * sizeof(const float *));
+    if (scratch->queries == NULL || scratch->states == NULL || scratch->query_rows == NULL) {
+        free_scratch(scratch);
+        return 0;
+    }
+    scratch->outputs = scratch->queries + max_rows * head_dim;
+    scratch->key_buffer = scratch->outputs + max_rows * head_dim;
+    scratch->value_buffer = scratch->key_buffer + KEY_TILE * head_dim;
+    return 1;
+}
+
+/* Queries [first_query, first_query + positions) of `sequence` at query heads [first_head,
+ * first_head + heads), all of one KV head, attend over that head's keys; rows ordered by
+ * position, then head. */
+static void attend_block(const Sequence *sequence, const Shape *shape, int64_t first_query, int64_t positions,
+                         int64_t first_head, int64_t heads, Scratch *scratch) {
+    int64_t head_dim = shape->head_dim, rows = positions * heads;
+    int64_t kv_head = first_head / (shape->num_heads / shape->num_kv_heads);
+    int64_t size = element_size(shape->dtype);
+    const float **queries = scratch->query_rows;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t position = first_query + r / heads, head = first_head + r % heads;
+        const char *query = (const char *)sequence->query + (position * sequence->query_stride + head * head_dim) * size;
+        if (shape->dtype == DTYPE_BFLOAT16) {
+            widen_row((const uint16_t *)query, head_dim, scratch->queries + r * head_dim);
+            queries[r] = scratch->queries + r * head_dim;
+        } else {
+            queries[r] = (const float *)query;
+        }
+        RowState *state = &scratch->states[r];
+        state->max = -INFINITY;
+        memset(state->sums, 0, sizeof state->sums);
+        state->output = scratch->outputs + r * head_dim;
+        memset(state->output, 0, (size_t)head_dim * sizeof(float));
+    }
+    KeyValueRows kv = sequence->kv;
+    kv.keys = (const char *)kv.keys + kv_head * head_dim * size;
+    kv.values = (const char *)kv.values + kv_head * head_dim * size;
+    int64_t first_position = sequence->first_position + first_query;
+    int64_t last_key = first_position + positions - 1 < kv.count - 1 ? first_position + positions - 1 : kv.count - 1;
+    KeyTile tile;
+    for (int64_t first_key = 0; first_key <= last_key; first_key += KEY_TILE) {
+        int64_t tile_keys = last_key - first_key + 1 < KEY_TILE ? last_key - first_key + 1 : KEY_TILE;
+        load_tile(&kv, first_key, tile_keys, shape, scratch->key_buffer, scratch->value_buffer, &tile);
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t limit = first_position + r / heads;
+            limit = limit < kv.count - 1 ? limit : kv.count - 1;
+            if (limit < first_key) {
+                continue;
+            }
+            int64_t valid = limit - first_key + 1 < KEY_TILE ? limit - first_key + 1 : KEY_TILE;
+            attend_tile(queries[r], &tile, valid, head_dim, shape->scale, &scratch->states[r]);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t position = first_query + r / heads, head = first_head + r % heads;
+        char *out = (char *)sequence->out + (position * sequence->out_stride + head * head_dim) * size;
+        finish_row(&scratch->states[r], head_dim, shape->dtype, out);
+    }
+}
+
+static int shape_supported(const Shape *shape) {
+    int64_t head_dim = shape->head_dim;
+    return head_dim > 0 && head_dim % VEC_WIDTH == 0 && head_dim <= ATTENTION_MAX_HEAD_DIM
+           && shape->num_kv_heads > 0 && shape->num_heads % shape->num_kv_heads == 0;
+}
+
+/* out [num_queries, num_heads, head_dim] (contiguous) = causal attention of query
+ * [num_queries, num_heads, head_dim] (heads contiguous, rows query_stride apart) over the
+ * num_keys K/V rows at `key` and `value`, the queries being the last num_queries positions.
+ * K/V rows: consecutive, key_stride / value_stride elements apart (block_ids NULL); or the
+ * slots of a paged cache half (slot s at s * stride) through the sequence's block_ids
+ * (num_block_ids of them, blocks of block_size, num_slots slots). float32 or bf16 (`dtype`)
+ * throughout. Returns 1; 0 when out of memory; OUT_OF_BOUNDS (touching nothing) when a block
+ * id or num_keys lies outside the cache or the table; BAD_SHAPE for a head size or grouping it
+ * does not take. */
+int ft_flash_attention(const void *query, int64_t query_stride, const void *key, int64_t key_stride,
+                       const void *value, int64_t value_stride, const int64_t *block_ids, int64_t num_block_ids,
+                       int64_t block_size, int64_t num_slots, int64_t num_queries, int64_t num_keys,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, void *out, int dtype,
+                       int num_threads) {
+    Shape shape = {num_heads, num_kv_heads, head_dim, scale, dtype};
+    if (!shape_supported(&shape) || num_queries < 1 || num_queries > num_keys) {
+        return BAD_SHAPE;
+    }
+    if (block_ids != NULL && !tables_in_bounds(num_slots, block_ids, num_block_ids, block_size, &num_keys, 1)) {
+        return OUT_OF_BOUNDS;
+    }
+    Sequence sequence = {query, query_stride, out, num_heads * head_dim, num_keys - num_queries, num_queries,
+                         {key, value, key_stride, value_stride, block_ids, block_size, num_keys}};
+    int64_t group = num_heads / num_kv_heads, blocks = (num_queries + QUERY_BLOCK - 1) / QUERY_BLOCK;
+    int64_t work = num_queries * num_keys * num_heads * head_dim;
+    int all_allocated = 1;
+#pragma omp parallel num_threads(num_threads) if (work >= PARALLEL_MIN_ELEMENTS) reduction(&& : all_allocated)
+    {
+        Scratch scratch;
+        all_allocated = allocate_scratch(&scratch, QUERY_BLOCK * group, head_dim);
+        if (all_allocated) {
+            /* The last blocks see the most keys: handed out first. */
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t item = 0; item < blocks * num_kv_heads; item++) {
+                int64_t block = blocks - 1 - item / num_kv_heads, kv_head = item % num_kv_heads;
+                int64_t first_query = block * QUERY_BLOCK;
+                int64_t positions = num_queries - first_query < QUERY_BLOCK ? num_queries - first_query : QUERY_BLOCK;
+                attend_block(&sequence, &shape, first_query, positions, kv_head * group, group, &scratch);
+            }
+            free_scratch(&scratch);
+        }
+    }
+    return all_allocated;
+}
+
+/* out [rows, num_heads, head_dim] (contiguous) = each row's one query (rows query_stride
+ * apart, heads contiguous) attending over the first seq_lens[r] keys of its sequence, read in
+ * place through block_table [rows, max_blocks] from one layer's cache [2, num_slots, kv_heads
+ * * head_dim] in `dtype`: the bits ft_flash_attention gives the last position of a prefill of
+ * those keys. Returns as ft_flash_attention. */
+int ft_flash_decode_attention(const void *query, int64_t query_stride, const void *kv_cache, int64_t num_slots,
+                              const int64_t *block_table, int64_t max_blocks, const int64_t *seq_lens,
+                              int64_t block_size, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, float scale, void *out, int dtype, int num_threads) {
+    Shape shape = {num_heads, num_kv_heads, head_dim, scale, dtype};
+    if (!shape_supported(&shape)) {
+        return BAD_SHAPE;
+    }
+    if (!tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
+        return OUT_OF_BOUNDS;
+    }
+    int64_t group = num_heads / num_kv_heads, kv_width = num_kv_heads * head_dim, size = element_size(dtype);
+    const void *values = (const char *)kv_cache + num_slots * kv_width * size;
+    /* Few rows: one item per query head, so every thread has work; else per KV head, which
+     * widens (bf16) and reads each tile once for the whole group. */
+    int64_t heads_per_item = rows * num_kv_heads < 4 * num_threads ? 1 : group;
+    int64_t items_per_row = num_heads / heads_per_item, work = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        work += seq_lens[r] * num_heads * head_dim;
+    }
+    int all_allocated = 1;
+#pragma omp parallel num_threads(num_threads) if (work >= PARALLEL_MIN_ELEMENTS) reduction(&& : all_allocated)
+    {
+        Scratch scratch;
+        all_allocated = allocate_scratch(&scratch, heads_per_item, head_dim);
+        if (all_allocated) {
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t item = 0; item < rows * items_per_row; item++) {
+                int64_t r = item / items_per_row, first_head = (item % items_per_row) * heads_per_item;
+                Sequence sequence = {(const char *)query + r * query_stride * size, 0,
+                                     (char *)out + r * num_heads * head_dim * size, 0, seq_lens[r] - 1, 1,
+                                     {kv_cache, values, kv_width, kv_width, block_table + r * max_blocks, block_size,
+                                      seq_lens[r]}};
+                attend_block(&sequence, &shape, 0, 1, first_head, heads_per_item, &scratch);
+            }
+            free_scratch(&scratch);
+        }
+    }
+    return all_allocated;
+}
+
+/* Floats per vector in this build: head sizes must be a multiple of it. */
+int ft_flash_attention_head_dim_multiple(void) {
+    return VEC_WIDTH;
+}

@@ -1,0 +1,139 @@
+"""The portable flash attention (csrc/attention.c) against plain math, on every ISA this CPU
+runs, and the bits it promises: a row's result depends on nothing but its own inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from firsttoken.ops import native
+from firsttoken.ops.cpu_isa import runnable_cpu_isas
+
+# float32 arithmetic throughout: what is left is summation order and the vector exp (~1e-7).
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+SHAPES = [(9, 3, 64), (4, 4, 32), (8, 2, 128), (4, 1, 256), (2, 1, 16)]
+# Key counts on and around the 64-key tiles; queries the last n of them.
+QUERIES_KEYS = [(1, 1), (5, 5), (64, 64), (65, 129), (100, 100), (17, 300), (300, 300)]
+POSITIONS_ON_TILE_EDGES = [0, 1, 7, 8, 15, 16, 63, 64, 65, 127, 128, 200, 299]
+
+
+@pytest.fixture(scope="module", params=runnable_cpu_isas() or ["auto"])
+def kernels(request, tmp_path_factory) -> native.NativeKernels:
+    """The kernels built for each ISA this CPU can run (an AVX-512 machine tests AVX2 too)."""
+    built = native.load_native_kernels(str(tmp_path_factory.mktemp("native")), request.param)
+    if built is None:
+        pytest.skip("no working C compiler on this machine")
+    return built
+
+
+def _qkv(num_queries, num_keys, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+    """Query [n, heads, D] and key, value [m, kv_heads, D] as strided views of one qkv, as the model holds them."""
+    generator = torch.Generator().manual_seed(seed)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_keys, width, generator=generator).to(dtype)
+    query = qkv[-num_queries:, : num_heads * head_dim].view(num_queries, num_heads, head_dim)
+    key = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_keys, num_kv_heads, head_dim)
+    value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_keys, num_kv_heads, head_dim)
+    return query, key, value
+
+
+def _causal_attention_reference(query, key, value):
+    num_queries, num_heads, head_dim = query.shape
+    num_keys, num_kv_heads = key.shape[0], key.shape[1]
+    group = num_heads // num_kv_heads
+    scores = torch.einsum("qhd,khd->hqk", query.float(), key.float().repeat_interleave(group, 1)) / head_dim**0.5
+    positions = torch.arange(num_keys - num_queries, num_keys)
+    allowed = torch.arange(num_keys)[None, :] <= positions[:, None]
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", weights, value.float().repeat_interleave(group, 1))
+
+
+def _paged(key, value, block_size, seed=1):
+    """The same K/V in a paged cache [2, blocks, block_size, kv_heads, D], blocks shuffled, and
+    the sequence's block ids."""
+    num_keys, num_kv_heads, head_dim = key.shape
+    num_blocks = -(-num_keys // block_size)
+    block_ids = torch.randperm(num_blocks + 2, generator=torch.Generator().manual_seed(seed))[:num_blocks]
+    kv_cache = torch.zeros(2, num_blocks + 2, block_size, num_kv_heads, head_dim, dtype=key.dtype)
+    positions = torch.arange(num_keys)
+    slots = block_ids[positions // block_size] * block_size + positions % block_size
+    kv_cache[0].view(-1, num_kv_heads, head_dim)[slots] = key
+    kv_cache[1].view(-1, num_kv_heads, head_dim)[slots] = value
+    return kv_cache, block_ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
+@pytest.mark.parametrize("num_queries,num_keys", QUERIES_KEYS)
+def test_flash_attention_matches_plain_math(kernels, dtype, num_heads, num_kv_heads, head_dim, num_queries, num_keys):
+    query, key, value = _qkv(num_queries, num_keys, num_heads, num_kv_heads, head_dim, dtype)
+    assert kernels.flash_attention_supports(query, key)
+    output = kernels.flash_attention(query, key, value, num_threads=2)
+    assert output.dtype == dtype
+    torch.testing.assert_close(output.float(), _causal_attention_reference(query, key, value), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128)])
+def test_a_row_has_the_same_bits_whatever_the_other_rows_and_threads(
+    kernels, dtype, num_heads, num_kv_heads, head_dim
+):
+    """The last rows of a 300-token prefill, as a chunk of 1, 17 or 70 queries on the others'
+    keys, on one thread or two: the same bits."""
+    query, key, value = _qkv(300, 300, num_heads, num_kv_heads, head_dim, dtype)
+    whole = kernels.flash_attention(query, key, value, num_threads=2)
+    for num_queries in (1, 17, 70):
+        for threads in (1, 2):
+            chunk = kernels.flash_attention(query[-num_queries:], key, value, num_threads=threads)
+            assert torch.equal(chunk, whole[-num_queries:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("num_queries,num_keys", [(1, 1), (21, 60), (40, 300)])
+def test_a_chunk_reads_its_paged_context_in_place_with_the_bits_of_consecutive_keys(
+    kernels, dtype, block_size, num_queries, num_keys
+):
+    query, key, value = _qkv(num_queries, num_keys, 9, 3, 64, dtype)
+    kv_cache, block_ids = _paged(key, value, block_size)
+    paged = kernels.flash_attention_paged(query, kv_cache, block_ids, num_keys, num_threads=2)
+    assert torch.equal(paged, kernels.flash_attention(query, key, value, num_threads=2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_decode_rows_get_the_bits_a_prefill_gives_their_positions(
+    kernels, dtype, num_heads, num_kv_heads, head_dim, block_size
+):
+    """Each decode row, at positions on and across the 8-, 16- and 64-key tiles, equals bit for
+    bit its row in one prefill of the whole sequence, alone or beside the others."""
+    num_keys = 300
+    query, key, value = _qkv(num_keys, num_keys, num_heads, num_kv_heads, head_dim, dtype, seed=head_dim)
+    prefill = kernels.flash_attention(query, key, value, num_threads=2)
+    kv_cache, block_ids = _paged(key, value, block_size)
+    positions = torch.tensor(POSITIONS_ON_TILE_EDGES)
+    block_table = block_ids.repeat(len(positions), 1)
+    decoded = kernels.flash_decode_attention(query[positions], kv_cache, block_table, positions + 1)
+    assert torch.equal(decoded, prefill[positions])
+    alone = kernels.flash_decode_attention(query[positions[-2:]], kv_cache, block_table[-2:], positions[-2:] + 1)
+    assert torch.equal(alone, prefill[positions[-2:]])
+
+
+def test_bad_shapes_and_tables_are_named(kernels):
+    query, key, value = _qkv(8, 8, 4, 4, 64, torch.float32)
+    with pytest.raises(ValueError, match="8 queries of 4 heads over 4 keys"):
+        kernels.flash_attention(query, key[:4], value[:4], num_threads=1)
+    odd = torch.zeros(1, 2, 12)
+    assert not kernels.flash_attention_supports(odd, odd)  # head size not whole vectors
+    assert not kernels.flash_attention_supports(query, key.to(torch.bfloat16))
+    kv_cache = torch.zeros(2, 4, 16, 4, 64)
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        kernels.flash_attention_paged(query, kv_cache, torch.tensor([0, 4]), 20, num_threads=1)
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        kernels.flash_attention_paged(query, kv_cache, torch.tensor([0]), 20, num_threads=1)
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        kernels.flash_decode_attention(query[:1], kv_cache, torch.tensor([[0, 1]]), torch.tensor([33]))
+    with pytest.raises(ValueError, match="block table"):
+        kernels.flash_decode_attention(query[:1], kv_cache, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([9]))
