@@ -3,8 +3,9 @@
 Decoding on a CPU reads every weight once per step, so its speed is bound by the bytes of
 the weights: int8 weights (per-output-channel scales) halve what bf16 reads, int4 (groups of
 32 with a scale and a zero each) quarter it. The quantized matmuls are PyTorch's own CPU
-kernels, or on CPUs with AVX512-BF16 our own (`NativeInt4Linear`, and `Int8Linear` for
-decode-sized steps); each plain reference dequantizes. Those kernels lose to the float (oneDNN, AMX)
+kernels, on CPUs with AVX512-BF16 our own for bf16 (`NativeInt4Linear`, and `Int8Linear` for
+decode-sized steps), and for float32 activations on any CPU our portable ones
+(`PortableInt4Linear`, `Int8Linear`); each plain reference dequantizes. Those kernels lose to the float (oneDNN, AMX)
 matmul once a step has more than a few rows, so by default a quantized projection keeps its
 float weights too and serves prefill-sized steps from them (`DecodeQuantizedLinear`).
 """
@@ -142,8 +143,9 @@ def int8_linear_reference(
 
 class Int8Linear(nn.Module):
     """Weight-only int8 projection; built from a loaded float Linear. With native kernels,
-    bf16 steps of up to `native_abi.DECODE_MAX_ROWS` rows take the native int8 kernel (the same
-    weights, scales and bf16 roundings as torch's)."""
+    steps of up to `native_abi.DECODE_MAX_ROWS` rows take ours: bf16 ones the AVX512-BF16 int8
+    kernel (the same weights, scales and bf16 roundings as torch's), float32 ones the portable
+    kernel (see `PORTABLE_QUANTIZED_MAX_ROWS`)."""
 
     def __init__(
         self,
@@ -156,7 +158,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.bias = bias
-        takes_native = kernels is not None and kernels.has_decode_kernels and weight.shape[1] % native.INT8_INPUT_MULTIPLE == 0
+        takes_native = kernels is not None and weight.shape[1] % native.INT8_INPUT_MULTIPLE == 0
         self.kernels = kernels if takes_native and weight.device.type == "cpu" else None
 
     @classmethod
@@ -173,14 +175,25 @@ class Int8Linear(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         if self._native_takes(flat):
             return self.kernels.int8_matmul(self.weight, self.scales, self.bias, flat.contiguous()).reshape(*leading, -1)
+        if self.runs_portable and flat.shape[0] <= native_abi.DECODE_MAX_ROWS and flat.dtype == torch.float32:
+            output = self.kernels.portable_int8_matmul(self.weight, self.scales, self.bias, flat.contiguous())
+            return output.reshape(*leading, -1)
         output = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
         if self.bias is not None:
             output = output + self.bias
         return output.reshape(*leading, -1)
 
+    @property
+    def runs_portable(self) -> bool:
+        """Whether float32 decode steps take the portable kernel (float32 scales and bias)."""
+        return (
+            self.kernels is not None and self.scales.dtype == torch.float32
+            and (self.bias is None or self.bias.dtype == torch.float32)
+        )
+
     def _native_takes(self, flat: torch.Tensor) -> bool:
         return (
-            self.kernels is not None and flat.shape[0] <= native_abi.DECODE_MAX_ROWS
+            self.kernels is not None and self.kernels.has_decode_kernels and flat.shape[0] <= native_abi.DECODE_MAX_ROWS
             and flat.dtype == self.scales.dtype == torch.bfloat16
             and (self.bias is None or self.bias.dtype == torch.bfloat16)
         )
@@ -307,6 +320,38 @@ class NativeInt4Linear(nn.Module):
         return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
 
 
+class PortableInt4Linear(nn.Module):
+    """Weight-only int4 projection on the portable kernel (csrc/quantized_matmul.c, every ISA):
+    float32 or bf16 activations, float32 sums, weights in `pack_int4`'s layout. A step of more
+    rows than the kernel takes goes through it in pieces: each piece reads the weights again,
+    but a row's bits never depend on the step."""
+
+    def __init__(
+        self, levels: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels
+    ) -> None:
+        super().__init__()
+        self.out_features = levels.shape[0]
+        self.register_buffer("levels", levels)
+        self.register_buffer("scales_zeros", scales_zeros)
+        self.bias = bias
+        self.kernels = kernels
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels
+    ) -> PortableInt4Linear:
+        return cls(*pack_int4(*quantize_int4(weight)), bias, kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()
+        pieces = [
+            self.kernels.portable_int4_matmul(self.levels, self.scales_zeros, self.bias, piece)
+            for piece in flat.split(native_abi.DECODE_MAX_ROWS)
+        ]
+        output = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
+
+
 # Most rows a step may have for its projections to take the quantized kernels. Past these,
 # PyTorch's int8/int4 CPU kernels cost more than the float (oneDNN) matmul: measured over
 # SmolLM2-135M's 120 projections, bf16 weights streamed from memory, 2 cores:
@@ -315,6 +360,14 @@ class NativeInt4Linear(nn.Module):
 # int8      13.7  18.3  27.9  47.2 ms
 # int4       7.2  10.5  18.6  34.9 ms
 QUANTIZED_MAX_ROWS = {"int8": 4, "int4": 8}
+# The portable kernels (float32 activations) beat float32 F.linear up to the most rows they
+# take. Measured over the same 120 projections (float32 F.linear's weights streamed from
+# memory; AVX2 build, 2 shared cores, one thread; bench/quantized_decode.py), ratios to F.linear:
+# rows                      1     8
+# portable int4           0.74  0.59
+# portable int8     (4 rows: 0.66) 0.59
+# torch int4, float32 x  13.5   4.8    (torch int8, float32 x: 7.6 and 1.5)
+PORTABLE_QUANTIZED_MAX_ROWS = native_abi.DECODE_MAX_ROWS
 
 
 class DecodeQuantizedLinear(nn.Module):
@@ -337,20 +390,41 @@ class DecodeQuantizedLinear(nn.Module):
 def _native_int4_takes(weight: torch.Tensor, native_kernels: native.NativeKernels | None) -> bool:
     return (
         native_kernels is not None and native_kernels.has_decode_kernels and weight.device.type == "cpu"
-        and weight.shape[1] % native.INT4_INPUT_MULTIPLE == 0
+        and weight.dtype == torch.bfloat16 and weight.shape[1] % native.INT4_INPUT_MULTIPLE == 0
     )
+
+
+def _portable_int4_takes(weight: torch.Tensor, native_kernels: native.NativeKernels | None) -> bool:
+    """float32 projections take the portable int4 kernel wherever native kernels are built:
+    torch's int4 kernel with float32 activations is the slowest choice of all (see
+    `PORTABLE_QUANTIZED_MAX_ROWS`). bf16 ones without AVX512-BF16 keep torch's int4 kernel,
+    which computes in bf16 and measured faster there than ours widening to float32 (AVX2,
+    120 projections, 1 row: 0.44 s against 1.24 s on a loaded machine; within noise at 4 and 8)."""
+    return (
+        native_kernels is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
+        and weight.shape[1] % native.PORTABLE_INT4_INPUT_MULTIPLE == 0
+    )
+
+
+def max_quantized_rows(quantized: nn.Module, quantization: str) -> int:
+    """Most rows a step may have to take `quantized` rather than the float weights."""
+    if isinstance(quantized, PortableInt4Linear) or (isinstance(quantized, Int8Linear) and quantized.runs_portable):
+        return PORTABLE_QUANTIZED_MAX_ROWS
+    return QUANTIZED_MAX_ROWS[quantization]
 
 
 def quantized_linear(
     linear: nn.Module, quantization: str, native_kernels: native.NativeKernels | None = None
 ) -> nn.Module:
     """`linear` (a Linear) in weight-only `quantization`; int4 needs whole groups along its
-    input, and a projection without them takes int8. int4 takes the native kernel where
-    there is one."""
+    input, and a projection without them takes int8. int4 takes a native kernel where
+    there is one for its dtype."""
     weight, bias = linear.weight.data, _bias_of(linear)
     if quantization == "int4" and int4_supported(weight.shape[1]):
         if _native_int4_takes(weight, native_kernels):
             return NativeInt4Linear.from_float(weight, bias, native_kernels)
+        if _portable_int4_takes(weight, native_kernels):
+            return PortableInt4Linear.from_float(weight, bias, native_kernels)
         return Int4Linear.from_float(weight, bias)
     return Int8Linear.from_float(weight, bias, native_kernels)
 
@@ -383,7 +457,7 @@ def fastest_linear(
     quantized = quantized_linear(linear, quantization, native_kernels)
     if quantized_prefill:
         return quantized
-    return DecodeQuantizedLinear(quantized, full_precision, QUANTIZED_MAX_ROWS[quantization])
+    return DecodeQuantizedLinear(quantized, full_precision, max_quantized_rows(quantized, quantization))
 
 
 def _float_linear(linear: Linear, pack_onednn: bool) -> nn.Module:

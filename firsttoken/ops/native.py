@@ -45,6 +45,7 @@ _SOURCE_DIR = Path(__file__).parent / "csrc"
 _SOURCES = [
     _SOURCE_DIR / "cpu_kernels.c", _SOURCE_DIR / "prefill_attention.c", _SOURCE_DIR / "decode_step.c",
     _SOURCE_DIR / "attention.c",
+    _SOURCE_DIR / "quantized_matmul.c",
 ]
 _HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h"]
 # Written into the build folder from `native_abi` (common.h includes it).
@@ -75,6 +76,8 @@ _SIGNATURES = {
     + [_INT64] * 5
     + [ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int],
     "ft_flash_attention_head_dim_multiple": [],
+    "ft_portable_int4_matmul": [_POINTER] * 3 + [_INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int, ctypes.c_int],
+    "ft_portable_int8_matmul": [_POINTER] * 3 + [_INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int, ctypes.c_int],
 }
 # ft_flash_attention's and ft_flash_decode_attention's statuses besides 1 (done) and 0 (out of memory).
 _FLASH_OUT_OF_BOUNDS = -1
@@ -100,6 +103,9 @@ _VECTOR_BF16_SIGNATURES = {
 # The int4 kernel reads its inputs two groups of 32 at a time, the int8 one 16 at a time.
 INT4_INPUT_MULTIPLE = 64
 INT8_INPUT_MULTIPLE = 16
+# The portable int4 kernel (csrc/quantized_matmul.c) reads whole groups of 32 inputs; its int8
+# sibling takes INT8_INPUT_MULTIPLE like the AVX512-BF16 one.
+PORTABLE_INT4_INPUT_MULTIPLE = 32
 # The prefill attention kernel's head sizes: whole tiles of 32 dims (at most
 # `native_abi.PREFILL_MAX_HEAD_DIM`).
 PREFILL_HEAD_DIM_MULTIPLE = 32
@@ -358,6 +364,52 @@ class NativeKernels:
         """x [rows, in] . (scales * W)^T for int8 W [out, in] (in a multiple of 16), rows <=
         `native_abi.DECODE_MAX_ROWS`; x, scales [out] and bias bf16; all contiguous."""
         return self._quantized_matmul("int8_matmul", weight, scales, bias, x, weight.shape[1], INT8_INPUT_MULTIPLE)
+
+    def portable_int4_matmul(
+        self, levels: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
+    ) -> torch.Tensor:
+        """x [rows, in] . W^T (+ bias) on any ISA, rows <= `native_abi.DECODE_MAX_ROWS`, in a
+        multiple of 32; x and bias float32 or bf16 (one dtype, the output's), all contiguous; W
+        in the layout of `firsttoken.ops.linear.pack_int4` (scales_zeros bf16)."""
+        return self._portable_matmul("int4", levels, scales_zeros, bias, x, 2 * levels.shape[1], PORTABLE_INT4_INPUT_MULTIPLE)
+
+    def portable_int8_matmul(
+        self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
+    ) -> torch.Tensor:
+        """x [rows, in] . (scales * W)^T (+ bias) on any ISA for int8 W [out, in] (in a multiple
+        of 16), rows <= `native_abi.DECODE_MAX_ROWS`; x, scales [out] and bias float32 or bf16 (one
+        dtype, the output's), all contiguous."""
+        if scales.dtype != x.dtype:
+            raise ValueError(f"portable_int8_matmul: scales in {scales.dtype}, inputs in {x.dtype}")
+        return self._portable_matmul("int8", weight, scales, bias, x, weight.shape[1], INT8_INPUT_MULTIPLE)
+
+    def _portable_matmul(
+        self,
+        kind: str,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        x: torch.Tensor,
+        weight_inputs: int,
+        input_multiple: int,
+    ) -> torch.Tensor:
+        name = f"portable_{kind}_matmul"
+        rows, in_features = x.shape
+        takes_rows = 1 <= rows <= native_abi.DECODE_MAX_ROWS
+        if not takes_rows or weight_inputs != in_features or in_features % input_multiple or x.dtype not in _DTYPE_CODES:
+            raise ValueError(f"{name}: {rows} rows of {in_features} {x.dtype} inputs for weights {tuple(weight.shape)}")
+        if bias is not None and bias.dtype != x.dtype:
+            raise ValueError(f"{name}: bias in {bias.dtype}, inputs in {x.dtype}")
+        out_features = weight.shape[0]
+        out = x.new_empty(rows, out_features)
+        kernel = getattr(self._library, f"ft_{name}")
+        _check(
+            kernel(
+                weight.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
+                in_features, x.data_ptr(), rows, out.data_ptr(), _code(x), torch.get_num_threads(),
+            )
+        )
+        return out
 
     def _quantized_matmul(
         self,

@@ -11,12 +11,14 @@ from gguf.quants import dequantize, quantize
 
 from firsttoken.ops.linear import (
     INT4_GROUP_SIZE,
+    PORTABLE_QUANTIZED_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
     DecodeQuantizedLinear,
     Int4Linear,
     Int8Linear,
     Linear,
     PackedLinear,
+    PortableInt4Linear,
     WidenedLinear,
     cpu_computes_bf16,
     dequantize_int4,
@@ -172,3 +174,63 @@ def test_int4_falls_back_to_int8_without_whole_groups():
     linear = Linear(100, 96, bias=False, dtype=torch.bfloat16)
     linear.weight.data = torch.randn(96, 100).bfloat16()
     assert isinstance(fastest_linear(linear, "int4", quantized_prefill=True, pack_onednn=False), Int8Linear)
+
+
+def _portable_kernels(native_kernels):
+    if native_kernels is None:
+        pytest.skip("no C compiler on this machine")
+    return native_kernels
+
+
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_int4_linear_matches_its_reference(native_kernels, rows, dtype):
+    kernels = _portable_kernels(native_kernels)
+    weight = _weight()
+    bias = torch.randn(96).to(dtype)
+    linear = PortableInt4Linear.from_float(weight.to(dtype), bias, kernels)
+    levels, scales_and_zeros = quantize_int4(weight.to(dtype))
+    x = torch.randn(rows, 128).to(dtype)
+    expected = int4_linear_reference(x, levels, scales_and_zeros.bfloat16(), INT4_GROUP_SIZE, bias)
+    output = linear(x)
+    assert output.dtype == dtype
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_OUTPUT_TOLERANCE
+    torch.testing.assert_close(output, expected, **tolerance)
+
+
+def test_portable_int4_linear_gives_a_row_its_bits_in_a_step_of_any_size(native_kernels):
+    """Past the kernel's rows the step goes through it in pieces; a row never sees the others."""
+    linear = PortableInt4Linear.from_float(_weight(), None, _portable_kernels(native_kernels))
+    x = torch.randn(2, 19, 128)
+    together = linear(x)
+    assert together.shape == (2, 19, 96)
+    for row in (0, 7, 8, 18):
+        assert torch.equal(linear(x[1, row : row + 1]), together[1, row : row + 1])
+
+
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_float32_int8_linear_takes_the_portable_kernel_and_matches_its_reference(native_kernels, rows):
+    kernels = _portable_kernels(native_kernels)
+    bias = torch.randn(96)
+    linear = Int8Linear.from_float(_weight(), bias, kernels)
+    assert linear.runs_portable
+    x = torch.randn(rows, 128)
+    expected = int8_linear_reference(x, linear.weight, linear.scales, bias)
+    torch.testing.assert_close(linear(x), expected, atol=1e-5, rtol=1e-5)
+    if rows <= PORTABLE_QUANTIZED_MAX_ROWS:
+        portable = kernels.portable_int8_matmul(linear.weight, linear.scales, bias, x)
+        assert torch.equal(linear(x), portable)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_float32_projections_take_the_portable_kernels_for_decode_sized_steps(native_kernels, quantization):
+    kernels = _portable_kernels(native_kernels)
+    linear = Linear(128, 96, bias=False, dtype=torch.float32)
+    linear.weight.data = _weight()
+    dispatch = fastest_linear(linear, quantization, quantized_prefill=False, pack_onednn=False, native_kernels=kernels)
+    assert isinstance(dispatch.quantized, PortableInt4Linear if quantization == "int4" else Int8Linear)
+    assert dispatch.max_quantized_rows == PORTABLE_QUANTIZED_MAX_ROWS
+    for rows in (1, PORTABLE_QUANTIZED_MAX_ROWS, PORTABLE_QUANTIZED_MAX_ROWS + 1):
+        x = torch.randn(rows, 128)
+        expected_path = dispatch.quantized if rows <= PORTABLE_QUANTIZED_MAX_ROWS else dispatch.full_precision
+        assert torch.equal(dispatch(x), expected_path(x))

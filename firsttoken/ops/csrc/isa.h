@@ -174,4 +174,37 @@ static inline vfloat vf_sums(vfloat v[VEC_WIDTH]) {
     return v[0];
 }
 
+/* ---- Byte loads for quantized weights (quantized_matmul.c) ---- */
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* VEC_WIDTH bytes widened to 32-bit lanes, unsigned or signed. GCC's __builtin_convertvector
+ * from a byte vector extracts byte by byte; the x86 builds use one widening load instead. */
+static inline vint vi_load_u8(const uint8_t *source) {
+#if defined(__AVX512F__)
+    return (vint)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)source));
+#elif defined(__AVX2__)
+    return (vint)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)source));
+#else
+    vbyte bytes;
+    memcpy(&bytes, source, sizeof bytes);
+    return __builtin_convertvector(bytes, vint);
+#endif
+}
+
+static inline vint vi_load_i8(const int8_t *source) {
+#if defined(__AVX512F__)
+    return (vint)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)source));
+#elif defined(__AVX2__)
+    return (vint)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)source));
+#else
+    typedef int8_t vsbyte __attribute__((vector_size(VEC_WIDTH)));
+    vsbyte bytes;
+    memcpy(&bytes, source, sizeof bytes);
+    return __builtin_convertvector(bytes, vint);
+#endif
+}
+
 #endif
