@@ -34,7 +34,9 @@ from firsttoken.ops.linear import (
     PackedLinear,
     convert_linears,
     fastest_linear,
+    native_row_invariant_available,
     replace_linears,
+    row_invariant_linear,
 )
 from firsttoken.ops.native_decode import DecodeLayerWeights, DecodeShape, NativeDecodeStep, supports_layers
 from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin
@@ -240,13 +242,21 @@ class LlamaForCausalLM(nn.Module):
         tied embedding is often stored at 8 bits (SmolLM2's GGUF: Q8_0 beside Q4_1 layers).
         `batch_invariant`: packed projections give a row the same bits at any row count; with
         `triton_matmuls` (CUDA) and float weights, every projection and the LM head run on the
-        row-invariant Triton matmul instead of cuBLAS, which picks its kernel by the row count."""
+        row-invariant Triton matmul instead of cuBLAS, which picks its kernel by the row count;
+        in float32 on native CPU kernels, on the row-invariant native matmul instead of torch's,
+        which does too."""
         if batch_invariant and triton_matmuls and quantization is None:
             # Imported here: triton is needed on CUDA only.
             from firsttoken.ops.triton_matmul import RowInvariantLinear
 
             replace_linears(self.layers, RowInvariantLinear.from_linear)
             self.lm_head = RowInvariantLinear.from_linear(self.lm_head)
+            return
+        native_kernels = self.kernels.native
+        float_dtype = self.embed_weight.dtype
+        if batch_invariant and quantization is None and native_row_invariant_available(float_dtype, native_kernels):
+            replace_linears(self.layers, lambda linear: row_invariant_linear(linear, native_kernels))
+            self.lm_head = row_invariant_linear(self.lm_head, native_kernels)
             return
         convert_linears(self.layers, quantization, quantized_prefill, pack_onednn, self.kernels.native)
         head_quantization = "int8" if quantization else None

@@ -96,6 +96,41 @@ def widens_to_float32(weight: torch.Tensor) -> bool:
     """Whether a projection of this weight computes in float32: bf16 on a CPU oneDNN has no bf16
     kernels for."""
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and not cpu_computes_bf16()
+def native_row_invariant_available(dtype: torch.dtype, native_kernels: native.NativeKernels | None) -> bool:
+    """Whether float projections can take `NativeRowInvariantLinear`: float32 with native kernels."""
+    return native_kernels is not None and dtype == torch.float32
+
+
+class NativeRowInvariantLinear(nn.Module):
+    """A float32 projection on the native row-invariant matmul: every output is one FMA chain
+    over the inputs in order, so a row's bits never depend on the other rows in the step or on
+    the thread count (torch's float32 matmul picks its kernel and blocking by the row count).
+    The weight is packed once into the kernel's column panels, in float32 or, to halve the
+    bytes a decode step reads, bf16 widened in registers."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels: native.NativeKernels,
+        weight_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.register_buffer("packed_weight", kernels.pack_matmul_weight(weight.float(), weight_dtype))
+        self.bias = bias.float().contiguous() if bias is not None else None
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if flat.stride(-1) != 1:
+            flat = flat.contiguous()
+        output = self.kernels.row_invariant_matmul(flat, self.packed_weight, self.bias, self.out_features)
+        return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
+
+
+def row_invariant_linear(linear: Linear, native_kernels: native.NativeKernels) -> NativeRowInvariantLinear:
+    return NativeRowInvariantLinear(linear.weight.data, _bias_of(linear), native_kernels)
 
 
 # Row counts `rows_invariant` compares: decode batches, a chunk, a long prefill.

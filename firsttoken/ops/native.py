@@ -46,6 +46,7 @@ _SOURCES = [
     _SOURCE_DIR / "cpu_kernels.c", _SOURCE_DIR / "prefill_attention.c", _SOURCE_DIR / "decode_step.c",
     _SOURCE_DIR / "attention.c",
     _SOURCE_DIR / "quantized_matmul.c",
+    _SOURCE_DIR / "matmul.c",
 ]
 _HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h"]
 # Written into the build folder from `native_abi` (common.h includes it).
@@ -78,6 +79,9 @@ _SIGNATURES = {
     "ft_flash_attention_head_dim_multiple": [],
     "ft_portable_int4_matmul": [_POINTER] * 3 + [_INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int, ctypes.c_int],
     "ft_portable_int8_matmul": [_POINTER] * 3 + [_INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int, ctypes.c_int],
+    "ft_matmul_panel_width": [],
+    "ft_row_invariant_matmul": [_POINTER, _INT64, _INT64, _POINTER, ctypes.c_int, _POINTER, _INT64, _INT64, _POINTER]
+    + [ctypes.c_int],
 }
 # ft_flash_attention's and ft_flash_decode_attention's statuses besides 1 (done) and 0 (out of memory).
 _FLASH_OUT_OF_BOUNDS = -1
@@ -147,6 +151,8 @@ class NativeKernels:
         self.has_prefill_attention = hasattr(library, "ft_prefill_attention")
         # The portable flash attention takes head sizes in whole vectors of this build.
         self.flash_head_dim_multiple: int = library.ft_flash_attention_head_dim_multiple()
+        # Output columns per panel of `pack_matmul_weight`'s layout: two vectors of this ISA.
+        self.matmul_panel_width: int = library.ft_matmul_panel_width()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x contiguous [rows, cols]."""
@@ -349,6 +355,48 @@ class NativeKernels:
                 f"multiple of {self.flash_head_dim_multiple} up to {native_abi.ATTENTION_MAX_HEAD_DIM})"
             )
         _check(status)
+
+    def pack_matmul_weight(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [out, in] in `row_invariant_matmul`'s layout: panels of `matmul_panel_width` output
+        columns, [panels, in, panel_width] in `dtype` (float32 or bf16), the last panel zero-padded."""
+        out_features, in_features = weight.shape
+        width = self.matmul_panel_width
+        panels = -(-out_features // width)
+        padded = weight.new_zeros(panels * width, in_features)
+        padded[:out_features] = weight
+        return padded.view(panels, width, in_features).transpose(1, 2).to(dtype).contiguous()
+
+    def row_invariant_matmul(
+        self, x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        """x [rows, in] float32 (rows may be strided) times W^T, W packed by `pack_matmul_weight`,
+        plus bias (float32 [out_features]) if given: each output is one FMA chain over the
+        inputs in order, so a row's bits never depend on the other rows or the thread count."""
+        rows, in_features = x.shape
+        panels, packed_inputs, width = packed_weight.shape
+        if (
+            x.dtype != torch.float32 or x.stride(1) != 1 or packed_inputs != in_features
+            or width != self.matmul_panel_width or not (panels - 1) * width < out_features <= panels * width
+            or packed_weight.dtype not in _DTYPE_CODES or not packed_weight.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)))
+        ):
+            raise ValueError(
+                f"row_invariant_matmul: x {tuple(x.shape)} {x.dtype}, packed weight {tuple(packed_weight.shape)} "
+                f"{packed_weight.dtype} for {out_features} outputs, bias "
+                f"{None if bias is None else (tuple(bias.shape), bias.dtype)}"
+            )
+        out = x.new_empty(rows, out_features)
+        if rows == 0:
+            return out
+        bias = bias.contiguous() if bias is not None else None
+        _check(
+            self._library.ft_row_invariant_matmul(
+                x.data_ptr(), x.stride(0), rows, packed_weight.data_ptr(), _code(packed_weight),
+                None if bias is None else bias.data_ptr(), out_features, in_features, out.data_ptr(),
+                torch.get_num_threads(),
+            )
+        )
+        return out
 
     def int4_matmul(
         self, levels: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor

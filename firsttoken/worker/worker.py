@@ -30,7 +30,13 @@ from firsttoken.models.registry import build_model, open_checkpoint, resolve_mod
 from firsttoken.models.sharding import ModelShard, shard_for_rank
 from firsttoken.ops.cpu_info import physical_core_count
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
-from firsttoken.ops.linear import Linear, PackedLinear, onednn_packing_available, rows_invariant
+from firsttoken.ops.linear import (
+    Linear,
+    NativeRowInvariantLinear,
+    PackedLinear,
+    onednn_packing_available,
+    rows_invariant,
+)
 from firsttoken.ops.native import load_native_kernels
 from firsttoken.sample.grammar import CompiledGrammar, GrammarCompiler
 from firsttoken.sample.sampler import Sampler
@@ -272,11 +278,15 @@ class Worker:
         )
 
     def _matmuls_rows_invariant(self, model: LlamaForCausalLM) -> bool:
-        """Probe the packed projections that batch invariance rests on; warn where this CPU's
-        kernels give a row different bits at different row counts."""
-        packed = [module for module in model.modules() if isinstance(module, PackedLinear)]
-        if not packed:  # float32, or a device without oneDNN packing: not claimed
-            return False
+        """Whether every projection gives a row the same bits at any row count: all on the native
+        row-invariant matmul (float32), or all oneDNN-packed (bf16) with this CPU's kernels
+        passing the probe; warn where they do not."""
+        projections = [
+            module for module in model.modules() if isinstance(module, (Linear, PackedLinear, NativeRowInvariantLinear))
+        ]
+        if not projections or any(isinstance(module, Linear) for module in projections):
+            return False  # torch's plain matmuls pick their kernel by the row count
+        packed = [module for module in projections if isinstance(module, PackedLinear)]
         shapes = {tuple(module.packed_weight.shape): module for module in packed}
         if all(rows_invariant(module) for module in shapes.values()):
             return True

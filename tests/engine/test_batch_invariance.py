@@ -1,6 +1,8 @@
-"""bf16 greedy output that does not depend on the batch: alone, beside other requests, in
-chunks of any size (one token included), after a prefix-cache hit, after preemption and
-recompute, and on blocks a decode step wrote: the same tokens and the same logprob bits."""
+"""Greedy output that does not depend on the batch, in bf16 and in float32: alone, beside other
+requests, in chunks of any size (one token included), after a prefix-cache hit, after
+preemption and recompute, and on blocks a decode step wrote: the same tokens and the same
+logprob bits. Each dtype runs where the engine claims it; float32 prefills keep their bits on
+the row-invariant native matmul wherever it is built."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import random
 import pytest
 
 from firsttoken import LLM, SamplingParams
+from firsttoken.ops.linear import NativeRowInvariantLinear
 
 PROMPTS = [
     "Explain why the sky is blue, and why sunsets over the sea turn red and orange in the evening.",
@@ -31,16 +34,23 @@ def _bits(output) -> tuple:
     )
 
 
-@pytest.fixture(scope="module")
-def engine_options(model_path):
-    return dict(model=model_path, dtype="bfloat16", kv_cache_memory_bytes=256 << 20)
+_NEEDS = {
+    "bfloat16": "AVX512-BF16 native kernels and row-invariant oneDNN",
+    "float32": "native kernels, and decode rows attending with the prefill kernel's arithmetic",
+}
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def engine_options(request, model_path):
+    return dict(model=model_path, dtype=request.param, kv_cache_memory_bytes=256 << 20)
 
 
 @pytest.fixture(scope="module")
 def invariant_llm(engine_options):
     llm = LLM(**engine_options, enable_prompt_cache=False)
     if not llm.engine.worker.batch_invariant:
-        pytest.skip("no batch invariance on this machine (needs AVX512-BF16 native kernels and row-invariant oneDNN)")
+        dtype = engine_options["dtype"]
+        pytest.skip(f"no {dtype} batch invariance on this machine (needs {_NEEDS[dtype]})")
     return llm
 
 
@@ -90,7 +100,9 @@ def test_a_hit_on_whole_blocks_recomputes_the_last_token_as_a_prefill(invariant_
 def test_without_it_one_row_steps_take_onednn_one_row_kernel(engine_options):
     llm = LLM(**engine_options, enable_prompt_cache=False, batch_invariant=False)
     assert not llm.engine.worker.batch_invariant
-    assert not any(getattr(module, "pad_single_rows", False) for module in llm.engine.worker.model.modules())
+    modules = list(llm.engine.worker.model.modules())
+    assert not any(getattr(module, "pad_single_rows", False) for module in modules)
+    assert not any(isinstance(module, NativeRowInvariantLinear) for module in modules)
 
 
 def test_quantized_weights_claim_no_invariance(engine_options):
@@ -115,7 +127,8 @@ def test_after_preemption_and_recompute_every_bit_is_the_same(invariant_llm, eng
     the prefill kernel's arithmetic, so the recomputed K/V and logits are the decoded ones."""
     others = _other_prompts(6, seed=7)
     others_alone = [_bits(invariant_llm.generate([prompt], GREEDY)[0]) for prompt in others]
-    block_bytes = 2 * 30 * 16 * 3 * 64 * 2  # layers x block tokens x KV heads x head size, bf16
+    element_bytes = 2 if engine_options["dtype"] == "bfloat16" else 4
+    block_bytes = 2 * 30 * 16 * 3 * 64 * element_bytes  # K and V x layers x block tokens x KV heads x head size
     small = LLM(**{**engine_options, "kv_cache_memory_bytes": 48 * block_bytes}, enable_prompt_cache=False,
                 max_num_seqs=10)
     outputs = small.generate(others + PROMPTS, GREEDY)
@@ -134,3 +147,36 @@ def test_a_prompt_on_blocks_a_decode_step_wrote_gets_every_bit_of_a_cold_prefill
     assert hit.num_cached_tokens > len(prompt_ids) // block_size * block_size  # decode-written blocks too
     cold = invariant_llm.generate(prompt_token_ids=[follow_up], sampling_params=GREEDY)[0]
     assert _bits(hit) == _bits(cold)
+
+
+@pytest.fixture(scope="module")
+def float32_llm(model_path):
+    """A float32 engine with its projections on the row-invariant native matmul, whether or not
+    its decode rows attend invariantly (the whole claim)."""
+    llm = LLM(model=model_path, dtype="float32", kv_cache_memory_bytes=256 << 20, enable_prompt_cache=False)
+    if llm.engine.worker.kernels.native is None:
+        pytest.skip("no native kernels on this machine (no working C compiler)")
+    return llm
+
+
+def test_float32_projections_run_on_the_row_invariant_matmul(float32_llm):
+    """Every projection and the LM head; the claim then rests on the decode attention alone."""
+    worker = float32_llm.engine.worker
+    model = worker.model
+    projections = [model.lm_head] + [
+        projection
+        for layer in model.layers
+        for projection in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]
+    assert all(isinstance(module, NativeRowInvariantLinear) for module in projections)
+    block_size = float32_llm.engine.config.cache.block_size
+    assert worker.batch_invariant == worker.runner.backend.decodes_as_prefill(block_size)
+
+
+@pytest.mark.parametrize("num_others", [1, 3, 7, 15])
+def test_float32_first_tokens_beside_other_requests_keep_every_bit(float32_llm, num_others):
+    """A prompt's prefill beside others' (torch's float32 matmul gave 0 of 16 the same bits)."""
+    first = SamplingParams(temperature=0, max_tokens=1, logprobs=2)
+    alone = [_bits(float32_llm.generate([prompt], first)[0]) for prompt in PROMPTS]
+    outputs = float32_llm.generate(PROMPTS + _other_prompts(num_others, seed=num_others), first)
+    assert [_bits(output) for output in outputs[: len(PROMPTS)]] == alone

@@ -1,0 +1,198 @@
+/* A row-invariant float32 matmul: y = x W^T (+ bias), for every CPU class through isa.h.
+ *
+ * Every output element is ONE chain of fused multiply-adds over k = 0 .. K-1 in order,
+ * started from zero, with the bias added last. Vectors run across output columns, never
+ * across K; there is no split-K; blocking along K stores and reloads a float32 partial,
+ * which is exact. So a row's bits never depend on how many rows the call has, where the
+ * row falls in a tile, or how many threads share the work: what batch invariance needs.
+ *
+ * W is packed once at load into panels of PANEL_WIDTH output columns, [panels][K][PANEL_WIDTH]
+ * (the last panel zero-padded), in float32 or bf16 (widened in registers: exact). A tile of
+ * TILE_ROWS rows by one panel keeps its sums in registers: on AVX2 6 x 16 = 12 ymm sums, one
+ * broadcast of x and two loads of W per k. Threads split the panels (and the rows where
+ * panels are few); every element's arithmetic is the same whichever thread runs it.
+ */
+#include "common.h"
+#include "isa.h"
+
+/* A panel is two vectors wide; the tile's rows fill the registers left over (16 on AVX2 and
+ * SSE/NEON, 32 on AVX-512): sums, the two W vectors and the broadcast x. */
+#define PANEL_VECTORS 2
+#define PANEL_WIDTH (PANEL_VECTORS * VEC_WIDTH)
+#if VEC_WIDTH >= 16
+#define TILE_ROWS 12
+#else
+#define TILE_ROWS 6
+#endif
+/* A panel's K_BLOCK x PANEL_WIDTH slice of W (16 KiB in float32 on AVX2) stays in L1 while
+ * ROW_BLOCK rows of x (their K_BLOCK columns: 96 KiB) stay in L2. */
+#define K_BLOCK 256
+#define ROW_BLOCK (16 * TILE_ROWS)
+
+/* What one call multiplies. */
+typedef struct {
+    const float *x;
+    int64_t x_stride;
+    int64_t rows;
+    const void *weight; /* packed: [panels][in_features][PANEL_WIDTH] */
+    int weight_is_bf16;
+    const float *bias; /* [out_features] or NULL */
+    int64_t out_features;
+    int64_t in_features;
+    float *out; /* [rows][out_features] */
+} Matmul;
+
+int ft_matmul_panel_width(void) {
+    return PANEL_WIDTH;
+}
+
+static inline __attribute__((always_inline)) vfloat load_weight(const void *panel, int64_t index, const int is_bf16) {
+    return is_bf16 ? vf_load_bf16((const uint16_t *)panel + index) : vf_load((const float *)panel + index);
+}
+
+/* Loads `rows` x PANEL_WIDTH partial sums from out (its first `cols` columns valid). */
+static inline __attribute__((always_inline)) void load_sums(
+    const int rows, vfloat sums[TILE_ROWS][PANEL_VECTORS], const float *out, int64_t out_stride, int64_t cols) {
+    for (int r = 0; r < rows; r++) {
+        float row[PANEL_WIDTH] = {0};
+        const float *source = out + r * out_stride;
+        if (cols < PANEL_WIDTH) {
+            memcpy(row, source, (size_t)cols * sizeof(float));
+            source = row;
+        }
+        for (int v = 0; v < PANEL_VECTORS; v++) {
+            sums[r][v] = vf_load(source + v * VEC_WIDTH);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void store_sums(
+    const int rows, vfloat sums[TILE_ROWS][PANEL_VECTORS], float *out, int64_t out_stride, int64_t cols) {
+    for (int r = 0; r < rows; r++) {
+        float row[PANEL_WIDTH];
+        float *destination = cols < PANEL_WIDTH ? row : out + r * out_stride;
+        for (int v = 0; v < PANEL_VECTORS; v++) {
+            vf_store(destination + v * VEC_WIDTH, sums[r][v]);
+        }
+        if (cols < PANEL_WIDTH) {
+            memcpy(out + r * out_stride, row, (size_t)cols * sizeof(float));
+        }
+    }
+}
+
+/* out[r][c] (+)= sum over k in [k_begin, k_end) of x[r][k] * W[c][k], one FMA at a time in k's
+ * order, for `rows` rows and one panel's `cols` columns; the first block starts from zero and
+ * the last adds the bias. */
+static inline __attribute__((always_inline)) void multiply_tile(
+    const int rows, const int is_bf16, const Matmul *m, int64_t row, int64_t panel, int64_t k_begin, int64_t k_end) {
+    int64_t column = panel * PANEL_WIDTH;
+    int64_t cols = m->out_features - column < PANEL_WIDTH ? m->out_features - column : PANEL_WIDTH;
+    float *out = m->out + row * m->out_features + column;
+    const float *x = m->x + row * m->x_stride;
+    const void *weights = is_bf16 ? (const void *)((const uint16_t *)m->weight + panel * m->in_features * PANEL_WIDTH)
+                                  : (const void *)((const float *)m->weight + panel * m->in_features * PANEL_WIDTH);
+    vfloat sums[TILE_ROWS][PANEL_VECTORS];
+    if (k_begin == 0) {
+#pragma GCC unroll 16
+        for (int r = 0; r < rows; r++) {
+            for (int v = 0; v < PANEL_VECTORS; v++) {
+                sums[r][v] = vf_splat(0.0f);
+            }
+        }
+    } else {
+        load_sums(rows, sums, out, m->out_features, cols);
+    }
+    for (int64_t k = k_begin; k < k_end; k++) {
+        vfloat w[PANEL_VECTORS];
+        for (int v = 0; v < PANEL_VECTORS; v++) {
+            w[v] = load_weight(weights, k * PANEL_WIDTH + v * VEC_WIDTH, is_bf16);
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < rows; r++) {
+            vfloat xr = vf_splat(x[r * m->x_stride + k]);
+            for (int v = 0; v < PANEL_VECTORS; v++) {
+                sums[r][v] += xr * w[v];
+            }
+        }
+    }
+    if (k_end == m->in_features && m->bias != NULL) {
+        float bias[PANEL_WIDTH] = {0};
+        memcpy(bias, m->bias + column, (size_t)cols * sizeof(float));
+        for (int r = 0; r < rows; r++) {
+            for (int v = 0; v < PANEL_VECTORS; v++) {
+                sums[r][v] += vf_load(bias + v * VEC_WIDTH);
+            }
+        }
+    }
+    store_sums(rows, sums, out, m->out_features, cols);
+}
+
+#define TILE_CASE(count)                                                            \
+    case count:                                                                     \
+        if (m->weight_is_bf16) {                                                    \
+            multiply_tile(count, 1, m, row, panel, k_begin, k_end);                 \
+        } else {                                                                    \
+            multiply_tile(count, 0, m, row, panel, k_begin, k_end);                 \
+        }                                                                           \
+        break;
+
+/* One tile of 1 to TILE_ROWS rows, each row count its own unrolled code. */
+static void multiply_rows(int rows, const Matmul *m, int64_t row, int64_t panel, int64_t k_begin, int64_t k_end) {
+    switch (rows) {
+        TILE_CASE(1)
+        TILE_CASE(2)
+        TILE_CASE(3)
+        TILE_CASE(4)
+        TILE_CASE(5)
+        TILE_CASE(6)
+#if TILE_ROWS > 6
+        TILE_CASE(7)
+        TILE_CASE(8)
+        TILE_CASE(9)
+        TILE_CASE(10)
+        TILE_CASE(11)
+        TILE_CASE(12)
+#endif
+    }
+}
+
+/* Rows [row_begin, row_end) by panels [panel_begin, panel_end). */
+static void multiply_block(const Matmul *m, int64_t row_begin, int64_t row_end, int64_t panel_begin, int64_t panel_end) {
+    for (int64_t block = row_begin; block < row_end; block += ROW_BLOCK) {
+        int64_t block_end = block + ROW_BLOCK < row_end ? block + ROW_BLOCK : row_end;
+        for (int64_t k = 0; k < m->in_features; k += K_BLOCK) {
+            int64_t k_end = k + K_BLOCK < m->in_features ? k + K_BLOCK : m->in_features;
+            for (int64_t panel = panel_begin; panel < panel_end; panel++) {
+                for (int64_t row = block; row < block_end; row += TILE_ROWS) {
+                    int rows = block_end - row < TILE_ROWS ? (int)(block_end - row) : TILE_ROWS;
+                    multiply_rows(rows, m, row, panel, k, k_end);
+                }
+            }
+        }
+    }
+}
+
+/* out [rows, out_features] = x [rows, in_features] (rows `x_stride` floats apart) times the
+ * packed W^T (float32, or bf16 when weight_dtype is DTYPE_BFLOAT16), plus bias if not NULL.
+ * Returns 1. */
+int ft_row_invariant_matmul(const float *x, int64_t x_stride, int64_t rows, const void *weight, int weight_dtype,
+                            const float *bias, int64_t out_features, int64_t in_features, float *out,
+                            int num_threads) {
+    Matmul m = {x, x_stride, rows, weight, weight_dtype == DTYPE_BFLOAT16, bias, out_features, in_features, out};
+    int64_t panels = (out_features + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    int parallel = rows * out_features * in_features >= PARALLEL_MIN_ELEMENTS * 16 && num_threads > 1;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    {
+        int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        if (panels >= 4 * threads || rows < 2 * TILE_ROWS * threads) {
+            int64_t begin, end;
+            thread_rows(panels, &begin, &end);
+            multiply_block(&m, 0, rows, begin, end);
+        } else {
+            int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+            int64_t begin = tiles * thread / threads * TILE_ROWS, end = tiles * (thread + 1) / threads * TILE_ROWS;
+            multiply_block(&m, begin, end < rows ? end : rows, 0, panels);
+        }
+    }
+    return 1;
+}
