@@ -40,13 +40,14 @@ class OutputProcessor:
     def detokenize(self, progress: RequestProgress) -> str | None:
         """Add the step's tokens to the request's text, one at a time; at the first that
         completes a stop string, drop the rest (from the request and the progress) and return
-        that stop string."""
+        that stop string. The token that ended the request (its last allowed one) is checked
+        too: a stop string it completes is the reason the text ends there."""
         request = progress.request
         state = self._streams[request.req_id]
         for index, token in enumerate(progress.sampled):
             new_text = state.detokenizer.add_token(token.token_id)
             match = state.stop_matcher.find(state.detokenizer.text, len(new_text))
-            if match is None or request.is_finished:
+            if match is None:
                 continue
             stop_string, state.stopped_text_len = match
             request.discard_output_tokens(len(progress.sampled) - index - 1)
