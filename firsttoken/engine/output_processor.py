@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from firsttoken.core.scheduler import RequestProgress
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from firsttoken.outputs import RequestDelta, RequestMetrics
+from firsttoken.outputs import RequestDelta, RequestMetrics, SampledToken
 from firsttoken.request import Request
 from firsttoken.tokenizer import Tokenizer
 
@@ -18,6 +18,7 @@ class _StreamState:
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
     stopped_text_len: int | None = None
+    sent_prompt_logprobs: bool = False
 
 
 class OutputProcessor:
@@ -84,7 +85,16 @@ class OutputProcessor:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             metrics=request_metrics(request),
+            prompt_logprobs=self._unsent_prompt_logprobs(request, state),
         )
+
+    @staticmethod
+    def _unsent_prompt_logprobs(request: Request, state: _StreamState) -> list[SampledToken | None] | None:
+        """The prompt's scores, with the first delta of a request that asks for them."""
+        if request.sampling_params.prompt_logprobs is None or state.sent_prompt_logprobs:
+            return None
+        state.sent_prompt_logprobs = True
+        return [None, *request.prompt_logprobs]
 
     def closing_delta(self, request: Request) -> RequestDelta:
         """The token-less last delta of a request ended outside a step (aborted)."""
