@@ -53,7 +53,9 @@ def find_prompt_rows(step: HostStep) -> PromptRows | None:
 
 
 def score_prompt_rows(
-    compute_logits: Callable[[torch.Tensor], torch.Tensor | None], hidden: torch.Tensor, prompt_rows: PromptRows
+    compute_logits: Callable[[torch.Tensor], torch.Tensor | None],
+    hidden: torch.Tensor,
+    prompt_rows: PromptRows,
 ) -> dict[str, list[SampledToken]]:
     """Each owner's scored prompt tokens, from hidden states [T, hidden] of the whole step.
 
@@ -89,8 +91,8 @@ def _score_slice(logits: torch.Tensor, targets: torch.Tensor, num_top: list[int]
         top_values, top_ids = torch.topk(logprobs, max_top, dim=-1)  # [n, max_top]
         top_pairs = [list(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
     return [
-        SampledToken(target, logprob, [TokenLogprob(token_id, value) for token_id, value in pairs[:top]], rank)
-        for target, logprob, rank, pairs, top in zip(
+        SampledToken(target, logprob, [TokenLogprob(token_id, value) for token_id, value in top[:num]], rank)
+        for target, logprob, rank, top, num in zip(
             targets.tolist(), chosen.squeeze(1).tolist(), ranks.tolist(), top_pairs, num_top
         )
     ]

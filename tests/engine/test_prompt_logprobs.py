@@ -29,7 +29,8 @@ def _check_against_hf(hf_model, token_ids: list[int], prompt_logprobs, num_top: 
         assert abs(scored.logprob - row[token_ids[position]].item()) < TOLERANCE, position
         target = row[token_ids[position]]
         # Tokens within the tolerance of the target may rank either side of it.
-        assert int((row > target + TOLERANCE).sum()) + 1 <= scored.rank <= int((row > target - TOLERANCE).sum()) + 1
+        lowest, highest = (int((row > target + sign * TOLERANCE).sum()) + 1 for sign in (1, -1))
+        assert lowest <= scored.rank <= highest
         top_values = torch.topk(row, num_top).values.tolist()
         assert [top.logprob for top in scored.top_logprobs] == pytest.approx(top_values, abs=TOLERANCE)
 
@@ -37,7 +38,8 @@ def _check_against_hf(hf_model, token_ids: list[int], prompt_logprobs, num_top: 
 def test_prompt_logprobs_match_transformers(llm, hf_model):
     token_ids = llm.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
     (output,) = llm.generate(
-        prompt_token_ids=[token_ids], sampling_params=SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
+        prompt_token_ids=[token_ids],
+        sampling_params=SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
     )
     _check_against_hf(hf_model, token_ids, output.prompt_logprobs, 3)
 
@@ -53,7 +55,8 @@ def test_prompt_logprobs_of_a_chunked_prompt_past_one_lm_head_slice_match_transf
 
 def test_a_cached_prefix_still_gets_every_prompt_logprob(llm):
     token_ids = llm.tokenizer.encode(long_prompt(2))
-    (plain,) = llm.generate(prompt_token_ids=[token_ids], sampling_params=SamplingParams(temperature=0, max_tokens=2))
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    (plain,) = llm.generate(prompt_token_ids=[token_ids], sampling_params=greedy)
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)
     (scored,) = llm.generate(prompt_token_ids=[token_ids], sampling_params=params)
     (again,) = llm.generate(prompt_token_ids=[token_ids], sampling_params=params)
