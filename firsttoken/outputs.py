@@ -5,26 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# TokenLogprob is re-exported: outputs carry it inside SampledToken.
+from firsttoken.logprobs import SampledToken, TokenLogprob  # noqa: F401
 from firsttoken.request import RequestTimestamps
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One alternative token and its log-probability."""
-
-    token_id: int
-    logprob: float
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    """A sampled token, with its log-probability and the top alternatives when asked for."""
-
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[TokenLogprob] | None = None
-    # 1 + how many tokens were likelier; known for scored prompt tokens (vLLM reports it).
-    rank: int | None = None
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from firsttoken.logprobs import SampledToken
 from firsttoken.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from firsttoken.outputs import SampledToken
 
 
 class RequestStatus(enum.Enum):
