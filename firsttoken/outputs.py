@@ -5,24 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# TokenLogprob is re-exported: outputs carry it inside SampledToken.
+from firsttoken.logprobs import SampledToken, TokenLogprob  # noqa: F401
 from firsttoken.request import RequestTimestamps
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One alternative token and its log-probability."""
-
-    token_id: int
-    logprob: float
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    """A sampled token, with its log-probability and the top alternatives when asked for."""
-
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +112,9 @@ class RequestDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     metrics: RequestMetrics
+    # With the first token, when prompt_logprobs was asked: one entry per prompt token, the
+    # first None (nothing comes before it).
+    prompt_logprobs: list[SampledToken | None] | None = None
 
 
 @dataclass
@@ -144,8 +132,11 @@ class RequestOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[SampledToken | None] | None = None  # see RequestDelta
 
     def add(self, delta: RequestDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
         if delta.logprobs is not None:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from firsttoken.logprobs import SampledToken
 from firsttoken.sampling_params import SamplingParams
 
 
@@ -82,6 +83,8 @@ class Request:
     # Its compiled grammar when sampling_params.structured_output is set (the worker's
     # CompiledGrammar, compiled by the engine on arrival; opaque here).
     grammar: Any = None
+    # Prompt tokens 1, 2, ... scored so far, when sampling_params.prompt_logprobs asks for them.
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -106,6 +109,12 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs and some prompt token is not scored yet."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

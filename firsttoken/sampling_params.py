@@ -83,6 +83,10 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Score the prompt: each prompt token's log-probability given the ones before it (the first
+    # has none), with this many likeliest alternatives (vLLM's prompt_logprobs). Such a request
+    # does not read the prefix cache, so that every position is computed.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # The output follows this grammar; it ends where the grammar does (end-of-sequence).
@@ -140,8 +144,11 @@ class SamplingParams:
         if self.structured_output is not None and self.min_tokens > 0:
             # The grammar decides where the output ends: holding the end back could leave nothing to draw.
             raise InvalidInputError("min_tokens", "must be 0 with structured output")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidInputError("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            is_int = isinstance(value, int) and not isinstance(value, bool)
+            if value is not None and not (is_int and 0 <= value <= 20):
+                raise InvalidInputError(name, f"must be an integer in [0, 20], got {value!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise InvalidInputError("stop", "every stop string must be a non-empty string")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):

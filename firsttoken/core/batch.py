@@ -36,6 +36,20 @@ class TrackedRequest:
 
 
 @dataclass(frozen=True)
+class PromptLogprobSpec:
+    """The rows of a prompt chunk that score the prompt: the row at position p scores prompt
+    token p + 1 (its logits predict it)."""
+
+    first_position: int  # the position of the first scoring row
+    target_token_ids: list[int]  # the prompt token each scoring row scores, in position order
+    num_top: int  # the likeliest alternatives to report with each
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.target_token_ids)
+
+
+@dataclass(frozen=True)
 class ScheduledChunk:
     """One request's work in a step: compute KV for `token_ids` at positions from `start_position`."""
 
@@ -51,6 +65,8 @@ class ScheduledChunk:
     # A decode that verifies proposed tokens: the last `num_draft_tokens` of `token_ids` are
     # proposals, and every one of them samples too (the model's choice after each).
     num_draft_tokens: int = 0
+    # Rows that score prompt tokens (a request with prompt_logprobs); None for most chunks.
+    prompt_logprobs: PromptLogprobSpec | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -98,3 +114,5 @@ class ModelOutput:
     sampled: dict[str, SampledToken]
     # A verify chunk's further tokens: the model's choice after each of its proposals, in order.
     verified: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # The scored prompt tokens of each chunk with a PromptLogprobSpec, in position order.
+    prompt_logprobs: dict[str, list[SampledToken]] = field(default_factory=dict)

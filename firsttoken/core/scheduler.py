@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
-from firsttoken.core.batch import ModelOutput, SampleSpec, ScheduledChunk, SchedulerOutput, TrackedRequest
+from firsttoken.core.batch import (
+    ModelOutput,
+    PromptLogprobSpec,
+    SampleSpec,
+    ScheduledChunk,
+    SchedulerOutput,
+    TrackedRequest,
+)
 from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
 from firsttoken.core.hashing import BlockHash, extend_block_hashes
 from firsttoken.core.kv_cache_manager import KVCacheManager, num_blocks_for
@@ -309,7 +316,8 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, is_first_prefill: bool) -> int | None:
         """Move a waiting request to running with its cached prefix; the tokens it computes this
         step, 0 if it does not fit the budget, None if the KV cache is out of blocks."""
-        cached_prefix = self.kv.find_cached_prefix(request)
+        # Prompt logprobs come from the prefill's rows: a cached position would have none.
+        cached_prefix = [] if request.needs_prompt_logprobs else self.kv.find_cached_prefix(request)
         num_cached_tokens = len(cached_prefix) * self.block_size
         num_new = self._chunk_len(request.num_tokens - num_cached_tokens, budget, is_first_prefill)
         if num_new == 0:
@@ -378,6 +386,7 @@ class Scheduler:
                     sample=sample,
                     prefill=not is_decode,
                     num_draft_tokens=len(draft),
+                    prompt_logprobs=_prompt_logprob_spec(request, start, end),
                 )
             )
             if draft:
@@ -404,6 +413,7 @@ class Scheduler:
             self.kv.register_computed_blocks(request)
             if request.timestamps.first_token is None:
                 request.timestamps.prefill_chunk_ends.append(now)
+            request.prompt_logprobs.extend(model_output.prompt_logprobs.get(chunk.req_id, ()))
             sampled = model_output.sampled.get(chunk.req_id)
             if sampled is None:
                 continue
@@ -472,3 +482,18 @@ class Scheduler:
 def _is_decode(request: Request, num_new: int) -> bool:
     """A one-token chunk right after a generated token (not a prompt chunk or a recompute)."""
     return num_new == 1 and request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1
+
+
+def _prompt_logprob_spec(request: Request, start: int, end: int) -> PromptLogprobSpec | None:
+    """The rows of the chunk [start, end) that score prompt tokens not scored yet (a recompute
+    after preemption skips those scored before it); None when there are none."""
+    if not request.needs_prompt_logprobs:
+        return None
+    first = max(start, len(request.prompt_logprobs))
+    # The last prompt row predicts the first output token, not a prompt token.
+    last = min(end, request.num_prompt_tokens - 1)
+    if first >= last:
+        return None
+    num_top = request.sampling_params.prompt_logprobs
+    assert num_top is not None  # needs_prompt_logprobs
+    return PromptLogprobSpec(first, request.prompt_token_ids[first + 1 : last + 1], num_top)

@@ -175,11 +175,19 @@ class EngineCore:
                 continue
             stop_string = self.output_processor.detokenize(progress)
             if stop_string is not None:
-                progress.request.stop_reason = stop_string
-                self.scheduler.finish_request(progress.request.req_id, RequestStatus.FINISHED_STOPPED)
+                self._finish_at_stop_string(progress.request, stop_string)
             deltas.append(self.output_processor.delta(progress))
         self._release_finished()
         return deltas
+
+    def _finish_at_stop_string(self, request: Request, stop_string: str) -> None:
+        request.stop_reason = stop_string
+        if request.is_finished:
+            # Its last allowed token completed the stop string: the text ends at the string, so
+            # the string is why it ended (OpenAI's and vLLM's "stop", not "length").
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
 
     def shutdown(self) -> None:
         """Stop the worker's other tensor-parallel ranks; the engine cannot step afterwards."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from firsttoken.core.scheduler import RequestProgress
 from firsttoken.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from firsttoken.outputs import RequestDelta, RequestMetrics
+from firsttoken.outputs import RequestDelta, RequestMetrics, SampledToken
 from firsttoken.request import Request
 from firsttoken.tokenizer import Tokenizer
 
@@ -18,6 +18,7 @@ class _StreamState:
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
     stopped_text_len: int | None = None
+    sent_prompt_logprobs: bool = False
 
 
 class OutputProcessor:
@@ -40,13 +41,14 @@ class OutputProcessor:
     def detokenize(self, progress: RequestProgress) -> str | None:
         """Add the step's tokens to the request's text, one at a time; at the first that
         completes a stop string, drop the rest (from the request and the progress) and return
-        that stop string."""
+        that stop string. The token that ended the request (its last allowed one) is checked
+        too: a stop string it completes is the reason the text ends there."""
         request = progress.request
         state = self._streams[request.req_id]
         for index, token in enumerate(progress.sampled):
             new_text = state.detokenizer.add_token(token.token_id)
             match = state.stop_matcher.find(state.detokenizer.text, len(new_text))
-            if match is None or request.is_finished:
+            if match is None:
                 continue
             stop_string, state.stopped_text_len = match
             request.discard_output_tokens(len(progress.sampled) - index - 1)
@@ -83,7 +85,16 @@ class OutputProcessor:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             metrics=request_metrics(request),
+            prompt_logprobs=self._unsent_prompt_logprobs(request, state),
         )
+
+    @staticmethod
+    def _unsent_prompt_logprobs(request: Request, state: _StreamState) -> list[SampledToken | None] | None:
+        """The prompt's scores, with the first delta of a request that asks for them."""
+        if request.sampling_params.prompt_logprobs is None or state.sent_prompt_logprobs:
+            return None
+        state.sent_prompt_logprobs = True
+        return [None, *request.prompt_logprobs]
 
     def closing_delta(self, request: Request) -> RequestDelta:
         """The token-less last delta of a request ended outside a step (aborted)."""

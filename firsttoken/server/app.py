@@ -118,14 +118,18 @@ def create_app(
         check_model(body.model)
         return await create_chat_completion(engine, config, checks, body, request)
 
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=created, max_model_len=engine.max_model_len)
+
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(id=name, created=created, max_model_len=engine.max_model_len)
-                for name in config.served_model_names
-            ]
-        )
+        return ModelList(data=[model_card(name) for name in config.served_model_names])
+
+    # `:path`: a served name may hold "/" (an organisation/model id).
+    @v1.get("/models/{model_id:path}", response_model=ModelCard)
+    async def model(model_id: str) -> ModelCard:
+        check_model(model_id)
+        return model_card(model_id)
 
     @v1.post("/pins", response_model=Pin)
     async def pins_create(body: PinRequest) -> Pin:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -50,14 +51,23 @@ async def create_chat_completion(
     prompt = await engine.tokenize(messages=messages, chat_template_args=chat_template_args)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    structured = forcing_constraint(tools, body.forced_function) if body.forces_tool_call else body.structured_output()
+    if body.forces_tool_call:
+        structured = forcing_constraint(tools, body.forced_function, body.parallel_tool_calls)
+    else:
+        structured = body.structured_output()
     requests = [
-        (prompt, sampling_params(body, prompt, max_tokens, engine.max_request_tokens, logprobs, index, structured))
+        (
+            prompt,
+            sampling_params(body, prompt, max_tokens, engine.max_request_tokens, logprobs, index, structured,
+                            prompt_logprobs=body.prompt_logprobs),
+        )
         for index in range(body.n)
     ]
     choices = await start_choices(engine, requests, body.priority)
     parses_tool_calls = tools is not None and body.tool_choice_name != "none"
-    reply = _ChatReply(config.model_name, engine.tokenizer, parses_tool_calls)
+    reply = _ChatReply(
+        config.model_name, engine.tokenizer, parses_tool_calls, body.prompt_logprobs, body.parallel_tool_calls
+    )
     return await respond(choices, reply, body.stream, body.include_usage, config.retry_after_s, request)
 
 
@@ -82,9 +92,18 @@ class _ChatReply(Reply):
     chunk_model = ChatCompletionChunk
     response_model = ChatCompletionResponse
 
-    def __init__(self, model: str, tokenizer: Tokenizer, parses_tool_calls: bool) -> None:
+    def __init__(
+        self,
+        model: str,
+        tokenizer: Tokenizer,
+        parses_tool_calls: bool,
+        num_prompt_logprobs: int | None = None,
+        parallel_tool_calls: bool = True,
+    ) -> None:
         super().__init__(model, tokenizer)
         self.parses_tool_calls = parses_tool_calls
+        self.num_prompt_logprobs = num_prompt_logprobs
+        self.parallel_tool_calls = parallel_tool_calls
         self._parsers: dict[int, ToolCallParser] = {}  # by choice index, while streaming
 
     def chunk_choice(self, choice: Choice, delta: RequestDelta) -> ChatChunkChoice | None:
@@ -92,10 +111,10 @@ class _ChatReply(Reply):
         that may start a tool call is held back, and each call goes out whole once closed."""
         text, tool_calls, finish_reason = delta.text, None, delta.finish_reason
         if self.parses_tool_calls:
-            parser = self._parsers.setdefault(choice.index, ToolCallParser())
+            parser = self._parsers.setdefault(choice.index, ToolCallParser(self.parallel_tool_calls))
             text, calls = parser.feed(delta.text)
             if delta.finished:
-                text += parser.finish()
+                text += parser.finish(cut_off=delta.finish_reason == "length")
                 finish_reason = _finish_reason(delta.finish_reason, parser.num_calls)
             first_index = parser.num_calls - len(calls)
             tool_calls = [
@@ -120,11 +139,20 @@ class _ChatReply(Reply):
             finish_reason=finish_reason,
         )
 
+    def whole(self, choices: list[Choice]) -> BaseModel:
+        """vLLM's prompt_logprobs sit beside the choices: they share one prompt."""
+        response = super().whole(choices)
+        if self.num_prompt_logprobs is not None:
+            scored = choices[0].output.prompt_logprobs
+            response.prompt_logprobs = self.prompt_logprobs(scored, self.num_prompt_logprobs)
+        return response
+
     def whole_choice(self, choice: Choice) -> ChatChoice:
         content, tool_calls = choice.output.text, []
         finish_reason = choice.output.finish_reason
         if self.parses_tool_calls:
-            content, calls = parse_tool_calls(choice.output.text)
+            cut_off = finish_reason == "length"
+            content, calls = parse_tool_calls(choice.output.text, self.parallel_tool_calls, cut_off)
             tool_calls = [
                 ResponseToolCall(id=call.id, function=ResponseFunctionCall(name=call.name, arguments=call.arguments))
                 for call in calls

@@ -39,10 +39,14 @@ async def create_completion(
         if isinstance(item, str):
             checks.check_prompt_bytes("prompt" if len(items) == 1 else f"prompt[{index}]", [item])
     prompts = [await engine.tokenize(item) for item in items]
+    echo_only = body.echo and body.max_tokens == 0
+    # max_tokens 0 with echo: one token runs (its prefill scores the prompt) and is not shown.
+    max_tokens = 1 if echo_only else body.max_tokens
     requests = [
         (
             prompt,
-            sampling_params(body, prompt, body.max_tokens, engine.max_request_tokens, body.logprobs, index),
+            sampling_params(body, prompt, max_tokens, engine.max_request_tokens, body.logprobs, index,
+                            prompt_logprobs=body.scores_prompt),
         )
         for prompt in prompts
         for index in range(body.n)
@@ -53,9 +57,12 @@ async def create_completion(
         if error.field != _ENGINE_PROMPT_FIELD:
             raise
         raise InvalidInputError("prompt", str(error)) from error  # the client knows it as `prompt`
-    prompt_lengths = _prompt_lengths(engine, items) if body.logprobs is not None else [0] * len(items)
+    for choice in choices:
+        choice.discards_output = echo_only
+    needs_texts = body.logprobs is not None or body.echo
+    prompt_texts = _prompt_texts(engine, items) if needs_texts else [""] * len(items)
     reply = _CompletionReply(
-        config.model_name, engine.tokenizer, [length for length in prompt_lengths for _ in range(body.n)]
+        config.model_name, engine.tokenizer, [text for text in prompt_texts for _ in range(body.n)], body
     )
     return await respond(choices, reply, body.stream, body.include_usage, config.retry_after_s, request)
 
@@ -70,10 +77,11 @@ def _prompt_items(body: CompletionRequest) -> list[str | list[int]]:
     return items
 
 
-def _prompt_lengths(engine: EngineClient, items: list[str | list[int]]) -> list[int]:
-    """Each prompt's length in characters, where logprobs' text_offset of its first generated
-    token lies (OpenAI counts offsets from the prompt's start); token ids count as their text."""
-    return [len(item) if isinstance(item, str) else len(engine.tokenizer.decode(item)) for item in items]
+def _prompt_texts(engine: EngineClient, items: list[str | list[int]]) -> list[str]:
+    """Each prompt's text, which echo repeats and whose length is where logprobs' text_offset of
+    the first generated token lies (OpenAI counts offsets from the prompt's start); token ids
+    count as their text."""
+    return [item if isinstance(item, str) else engine.tokenizer.decode(item) for item in items]
 
 
 class _CompletionReply(Reply):
@@ -83,30 +91,80 @@ class _CompletionReply(Reply):
     chunk_model = CompletionResponse
     response_model = CompletionResponse
 
-    def __init__(self, model: str, tokenizer: Tokenizer, prompt_lengths: list[int]) -> None:
+    def __init__(
+        self, model: str, tokenizer: Tokenizer, prompt_texts: list[str], body: CompletionRequest
+    ) -> None:
         super().__init__(model, tokenizer)
-        self.prompt_lengths = prompt_lengths  # per choice index, in characters
+        self.prompt_texts = prompt_texts  # per choice index
+        self.echo = body.echo
+        self.num_logprobs = body.logprobs
+        self.num_prompt_logprobs = body.prompt_logprobs
 
     def chunk_choice(self, choice: Choice, delta: RequestDelta) -> CompletionChoice:
-        text_start = len(choice.output.text) - len(delta.text)
+        prompt_text = self.prompt_texts[choice.index]
+        text, sampled = self._hiding_discarded(choice, delta.text, delta.logprobs)
+        text_start = len(prompt_text) + len(choice.output.text) - len(delta.text)
+        logprobs = self._logprobs(sampled, text_start)
+        if self.echo and choice.num_chunks_sent == 0:
+            text = prompt_text + text
+            logprobs = self._echoed_logprobs(choice, logprobs)
         return CompletionChoice(
             index=choice.index,
-            text=delta.text,
-            logprobs=self._logprobs(delta.logprobs, self.prompt_lengths[choice.index] + text_start),
-            finish_reason=delta.finish_reason,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=_finish_reason(choice, delta.finish_reason),
         )
 
     def whole_choice(self, choice: Choice) -> CompletionChoice:
+        prompt_text = self.prompt_texts[choice.index]
+        output = choice.output
+        text, sampled = self._hiding_discarded(choice, output.text, output.logprobs)
+        logprobs = self._logprobs(sampled, len(prompt_text))
+        if self.echo:
+            text = prompt_text + text
+            logprobs = self._echoed_logprobs(choice, logprobs)
         return CompletionChoice(
             index=choice.index,
-            text=choice.output.text,
-            logprobs=self._logprobs(choice.output.logprobs, self.prompt_lengths[choice.index]),
-            finish_reason=choice.output.finish_reason,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=_finish_reason(choice, output.finish_reason),
+            prompt_logprobs=self.prompt_logprobs(output.prompt_logprobs, self.num_prompt_logprobs),
+        )
+
+    def _hiding_discarded(
+        self, choice: Choice, text: str, sampled: list[SampledToken] | None
+    ) -> tuple[str, list[SampledToken] | None]:
+        if not choice.discards_output:
+            return text, sampled
+        return "", None if self.num_logprobs is None else []
+
+    def _echoed_logprobs(
+        self, choice: Choice, generated: CompletionLogprobs | None
+    ) -> CompletionLogprobs | None:
+        """The prompt's logprobs (its first token has none, as OpenAI's), then the generated."""
+        if self.num_logprobs is None:
+            return None
+        scored = choice.output.prompt_logprobs or []
+        first = SampledToken(choice.prompt.token_ids[0])
+        prompt_part = [first] + [
+            SampledToken(token.token_id, token.logprob, (token.top_logprobs or [])[: self.num_logprobs])
+            for token in scored[1:]
+            if token is not None
+        ]
+        echoed = self._logprobs(prompt_part, 0)
+        assert echoed is not None
+        if generated is None:
+            return echoed
+        return CompletionLogprobs(
+            tokens=echoed.tokens + generated.tokens,
+            token_logprobs=echoed.token_logprobs + generated.token_logprobs,
+            top_logprobs=echoed.top_logprobs + generated.top_logprobs,
+            text_offset=echoed.text_offset + generated.text_offset,
         )
 
     def _logprobs(self, sampled: list[SampledToken] | None, text_start: int) -> CompletionLogprobs | None:
         """OpenAI's legacy shape; text_offset: where each token starts, in characters, the first
-        at `text_start`."""
+        at `text_start`. A token without alternatives (an echoed prompt's first) has null ones."""
         if sampled is None:
             return None
         pieces = [self.tokenizer.token_bytes(token.token_id) for token in sampled]
@@ -114,11 +172,17 @@ class _CompletionReply(Reply):
             tokens=[self.token_text(token.token_id) for token in sampled],
             token_logprobs=[token.logprob for token in sampled],
             top_logprobs=[
-                {self.token_text(top.token_id): top.logprob for top in token.top_logprobs or ()}
+                None if token.top_logprobs is None
+                else {self.token_text(top.token_id): top.logprob for top in token.top_logprobs}
                 for token in sampled
             ],
             text_offset=text_offsets(pieces, text_start),
         )
+
+
+def _finish_reason(choice: Choice, finish_reason: str | None) -> str | None:
+    """A prompt scored alone (max_tokens 0) ends by length, whatever its one hidden token was."""
+    return "length" if choice.discards_output and finish_reason is not None else finish_reason
 
 
 def text_offsets(pieces: list[bytes], text_start: int) -> list[int]:

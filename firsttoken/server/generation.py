@@ -39,6 +39,9 @@ class Choice:
     stream: DeltaStream
     output: RequestOutput
     num_chunks_sent: int = 0
+    # Its generated tokens are not shown or billed (a completion of max_tokens 0 with echo,
+    # which runs one token to score the prompt).
+    discards_output: bool = False
 
     def ttft_stages(self) -> TTFTStages | None:
         if self.output.metrics is None:
@@ -54,6 +57,7 @@ def sampling_params(
     logprobs: int | None,
     choice_index: int,
     structured_output: StructuredOutput | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """One choice's parameters; a missing max_tokens means the rest of the context (as vLLM).
     A given max_tokens that does not fit is the engine's to refuse (InvalidInputError).
@@ -80,6 +84,7 @@ def sampling_params(
         stop=stop,
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
         repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
@@ -208,7 +213,7 @@ def usage(choices: list[Choice]) -> Usage:
         first_choice_of_prompt.setdefault(id(choice.prompt), choice)
     prompt_tokens = sum(len(choice.prompt.token_ids) for choice in first_choice_of_prompt.values())
     cached_tokens = sum(choice.output.num_cached_tokens for choice in first_choice_of_prompt.values())
-    completion_tokens = sum(len(choice.output.token_ids) for choice in choices)
+    completion_tokens = sum(len(c.output.token_ids) for c in choices if not c.discards_output)
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,

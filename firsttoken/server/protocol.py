@@ -352,8 +352,34 @@ class CompletionRequest(GenerationRequest):
     """POST /v1/completions."""
 
     prompt: Prompt
-    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
+    max_tokens: int | None = Field(
+        None, ge=0, description="default: the rest of the context; 0 only with echo (the prompt scored)"
+    )
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = Field(False, description="the prompt before the completion; with logprobs, the prompt's too")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description="vLLM extension: each prompt token's logprob and top alternatives",
+    )
+
+    @model_validator(mode="after")
+    def _check_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidInputError("max_tokens", "must be >= 1 (0 only with echo: the prompt alone, scored)")
+        _check_prompt_logprobs_not_streamed(self.prompt_logprobs, self.stream)
+        return self
+
+    @property
+    def scores_prompt(self) -> int | None:
+        """The prompt alternatives the engine must score (echo with logprobs, prompt_logprobs)."""
+        wanted = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        return max((value for value in wanted if value is not None), default=None)
+
+
+def _check_prompt_logprobs_not_streamed(prompt_logprobs: int | None, stream: bool) -> None:
+    # As vLLM: prompt logprobs belong to the whole response.
+    if prompt_logprobs is not None and stream:
+        raise InvalidInputError("prompt_logprobs", "is not available when stream is true")
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -365,7 +391,13 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description="vLLM extension: each prompt token's logprob and top alternatives",
+    )
+
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    parallel_tool_calls: bool = Field(True, description="false: at most one tool call")
     tool_choice: ToolChoice | None = Field(None, description='default: "auto" with tools, else "none"')
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM extension: more variables for the chat template"
@@ -377,6 +409,7 @@ class ChatCompletionRequest(GenerationRequest):
         _check_messages(self.messages)
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidInputError("top_logprobs", "requires logprobs to be true")
+        _check_prompt_logprobs_not_streamed(self.prompt_logprobs, self.stream)
         return self
 
     @model_validator(mode="after")
@@ -490,6 +523,18 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token or an alternative to it."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token (the first None), token id -> its entry.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     """One completion, or its part in a streamed chunk."""
 
@@ -497,6 +542,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None = _omit_if_none()
 
 
 class CompletionResponse(BaseModel):
@@ -590,6 +636,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = _omit_if_none()
     firsttoken: FirstTokenExtension | None = _omit_if_none()
 
 

@@ -11,9 +11,9 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from firsttoken.engine import Tokenizer
-from firsttoken.outputs import RequestDelta
+from firsttoken.outputs import RequestDelta, SampledToken
 from firsttoken.server.generation import Choice, ttft_extension, usage
-from firsttoken.server.protocol import FirstTokenExtension, Usage
+from firsttoken.server.protocol import FirstTokenExtension, PromptLogprob, PromptLogprobs, Usage
 
 
 class Reply(ABC):
@@ -66,6 +66,25 @@ class Reply(ABC):
         """One token as logprobs name it: its own text, special tokens included. A token holding
         part of a UTF-8 character shows those bytes escaped (`\\xe2\\x80`), as OpenAI does."""
         return self.tokenizer.token_bytes(token_id).decode("utf-8", "backslashreplace")
+
+    def prompt_logprobs(
+        self, scored: list[SampledToken | None] | None, num_top: int | None
+    ) -> PromptLogprobs | None:
+        """vLLM's shape: per prompt token (the first None), the token and its `num_top`
+        likeliest alternatives, by token id."""
+        if scored is None or num_top is None:
+            return None
+        return [None if token is None else self._prompt_logprob_entry(token, num_top) for token in scored]
+
+    def _prompt_logprob_entry(self, token: SampledToken, num_top: int) -> dict[int, PromptLogprob]:
+        assert token.logprob is not None  # scored prompt tokens always carry theirs
+        entry = {token.token_id: PromptLogprob(logprob=token.logprob, rank=token.rank,
+                                               decoded_token=self.token_text(token.token_id))}
+        for rank, alternative in enumerate((token.top_logprobs or [])[:num_top], start=1):
+            entry.setdefault(alternative.token_id, PromptLogprob(
+                logprob=alternative.logprob, rank=rank, decoded_token=self.token_text(alternative.token_id)
+            ))
+        return entry
 
     def _envelope(self) -> dict[str, Any]:
         return {"id": self.response_id, "created": self.created, "model": self.model}

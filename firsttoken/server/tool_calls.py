@@ -14,9 +14,14 @@ appended to the system message, an assistant's calls as <tool_call> blocks in it
 tool results as a user turn of <tool_response> blocks; so any model with a ChatML-like template
 can take part in a tool round trip.
 
-Forcing. tool_choice "required" (one call or more) and a named function (one call to it) are
-grammars: the tags around a JSON object whose name is one of the allowed tools and whose
-arguments follow that tool's parameters schema.
+Forcing. tool_choice "required" (one call or more; one with parallel_tool_calls false) and a
+named function (one call to it) are grammars: the tags around a JSON object whose name is one of
+the allowed tools and whose arguments follow that tool's parameters schema. An object in that
+schema that does not say whether it allows more properties allows none (as OpenAI's strict
+function calling requires of every schema): otherwise the grammar could go on adding keys, and
+a call that cannot end is cut by max_tokens.
+
+Cut off. A call still open when max_tokens ends the output is dropped, never shown as text.
 """
 
 from __future__ import annotations
@@ -95,21 +100,23 @@ def _call_block(function: dict[str, Any]) -> str:
     return f"{TOOL_CALL_START}\n{call}\n{TOOL_CALL_END}"
 
 
-def forcing_constraint(tools: Sequence[dict[str, Any]], forced_name: str | None) -> StructuredOutput:
-    """The grammar of tool_choice "required" (calls to any tool, one or more), or of a named
-    function (exactly one call to it)."""
+def forcing_constraint(
+    tools: Sequence[dict[str, Any]], forced_name: str | None, parallel: bool = True
+) -> StructuredOutput:
+    """The grammar of tool_choice "required" (calls to any tool, one or more; exactly one unless
+    `parallel`), or of a named function (exactly one call to it)."""
     functions = [tool["function"] for tool in tools if forced_name is None or tool["function"]["name"] == forced_name]
     call_schema = {
         "anyOf": [_call_schema(function) for function in functions],
         "x-guidance": _JSON_STYLE,
     }
     call = f'"{TOOL_CALL_START}\\n" %json {json.dumps(call_schema)} "\\n{TOOL_CALL_END}"'
-    start = "call" if forced_name is not None else 'call ("\\n" call)*'
+    start = 'call ("\\n" call)*' if forced_name is None and parallel else "call"
     return StructuredOutput(grammar=f"start: {start}\ncall: {call}\n", field="tool_choice")
 
 
 def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
-    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    parameters = closed_objects(function.get("parameters") or {"type": "object", "properties": {}})
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]}, "arguments": parameters},
@@ -118,11 +125,39 @@ def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of a JSON schema where every object schema without `additionalProperties` gets
+    `additionalProperties: false`; one that says what it allows keeps it."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    is_object = closed.get("type") == "object" or "properties" in closed
+    if is_object and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [closed_objects(item) for item in closed[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: closed_objects(item) for name, item in closed[key].items()}
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(closed.get(key), dict):
+            closed[key] = closed_objects(closed[key])
+    return closed
+
+
 class ToolCallParser:
     """Splits a model's output, as it streams, into its own text and its tool calls. Text that
-    may be the start of a <tool_call> tag is held back until it is known not to be."""
+    may be the start of a <tool_call> tag is held back until it is known not to be. Without
+    `parallel`, only the first call counts (OpenAI's parallel_tool_calls false); later ones are
+    dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, parallel: bool = True) -> None:
+        self.parallel = parallel
         self.num_calls = 0
         self._buffer = ""
         self._in_call = False
@@ -143,7 +178,9 @@ class ToolCallParser:
                 if call is None:  # not a call after all: the model's text, tags included
                     content += TOOL_CALL_START + body + TOOL_CALL_END
                 else:
-                    calls.append(call)
+                    if self.parallel or self.num_calls == 0:
+                        self.num_calls += 1
+                        calls.append(call)
                     self._after_call = True
                 continue
             if self._after_call:
@@ -163,13 +200,16 @@ class ToolCallParser:
             self._buffer = self._buffer[len(self._buffer) - held :]
             return content, calls
 
-    def finish(self) -> str:
-        """The text still held back, at the end of the output (an unclosed call is text)."""
-        rest = (TOOL_CALL_START if self._in_call else "") + self._buffer
+    def finish(self, cut_off: bool = False) -> str:
+        """The text still held back, at the end of the output. An unclosed call is text when the
+        model ended it so; when max_tokens cut it off (`cut_off`), it and a held part of a start
+        tag are a call that never completed, and are dropped."""
+        rest = "" if cut_off else (TOOL_CALL_START if self._in_call else "") + self._buffer
         self._buffer, self._in_call = "", False
         return rest
 
-    def _parse(self, body: str) -> ParsedToolCall | None:
+    @staticmethod
+    def _parse(body: str) -> ParsedToolCall | None:
         try:
             call = json.loads(body)
         except json.JSONDecodeError:
@@ -177,7 +217,6 @@ class ToolCallParser:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
         arguments = call.get("arguments", call.get("parameters", {}))
-        self.num_calls += 1
         return ParsedToolCall(
             id=f"call_{uuid.uuid4().hex[:24]}",
             name=call["name"],
@@ -193,9 +232,11 @@ def _longest_tag_prefix_suffix(text: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
-    """A whole output's own text (None when only calls) and its calls."""
-    parser = ToolCallParser()
+def parse_tool_calls(
+    text: str, parallel: bool = True, cut_off: bool = False
+) -> tuple[str | None, list[ParsedToolCall]]:
+    """A whole output's own text (None when only calls) and its calls (see ToolCallParser)."""
+    parser = ToolCallParser(parallel)
     content, calls = parser.feed(text)
-    content = (content + parser.finish()).strip()
+    content = (content + parser.finish(cut_off)).strip()
     return (content or None), calls

@@ -2,7 +2,9 @@
 
 The one place a scheduled batch runs: its inputs are built on the host (step_inputs.py),
 staged to the device in one copy, run through the model eagerly or, on CUDA, replayed from a
-captured graph (decode-only steps by batch size, steps with prefill rows by token count); logits are computed only for the rows that sample.
+captured graph (decode-only steps by batch size, steps with prefill rows by token count);
+logits are computed only for the rows that sample, and for the prompt rows of a request that
+asks for prompt logprobs (prompt_logprobs.py).
 Nothing synchronises the host with the device before the sampler hands back the ids.
 """
 
@@ -21,6 +23,7 @@ from firsttoken.core.batch import ModelOutput, ScheduledChunk, SchedulerOutput
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.outputs import SampledToken
 from firsttoken.sample.sampler import Sampler
+from firsttoken.worker.prompt_logprobs import PromptRows, find_prompt_rows, score_prompt_rows
 from firsttoken.worker.step_inputs import HostStep, build_host_step
 
 if TYPE_CHECKING:
@@ -116,22 +119,44 @@ class ModelRunner:
         self.sampler.begin_step(scheduler_output)
         step = build_host_step(scheduler_output.chunks, self.block_size, self.index_dtype)
         sampling_chunks = [chunk for chunk in step.chunks if chunk.sample is not None]
-        hidden = self.forward_sampled_rows(step)
+        hidden, prompt_logprobs = self.forward_and_score_prompts(step)
         if not sampling_chunks:
-            return ModelOutput(sampled={})
+            return ModelOutput(sampled={}, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden)
         assert logits is not None  # rank 0 holds the gathered logits
         # The step's one synchronisation: the sampler hands the ids to Python.
         sampled = self.sampler.sample(logits, [spec for chunk in sampling_chunks for spec in chunk.sample_specs()])
-        return _model_output(sampling_chunks, sampled)
+        return _model_output(sampling_chunks, sampled, prompt_logprobs)
 
     @torch.inference_mode()
     def run_shard(self, scheduler_output: SchedulerOutput) -> None:
         """A rank other than 0: run this rank's slice of the step and send its logits to rank 0."""
         step = build_host_step(scheduler_output.chunks, self.block_size, self.index_dtype)
-        hidden = self.forward_sampled_rows(step)
+        hidden, _ = self.forward_and_score_prompts(step)
         if any(chunk.sample is not None for chunk in step.chunks):
             self.model.compute_logits(hidden)
+
+    def forward_and_score_prompts(self, step: HostStep) -> tuple[torch.Tensor, dict[str, list[SampledToken]]]:
+        """Hidden states [R, hidden] of the rows that sample, and the prompt logprobs of the
+        chunks that ask for them (their LM head runs first, on every rank alike)."""
+        prompt_rows = find_prompt_rows(step)
+        if prompt_rows is None:
+            return self.forward_sampled_rows(step), {}
+        return self._forward_scoring(step, prompt_rows)
+
+    def _forward_scoring(
+        self, step: HostStep, prompt_rows: PromptRows
+    ) -> tuple[torch.Tensor, dict[str, list[SampledToken]]]:
+        hidden = self._replay(step)
+        if hidden is None:
+            staged = self.staging.stage([step.input_ids, step.positions, step.slot_mapping])
+            input_ids, positions, slot_mapping = staged
+            hidden = self.model(input_ids, positions, self.backend.build_metadata(step.layout, slot_mapping))
+        scored = score_prompt_rows(self.model.compute_logits, hidden, prompt_rows)
+        if step.samples_every_row:
+            return hidden, scored
+        (sample_rows,) = self.staging.stage([step.sample_rows])
+        return hidden[sample_rows], scored
 
     def forward_sampled_rows(self, step: HostStep) -> torch.Tensor:
         """Run the step; hidden states [R, hidden] of the rows that sample, still on the device."""
@@ -157,7 +182,11 @@ class ModelRunner:
         return None
 
 
-def _model_output(sampling_chunks: list[ScheduledChunk], sampled: list[SampledToken]) -> ModelOutput:
+def _model_output(
+    sampling_chunks: list[ScheduledChunk],
+    sampled: list[SampledToken],
+    prompt_logprobs: dict[str, list[SampledToken]],
+) -> ModelOutput:
     """Each chunk's first sampled row, and a verify chunk's further rows."""
     first, verified = {}, {}
     row = 0
@@ -166,4 +195,4 @@ def _model_output(sampling_chunks: list[ScheduledChunk], sampled: list[SampledTo
         if chunk.num_draft_tokens:
             verified[chunk.req_id] = sampled[row + 1 : row + chunk.num_sampled_rows]
         row += chunk.num_sampled_rows
-    return ModelOutput(sampled=first, verified=verified)
+    return ModelOutput(sampled=first, verified=verified, prompt_logprobs=prompt_logprobs)

@@ -105,6 +105,44 @@ def test_stop_string_is_cut_from_text_and_ends_request(llm):
     assert streamed == stopped.text
 
 
+def _stop_string_ending_at_token(llm: LLM, prompt: str) -> tuple[int, str, str]:
+    """(k, s, text): greedy token k's own text, stripped (s), appears first in the output where
+    token k completes it; `text` is the output of k + 1 tokens."""
+    (full,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for index in range(2, len(full.token_ids)):
+        before = llm.tokenizer.decode(full.token_ids[:index])
+        upto = llm.tokenizer.decode(full.token_ids[: index + 1])
+        piece = upto[len(before) :].strip()
+        if piece and piece not in before + upto[len(before) : -1]:
+            return index, piece, upto
+    raise AssertionError(f"no usable token in {full.text!r}")
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(llm, streamed):
+    index, stop_string, text = _stop_string_ending_at_token(llm, "The capital of France is")
+    params = SamplingParams(temperature=0, max_tokens=index + 1, ignore_eos=True, stop=[stop_string])
+    if streamed:
+        deltas = list(llm.stream("The capital of France is", params))
+        output_text, finish = "".join(d.text for d in deltas), deltas[-1].finish_reason
+        stop_reason = deltas[-1].stop_reason
+    else:
+        (output,) = llm.generate(["The capital of France is"], params)
+        output_text, finish, stop_reason = output.text, output.finish_reason, output.stop_reason
+    assert (finish, stop_reason) == ("stop", stop_string)
+    assert output_text == text[: text.rindex(stop_string)]
+    assert _all_blocks_free(llm)
+
+
+def test_stop_token_id_as_the_last_allowed_token_finishes_with_stop(llm):
+    (full,) = llm.generate(["Count: one, two, three,"], GREEDY)
+    last = full.token_ids[3]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop_token_ids=[last])
+    (stopped,) = llm.generate(["Count: one, two, three,"], params)
+    assert stopped.token_ids == full.token_ids[: full.token_ids.index(last) + 1]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", last)
+
+
 def test_stop_token_ids_and_eos(llm):
     (full,) = llm.generate(["Count: one, two, three,"], GREEDY)
     stop_token = full.token_ids[5]

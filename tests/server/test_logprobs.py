@@ -8,6 +8,7 @@ from firsttoken.models.registry import open_checkpoint
 from firsttoken.outputs import SampledToken, TokenLogprob
 from firsttoken.server.chat import _ChatReply
 from firsttoken.server.completions import _CompletionReply, text_offsets
+from firsttoken.server.protocol import CompletionRequest
 
 ROCKET = "🚀"  # four UTF-8 bytes that SmolLM2's vocabulary splits over several tokens
 
@@ -34,7 +35,8 @@ def test_completion_text_offsets_count_characters_from_the_prompt_start(tokenize
     text = "go " + ROCKET + " now"
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     prompt_length = len("Say: ")
-    logprobs = _CompletionReply("m", tokenizer, [prompt_length])._logprobs(_sampled(token_ids), prompt_length)
+    reply = _CompletionReply("m", tokenizer, ["Say: "], CompletionRequest(prompt="Say: ", logprobs=1))
+    logprobs = reply._logprobs(_sampled(token_ids), prompt_length)
     pieces = [tokenizer.token_bytes(token_id) for token_id in token_ids]
     expected = []
     consumed = b""

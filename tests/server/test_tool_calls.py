@@ -116,3 +116,54 @@ def test_forcing_grammars(compiler):
     assert _accepts(compiler, named, time_call)
     assert not _accepts(compiler, named, call)
     assert not _accepts(compiler, named, time_call + "\n" + time_call)
+
+
+def test_required_without_parallel_tool_calls_forces_exactly_one_call(compiler):
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    time_call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    one = forcing_constraint([WEATHER, TIME], None, parallel=False)
+    assert _accepts(compiler, one, call) and _accepts(compiler, one, time_call)
+    assert not _accepts(compiler, one, call + "\n" + time_call)
+
+
+def test_forced_call_closes_objects_whose_schema_does_not_say():
+    open_city = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "where": {"type": "object"}}}}}
+    grammar = forcing_constraint([open_city], "get_weather").grammar
+    schema = json.loads(grammar.split("%json ")[1].split(' "\\n')[0])
+    arguments = schema["anyOf"][0]["properties"]["arguments"]
+    assert arguments["additionalProperties"] is False
+    assert arguments["properties"]["where"]["additionalProperties"] is False
+    assert "additionalProperties" not in open_city["function"]["parameters"], "the request's tool stays"
+
+
+def test_forced_call_grammar_refuses_extra_keys_unless_the_schema_allows_them(compiler):
+    def tool(parameters: dict) -> dict:
+        return {"type": "function", "function": {"name": "get_weather", "parameters": parameters}}
+
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+    extra = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "x": 1}}\n</tool_call>'
+    plain = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    closed = forcing_constraint([tool(city)], "get_weather")
+    assert _accepts(compiler, closed, plain) and not _accepts(compiler, closed, extra)
+    allowing = forcing_constraint([tool({**city, "additionalProperties": True})], "get_weather")
+    assert _accepts(compiler, allowing, extra)
+
+
+def test_without_parallel_tool_calls_only_the_first_call_counts():
+    content, calls = parse_tool_calls(OUTPUT, parallel=False)
+    assert content == "Let me check." and [call.name for call in calls] == ["get_weather"]
+    parser = ToolCallParser(parallel=False)
+    streamed = [call.name for piece in (OUTPUT[:70], OUTPUT[70:]) for call in parser.feed(piece)[1]]
+    assert streamed == ["get_weather"] and parser.num_calls == 1
+
+
+def test_a_call_cut_off_by_max_tokens_is_dropped_not_shown():
+    cut = 'Sure. <tool_call>\n{"name": "get_weather", "argu'
+    assert parse_tool_calls(cut, cut_off=True) == ("Sure.", [])
+    parser = ToolCallParser()
+    assert parser.feed(cut) == ("Sure. ", [])
+    assert parser.finish(cut_off=True) == ""
+    held = ToolCallParser()
+    assert held.feed("Sure. <tool_") == ("Sure. ", [])
+    assert held.finish(cut_off=True) == ""
