@@ -1,6 +1,6 @@
 """Quantized decode on this CPU: the projections' kernels, then whole engines, in turns.
 
-    python bench/quantized_decode.py [--isa auto] [--repeats 7] [--skip-kernels] [--skip-engines]
+    python bench/quantized_decode.py [--isa auto] [--repeats 7] [--threads N] [--skip-kernels] [--skip-engines]
 
 1. Memory bandwidth: the median of summing a 1 GiB float32 tensor (reads only), GB/s.
 2. Kernels: every projection of SmolLM2-135M's 30 layers (576 -> 960 qkv, 576 -> 576 o,
@@ -161,10 +161,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--isa", choices=CPU_ISAS, default="auto", help="the native kernels' build target")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--skip-engines", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     native = load_native_kernels(os.path.join(default_cache_dir(), "native"), args.isa)
     print(f"native kernels: {native.isa if native else 'none'}; torch threads: {torch.get_num_threads()}")
     bandwidth = measured_bandwidth(args.repeats)

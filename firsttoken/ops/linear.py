@@ -395,13 +395,19 @@ class PortableInt4Linear(nn.Module):
 # int8      13.7  18.3  27.9  47.2 ms
 # int4       7.2  10.5  18.6  34.9 ms
 QUANTIZED_MAX_ROWS = {"int8": 4, "int4": 8}
-# The portable kernels (float32 activations) beat float32 F.linear up to the most rows they
-# take. Measured over the same 120 projections (float32 F.linear's weights streamed from
-# memory; AVX2 build, 2 shared cores, one thread; bench/quantized_decode.py), ratios to F.linear:
-# rows                      1     8
-# portable int4           0.74  0.59
-# portable int8     (4 rows: 0.66) 0.59
-# torch int4, float32 x  13.5   4.8    (torch int8, float32 x: 7.6 and 1.5)
+# The portable kernels take float32 steps of up to the most rows they take: there torch's
+# int4/int8 kernels with float32 activations are slower still, and at 4 and 8 rows both
+# portable kernels beat float32 F.linear. Measured over SmolLM2-135M's 120 projections (weights
+# streamed from memory; AVX2 build; 2 cores shared with other work, so only ratios count;
+# bench/quantized_decode.py), ms ratios to float32 F.linear, 2 threads:
+# rows                     1      4      8
+# portable int4          6.6   0.70   0.73
+# portable int8          5.3   0.66   0.59
+# torch int4, float32   13.5   2.66   4.79
+# torch int8, float32    7.6   1.02   1.48
+# At one row F.linear stayed on one thread while the OpenMP kernels waited for the busy
+# second core; on one thread (gate/up shape, 40 weights) portable int4 is 0.74 of F.linear at
+# 1 row and 0.59 at 8.
 PORTABLE_QUANTIZED_MAX_ROWS = native_abi.DECODE_MAX_ROWS
 
 

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from firsttoken import LLM, SamplingParams
-from tests.prompts import SHORT_PROMPTS, long_prompt
+from firsttoken.ops.linear import (
+    INT4_GROUP_SIZE,
+    DecodeQuantizedLinear,
+    Int8Linear,
+    PortableInt4Linear,
+    dequantize_int4,
+    unpack_int4,
+)
+from tests.prompts import CHAT_CONVERSATION, SHORT_PROMPTS, long_prompt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -225,3 +236,55 @@ def test_a_prefaulted_kv_cache_gives_the_same_tokens(model_path, caplog):
     assert any("KV cache in" in record.getMessage() for record in caplog.records)
     for expected, actual in zip(lazy.generate(prompts, params), written.generate(prompts, params)):
         assert actual.token_ids == expected.token_ids
+
+
+class _DequantizedLinear(nn.Module):
+    """A quantized projection's plain reference: its own levels and scales as float32 weights."""
+
+    def __init__(self, quantized: nn.Module) -> None:
+        super().__init__()
+        if isinstance(quantized, PortableInt4Linear):
+            levels, scales_and_zeros = unpack_int4(quantized.levels, quantized.scales_zeros)
+            self.weight = dequantize_int4(levels, scales_and_zeros, INT4_GROUP_SIZE)
+        else:
+            self.weight = quantized.weight.float() * quantized.scales.float()[:, None]
+        self.bias = quantized.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+# float32 sums in another order (the kernels' against F.linear's), grown over 30 layers and the
+# decoded tokens: a top log-prob moves by up to ~6e-3 (measured), a token only at a near tie.
+FLOAT32_REORDER_LOGPROB_TOLERANCE = 2e-2
+
+
+def test_float32_int4_decode_gives_the_dequantized_weights_tokens(model_path):
+    """float32 + int4 on the portable kernels (int8 LM head) against the same engine with every
+    quantized projection replaced by F.linear on its dequantized weights; the short parity
+    prompts in one batch (decode steps of 7 rows) and one of them alone (steps of 1 row)."""
+    llm = LLM(model_path, dtype="float32", quantization="int4", kv_cache_memory_bytes=256 << 20, chunk_size=512)
+    dispatches = [module for module in llm.engine.worker.model.modules() if isinstance(module, DecodeQuantizedLinear)]
+    if not any(isinstance(dispatch.quantized, PortableInt4Linear) for dispatch in dispatches):
+        pytest.skip("no native kernels on this machine (needs a C compiler)")
+    assert all(isinstance(dispatch.quantized, (PortableInt4Linear, Int8Linear)) for dispatch in dispatches)
+    texts = SHORT_PROMPTS + [llm.tokenizer.apply_chat_template(CHAT_CONVERSATION)]
+    prompts = [llm.tokenizer.encode(text) for text in texts]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+    def generate_batched_and_alone():
+        alone = llm.generate(prompt_token_ids=prompts[:1], sampling_params=params)
+        return llm.generate(prompt_token_ids=prompts, sampling_params=params) + alone
+
+    quantized_outputs = generate_batched_and_alone()
+    for dispatch in dispatches:
+        dispatch.quantized = _DequantizedLinear(dispatch.quantized)
+    reference_outputs = generate_batched_and_alone()
+    for ours, reference in zip(quantized_outputs, reference_outputs, strict=True):
+        for mine, theirs in zip(ours.logprobs, reference.logprobs):
+            if mine.token_id != theirs.token_id:
+                top, second = theirs.top_logprobs[:2]
+                assert top.logprob - second.logprob <= FLOAT32_REORDER_LOGPROB_TOLERANCE
+                break
+            difference = abs(mine.top_logprobs[0].logprob - theirs.top_logprobs[0].logprob)
+            assert difference < FLOAT32_REORDER_LOGPROB_TOLERANCE
