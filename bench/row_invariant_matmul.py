@@ -2,6 +2,7 @@
 
     python bench/row_invariant_matmul.py [--isa avx2 ...] [--rows 1 8 128 512 2048] [--repeats 15]
                                          [--lengths 128 512] [--engine-repeats 5] [--decode-tokens 32]
+                                         [--threads N] [--skip-engine]
 
 1. The kernel alone on SmolLM2-135M's projections (fused QKV 960x576 = q 576 + k, v 192 each,
    o 576x576, fused gate/up 3072x576, down 576x1536, LM head 49152x576), float32 weights and
@@ -103,7 +104,7 @@ def decode_run(llm: LLM, num_tokens: int):
 def engine_tables(isa: str, lengths: list[int], repeats: int, decode_tokens: int) -> dict:
     max_len = max(*lengths, DECODE_PROMPT_LEN + decode_tokens + 1)
     options = dict(dtype="float32", enable_prompt_cache=False, chunk_size=max_len, max_num_batched_tokens=max_len,
-                   cpu_isa=isa)
+                   cpu_isa=isa, num_threads=torch.get_num_threads())
     engines = {setting: LLM(default_model_path(), batch_invariant=setting == "on", **options) for setting in ("on", "off")}
     rows, ttft_results = [], {}
     for length in lengths:
@@ -128,8 +129,10 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--engine-repeats", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--skip-engine", action="store_true")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}")
     results = {}
     for isa in args.isa:
