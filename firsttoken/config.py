@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+import types
+import typing
 from typing import Any, Literal, Union
 
 from firsttoken.errors import InvalidInputError
@@ -443,4 +445,33 @@ def _section_from_dict(section: str, section_cls: type, values: dict[str, Any]) 
     unknown = sorted(set(values) - known)
     if unknown:
         raise InvalidInputError(section, f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    hints = typing.get_type_hints(section_cls)
+    for name, value in values.items():
+        if not _has_type(value, hints[name]):
+            raise InvalidInputError(
+                f"{section}.{name}", f"expected {_type_name(hints[name])}, got {type(value).__name__} {value!r}"
+            )
     return section_cls(**values)
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether `value` is of a config field's type (JSON gives `"4"` where 4 was meant)."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return any(_has_type(value, option) for option in typing.get_args(hint))
+    if typing.get_origin(hint) is Literal:
+        return value in typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_type_name(option) for option in typing.get_args(hint))
+    if typing.get_origin(hint) is Literal:
+        return " or ".join(repr(option) for option in typing.get_args(hint))
+    return "null" if hint is type(None) else hint.__name__
