@@ -23,6 +23,9 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[TokenLogprob] | None = None
+    # Set when the request's grammar had failed before this draw: the token is then only the
+    # end-of-sequence the mask left, and the request ends with this error.
+    grammar_error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -407,6 +407,13 @@ class Scheduler:
             sampled = model_output.sampled.get(chunk.req_id)
             if sampled is None:
                 continue
+            if sampled.grammar_error is not None:
+                constraint = request.sampling_params.structured_output
+                field = constraint.field if constraint is not None else "structured_output"
+                request.stop_reason = f"{field}: the output constraint failed mid-generation ({sampled.grammar_error})"
+                self.finish_request(request.req_id, RequestStatus.FINISHED_ERROR)
+                progress.append(RequestProgress(request, []))
+                continue
             tokens = self._accepted(chunk, [sampled, *model_output.verified.get(chunk.req_id, [])])
             appended = []
             for token in tokens:
