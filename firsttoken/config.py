@@ -193,6 +193,11 @@ class SchedulerConfig:
     max_waiting_requests: int | None = field(
         default=None, metadata=_help("requests allowed to wait; more are refused; default: no limit")
     )
+    max_queue_wait_s: float | None = field(
+        default=None,
+        metadata=_help("seconds a request may wait for its first step; then it ends with an error; "
+                       "default: no limit"),
+    )
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
@@ -205,6 +210,11 @@ class SchedulerConfig:
             self.max_waiting_requests is None or self.max_waiting_requests >= 1,
             "max_waiting_requests",
             f"must be >= 1, got {self.max_waiting_requests}",
+        )
+        _require(
+            self.max_queue_wait_s is None or self.max_queue_wait_s > 0,
+            "max_queue_wait_s",
+            f"must be > 0, got {self.max_queue_wait_s}",
         )
 
 

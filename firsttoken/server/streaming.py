@@ -80,15 +80,16 @@ async def stream_events(
 
 
 def generation_failure(choices: list[Choice]) -> APIError | None:
-    """The error of the first choice that ended with finish_reason "error" (its output
-    constraint failed mid-generation), or None."""
+    """The error of the first choice that ended with finish_reason "error" (it waited past
+    max_queue_wait_s, or its output constraint failed mid-generation), or None."""
     for choice in choices:
-        if choice.output.finish_reason == "error":
-            return APIError(
-                400,
-                f"choice {choice.index}: {choice.output.stop_reason}",
-                code="generation_failed",
-            )
+        if choice.output.finish_reason != "error":
+            continue
+        message = f"choice {choice.index}: {choice.output.stop_reason}"
+        # The engine's reason names what ended it first, as "field: why".
+        if str(choice.output.stop_reason).startswith("max_queue_wait_s:"):
+            return APIError(503, message, "server_error", code="queue_timeout")
+        return APIError(400, message, code="generation_failed")
     return None
 
 
