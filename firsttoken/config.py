@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+import types
+import typing
 from typing import Any, Literal, Union
 
 from firsttoken.errors import InvalidInputError
@@ -205,6 +207,11 @@ class SchedulerConfig:
     max_waiting_requests: int | None = field(
         default=None, metadata=_help("requests allowed to wait; more are refused; default: no limit")
     )
+    max_queue_wait_s: float | None = field(
+        default=None,
+        metadata=_help("seconds a request may wait for its first step; then it ends with an error; "
+                       "default: no limit"),
+    )
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
@@ -217,6 +224,11 @@ class SchedulerConfig:
             self.max_waiting_requests is None or self.max_waiting_requests >= 1,
             "max_waiting_requests",
             f"must be >= 1, got {self.max_waiting_requests}",
+        )
+        _require(
+            self.max_queue_wait_s is None or self.max_queue_wait_s > 0,
+            "max_queue_wait_s",
+            f"must be > 0, got {self.max_queue_wait_s}",
         )
 
 
@@ -457,4 +469,33 @@ def _section_from_dict(section: str, section_cls: type, values: dict[str, Any]) 
     unknown = sorted(set(values) - known)
     if unknown:
         raise InvalidInputError(section, f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    hints = typing.get_type_hints(section_cls)
+    for name, value in values.items():
+        if not _has_type(value, hints[name]):
+            raise InvalidInputError(
+                f"{section}.{name}", f"expected {_type_name(hints[name])}, got {type(value).__name__} {value!r}"
+            )
     return section_cls(**values)
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether `value` is of a config field's type (JSON gives `"4"` where 4 was meant)."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return any(_has_type(value, option) for option in typing.get_args(hint))
+    if typing.get_origin(hint) is Literal:
+        return value in typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return " or ".join(_type_name(option) for option in typing.get_args(hint))
+    if typing.get_origin(hint) is Literal:
+        return " or ".join(repr(option) for option in typing.get_args(hint))
+    return "null" if hint is type(None) else hint.__name__

@@ -23,3 +23,6 @@ class SampledToken:
     top_logprobs: list[TokenLogprob] | None = None
     # 1 + how many tokens were likelier; known for scored prompt tokens (vLLM reports it).
     rank: int | None = None
+    # Set when the request's grammar had failed before this draw: the token is then only the
+    # end-of-sequence the mask left, and the request ends with this error.
+    grammar_error: str | None = None

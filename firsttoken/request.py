@@ -17,6 +17,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def finished(self) -> bool:
@@ -31,11 +32,13 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

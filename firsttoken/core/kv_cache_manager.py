@@ -141,6 +141,13 @@ class KVCacheManager:
             raise ValueError(f"no pinned prefix {pin_id!r}")
         self.pool.release(reversed(blocks))
 
+    def num_pinned_blocks_apart_from(self, block_hashes: list[BlockHash]) -> int:
+        """Pinned blocks other than those holding a prefix of `block_hashes` (a request whose
+        prompt starts with a pinned prefix shares those blocks rather than needing its own)."""
+        shared = set(block_hashes)
+        pinned = {block.block_id: block for blocks in self._pins.values() for block in blocks}
+        return sum(1 for block in pinned.values() if block.block_hash not in shared)
+
     def pinned_block_ids(self, pin_id: str) -> list[int]:
         return [block.block_id for block in self._pins[pin_id]]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Container, Protocol
 
 from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
 from firsttoken.core.batch import (
@@ -124,6 +124,11 @@ class Scheduler:
         if limit is not None and len(self.waiting) >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests)")
         extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, self.hash_root)
+        try:
+            self._check_fits_beside_pins(request)
+        except InvalidInputError:
+            request.block_hashes.clear()
+            raise
         request.waiting_since_step = self.step_index
         self.requests[request.req_id] = request
         self.waiting.append(request)
@@ -146,6 +151,40 @@ class Scheduler:
                 f"prompt plus max_tokens needs {needed} KV blocks, but the KV cache holds "
                 f"{self.kv.num_blocks}; raise kv_cache_memory_bytes or lower max_tokens",
             )
+
+    def _check_fits_beside_pins(self, request: Request) -> None:
+        """Pinned blocks are never evicted: a request needing more than the rest of the cache
+        (its own pinned prefix aside) could never be scheduled, so it is refused now rather
+        than left waiting until someone unpins."""
+        num_needed = num_blocks_for(request.max_total_tokens, self.block_size)
+        num_pinned = self.kv.num_pinned_blocks_apart_from(request.block_hashes)
+        num_available = self.kv.num_blocks - num_pinned
+        if num_needed > num_available:
+            raise InvalidInputError(
+                "max_tokens",
+                f"prompt plus max_tokens needs {num_needed} KV blocks, but pinned prefixes hold {num_pinned} "
+                f"of the {self.kv.num_blocks}, leaving {num_available}; lower max_tokens or unpin a prefix",
+            )
+
+    def expire_waiting(self, exempt: Container[str] = ()) -> list[Request]:
+        """End the requests that waited longer than max_queue_wait_s for their first step; they
+        free whatever they held and finish with an error naming the limit. Those in `exempt`
+        (the engine's own, such as a pin being computed) wait as long as they must."""
+        max_wait_s = self.config.max_queue_wait_s
+        if max_wait_s is None:
+            return []
+        deadline = time.perf_counter() - max_wait_s
+        expired = [
+            request for request in self.waiting
+            if request.timestamps.first_scheduled is None and request.timestamps.arrival < deadline
+            and request.req_id not in exempt
+        ]  # fmt: skip
+        for request in expired:
+            request.stop_reason = (
+                f"max_queue_wait_s: waited more than {max_wait_s:g} s for KV cache room or a free slot"
+            )
+            self.finish_request(request.req_id, RequestStatus.FINISHED_ERROR)
+        return expired
 
     def finish_request(self, req_id: str, status: RequestStatus) -> Request | None:
         """End a request now (stop string, abort): its blocks go back to the pool."""
@@ -416,6 +455,13 @@ class Scheduler:
             request.prompt_logprobs.extend(model_output.prompt_logprobs.get(chunk.req_id, ()))
             sampled = model_output.sampled.get(chunk.req_id)
             if sampled is None:
+                continue
+            if sampled.grammar_error is not None:
+                constraint = request.sampling_params.structured_output
+                field = constraint.field if constraint is not None else "structured_output"
+                request.stop_reason = f"{field}: the output constraint failed mid-generation ({sampled.grammar_error})"
+                self.finish_request(request.req_id, RequestStatus.FINISHED_ERROR)
+                progress.append(RequestProgress(request, []))
                 continue
             tokens = self._accepted(chunk, [sampled, *model_output.verified.get(chunk.req_id, [])])
             appended = []

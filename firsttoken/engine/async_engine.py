@@ -366,6 +366,9 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine: call start() first")
         if self._dead is not None:
             raise self._dead
+        # Refused here, on the asyncio thread: the loop thread would only see it after the step
+        # it is running (a long prefill may take seconds).
+        self.core.validate_request(prompt.token_ids, sampling_params)
         if sampling_params.structured_output is not None:
             # Compiled here, on a tokenizer thread, not on the loop thread that steps the other
             # requests; the core's add_request then finds it cached. A bad schema raises here.

@@ -92,8 +92,7 @@ class EngineCore:
         priority: int = 0,
     ) -> Request:
         """Queue a request; raises InvalidInputError or QueueFullError, changing nothing."""
-        self._validate_prompt_tokens(prompt_token_ids)
-        self._validate_sampling_token_ids(sampling_params)
+        self.validate_request(prompt_token_ids, sampling_params)
         structured = sampling_params.structured_output
         # A cache hit when the front end compiled it on arrival (AsyncEngine.add_request).
         grammar = None if structured is None else self.worker.compile_grammar(structured)
@@ -115,6 +114,14 @@ class EngineCore:
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
         return request
+
+    def validate_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+        """Raise InvalidInputError for a request no load could ever run. It reads only what never
+        changes after start-up (the vocabulary, max_model_len, the cache's size), so a front end
+        may call it from any thread, and refuse a request without waiting for a step to end."""
+        self._validate_prompt_tokens(prompt_token_ids)
+        self._validate_sampling_token_ids(sampling_params)
+        self.scheduler.validate_capacity(len(prompt_token_ids), sampling_params.max_tokens)
 
     def _validate_prompt_tokens(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -162,9 +169,12 @@ class EngineCore:
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
+        expired = [self.output_processor.closing_delta(request) for request in self.scheduler.expire_waiting(self._pending_pins)]
+        if expired:
+            self._release_finished()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return []
+            return expired
         started = time.perf_counter()
         model_output = self.worker.execute(scheduler_output)
         self.scheduler.observe_step_time(scheduler_output, time.perf_counter() - started)
@@ -178,7 +188,7 @@ class EngineCore:
                 self._finish_at_stop_string(progress.request, stop_string)
             deltas.append(self.output_processor.delta(progress))
         self._release_finished()
-        return deltas
+        return expired + deltas
 
     def _finish_at_stop_string(self, request: Request, stop_string: str) -> None:
         request.stop_reason = stop_string

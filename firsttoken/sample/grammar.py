@@ -39,6 +39,7 @@ import llguidance
 import torch
 
 from firsttoken.errors import InvalidInputError
+from firsttoken.sample.ascii_classes import ascii_classes, ascii_schema_patterns
 from firsttoken.sampling_params import StructuredOutput
 from firsttoken.tokenizer import Tokenizer
 
@@ -77,6 +78,10 @@ class GrammarState:
         # A token its mask allowed always advances it; a failure leaves it in an error state,
         # which fill_bitmask turns into "end here".
         self.matcher.consume_tokens(token_ids)
+
+    def error(self) -> str | None:
+        """Why the matcher failed (its first line), or None while it has not."""
+        return _first_line(self.matcher.get_error()) if self.matcher.is_error() else None
 
     def fill(self, bitmask_row: torch.Tensor) -> None:
         """The next token's mask into bitmask_row [W] int32 (zeroed). A finished grammar (its
@@ -167,22 +172,40 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.engine_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise InvalidInputError(structured.field, _first_line(matcher.get_error()))
+        # A grammar that matches nothing (a `$ref` loop) compiles, and fails at its first mask:
+        # found here it is the caller's error, not an empty "stop" after generation started.
+        probe = matcher.deep_copy()
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise InvalidInputError(
+                structured.field, f"no output can satisfy it ({_first_line(probe.get_error())})"
+            )
         return matcher
 
 
 def _grammar_source(structured: StructuredOutput) -> tuple[str, str]:
     """(llguidance's format name, text) of a constraint."""
     if structured.json_schema is not None:
-        return "json_schema", structured.json_schema
+        return "json_schema", _with_ascii_patterns(structured.json_schema, structured.field)
     if structured.json_object:
         return "json_schema", '{"type": "object"}'
     if structured.regex is not None:
-        return "regex", structured.regex
+        return "regex", ascii_classes(structured.regex)
     if structured.choice is not None:
         # A Lark alternation of JSON-quoted literals: no option's characters mean anything.
         return "lark", "start: " + " | ".join(json.dumps(option) for option in structured.choice)
     assert structured.grammar is not None
     return "grammar", structured.grammar  # Lark, or GBNF converted to Lark
+
+
+def _with_ascii_patterns(schema_text: str, field: str) -> str:
+    if "pattern" not in schema_text:
+        return schema_text
+    try:
+        schema = json.loads(schema_text)
+    except (ValueError, RecursionError):
+        raise InvalidInputError(field, "is not valid JSON, or nests too deep") from None
+    return json.dumps(ascii_schema_patterns(schema))
 
 
 def _first_line(message: str) -> str:

@@ -46,6 +46,7 @@ touching the whole vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -245,8 +246,24 @@ class Sampler:
         else:
             token_list = token_ids.tolist()
         if logprob_logits is None:
-            return [SampledToken(token_id) for token_id in token_list]
-        return self._with_logprobs(logprob_logits, token_ids, token_list, specs, logprob_rows)
+            results = [SampledToken(token_id) for token_id in token_list]
+        else:
+            results = self._with_logprobs(logprob_logits, token_ids, token_list, specs, logprob_rows)
+        if any(spec.sampling_params.structured_output is not None for spec in specs):
+            return self._with_grammar_errors(results, specs)
+        return results
+
+    def _with_grammar_errors(self, results: list[SampledToken], specs: list[SampleSpec]) -> list[SampledToken]:
+        """Mark the draws of rows whose grammar failed, so their requests end with the error
+        rather than with a silent stop."""
+        for row, spec in enumerate(specs):
+            if spec.sampling_params.structured_output is None:
+                continue
+            grammar = self.tracked.get(spec).grammar
+            error = None if grammar is None else grammar.error()
+            if error is not None:
+                results[row] = dataclasses.replace(results[row], grammar_error=error)
+        return results
 
     @staticmethod
     def _group_sampled_rows(specs: list[SampleSpec], vocab_size: int) -> dict[int | None, list[int]]:

@@ -82,6 +82,8 @@ def create_app(
             await engine.shutdown()
 
     app = FastAPI(
+        # /tokenize/ is not /tokenize: a 307 would make a client send its body twice.
+        redirect_slashes=False,
         title="firsttoken",
         version=__version__,
         summary="OpenAI-compatible server built for the shortest time to first token",

@@ -197,13 +197,20 @@ async def unless_disconnected(request: Request, work: Coroutine) -> bool:
     try:
         await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watch_task.cancel()
+        await _cancel_and_wait(watch_task)
         if not work_task.done():
-            work_task.cancel()
+            # A cancelled task has no result until it has run its cancellation to the end.
+            await _cancel_and_wait(work_task)
     if work_task.cancelled():
         return False
     work_task.result()
     return True
+
+
+async def _cancel_and_wait(task: asyncio.Future) -> None:
+    """Cancel `task` and wait until it has ended (asyncio.wait raises nothing of the task's)."""
+    task.cancel()
+    await asyncio.wait({task})
 
 
 def usage(choices: list[Choice]) -> Usage:

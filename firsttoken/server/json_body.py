@@ -98,7 +98,12 @@ def count_json_values(body: bytes) -> int:
 
 def _parse_error(body: bytes, error: orjson.JSONDecodeError) -> Exception:
     """The 400 for a body orjson refused: the field when the refusal is a lone surrogate escape
-    (valid JSON syntax that no UTF-8 text can hold), otherwise malformed JSON."""
+    (valid JSON syntax that no UTF-8 text can hold), bytes that are not UTF-8 (orjson calls
+    both "surrogates not allowed"), otherwise malformed JSON."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as not_utf8:
+        return APIError(400, f"body: not valid UTF-8 (byte {not_utf8.start})", code="invalid_json")
     if "surrogate" in error.msg:
         try:
             # The standard library accepts lone surrogates, which lets us say where one is.

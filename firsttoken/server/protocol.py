@@ -23,6 +23,7 @@ from pydantic_core import PydanticCustomError
 
 from firsttoken.engine import CHAT_ROLES, InvalidInputError
 from firsttoken.sampling_params import StructuredOutput
+from firsttoken.server.schema_checks import checked_schema_text
 
 MAX_N = 16  # choices per prompt; each one is an independent engine request
 MAX_LOGPROBS = 20
@@ -301,8 +302,8 @@ class GenerationRequest(RequestBody):
         if self.response_format is not None and self.response_format.type != "text":
             given.append(_response_format_constraint(self.response_format))
         if self.guided_json is not None:
-            schema = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
-            given.append(StructuredOutput(json_schema=schema, field="guided_json"))
+            given.append(StructuredOutput(json_schema=checked_schema_text(self.guided_json, "guided_json"),
+                                          field="guided_json"))
         if self.guided_regex is not None:
             given.append(StructuredOutput(regex=self.guided_regex, field="guided_regex"))
         if self.guided_choice is not None:
@@ -329,9 +330,8 @@ def _response_format_constraint(response_format: ResponseFormat) -> StructuredOu
         return StructuredOutput(json_object=True, field="response_format")
     if response_format.json_schema is None:
         raise InvalidInputError("response_format.json_schema", "required when type is json_schema")
-    return StructuredOutput(
-        json_schema=json.dumps(response_format.json_schema.json_schema), field="response_format.json_schema.schema"
-    )
+    field = "response_format.json_schema.schema"
+    return StructuredOutput(json_schema=checked_schema_text(response_format.json_schema.json_schema, field), field=field)
 
 
 def _check_stop_strings(stop: str | list[str] | None) -> None:
@@ -410,6 +410,19 @@ class ChatCompletionRequest(GenerationRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidInputError("top_logprobs", "requires logprobs to be true")
         _check_prompt_logprobs_not_streamed(self.prompt_logprobs, self.stream)
+        return self
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        """Whatever the tool choice, a tool's name is unique and its parameters a usable schema."""
+        names: set[str] = set()
+        for index, tool in enumerate(self.tools or ()):
+            function = tool.function
+            if function.name in names:
+                raise InvalidInputError(f"tools[{index}].function.name", f"{function.name!r} names an earlier tool too")
+            names.add(function.name)
+            if function.parameters is not None:
+                checked_schema_text(function.parameters, f"tools[{index}].function.parameters")
         return self
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ class RequestChecks:
 
     def __init__(self, engine: EngineClient, strict_fields: bool) -> None:
         self.max_request_tokens = engine.max_request_tokens
+        self.max_model_len = engine.max_model_len
         self.max_token_bytes = engine.tokenizer.longest_token_bytes()
         self.strict_fields = strict_fields
 
@@ -35,6 +36,18 @@ class RequestChecks:
         shown = ", ".join(repr(name) for name in names[:_MAX_NAMES_LOGGED])
         more = f" and {len(names) - _MAX_NAMES_LOGGED} more" if len(names) > _MAX_NAMES_LOGGED else ""
         logger.warning("ignoring request fields the API does not define: %s%s", shown, more)
+
+    def check_tokenizable_bytes(self, field: str, texts: list[str]) -> None:
+        """Refuse text for /tokenize whose bytes alone prove it longer than any prompt here (a
+        multi-megabyte body would hold a tokenizer thread for seconds, to count for nothing)."""
+        num_bytes = sum(len(text.encode("utf-8")) for text in texts)
+        min_tokens = -(-num_bytes // self.max_token_bytes)
+        if min_tokens > self.max_model_len:
+            raise InvalidInputError(
+                field,
+                f"{num_bytes} bytes make at least {min_tokens} tokens, more than max_model_len "
+                f"({self.max_model_len})",
+            )
 
     def check_prompt_bytes(self, field: str, texts: list[str]) -> None:
         """Refuse text whose bytes alone prove it too long, before the tokenizer spends time on it."""

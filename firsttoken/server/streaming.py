@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from firsttoken.server import sse
-from firsttoken.server.errors import from_exception
+from firsttoken.server.errors import APIError, from_exception
 from firsttoken.server.generation import (
     Choice,
     close_streams,
@@ -41,6 +41,9 @@ async def respond(
         return StreamingResponse(events, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
     if not await collect(choices, request):
         return Response(status_code=499)  # client closed the request; nobody reads this
+    failure = generation_failure(choices)
+    if failure is not None:
+        return failure.response()
     return Response(
         reply.whole(choices).model_dump_json(),
         media_type="application/json",
@@ -64,13 +67,30 @@ async def stream_events(
                 if chunk is not None:
                     choice.num_chunks_sent += 1
                     yield sse.model_event(chunk, include_usage)
-        if include_usage:
+        failure = generation_failure(choices)
+        if failure is not None:  # its choice's chunk said finish_reason "error"; this says why
+            yield sse.event(failure.body())
+        elif include_usage:
             yield sse.model_event(reply.usage_chunk(usage(choices), ttft_extension(choices)), include_usage)
     except Exception as error:  # the engine stopped mid-stream: say so in-band, then end
         yield sse.event(from_exception(error, retry_after_s).body())
     finally:
         await close_streams([choice.stream for choice in choices])
     yield sse.DONE
+
+
+def generation_failure(choices: list[Choice]) -> APIError | None:
+    """The error of the first choice that ended with finish_reason "error" (it waited past
+    max_queue_wait_s, or its output constraint failed mid-generation), or None."""
+    for choice in choices:
+        if choice.output.finish_reason != "error":
+            continue
+        message = f"choice {choice.index}: {choice.output.stop_reason}"
+        # The engine's reason names what ended it first, as "field: why".
+        if str(choice.output.stop_reason).startswith("max_queue_wait_s:"):
+            return APIError(503, message, "server_error", code="queue_timeout")
+        return APIError(400, message, code="generation_failed")
+    return None
 
 
 async def collect(choices: list[Choice], request: Request) -> bool:

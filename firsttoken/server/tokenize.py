@@ -20,6 +20,9 @@ async def tokenize(engine: EngineClient, checks: RequestChecks, body: TokenizeRe
     messages = None
     if body.messages is not None:
         messages = [{"role": message.role, "content": message.text()} for message in body.messages]
+        checks.check_tokenizable_bytes("messages", [message["content"] for message in messages])
+    else:
+        checks.check_tokenizable_bytes("prompt", [body.prompt or ""])
     tokenized = await engine.tokenize(
         body.prompt,
         messages=messages,
