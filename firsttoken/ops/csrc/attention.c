@@ -19,6 +19,7 @@
  *
  * Built at run time by firsttoken/ops/native.py with the machine's C compiler.
  */
+#pragma GCC optimize("fp-contract=fast") /* before the includes: see isa.h */
 #include "common.h"
 #include "isa.h"
 

@@ -13,9 +13,10 @@
 #define FIRSTTOKEN_ISA_H
 
 /* The build is ISO C (-std=c11), where GCC never fuses a * b + c; with FMA units that fusion
- * is the whole point here. It applies to the functions that follow the pragma, so only the
- * portable kernels' sources include this header. */
-#pragma GCC optimize("fp-contract=fast")
+ * is the whole point here. A source including this header therefore starts with
+ * `#pragma GCC optimize("fp-contract=fast")`, before any include: GCC inlines a function only
+ * into functions built with the same options, so the pragma must cover common.h's helpers too
+ * (after them, every bf16 conversion and row load would be a call). */
 
 #include <stdint.h>
 #include <string.h>

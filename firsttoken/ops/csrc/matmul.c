@@ -12,6 +12,7 @@
  * broadcast of x and two loads of W per k. Threads split the panels (and the rows where
  * panels are few); every element's arithmetic is the same whichever thread runs it.
  */
+#pragma GCC optimize("fp-contract=fast") /* before the includes: see isa.h */
 #include "common.h"
 #include "isa.h"
 
