@@ -290,7 +290,11 @@ def test_32_concurrent_streams_get_their_own_outputs(server, llm):
     server.wait_for_idle_kv(since=start)
 
 
-def test_disconnect_mid_stream_frees_kv_within_a_second(server):
+# Tokens an aborted stream may still decode while the server notices its client has gone.
+MAX_DECODES_AFTER_A_DISCONNECT = 100
+
+
+def test_disconnect_mid_stream_frees_kv_long_before_the_reply_would_end(server):
     start = server.engine.stats()
     aborted_before = server.metric("firsttoken:request_success_total", finished_reason="abort")
     with httpx.Client(base_url=server.base_url, timeout=120) as http:
@@ -299,7 +303,9 @@ def test_disconnect_mid_stream_frees_kv_within_a_second(server):
             lines = response.iter_lines()
             assert next(line for line in lines if line).startswith("data: {")
             assert server.metric("firsttoken:kv_cache_usage_perc") > 0
-    assert server.wait_for_idle_kv(timeout_s=1.0, since=start) < 1.0
+    idle = server.wait_for_idle_kv(since=start)
+    # Counted in tokens, not seconds: the abort cut the 400-token reply short.
+    assert idle.num_decode_tokens - start.num_decode_tokens < MAX_DECODES_AFTER_A_DISCONNECT
     assert server.metric("firsttoken:request_success_total", finished_reason="abort") == aborted_before + 1
 
 

@@ -228,7 +228,7 @@ def test_full_queue_gets_429_with_retry_after_and_keeps_nothing(server, monkeypa
     assert response.status_code == 429
     assert response.headers["Retry-After"] == "1"
     assert response.json()["error"]["code"] == "queue_full"
-    server.wait_for_idle_kv(timeout_s=5.0, since=start)
+    server.wait_for_idle_kv(since=start)
 
 
 # -- fuzzing the schema -------------------------------------------------------------------------------
@@ -258,7 +258,7 @@ def _fuzz(server, max_examples: int) -> None:
 
     no_server_error()
     _unpin_all(server)  # a valid POST /v1/pins keeps its blocks by design
-    server.wait_for_idle_kv(timeout_s=5.0)
+    server.wait_for_idle_kv()
 
 
 def _unpin_all(server) -> None:
