@@ -75,6 +75,7 @@ def test_forward_flops_of_the_7b_shape():
     assert gpu_check.leading_matches([1, 2, 3], [1, 2, 4]) == 2
 
 
+@pytest.mark.engine  # a subprocess that builds engines on tiny shapes
 def test_cpu_smoke_run_prints_the_tables_and_passes(tmp_path):
     results_file = tmp_path / "results.json"
     script = os.path.join(REPO, "bench", "gpu_check.py")

@@ -11,6 +11,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from firsttoken.cli import build_parser
 from firsttoken.config import SUBCONFIGS, flat_name
@@ -117,6 +118,7 @@ SYSTEM_PROMPT = (
 )
 
 
+@pytest.mark.usefixtures("model_path")  # the embedded model, loaded by the code under test
 def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path):
     port = _free_port()
     (tmp_path / "system.txt").write_text(SYSTEM_PROMPT)
