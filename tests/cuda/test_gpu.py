@@ -11,7 +11,8 @@ import torch
 from firsttoken import LLM, SamplingParams
 from firsttoken.core.batch import SampleSpec, ScheduledChunk
 from firsttoken.worker.step_inputs import build_host_step
-from tests.model.tiny_models import save_hf_folder, tiny_hf_model
+from tests.engine_state import tracked_requests
+from tests.models.tiny_models import save_hf_folder, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -98,7 +99,7 @@ def test_cuda_engine_gives_the_cpu_engines_processed_greedy_tokens(tiny_folder):
     llm = LLM(tiny_folder, device="cuda", **OPTIONS)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=PROCESSED)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
-    assert llm.engine.worker.runner.sampler.tracked.requests == {}
+    assert tracked_requests(llm) == {}
 
 
 def test_logits_processors_on_the_gpu_equal_the_cpus():

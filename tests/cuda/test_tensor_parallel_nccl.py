@@ -10,7 +10,7 @@ import torch.distributed as dist
 from firsttoken import LLM, SamplingParams
 from firsttoken.config import ParallelConfig
 from firsttoken.worker.tensor_parallel import RankGroup, local_init_method
-from tests.model.tiny_models import save_hf_folder, tiny_hf_model
+from tests.models.tiny_models import save_hf_folder, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs a CUDA device and NCCL"

@@ -5,14 +5,10 @@ from __future__ import annotations
 import pytest
 
 from firsttoken import LLM, SamplingParams
+from tests.engine_state import all_blocks_free
 from tests.prompts import SHORT_PROMPTS, long_prompt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def _all_blocks_free(llm: LLM) -> bool:
-    stats = llm.stats()
-    return stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0 and stats.num_waiting == 0
 
 
 def _mixed_prompts(llm: LLM, count: int) -> list[list[int]]:
@@ -31,7 +27,7 @@ def test_batch_of_16_equals_each_prompt_alone(model_path):
     for prompt, output in zip(prompts, batched):
         (alone,) = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)
         assert output.token_ids == alone.token_ids
-    assert _all_blocks_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_tiny_kv_budget_preempts_yet_gives_the_same_tokens(model_path):
@@ -45,7 +41,7 @@ def test_tiny_kv_budget_preempts_yet_gives_the_same_tokens(model_path):
     outputs = small.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outputs] == expected
     assert small.stats().num_preemptions > 0
-    assert _all_blocks_free(small)
+    assert all_blocks_free(small)
 
 
 def test_stream_deltas_add_up_to_the_generated_text(llm):
@@ -62,7 +58,7 @@ def test_closing_a_stream_early_aborts_and_frees_its_blocks(llm):
     stream = llm.stream("Tell me a long story about a dragon.", SamplingParams(temperature=0, max_tokens=200))
     next(stream)
     stream.close()
-    assert _all_blocks_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_text_equals_decoding_the_tokens(llm):
@@ -100,7 +96,7 @@ def test_stop_string_is_cut_from_text_and_ends_request(llm):
     assert stopped.finish_reason == "stop"
     assert stopped.stop_reason == stop_word
     assert stopped.text == full.text[: full.text.index(stop_word)]
-    assert _all_blocks_free(llm)
+    assert all_blocks_free(llm)
     streamed = "".join(d.text for d in llm.stream("Count: one, two, three,", stop))
     assert streamed == stopped.text
 

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from firsttoken import LLM, SamplingParams
+from tests.engine_state import all_blocks_free
 from tests.prompts import long_prompt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -22,12 +23,6 @@ def _engine(model_path, **options) -> LLM:
     settings = dict(dtype="float32", kv_cache_memory_bytes=128 << 20, chunk_size=256)
     settings.update(options)
     return LLM(model_path, **settings)
-
-
-def _all_blocks_free(llm: LLM) -> bool:
-    stats = llm.stats()
-    pinned_blocks = stats.num_pinned_tokens // llm.config.cache.block_size
-    return stats.num_free_kv_blocks + pinned_blocks == stats.num_kv_blocks and stats.num_running == 0
 
 
 def _workload(llm: LLM) -> list[list[list[int]]]:
@@ -59,7 +54,7 @@ def test_same_tokens_with_the_cache_on_and_off(model_path, uncached_outputs):
     stats = llm.stats()
     assert sum(cached_tokens) == stats.prefix_cache_hits > 0
     assert stats.prefix_cache_queries > stats.prefix_cache_hits
-    assert _all_blocks_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_shared_512_token_prefix_prefills_only_the_remainder(model_path):
@@ -97,7 +92,7 @@ def test_pinned_prefix_survives_eviction_pressure(model_path):
     output = llm.chat(conversation, GREEDY)
     assert output.num_cached_tokens == pinned.num_tokens
     llm.unpin_prefix(pinned.pin_id)
-    assert _all_blocks_free(llm) and llm.stats().num_pinned_tokens == 0
+    assert all_blocks_free(llm) and llm.stats().num_pinned_tokens == 0
 
 
 def test_pin_needs_a_full_block_and_the_cache(model_path, llm):

@@ -10,6 +10,7 @@ import pytest
 from firsttoken import LLM, SamplingParams
 from firsttoken.engine_args import add_engine_args, engine_kwargs
 from firsttoken.errors import InvalidInputError
+from tests.engine_state import all_blocks_free
 
 # Prompts whose answers repeat what came before (the second's does), so that proposals get accepted.
 PROMPTS = [
@@ -27,11 +28,6 @@ def _bits(output) -> tuple:
 
 def _tokens(output) -> tuple:
     return tuple(output.token_ids), output.text, output.finish_reason
-
-
-def _all_blocks_free(llm: LLM) -> bool:
-    stats = llm.stats()
-    return stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +54,7 @@ def test_outputs_equal_those_without_speculation_alone_and_batched(engines, para
     expected = [_bits(output) for output in plain.generate(PROMPTS, params)]
     assert [_bits(speculative.generate([prompt], params)[0]) for prompt in PROMPTS] == expected
     assert [_bits(output) for output in speculative.generate(PROMPTS, params)] == expected
-    assert _all_blocks_free(speculative)
+    assert all_blocks_free(speculative)
 
 
 @pytest.mark.slow
@@ -139,7 +135,7 @@ def test_beside_non_speculating_requests_in_chunks_and_across_preemption(engines
     assert [_bits(output) for output in outputs] == expected
     stats = small.stats()
     assert stats.num_preemptions > 0 and stats.spec_decode_num_draft_tokens > 0
-    assert _all_blocks_free(small)
+    assert all_blocks_free(small)
 
 
 def test_sampled_tokens_are_the_targets_draws_seed_for_seed(engines):
@@ -178,7 +174,7 @@ def test_a_draft_model_drafting_for_itself_is_always_right_and_changes_nothing(e
     assert [_bits(output) for output in drafted.generate(PROMPTS, seeded)] == [
         _bits(output) for output in plain.generate(PROMPTS, seeded)
     ]
-    assert _all_blocks_free(drafted)
+    assert all_blocks_free(drafted)
     draft_core = drafted.engine.scheduler.proposer.core
     assert draft_core.kv_manager.pool.num_free_blocks == draft_core.kv_manager.num_blocks
 
@@ -192,7 +188,7 @@ def test_a_sequence_longer_than_the_drafts_cache_decodes_without_proposals(engin
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = drafted.generate(PROMPTS, params)
     assert [output.token_ids for output in outputs] == [output.token_ids for output in plain.generate(PROMPTS, params)]
-    assert _all_blocks_free(drafted)
+    assert all_blocks_free(drafted)
 
 
 def test_a_draft_model_is_named_with_method_draft_only(model_path):

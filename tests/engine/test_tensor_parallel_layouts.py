@@ -9,7 +9,7 @@ import pytest
 from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
 from tests.engine.test_tensor_parallel import GREEDY, assert_same_outputs
-from tests.model.tiny_models import save_hf_folder, tiny_hf_model
+from tests.models.tiny_models import save_hf_folder, tiny_hf_model
 from tests.prompts import SHORT_PROMPTS
 
 OPTIONS = {"dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "chunk_size": 32}

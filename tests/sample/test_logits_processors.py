@@ -24,7 +24,7 @@ from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput, T
 from firsttoken.sample.logits_processors import TrackedTokens, apply_logits_processors, bad_word_bans
 from firsttoken.sample.sampler import Sampler, candidate_width, filter_logits, find_nucleus
 from firsttoken.sampling_params import SamplingParams
-from tests.ops.test_sampler import _assert_follows, _chi_square_p_value
+from tests.sample.distributions import assert_follows, chi_square_p_value
 
 CPU = torch.device("cpu")
 VOCAB = 300
@@ -472,6 +472,6 @@ def test_min_p_draws_follow_the_filtered_softmax(top_k, top_p):
     ]
     tokens = [t.token_id for t in Sampler(0, CPU, vocab_size).sample(logits.expand(num_draws, -1), specs)]
     probs = filter_logits(logits / temperature, top_k, top_p, min_p).softmax(-1)
-    _assert_follows(tokens, probs)
+    assert_follows(tokens, probs)
     without_min_p = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
-    assert _chi_square_p_value(tokens, without_min_p) < 1e-6
+    assert chi_square_p_value(tokens, without_min_p) < 1e-6

@@ -9,8 +9,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from firsttoken import LLM, SamplingParams
-from tests.model.reference import assert_logprobs_close, hf_greedy
-from tests.model.tiny_models import save_hf_folder, tiny_hf_model, write_gguf
+from tests.models.reference import assert_logprobs_close, hf_greedy
+from tests.models.tiny_models import save_hf_folder, tiny_hf_model, write_gguf
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314, 7042, 30, 198, 17, 33, 34, 1708, 2988, 216, 1062, 45, 990, 12, 87, 8000] * 3
 NUM_TOKENS = 16

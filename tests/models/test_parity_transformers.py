@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from firsttoken import SamplingParams
-from tests.model.reference import assert_logprobs_close, hf_greedy
+from tests.models.reference import assert_logprobs_close, hf_greedy
 from tests.prompts import CHAT_CONVERSATION, SHORT_PROMPTS, long_prompt
 
 NUM_TOKENS = 32
