@@ -68,6 +68,14 @@ def model_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def embedded_tokenizer():
+    """The embedded model's tokenizer alone, read once (no weights: tests using it stay fast)."""
+    from firsttoken.models.registry import open_checkpoint
+
+    return open_checkpoint(default_model_path()).tokenizer
+
+
+@pytest.fixture(scope="session")
 def llm(model_path):
     """A float32 engine with a fixed chunk size (no start-up calibration)."""
     from firsttoken import LLM

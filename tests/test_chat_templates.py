@@ -7,7 +7,6 @@ The templates are written here (no hub); transformers is a test dependency only.
 from __future__ import annotations
 
 import pytest
-from transformers.utils.chat_template_utils import render_jinja_template
 
 from firsttoken.errors import InvalidInputError
 from firsttoken.tokenizer import ChatTemplate
@@ -189,6 +188,8 @@ CASES = {
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("case", list(CASES))
 def test_rendering_equals_transformers(case, add_generation_prompt):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
     source, messages, options = CASES[case]
     ours = ChatTemplate(source, BOS, EOS).render(
         messages,

@@ -81,6 +81,7 @@ def test_firsttoken_command_lines_parse():
                 raise AssertionError(f"README command does not parse: {line}") from error
 
 
+@pytest.mark.engine  # a Python per bench script, each importing torch: too slow for the fast tier
 def test_script_lines_name_scripts_and_flags_that_exist():
     for line in _shell_lines():
         command = shlex.split(line)

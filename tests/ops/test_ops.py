@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from firsttoken.ops.activation import silu_and_mul_reference
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
@@ -26,6 +24,8 @@ TOKEN_COUNTS = [FUSED_MIN_TOKENS - 1, FUSED_MIN_TOKENS, FUSED_MIN_TOKENS + 77]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_reference_is_transformers_rms_norm(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
     x = torch.randn(37, 576).to(dtype)
     hf = LlamaRMSNorm(576, eps=1e-5).to(dtype)
     hf.weight.data = torch.randn(576).to(dtype)
@@ -61,6 +61,9 @@ def test_fused_norms_match_reference(dtype, num_tokens):
     ],
 )
 def test_rotary_reference_matches_transformers(rope_parameters):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
     head_dim, num_heads = 64, 4
     config = LlamaConfig(
         hidden_size=head_dim * num_heads, num_attention_heads=num_heads, rope_parameters=rope_parameters,

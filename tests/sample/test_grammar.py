@@ -13,7 +13,6 @@ import torch
 
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput, TrackedRequest
 from firsttoken.errors import InvalidInputError
-from firsttoken.models.registry import default_model_path, open_checkpoint
 from firsttoken.sample.grammar import GrammarCompiler, apply_bitmask
 from firsttoken.sample.sampler import Sampler
 from firsttoken.sampling_params import SamplingParams, StructuredOutput
@@ -23,8 +22,8 @@ COLORS = ("red", "green", "blue", "light blue")
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return open_checkpoint(default_model_path()).tokenizer
+def tokenizer(embedded_tokenizer):
+    return embedded_tokenizer
 
 
 @pytest.fixture(scope="module")

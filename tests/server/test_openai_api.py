@@ -8,7 +8,6 @@ import socket
 import time
 
 import httpx
-import openai
 import pytest
 
 from firsttoken import SamplingParams
@@ -31,6 +30,8 @@ def server(model_path):
 
 @pytest.fixture(scope="module")
 def client(server):
+    import openai
+
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -264,6 +265,8 @@ def test_extreme_sampling_values_act_greedy_and_keep_the_engine_alive(client, ll
 
 
 def test_32_concurrent_streams_get_their_own_outputs(server, llm):
+    import openai
+
     start = server.engine.stats()
     prompts = [f"Item {index}: the number after {index} is" for index in range(32)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -463,6 +466,8 @@ def test_a_body_of_a_million_values_is_refused_before_it_is_parsed(server):
 
 
 def test_unknown_model_gets_404(client):
+    import openai
+
     with pytest.raises(openai.NotFoundError) as raised:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
     assert raised.value.body["code"] == "model_not_found"

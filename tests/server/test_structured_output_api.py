@@ -10,7 +10,6 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from firsttoken.server.config import ServerConfig
@@ -33,6 +32,8 @@ def server(model_path):
 
 @pytest.fixture(scope="module")
 def client(server):
+    import openai
+
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 

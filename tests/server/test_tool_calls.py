@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from firsttoken.models.registry import default_model_path, open_checkpoint
 from firsttoken.sample.grammar import GrammarCompiler
 from firsttoken.server.tool_calls import (
     ToolCallParser,
@@ -93,8 +92,8 @@ def test_conversation_for_a_template_without_tools():
 
 
 @pytest.fixture(scope="module")
-def compiler():
-    tokenizer = open_checkpoint(default_model_path()).tokenizer
+def compiler(embedded_tokenizer):
+    tokenizer = embedded_tokenizer
     return tokenizer, GrammarCompiler(tokenizer, tokenizer.vocab_size)
 
 

@@ -9,7 +9,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from firsttoken.server.config import ServerConfig
@@ -53,6 +52,8 @@ def server(model_path):
 
 @pytest.fixture(scope="module")
 def client(server):
+    import openai
+
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
