@@ -74,7 +74,7 @@ QWEN25 = """{%- if tools %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501 (the upstream template, verbatim)
 
 LLAMA31 = """{{- bos_token }}
 {%- if not date_string is defined %}{%- set date_string = "26 Jul 2024" %}{%- endif %}
@@ -120,7 +120,7 @@ LLAMA31 = """{{- bos_token }}
 {%- if add_generation_prompt %}
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}
-"""
+"""  # noqa: E501 (the upstream template, verbatim)
 
 MISTRAL = (
     "{{ bos_token }}{% for message in messages %}"
@@ -132,7 +132,8 @@ MISTRAL = (
 
 GENERATION_TAG = (
     "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' }}"
-    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
     "{% else %}{{ message['content'] + '\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )

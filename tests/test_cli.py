@@ -1,4 +1,5 @@
-"""`firsttoken generate | chat`: sampling flags reach SamplingParams, bad values are errors naming the field."""
+"""`firsttoken generate | chat`: sampling flags reach SamplingParams, bad values are errors naming
+the field."""
 
 from __future__ import annotations
 

@@ -37,12 +37,19 @@ def test_cuda_engine_gives_the_cpu_engines_greedy_tokens_with_and_without_graphs
     )
     for cuda_graphs, max_graph_tokens in ((True, 2048), (True, 0), (False, 2048)):
         llm = LLM(
-            tiny_folder, device="cuda", cuda_graphs=cuda_graphs, cuda_graph_max_tokens=max_graph_tokens, **OPTIONS
+            tiny_folder,
+            device="cuda",
+            cuda_graphs=cuda_graphs,
+            cuda_graph_max_tokens=max_graph_tokens,
+            **OPTIONS,
         )
         assert llm.engine.worker.kv_caches[0].device.type == "cuda"
         assert (llm.engine.worker.runner.step_graphs is not None) == (cuda_graphs and max_graph_tokens > 0)
         outputs = llm.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY)
-        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected], (cuda_graphs, max_graph_tokens)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected], (
+            cuda_graphs,
+            max_graph_tokens,
+        )
 
 
 def test_cuda_defaults_to_bfloat16_and_sizes_the_cache_from_free_memory(tiny_folder):

@@ -21,7 +21,9 @@ def _mixed_prompts(llm: LLM, count: int) -> list[list[int]]:
 
 
 def test_batch_of_16_equals_each_prompt_alone(model_path):
-    llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=64, enable_prompt_cache=False)
+    llm = LLM(
+        model_path, dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=64, enable_prompt_cache=False
+    )
     prompts = _mixed_prompts(llm, 16)
     batched = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     for prompt, output in zip(prompts, batched):
@@ -37,7 +39,9 @@ def test_tiny_kv_budget_preempts_yet_gives_the_same_tokens(model_path):
     expected = [o.token_ids for o in prompts_llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     # 40 blocks of 16 tokens: far less than the 8 requests need together.
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4
-    small = LLM(model_path, dtype="float32", kv_cache_memory_bytes=40 * block_bytes, chunk_size=64, max_num_seqs=8)
+    small = LLM(
+        model_path, dtype="float32", kv_cache_memory_bytes=40 * block_bytes, chunk_size=64, max_num_seqs=8
+    )
     outputs = small.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outputs] == expected
     assert small.stats().num_preemptions > 0
@@ -108,7 +112,9 @@ def test_stop_token_ids_and_eos(llm):
     (stopped,) = llm.generate(["Count: one, two, three,"], params)
     assert stopped.token_ids == full.token_ids[: full.token_ids.index(stop_token) + 1]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_token
-    chat = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=200))
+    chat = llm.chat(
+        [{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=200)
+    )
     assert chat.finish_reason == "stop"
     assert chat.token_ids[-1] in llm.tokenizer.eos_token_ids
 
@@ -153,7 +159,9 @@ def test_fused_ops_give_the_plain_ops_tokens(llm, model_path):
 def test_native_int4_decode_gives_the_per_op_tokens(model_path):
     """The whole-step native decode against the same int4 engine stepping op by op (the same
     int4 kernel; torch's SDPA instead of the native attention), batched and alone."""
-    llm = LLM(model_path, dtype="bfloat16", quantization="int4", kv_cache_memory_bytes=256 << 20, chunk_size=512)
+    llm = LLM(
+        model_path, dtype="bfloat16", quantization="int4", kv_cache_memory_bytes=256 << 20, chunk_size=512
+    )
     native_step = llm.engine.worker.model.native_decode
     if native_step is None:
         pytest.skip("no native int4 decode on this machine (needs a C compiler and AVX512-BF16)")

@@ -33,7 +33,12 @@ def _tokens(output) -> tuple:
 @pytest.fixture(scope="module")
 def engines(model_path):
     """bf16 with batch invariance: verify rows give the bits decode rows give."""
-    options = {"model": model_path, "dtype": "bfloat16", "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
+    options = {
+        "model": model_path,
+        "dtype": "bfloat16",
+        "kv_cache_memory_bytes": 128 << 20,
+        "chunk_size": 256,
+    }
     plain = LLM(**options)
     if not plain.engine.worker.batch_invariant:
         pytest.skip("no batch invariance on this machine: verify rows may round otherwise than decode rows")
@@ -104,7 +109,9 @@ def test_bad_speculative_options_name_the_field(model_path):
     with pytest.raises(InvalidInputError, match="speculative_config.*prompt_lookup_mid"):
         LLM(model_path, speculative_config={"method": "ngram", "prompt_lookup_mid": 3})
     with pytest.raises(InvalidInputError, match="prompt_lookup_min"):
-        LLM(model_path, speculative_config={"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3})
+        LLM(
+            model_path, speculative_config={"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}
+        )
 
 
 def test_the_command_line_takes_vllms_json_and_flags_over_it():
@@ -143,7 +150,9 @@ def test_sampled_tokens_are_the_targets_draws_seed_for_seed(engines):
     seeded uniform, proposals or not: the same token for each of 48 seeds, so the accepted
     tokens' frequencies are the target's."""
     plain, speculative = engines
-    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True) for seed in range(48)]
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True) for seed in range(48)
+    ]
     prompt = [PROMPTS[1]] * len(params)
     before = speculative.stats().spec_decode_num_draft_tokens
     group = 8  # the default max_num_speculating_seqs
@@ -152,15 +161,24 @@ def test_sampled_tokens_are_the_targets_draws_seed_for_seed(engines):
         for output in speculative.generate(prompt[start : start + group], params[start : start + group])
     ]
     assert speculative.stats().spec_decode_num_draft_tokens > before
-    assert [output.token_ids for output in outputs] == [output.token_ids for output in plain.generate(prompt, params)]
+    assert [output.token_ids for output in outputs] == [
+        output.token_ids for output in plain.generate(prompt, params)
+    ]
 
 
 def test_a_draft_model_drafting_for_itself_is_always_right_and_changes_nothing(engines, model_path):
     """The embedded model as its own draft: every proposal accepted, the same bits as without,
     and both engines' blocks all back in their pools."""
     plain, _ = engines
-    options = {"model": model_path, "dtype": "bfloat16", "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
-    drafted = LLM(**options, speculative_config={"method": "draft", "model": model_path, "num_speculative_tokens": 3})
+    options = {
+        "model": model_path,
+        "dtype": "bfloat16",
+        "kv_cache_memory_bytes": 128 << 20,
+        "chunk_size": 256,
+    }
+    drafted = LLM(
+        **options, speculative_config={"method": "draft", "model": model_path, "num_speculative_tokens": 3}
+    )
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     assert [_bits(output) for output in drafted.generate(PROMPTS, greedy)] == [
         _bits(output) for output in plain.generate(PROMPTS, greedy)
@@ -181,13 +199,20 @@ def test_a_draft_model_drafting_for_itself_is_always_right_and_changes_nothing(e
 
 def test_a_sequence_longer_than_the_drafts_cache_decodes_without_proposals(engines, model_path):
     plain, _ = engines
-    options = {"model": model_path, "dtype": "bfloat16", "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
+    options = {
+        "model": model_path,
+        "dtype": "bfloat16",
+        "kv_cache_memory_bytes": 128 << 20,
+        "chunk_size": 256,
+    }
     block_bytes = 2 * 30 * 16 * 3 * 64 * 2  # layers x block tokens x KV heads x head size, bf16
     drafted = LLM(**options, speculative_config={"method": "draft", "model": model_path,
                                                  "draft_kv_cache_memory_bytes": 2 * block_bytes})
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = drafted.generate(PROMPTS, params)
-    assert [output.token_ids for output in outputs] == [output.token_ids for output in plain.generate(PROMPTS, params)]
+    assert [output.token_ids for output in outputs] == [
+        output.token_ids for output in plain.generate(PROMPTS, params)
+    ]
     assert all_blocks_free(drafted)
 
 

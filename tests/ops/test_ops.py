@@ -37,7 +37,9 @@ def test_rms_norm_reference_is_transformers_rms_norm(dtype):
 def test_fused_norms_match_reference(dtype, num_tokens):
     x, residual = (torch.randn(num_tokens, 576).to(dtype) for _ in range(2))
     weight = torch.randn(576).to(dtype)
-    torch.testing.assert_close(FUSED.rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5), **FUSED_TOLERANCE[dtype])
+    torch.testing.assert_close(
+        FUSED.rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5), **FUSED_TOLERANCE[dtype]
+    )
     normed, summed = FUSED.add_rms_norm(x, residual, weight, 1e-6)
     expected_normed, expected_summed = add_rms_norm_reference(x, residual, weight, 1e-6)
     torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
@@ -91,7 +93,9 @@ def test_fused_rotary_matches_reference_on_strided_heads(dtype, num_tokens):
     qkv = torch.randn(num_tokens, 15 * 64).to(dtype)
     query_key = qkv[:, : 12 * 64].view(num_tokens, 12, 64)  # rows strided as in the model
     torch.testing.assert_close(
-        FUSED.apply_rotary(query_key, cos, sin), apply_rotary_reference(query_key, cos, sin), **FUSED_TOLERANCE[dtype]
+        FUSED.apply_rotary(query_key, cos, sin),
+        apply_rotary_reference(query_key, cos, sin),
+        **FUSED_TOLERANCE[dtype],
     )
 
 
