@@ -56,11 +56,13 @@ class ModelConfig:
     )
     batch_invariant: bool = field(
         default=True,
-        metadata=_help("unquantized (cpu: bf16; cuda: one rank): a request's tokens and logprobs are the same "
-                       "bits whatever else runs in its steps, chunked, cached or recomputed (cpu: one-row matmuls "
-                       "run as two rows, decode rows attend with the prefill kernel's arithmetic; cuda: projections "
-                       "on a fixed-tile Triton matmul, every attention row on the chunk kernel's tiles); off: "
-                       "oneDNN's one-row kernel and an exact-softmax decode kernel (cuda: cuBLAS, SDPA prefills)"),
+        metadata=_help(
+            "unquantized (cpu: bf16; cuda: one rank): a request's tokens and logprobs are the same "
+            "bits whatever else runs in its steps, chunked, cached or recomputed (cpu: one-row matmuls "
+            "run as two rows, decode rows attend with the prefill kernel's arithmetic; cuda: projections "
+            "on a fixed-tile Triton matmul, every attention row on the chunk kernel's tiles); off: "
+            "oneDNN's one-row kernel and an exact-softmax decode kernel (cuda: cuBLAS, SDPA prefills)"
+        ),
     )
     adaptive_threads: bool = field(
         default=True,
@@ -79,15 +81,19 @@ class ModelConfig:
     )
     cuda_graphs: bool = field(
         default=True,
-        metadata=_help("cuda: replay steps from CUDA graphs captured at start: decode-only steps for batch sizes "
-                       "1, 2, 4, 8, 16, then every 16 up to max_num_seqs; steps with prefill rows by token count "
-                       "(see cuda_graph_max_tokens)"),
+        metadata=_help(
+            "cuda: replay steps from CUDA graphs captured at start: decode-only steps for batch sizes "
+            "1, 2, 4, 8, 16, then every 16 up to max_num_seqs; steps with prefill rows by token count "
+            "(see cuda_graph_max_tokens)"
+        ),
     )
     cuda_graph_max_tokens: int = field(
         default=2048,
-        metadata=_help("cuda: the longest step with prefill rows replayed from a graph (token counts 16, 32, 48, "
-                       "64, 96, 128, then every 64 to 512, 128 to 1024, 256 beyond; capped by "
-                       "max_num_batched_tokens); longer steps and 0 run eagerly, fresh prompts on SDPA flash"),
+        metadata=_help(
+            "cuda: the longest step with prefill rows replayed from a graph (token counts 16, 32, 48, "
+            "64, 96, 128, then every 64 to 512, 128 to 1024, 256 beyond; capped by "
+            "max_num_batched_tokens); longer steps and 0 run eagerly, fresh prompts on SDPA flash"
+        ),
     )
     quantization: str | None = field(
         default=None,
@@ -253,7 +259,9 @@ class PromptCacheConfig:
     )
     max_pinned_fraction: float = field(
         default=0.5,
-        metadata=_help("fraction of the KV blocks that pinned prefixes may hold together; a pin past it is refused"),
+        metadata=_help(
+            "fraction of the KV blocks that pinned prefixes may hold together; a pin past it is refused"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -286,7 +294,9 @@ class SpeculativeConfig:
     )
     model: str | None = field(
         default=None,
-        metadata=_help("draft: the draft model (GGUF file or Hugging Face folder) sharing the target's tokenizer"),
+        metadata=_help(
+            "draft: the draft model (GGUF file or Hugging Face folder) sharing the target's tokenizer"
+        ),
     )
     draft_kv_cache_memory_bytes: int = field(
         default=64 << 20, metadata=_help("draft: bytes for the draft model's own paged KV cache")
@@ -442,5 +452,7 @@ def _section_from_dict(section: str, section_cls: type, values: dict[str, Any]) 
     known = {config_field.name for config_field in dataclasses.fields(section_cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise InvalidInputError(section, f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise InvalidInputError(
+            section, f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
     return section_cls(**values)

@@ -32,7 +32,12 @@ from firsttoken.server.protocol import (
 from firsttoken.server.reply import Reply
 from firsttoken.server.request_checks import RequestChecks
 from firsttoken.server.streaming import respond
-from firsttoken.server.tool_calls import ToolCallParser, forcing_constraint, hermes_conversation, parse_tool_calls
+from firsttoken.server.tool_calls import (
+    ToolCallParser,
+    forcing_constraint,
+    hermes_conversation,
+    parse_tool_calls,
+)
 
 
 async def create_chat_completion(
@@ -50,9 +55,14 @@ async def create_chat_completion(
     prompt = await engine.tokenize(messages=messages, chat_template_args=chat_template_args)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    structured = forcing_constraint(tools, body.forced_function) if body.forces_tool_call else body.structured_output()
+    structured = (
+        forcing_constraint(tools, body.forced_function) if body.forces_tool_call else body.structured_output()
+    )
     requests = [
-        (prompt, sampling_params(body, prompt, max_tokens, engine.max_request_tokens, logprobs, index, structured))
+        (
+            prompt,
+            sampling_params(body, prompt, max_tokens, engine.max_request_tokens, logprobs, index, structured),
+        )
         for index in range(body.n)
     ]
     choices = await start_choices(engine, requests, body.priority)
@@ -68,11 +78,17 @@ def _template_input(
     them; for one that does not, tools, calls and results are written into the messages in the
     Hermes format (tool_calls.py)."""
     messages = [message.template_message() for message in body.messages]
-    uses_tools = tools is not None or any(message.role == "tool" or message.tool_calls for message in body.messages)
+    uses_tools = tools is not None or any(
+        message.role == "tool" or message.tool_calls for message in body.messages
+    )
     template = tokenizer.chat_template
     if uses_tools and (template is None or not template.renders_tools):
         messages, tools = hermes_conversation(messages, tools), None
-    return messages, {"tools": tools, "documents": body.documents, "template_kwargs": body.chat_template_kwargs}
+    return messages, {
+        "tools": tools,
+        "documents": body.documents,
+        "template_kwargs": body.chat_template_kwargs,
+    }
 
 
 class _ChatReply(Reply):
@@ -126,7 +142,9 @@ class _ChatReply(Reply):
         if self.parses_tool_calls:
             content, calls = parse_tool_calls(choice.output.text)
             tool_calls = [
-                ResponseToolCall(id=call.id, function=ResponseFunctionCall(name=call.name, arguments=call.arguments))
+                ResponseToolCall(
+                    id=call.id, function=ResponseFunctionCall(name=call.name, arguments=call.arguments)
+                )
                 for call in calls
             ]
             finish_reason = _finish_reason(finish_reason, len(calls))

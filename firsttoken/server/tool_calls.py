@@ -56,13 +56,18 @@ def tools_system_prompt(tools: Sequence[dict[str, Any]]) -> str:
     )
 
 
-def hermes_conversation(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def hermes_conversation(
+    messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
     """The conversation with tools, calls and results written as text, for a template that has
     no tool support of its own: only roles and string contents remain."""
     rewritten: list[dict[str, Any]] = []
     if tools:
         if messages and messages[0]["role"] == "system":
-            system = {"role": "system", "content": messages[0]["content"] + "\n\n" + tools_system_prompt(tools)}
+            system = {
+                "role": "system",
+                "content": messages[0]["content"] + "\n\n" + tools_system_prompt(tools),
+            }
             messages = messages[1:]
         else:
             system = {"role": "system", "content": tools_system_prompt(tools)}
@@ -98,7 +103,9 @@ def _call_block(function: dict[str, Any]) -> str:
 def forcing_constraint(tools: Sequence[dict[str, Any]], forced_name: str | None) -> StructuredOutput:
     """The grammar of tool_choice "required" (calls to any tool, one or more), or of a named
     function (exactly one call to it)."""
-    functions = [tool["function"] for tool in tools if forced_name is None or tool["function"]["name"] == forced_name]
+    functions = [
+        tool["function"] for tool in tools if forced_name is None or tool["function"]["name"] == forced_name
+    ]
     call_schema = {
         "anyOf": [_call_schema(function) for function in functions],
         "x-guidance": _JSON_STYLE,

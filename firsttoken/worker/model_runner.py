@@ -2,7 +2,8 @@
 
 The one place a scheduled batch runs: its inputs are built on the host (step_inputs.py),
 staged to the device in one copy, run through the model eagerly or, on CUDA, replayed from a
-captured graph (decode-only steps by batch size, steps with prefill rows by token count); logits are computed only for the rows that sample.
+captured graph (decode-only steps by batch size, steps with prefill rows by token count);
+logits are computed only for the rows that sample.
 Nothing synchronises the host with the device before the sampler hands back the ids.
 """
 
@@ -100,7 +101,13 @@ class ModelRunner:
                     self.device,
                 )
             self.decode_graphs = DecodeGraphs(
-                self.model, capture, batch_sizes, max_blocks_per_seq, scratch_block_id, self.block_size, self.device
+                self.model,
+                capture,
+                batch_sizes,
+                max_blocks_per_seq,
+                scratch_block_id,
+                self.block_size,
+                self.device,
             )
         seconds = time.perf_counter() - started
         return GraphCaptureReport(
@@ -122,7 +129,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         assert logits is not None  # rank 0 holds the gathered logits
         # The step's one synchronisation: the sampler hands the ids to Python.
-        sampled = self.sampler.sample(logits, [spec for chunk in sampling_chunks for spec in chunk.sample_specs()])
+        sampled = self.sampler.sample(
+            logits, [spec for chunk in sampling_chunks for spec in chunk.sample_specs()]
+        )
         return _model_output(sampling_chunks, sampled)
 
     @torch.inference_mode()
