@@ -38,7 +38,8 @@ ENGINE_FOLDERS = frozenset({"engine", "models", "ops", "worker", "reliability"})
 
 def tier_of(item: pytest.Item) -> str:
     """The one tier a test runs in: by the fixtures it uses, then by its folder; the rest is fast."""
-    folder = pathlib.Path(item.path).resolve().relative_to(TESTS_ROOT).parts[0]
+    path = pathlib.Path(item.path).resolve()
+    folder = path.relative_to(TESTS_ROOT).parts[0] if TESTS_ROOT in path.parents else ""
     if folder == "cuda":
         return "triton"
     fixtures = set(item.fixturenames)
