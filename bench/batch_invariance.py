@@ -1,6 +1,7 @@
 """What batch invariance costs: TTFT and decode speed with `batch_invariant` on and off.
 
-    python bench/batch_invariance.py [--device cpu|cuda] [--input-lens 128 512 2048] [--decode-batches 1 8] [--repeats 7]
+    python bench/batch_invariance.py [--device cpu|cuda] [--input-lens 128 512 2048] \\
+        [--decode-batches 1 8] [--repeats 7]
 
 Two engines on the same bf16 model, one with `batch_invariant=True` (the default; on the CPU
 one-row matmuls run as two rows, on CUDA every projection runs on the row-invariant Triton
@@ -28,7 +29,11 @@ DECODE_STEPS = 32
 
 def ttft_run(llm: LLM, input_len: int):
     def run(index: int) -> float:
-        return timed(lambda: llm.generate(prompt_token_ids=[random_prompt(input_len, seed=index)], sampling_params=FIRST_TOKEN))
+        return timed(
+            lambda: llm.generate(
+                prompt_token_ids=[random_prompt(input_len, seed=index)], sampling_params=FIRST_TOKEN
+            )
+        )
 
     return run
 
@@ -58,17 +63,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
-    options = dict(device=args.device, dtype="bfloat16", enable_prompt_cache=False, kv_cache_memory_bytes=512 << 20)
-    engines = {"invariant": LLM(**options, batch_invariant=True), "plain": LLM(**options, batch_invariant=False)}
+    options = dict(
+        device=args.device, dtype="bfloat16", enable_prompt_cache=False, kv_cache_memory_bytes=512 << 20
+    )
+    engines = {
+        "invariant": LLM(**options, batch_invariant=True),
+        "plain": LLM(**options, batch_invariant=False),
+    }
     print(f"batch invariance in effect: {engines['invariant'].engine.worker.batch_invariant}")
     rows, payload = [], {}
     for input_len in args.input_lens:
-        medians = interleaved_medians({name: ttft_run(llm, input_len) for name, llm in engines.items()}, args.repeats)
+        medians = interleaved_medians(
+            {name: ttft_run(llm, input_len) for name, llm in engines.items()}, args.repeats
+        )
         rows.append([f"TTFT {input_len} tokens (ms)", medians["invariant"] * 1000, medians["plain"] * 1000,
                      medians["invariant"] / medians["plain"]])
         payload[f"ttft_{input_len}_s"] = medians
     for batch in args.decode_batches:
-        medians = interleaved_medians({name: decode_run(llm, batch) for name, llm in engines.items()}, args.repeats)
+        medians = interleaved_medians(
+            {name: decode_run(llm, batch) for name, llm in engines.items()}, args.repeats
+        )
         rows.append([f"decode batch {batch} (tokens/s)", medians["invariant"], medians["plain"],
                      medians["plain"] / medians["invariant"]])
         payload[f"decode_batch_{batch}_tokens_per_s"] = medians

@@ -114,7 +114,14 @@ def load_llama_cpp(path: str, max_len: int):
         from llama_cpp import Llama
     except ImportError:
         return None
-    return Llama(path, n_ctx=max_len + 64, n_batch=max_len, n_ubatch=512, n_threads=torch.get_num_threads(), verbose=False)
+    return Llama(
+        path,
+        n_ctx=max_len + 64,
+        n_batch=max_len,
+        n_ubatch=512,
+        n_threads=torch.get_num_threads(),
+        verbose=False,
+    )
 
 
 def load_transformers(path: str, dtype: torch.dtype):
@@ -125,7 +132,9 @@ def load_transformers(path: str, dtype: torch.dtype):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=64)
@@ -152,7 +161,11 @@ def main() -> None:
     for length in args.lengths:
         runs = {"firsttoken bf16": firsttoken_ttft_run(llm, length)}
         for name, model in peers.items():
-            runs[name] = llama_cpp_ttft_run(model, length) if name == "llama.cpp" else transformers_ttft_run(model, length)
+            runs[name] = (
+                llama_cpp_ttft_run(model, length)
+                if name == "llama.cpp"
+                else transformers_ttft_run(model, length)
+            )
         for name, seconds in interleaved_medians(runs, args.repeats).items():
             ttft[name][length] = seconds
     peaks_bf16.append(matmul_gflops(torch.bfloat16))
@@ -160,7 +173,8 @@ def main() -> None:
     peak_bf16, peak_fp32 = max(peaks_bf16), max(peaks_fp32)
     print(
         f"torch matmul 2048^3 (best of before/after): bf16 {peak_bf16:.0f} GFLOP/s "
-        f"({peaks_bf16[0]:.0f}/{peaks_bf16[1]:.0f}), fp32 {peak_fp32:.0f} GFLOP/s, threads {torch.get_num_threads()}"
+        f"({peaks_bf16[0]:.0f}/{peaks_bf16[1]:.0f}), fp32 {peak_fp32:.0f} GFLOP/s, threads "
+        f"{torch.get_num_threads()}"
     )
 
     ours = ttft["firsttoken bf16"]
@@ -171,7 +185,9 @@ def main() -> None:
     print_table(["prompt tokens", "TTFT ms", "achieved GFLOP/s", "fraction of bf16 matmul"], rows)
     if peers:
         print_table(
-            ["prompt tokens", "firsttoken ms"] + [f"{name} ms" for name in peers] + [f"ratio vs {name}" for name in peers],
+            ["prompt tokens", "firsttoken ms"]
+            + [f"{name} ms" for name in peers]
+            + [f"ratio vs {name}" for name in peers],
             [
                 [length, ours[length] * 1000]
                 + [ttft[name][length] * 1000 for name in peers]

@@ -386,7 +386,12 @@ def compare_graphs(graphed: LLM, eager: LLM, shape: Shape, plan: Plan, seed: int
             eager_times.append(timed_generate(eager, [prompt], 1))
         graph_ttft, eager_ttft = statistics.median(graph_times[1:]), statistics.median(eager_times[1:])
         rows.append(
-            {"prompt_tokens": length, "graphs_s": graph_ttft, "eager_s": eager_ttft, "speedup": eager_ttft / graph_ttft}
+            {
+                "prompt_tokens": length,
+                "graphs_s": graph_ttft,
+                "eager_s": eager_ttft,
+                "speedup": eager_ttft / graph_ttft,
+            }
         )
     return rows
 
@@ -416,7 +421,8 @@ def _output_bits(output) -> tuple:
     """A completion's tokens and every top log-prob, as exact floats: the logits' bits as far as
     the output shows them."""
     return tuple(output.token_ids), tuple(
-        (entry.logprob, tuple((alt.token_id, alt.logprob) for alt in entry.top_logprobs)) for entry in output.logprobs
+        (entry.logprob, tuple((alt.token_id, alt.logprob) for alt in entry.top_logprobs))
+        for entry in output.logprobs
     )
 
 
@@ -424,8 +430,12 @@ def same_bits_beside_others(llm: LLM, shape: Shape, plan: Plan, seed: int) -> bo
     """Whether a prompt's greedy tokens and top-20 log-probs are the same bits alone as beside
     INVARIANCE_OTHERS random prompts of 1 to 600 tokens, which share its prefill step, then its
     decode steps (the second run also reads the prompt's cached prefix blocks)."""
-    params = SamplingParams(temperature=0, max_tokens=plan.invariance_new_tokens, ignore_eos=True, logprobs=20)
-    target = random_prompt(min(INVARIANCE_PROMPT_TOKENS, max(plan.ttft_lengths)), f"invariance-{seed}", shape.vocab_size)
+    params = SamplingParams(
+        temperature=0, max_tokens=plan.invariance_new_tokens, ignore_eos=True, logprobs=20
+    )
+    target = random_prompt(
+        min(INVARIANCE_PROMPT_TOKENS, max(plan.ttft_lengths)), f"invariance-{seed}", shape.vocab_size
+    )
     rng = random.Random(seed)
     others = [
         random_prompt(rng.randrange(1, 2 * len(target)), f"invariance-{seed}-other-{i}", shape.vocab_size)
@@ -467,7 +477,14 @@ def measure_invariance_ttft(
                 synchronize(device)
                 timings[name].append(timed_generate(llm, [prompt], 1))
         invariant_s, plain_s = (statistics.median(timings[name][1:]) for name in ("invariant", "plain"))
-        rows.append({"prompt_tokens": length, "invariant_s": invariant_s, "plain_s": plain_s, "ratio": invariant_s / plain_s})
+        rows.append(
+            {
+                "prompt_tokens": length,
+                "invariant_s": invariant_s,
+                "plain_s": plain_s,
+                "ratio": invariant_s / plain_s,
+            }
+        )
     return rows
 
 
@@ -485,28 +502,42 @@ def median_call_seconds(call: Callable[[], Any], device: torch.device, repeats: 
     return statistics.median(timings)
 
 
-def measure_fused_ops(shape: Shape, dtype: torch.dtype, device: torch.device, lengths: tuple[int, ...]) -> list[dict]:
+def measure_fused_ops(
+    shape: Shape, dtype: torch.dtype, device: torch.device, lengths: tuple[int, ...]
+) -> list[dict]:
     """Each Triton elementwise op against its eager reference at `lengths` tokens of `shape`."""
     from firsttoken.ops import triton_ops
     from firsttoken.ops.activation import silu_and_mul_reference
     from firsttoken.ops.norm import add_rms_norm_reference
-    from firsttoken.ops.rotary import apply_rotary_reference, cos_sin_table, inverse_frequencies, rotary_cos_sin
+    from firsttoken.ops.rotary import (
+        apply_rotary_reference,
+        cos_sin_table,
+        inverse_frequencies,
+        rotary_cos_sin,
+    )
 
-    table = cos_sin_table(inverse_frequencies(shape.head_dim, shape.rope_theta, None, None), max(lengths)).to(device)
+    table = cos_sin_table(inverse_frequencies(shape.head_dim, shape.rope_theta, None, None), max(lengths)).to(
+        device
+    )
     weight = torch.ones(shape.hidden_size, dtype=dtype, device=device)
     rows = []
     for length in lengths:
         hidden = torch.randn(length, shape.hidden_size, dtype=dtype, device=device)
         residual = torch.randn_like(hidden)
         gate_up = torch.randn(length, 2 * shape.intermediate_size, dtype=dtype, device=device)
-        query_key = torch.randn(length, shape.num_heads + shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
+        query_key = torch.randn(
+            length, shape.num_heads + shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device
+        )
         cos, sin = rotary_cos_sin(table, torch.arange(length, device=device), dtype)
         pairs = {
             "add + rms_norm": (
                 lambda: triton_ops.add_rms_norm(hidden, residual, weight, 1e-5),
                 lambda: add_rms_norm_reference(hidden, residual, weight, 1e-5),
             ),
-            "silu_and_mul": (lambda: triton_ops.silu_and_mul(gate_up), lambda: silu_and_mul_reference(gate_up)),
+            "silu_and_mul": (
+                lambda: triton_ops.silu_and_mul(gate_up),
+                lambda: silu_and_mul_reference(gate_up),
+            ),
             "rotary": (
                 lambda: triton_ops.apply_rotary_(query_key, cos, sin),
                 lambda: apply_rotary_reference(query_key, cos, sin),
@@ -560,7 +591,12 @@ def save_folder(hf_model: Any, shape: Shape, folder: str) -> str:
 
 
 def open_engine(
-    folder: str, shape: Shape, plan: Plan, device: torch.device, cuda_graphs: bool, batch_invariant: bool = True
+    folder: str,
+    shape: Shape,
+    plan: Plan,
+    device: torch.device,
+    cuda_graphs: bool,
+    batch_invariant: bool = True,
 ) -> LLM:
     longest = max(max(plan.ttft_lengths), max(plan.parity_lengths) + plan.parity_new_tokens)
     kv_tokens = 3 * longest + max(plan.decode_batches) * (plan.decode_prompt_tokens + plan.decode_new_tokens)
@@ -599,7 +635,10 @@ def run(
     if device.type == "cuda":
         fused = measure_fused_ops(plan.shapes[-1], plan.dtype, device, (16, 512, 4096))
         results["fused_ops"] = fused
-        say(f"elementwise ops of the {plan.shapes[-1].name} shape: Triton kernel vs eager reference (median of 50)")
+        say(
+            f"elementwise ops of the {plan.shapes[-1].name} shape: Triton kernel vs eager reference (median "
+            "of 50)"
+        )
         print_table(
             ["op", "tokens", "triton us", "reference us", "speed-up"],
             [[r["op"], r["tokens"], r["triton_us"], r["reference_us"], r["speedup"]] for r in fused],
@@ -658,7 +697,16 @@ def run(
         results["ttft"] += [{"shape": shape.name} | row for row in ttft]
         say(f"TTFT (median of 3 after a warm-up), timed in turns with transformers' {dtype_name} forward")
         print_table(
-            ["prompt tokens", "ttft ms", "floor ms", "x floor", "transformers ms", "speed-up", "target", "meets"],
+            [
+                "prompt tokens",
+                "ttft ms",
+                "floor ms",
+                "x floor",
+                "transformers ms",
+                "speed-up",
+                "target",
+                "meets",
+            ],
             [
                 [
                     r["prompt_tokens"],
@@ -689,7 +737,10 @@ def run(
         say("TTFT with batch_invariant on and off, timed in turns (median of 3 after a warm-up)")
         print_table(
             ["prompt tokens", "invariant ms", "plain ms", "invariant / plain"],
-            [[r["prompt_tokens"], r["invariant_s"] * 1e3, r["plain_s"] * 1e3, r["ratio"]] for r in invariance_ttft],
+            [
+                [r["prompt_tokens"], r["invariant_s"] * 1e3, r["plain_s"] * 1e3, r["ratio"]]
+                for r in invariance_ttft
+            ],
         )
         decode_rows = [
             {"shape": shape.name, "cuda_graphs": graphs, "batch_invariant": True} | row
@@ -712,7 +763,10 @@ def run(
             say("TTFT (median of 3 after a warm-up): steps replayed from graphs vs run eagerly, in turns")
             print_table(
                 ["prompt tokens", "graphs ms", "eager ms", "speed-up"],
-                [[r["prompt_tokens"], r["graphs_s"] * 1e3, r["eager_s"] * 1e3, r["speedup"]] for r in graph_rows],
+                [
+                    [r["prompt_tokens"], r["graphs_s"] * 1e3, r["eager_s"] * 1e3, r["speedup"]]
+                    for r in graph_rows
+                ],
             )
             del eager
         del llm
@@ -771,7 +825,9 @@ def main(argv: list[str] | None = None) -> int:
     claimed = [r for r in results["batch_invariance"] if r["claimed"]]
     moved = [r["shape"] for r in claimed if not r["same_bits_beside_others"]]
     unclaimed = [r["shape"] for r in results["batch_invariance"] if r["must_claim"] and not r["claimed"]]
-    invariance = "held" if claimed and not moved else "not claimed" if not claimed else "BROKEN on " + ", ".join(moved)
+    invariance = (
+        "held" if claimed and not moved else "not claimed" if not claimed else "BROKEN on " + ", ".join(moved)
+    )
     if unclaimed:
         invariance += "; NOT CLAIMED on " + ", ".join(unclaimed)
     say(

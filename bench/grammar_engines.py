@@ -52,7 +52,11 @@ ORDER = {
             "type": "array",
             "items": {
                 "type": "object",
-                "properties": {"sku": {"type": "string"}, "quantity": {"type": "integer"}, "price": {"type": "number"}},
+                "properties": {
+                    "sku": {"type": "string"},
+                    "quantity": {"type": "integer"},
+                    "price": {"type": "number"},
+                },
                 "required": ["sku", "quantity", "price"],
             },
         },
@@ -140,7 +144,9 @@ def seconds(function) -> float:
     return time.perf_counter() - started
 
 
-def per_token_seconds(engine, compiled: object, token_ids: list[int], stop_token_id: int) -> tuple[float, float]:
+def per_token_seconds(
+    engine, compiled: object, token_ids: list[int], stop_token_id: int
+) -> tuple[float, float]:
     """(first mask, median of the later masks) over a valid output followed by the stop token."""
     matcher = engine.matcher(compiled)
     first = seconds(lambda: engine.fill(matcher))
@@ -152,20 +158,28 @@ def per_token_seconds(engine, compiled: object, token_ids: list[int], stop_token
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
     tokenizer = open_checkpoint(default_model_path()).tokenizer
     added = set(tokenizer.backend.get_added_tokens_decoder())
-    vocabulary = [b"" if token_id in added else tokenizer.token_bytes(token_id) for token_id in range(tokenizer.vocab_size)]
+    vocabulary = [
+        b"" if token_id in added else tokenizer.token_bytes(token_id)
+        for token_id in range(tokenizer.vocab_size)
+    ]
     stop_token_ids = sorted(tokenizer.eos_token_ids)
     setup = {
         "xgrammar": seconds(lambda: XGrammarEngine(vocabulary, stop_token_ids)),
         "llguidance": seconds(lambda: LLGuidanceEngine(tokenizer)),
     }
     engines = [XGrammarEngine(vocabulary, stop_token_ids), LLGuidanceEngine(tokenizer)]
-    print(f"tokenizer set-up: xgrammar {setup['xgrammar'] * 1e3:.1f} ms, llguidance {setup['llguidance'] * 1e3:.1f} ms")
+    print(
+        f"tokenizer set-up: xgrammar {setup['xgrammar'] * 1e3:.1f} ms, llguidance "
+        f"{setup['llguidance'] * 1e3:.1f} ms"
+    )
     rows = []
     for label, (kind, spec, valid_output) in GRAMMARS.items():
         token_ids = tokenizer.encode(valid_output, add_special_tokens=False)
@@ -175,7 +189,9 @@ def main() -> None:
         for _ in range(args.repeats):
             for engine in engines:
                 samples[engine.name]["compile"].append(seconds(lambda: engine.compile(kind, spec)))
-                first, per_token = per_token_seconds(engine, engine.compile(kind, spec), token_ids, stop_token_ids[0])
+                first, per_token = per_token_seconds(
+                    engine, engine.compile(kind, spec), token_ids, stop_token_ids[0]
+                )
                 samples[engine.name]["first"].append(first)
                 samples[engine.name]["token"].append(per_token)
         medians = {
@@ -183,7 +199,11 @@ def main() -> None:
             for name, by_key in samples.items()
         }
         xgr, llg = medians["xgrammar"], medians["llguidance"]
-        for key, title in (("compile", "compile ms"), ("first", "first mask ms"), ("token", "per-token mask ms")):
+        for key, title in (
+            ("compile", "compile ms"),
+            ("first", "first mask ms"),
+            ("token", "per-token mask ms"),
+        ):
             rows.append([label, title, xgr[key], llg[key], xgr[key] / llg[key]])
     print_table(["grammar", "measure", "xgrammar", "llguidance", "xgr / llg"], rows)
 

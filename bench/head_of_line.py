@@ -102,14 +102,18 @@ def run_scenario(options: dict, args: argparse.Namespace) -> ScenarioResult:
                     result.short_ttft_s.append(ttft)
                 outstanding.discard(delta.request_id)
     result.elapsed_s = time.perf_counter() - start
-    result.tokens_computed = engine.stats().num_prefill_tokens + engine.stats().num_decode_tokens - computed_before
+    result.tokens_computed = (
+        engine.stats().num_prefill_tokens + engine.stats().num_decode_tokens - computed_before
+    )
     for stream_id in stream_ids:
         engine.abort_request(stream_id)
     return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--long-len", type=int, default=4096)
     parser.add_argument("--short-len", type=int, default=64)
     parser.add_argument("--streams", type=int, default=8)
@@ -132,19 +136,33 @@ def main() -> None:
             result.tokens_computed / result.elapsed_s,
         ])
     print(
-        f"head of line: {args.streams} streams, one {args.long_len}-token prompt at t=0, a {args.short_len}-token "
-        f"prompt every 100 ms for {args.duration:.0f} s (dtype {args.dtype})"
+        f"head of line: {args.streams} streams, one {args.long_len}-token prompt at t=0, "
+        f"a {args.short_len}-token prompt every 100 ms for {args.duration:.0f} s (dtype {args.dtype})"
     )
     print_table(
-        ["config", "short P50 ms", "short P99 ms", "stream max ITL ms", "stream P99 ITL ms", "unloaded ITL ms",
-         "long TTFT ms", "tokens/s"],
+        [
+            "config",
+            "short P50 ms",
+            "short P99 ms",
+            "stream max ITL ms",
+            "stream P99 ITL ms",
+            "unloaded ITL ms",
+            "long TTFT ms",
+            "tokens/s",
+        ],
         rows,
     )
     if "auto" in results and "chunking off" in results:
         auto, off = results["auto"], results["chunking off"]
         print("auto vs chunking off:")
-        print(f"  short P99 TTFT ratio {percentile(auto.short_ttft_s, 99) / percentile(off.short_ttft_s, 99):.3f} (target <= 0.333)")
-        print(f"  stream P99 ITL / unloaded ITL {percentile(auto.stream_itl_s, 99) / statistics.median(auto.unloaded_itl_s):.2f} (target <= 2)")
+        print(
+            f"  short P99 TTFT ratio "
+            f"{percentile(auto.short_ttft_s, 99) / percentile(off.short_ttft_s, 99):.3f} (target <= 0.333)"
+        )
+        print(
+            f"  stream P99 ITL / unloaded ITL "
+            f"{percentile(auto.stream_itl_s, 99) / statistics.median(auto.unloaded_itl_s):.2f} (target <= 2)"
+        )
         print(f"  long TTFT ratio {auto.long_ttft_s / off.long_ttft_s:.3f} (target <= 1.3)")
     path = save_result("head_of_line", {name: vars(result) for name, result in results.items()})
     print("saved", path)

@@ -75,7 +75,9 @@ def kernel_rows(native: NativeKernels) -> list[list[object]]:
         }
         for op, (native_call, compiled_call, eager_call) in ops.items():
             us = call_medians({"native": native_call, "compiled": compiled_call, "eager": eager_call})
-            rows.append([op, num_rows, us["native"], us["compiled"], us["eager"], us["native"] / us["compiled"]])
+            rows.append(
+                [op, num_rows, us["native"], us["compiled"], us["eager"], us["native"] / us["compiled"]]
+            )
     return rows
 
 
@@ -98,12 +100,22 @@ def attention_rows(native: NativeKernels) -> list[list[object]]:
 
 
 def print_kernel_tables(native: NativeKernels) -> None:
-    print_table(["op (bf16)", "rows", "native us", "compiled us", "eager us", "native / compiled"], kernel_rows(native))
+    print_table(
+        ["op (bf16)", "rows", "native us", "compiled us", "eager us", "native / compiled"],
+        kernel_rows(native),
+    )
     if native.has_prefill_attention:
         form = "AMX" if native.has_amx else "AVX512-BF16"
         print()
         print_table(
-            ["causal prefill tokens", f"native ({form}) us", "SDPA us", "native GFLOP/s", "SDPA GFLOP/s", "ratio"],
+            [
+                "causal prefill tokens",
+                f"native ({form}) us",
+                "SDPA us",
+                "native GFLOP/s",
+                "SDPA GFLOP/s",
+                "ratio",
+            ],
             attention_rows(native),
         )
     print()
@@ -129,7 +141,9 @@ def decode_run(llm: LLM, num_tokens: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 128, 512, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=64)
@@ -140,27 +154,38 @@ def main() -> None:
     print_kernel_tables(native)
     path = default_model_path()
     max_len = max(max(args.lengths), DECODE_PROMPT_LEN + args.decode_tokens + 1)
-    options = dict(dtype="bfloat16", enable_prompt_cache=False, chunk_size=max_len, max_num_batched_tokens=max_len)
+    options = dict(
+        dtype="bfloat16", enable_prompt_cache=False, chunk_size=max_len, max_num_batched_tokens=max_len
+    )
     engines = {name: LLM(path, native_kernels=on, **options) for name, on in SETTINGS.items()}
-    int4_engines = {name: LLM(path, native_kernels=on, quantization="int4", **options) for name, on in SETTINGS.items()}
+    int4_engines = {
+        name: LLM(path, native_kernels=on, quantization="int4", **options) for name, on in SETTINGS.items()
+    }
     on, off = SETTINGS
 
     rows, ttft_results = [], {}
     for length in args.lengths:
-        ttft = interleaved_medians({name: ttft_run(llm, length) for name, llm in engines.items()}, args.repeats)
+        ttft = interleaved_medians(
+            {name: ttft_run(llm, length) for name, llm in engines.items()}, args.repeats
+        )
         ttft_results[length] = ttft
         rows.append([length, ttft[on] * 1000, ttft[off] * 1000, ttft[on] / ttft[off]])
     print_table(["prompt tokens", f"TTFT ms, {on}", f"TTFT ms, {off}", "ratio"], rows)
 
     rows, decode_results = [], {}
     for weights, group in (("bf16", engines), ("int4", int4_engines)):
-        per_token = interleaved_medians({name: decode_run(llm, args.decode_tokens) for name, llm in group.items()},
-                                        args.repeats)
+        per_token = interleaved_medians(
+            {name: decode_run(llm, args.decode_tokens) for name, llm in group.items()}, args.repeats
+        )
         decode_results[weights] = per_token
         rows.append([weights, 1 / per_token[on], 1 / per_token[off], per_token[off] / per_token[on]])
     print()
-    print_table([f"decode after {DECODE_PROMPT_LEN} tokens", f"tokens/s, {on}", f"tokens/s, {off}", "speed-up"], rows)
-    print("saved", save_result("native_kernels", {"ttft_s": ttft_results, "decode_s_per_token": decode_results}))
+    print_table(
+        [f"decode after {DECODE_PROMPT_LEN} tokens", f"tokens/s, {on}", f"tokens/s, {off}", "speed-up"], rows
+    )
+    print(
+        "saved", save_result("native_kernels", {"ttft_s": ttft_results, "decode_s_per_token": decode_results})
+    )
 
 
 if __name__ == "__main__":

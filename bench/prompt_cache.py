@@ -27,13 +27,17 @@ def first_token_seconds(llm: LLM, prompt: list[int]) -> float:
     return timed(lambda: llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY_ONE))
 
 
-def cold_and_warm_medians(llm: LLM, shared_prefix: list[int], suffix_len: int, repeats: int) -> dict[str, float]:
+def cold_and_warm_medians(
+    llm: LLM, shared_prefix: list[int], suffix_len: int, repeats: int
+) -> dict[str, float]:
     """TTFT of fresh prompts as long as prefix + suffix, and of the cached prefix plus a fresh suffix."""
 
     def cold(run: int) -> float:
         return first_token_seconds(llm, random_prompt(len(shared_prefix) + suffix_len, seed=10_000 + run))
 
-    llm.generate(prompt_token_ids=[shared_prefix + random_prompt(suffix_len, seed=2)], sampling_params=GREEDY_ONE)
+    llm.generate(
+        prompt_token_ids=[shared_prefix + random_prompt(suffix_len, seed=2)], sampling_params=GREEDY_ONE
+    )
 
     def warm(run: int) -> float:
         return first_token_seconds(llm, shared_prefix + random_prompt(suffix_len, seed=20_000 + run))
@@ -42,13 +46,17 @@ def cold_and_warm_medians(llm: LLM, shared_prefix: list[int], suffix_len: int, r
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--prefix-len", type=int, default=512)
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    options = dict(dtype=args.dtype, kv_cache_memory_bytes=512 << 20, chunk_size=4096, max_num_batched_tokens=4096)
+    options = dict(
+        dtype=args.dtype, kv_cache_memory_bytes=512 << 20, chunk_size=4096, max_num_batched_tokens=4096
+    )
     prefix_len, suffix_len = args.prefix_len, args.suffix_len
     shared_prefix = random_prompt(prefix_len, seed=1)
     # The engine of these runs is freed on return, before the restart runs load theirs.
@@ -73,14 +81,25 @@ def main() -> None:
             )
         )
 
-    print(f"prompt cache, {args.dtype}, {prefix_len}-token prefix + {suffix_len} new tokens, median of {args.repeats}, measured in turns")
+    print(
+        f"prompt cache, {args.dtype}, {prefix_len}-token prefix + {suffix_len} new tokens, median of "
+        f"{args.repeats}, measured in turns"
+    )
     print_table(
         ["case", "TTFT ms", "baseline ms", "ratio"],
         [
-            ["warm prefix vs cold prompt", medians["warm"] * 1000, medians["cold"] * 1000,
-             medians["warm"] / medians["cold"]],
-            ["first request after restart: persisted pin vs none", medians["restart with persisted pin"] * 1000,
-             medians["restart without"] * 1000, medians["restart with persisted pin"] / medians["restart without"]],
+            [
+                "warm prefix vs cold prompt",
+                medians["warm"] * 1000,
+                medians["cold"] * 1000,
+                medians["warm"] / medians["cold"],
+            ],
+            [
+                "first request after restart: persisted pin vs none",
+                medians["restart with persisted pin"] * 1000,
+                medians["restart without"] * 1000,
+                medians["restart with persisted pin"] / medians["restart without"],
+            ],
         ],
     )
     path = save_result(

@@ -24,17 +24,26 @@ BASELINE = "bf16, no quantization"
 
 def ttft_run(llm: LLM, length: int):
     return lambda index: timed(
-        lambda: llm.generate(prompt_token_ids=[random_prompt(length, seed=5_000 + index)], sampling_params=GREEDY_ONE)
+        lambda: llm.generate(
+            prompt_token_ids=[random_prompt(length, seed=5_000 + index)], sampling_params=GREEDY_ONE
+        )
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     path = default_model_path()
-    options = dict(dtype="bfloat16", enable_prompt_cache=False, chunk_size=args.length, max_num_batched_tokens=args.length)
+    options = dict(
+        dtype="bfloat16",
+        enable_prompt_cache=False,
+        chunk_size=args.length,
+        max_num_batched_tokens=args.length,
+    )
     engines = {BASELINE: LLM(path, **options)}
     for quantization in ("int4", "int8"):
         for quantized_prefill in (False, True):
@@ -42,7 +51,9 @@ def main() -> None:
             engines[f"{quantization}, prefill on {weights} weights"] = LLM(
                 path, quantization=quantization, quantized_prefill=quantized_prefill, **options
             )
-    ttft = interleaved_medians({name: ttft_run(llm, args.length) for name, llm in engines.items()}, args.repeats)
+    ttft = interleaved_medians(
+        {name: ttft_run(llm, args.length) for name, llm in engines.items()}, args.repeats
+    )
     print_table(
         [f"engine ({args.length}-token prompt)", "TTFT ms", f"ratio vs {BASELINE}"],
         [[name, seconds * 1000, seconds / ttft[BASELINE]] for name, seconds in ttft.items()],

@@ -40,15 +40,25 @@ CODE = '''def merge(left, right):
 WORKLOADS = {
     "edit code": [
         [{"role": "user", "content": f"Add a comment above each line of this function:\n\n{CODE}"}],
-        [{"role": "user", "content": f"Rename `result` to `merged` in this function and print it whole:\n\n{CODE}"}],
+        [
+            {
+                "role": "user",
+                "content": f"Rename `result` to `merged` in this function and print it whole:\n\n{CODE}",
+            }
+        ],
     ],
     "free chat": [
         [{"role": "user", "content": "Tell me about the history of tea, in a few sentences."}],
         [{"role": "user", "content": "Why do cats purr? Answer briefly."}],
     ],
     "restate list": [
-        [{"role": "user", "content": "Repeat exactly: red, orange, yellow, green, blue, indigo, violet, "
-                                     "white, black, grey, brown, pink, purple, gold, silver."}],
+        [
+            {
+                "role": "user",
+                "content": "Repeat exactly: red, orange, yellow, green, blue, indigo, violet, "
+                "white, black, grey, brown, pink, purple, gold, silver.",
+            }
+        ],
     ],
 }
 
@@ -95,8 +105,10 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rows, payload = [], {}
     for batch in args.batches:
-        cases = {name: {engine: chat_run(llm, conversations, params, batch) for engine, llm in engines.items()}
-                 for name, conversations in WORKLOADS.items()}
+        cases = {
+            name: {engine: chat_run(llm, conversations, params, batch) for engine, llm in engines.items()}
+            for name, conversations in WORKLOADS.items()
+        }
         cases["random tokens"] = {engine: random_run(llm, params, batch) for engine, llm in engines.items()}
         for name, runs in cases.items():
             before = {engine: engines[engine].stats() for engine in ("ngram", "draft")}
@@ -111,10 +123,13 @@ def main() -> None:
                  "draft accepted"], rows)
     first_token = SamplingParams(temperature=0, max_tokens=1)
     ttft = interleaved_medians(
-        {name: chat_run(llm, WORKLOADS["edit code"], first_token, 1) for name, llm in engines.items()}, args.repeats
+        {name: chat_run(llm, WORKLOADS["edit code"], first_token, 1) for name, llm in engines.items()},
+        args.repeats,
     )
-    print(f"TTFT (edit code, alone): ngram {ttft['ngram'] * 1000:.1f} ms, plain {ttft['plain'] * 1000:.1f} ms, "
-          f"ratio {ttft['ngram'] / ttft['plain']:.3f}")
+    print(
+        f"TTFT (edit code, alone): ngram {ttft['ngram'] * 1000:.1f} ms, plain {ttft['plain'] * 1000:.1f} ms, "
+        f"ratio {ttft['ngram'] / ttft['plain']:.3f}"
+    )
     payload["ttft_s"] = ttft
     print(f"saved {save_result('speculative', payload)}")
 

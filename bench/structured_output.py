@@ -94,7 +94,9 @@ def measure_sampler(engine: AsyncEngine, num_rows: int, repeats: int) -> dict[st
             TrackedRequest(f"r{row}", p, [1], (2,), (), compiler.compile(structured))
             for row, p in enumerate(params) if p.structured_output is not None
         ]
-        sampler.begin_step(SchedulerOutput([ScheduledChunk(f"r{row}", [1], 0, [], None) for row in range(num_rows)], tracked))
+        sampler.begin_step(
+            SchedulerOutput([ScheduledChunk(f"r{row}", [1], 0, [], None) for row in range(num_rows)], tracked)
+        )
         return sampler, [SampleSpec(p, 0, f"r{row}") for row, p in enumerate(params)]
 
     setups = {
@@ -118,7 +120,9 @@ def _timed(function) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--dtype", default="auto")

@@ -6,7 +6,8 @@ the time rank 0 spends in all-reduces per step.
 Two engines on the embedded model (default dtype), one process each rank: TP=1 on all the
 physical cores, TP=2 on half of them per rank (so both use the same cores), timed in turns in
 one run, each with its default threads: TP=1's thread governor drops a thread while another
-process holds a core; with ranks it is off (`--fixed-threads` turns it off for TP=1 too). TTFT: one fresh prompt alone. Decode: tokens per second of a batch of streams with
+process holds a core; with ranks it is off (`--fixed-threads` turns it off for TP=1 too).
+TTFT: one fresh prompt alone. Decode: tokens per second of a batch of streams with
 256-token prompts, 32 steps each. All-reduce: seconds rank 0 spends inside all_reduce calls per
 step (the transfer, and the wait for the slower rank), and their share of the step.
 Prints medians and ratios; the JSON goes to bench_results/.
@@ -94,8 +95,13 @@ def main() -> None:
                    adaptive_threads=not args.fixed_threads)
     engines = {"tp1": LLM(**options), "tp2": LLM(**options, tensor_parallel_size=2)}
     clocks = {name: AllReduceClock(llm) for name, llm in engines.items()}
-    print(f"tp1: {engines['tp1'].engine.worker.describe()}, {engines['tp1'].engine.worker.num_threads} threads")
-    print(f"tp2: {engines['tp2'].engine.worker.describe()}, {engines['tp2'].engine.worker.num_threads} threads per rank")
+    print(
+        f"tp1: {engines['tp1'].engine.worker.describe()}, {engines['tp1'].engine.worker.num_threads} threads"
+    )
+    print(
+        f"tp2: {engines['tp2'].engine.worker.describe()}, {engines['tp2'].engine.worker.num_threads} threads "
+        "per rank"
+    )
     rows, reduce_rows, payload = [], [], {}
     for input_len in args.input_lens:
         runs = {name: ttft_run(llm, clocks[name], input_len) for name, llm in engines.items()}
@@ -114,7 +120,9 @@ def main() -> None:
     print_table(["measure", "TP=1", "TP=2", "TP=2 time / TP=1 time"], rows)
     print()
     print_table(["TP=2 step", "all-reduce ms / step", "all-reduces / step", "share of the step"], reduce_rows)
-    payload["all_reduce"] = [dict(zip(["step", "ms_per_step", "calls_per_step", "share"], row)) for row in reduce_rows]
+    payload["all_reduce"] = [
+        dict(zip(["step", "ms_per_step", "calls_per_step", "share"], row)) for row in reduce_rows
+    ]
     print(f"saved {save_result('tensor_parallel', payload)}")
     engines["tp2"].shutdown()
 

@@ -23,7 +23,9 @@ from firsttoken.models.registry import default_model_path  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -56,12 +58,21 @@ def main() -> None:
         ratio = medians["firsttoken"] / medians["transformers"]
         rows.append([length, medians["firsttoken"] * 1000, medians["transformers"] * 1000, ratio])
         results.append(
-            {"prompt_tokens": length, "firsttoken_s": medians["firsttoken"], "transformers_s": medians["transformers"],
-             "ratio": ratio}
+            {
+                "prompt_tokens": length,
+                "firsttoken_s": medians["firsttoken"],
+                "transformers_s": medians["transformers"],
+                "ratio": ratio,
+            }
         )
-    print(f"TTFT, {args.dtype}, median of {args.repeats} after a warm-up, measured in turns, threads={torch.get_num_threads()}")
+    print(
+        f"TTFT, {args.dtype}, median of {args.repeats} after a warm-up, measured in turns, "
+        f"threads={torch.get_num_threads()}"
+    )
     print_table(["prompt tokens", "firsttoken ms", "transformers ms", "ratio"], rows)
-    print("saved", save_result(f"ttft_vs_transformers_{args.dtype}", {"dtype": args.dtype, "results": results}))
+    print(
+        "saved", save_result(f"ttft_vs_transformers_{args.dtype}", {"dtype": args.dtype, "results": results})
+    )
 
 
 if __name__ == "__main__":

@@ -22,11 +22,18 @@ from firsttoken.server.cli import register_serve_verb
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    group.add_argument(
+        "--max-tokens", type=int, default=128, help="tokens to generate at most (default: 128)"
+    )
     group.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: 0.8)")
     group.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1] (default: 0.95)")
     group.add_argument("--top-k", type=int, default=40, help="-1 disables (default: 40)")
-    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top one's probability")
+    group.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens below this fraction of the top one's probability",
+    )
     group.add_argument("--seed", type=int, default=None, help="seed of this request's sampling")
     group.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
     group.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
@@ -34,16 +41,26 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         "--repetition-penalty", type=float, default=1.0, help="> 0, over prompt and output tokens (1 is off)"
     )
     group.add_argument(
-        "--logit-bias", type=_logit_bias, default=None, metavar="JSON", help='{"token id": bias in [-100, 100]}'
+        "--logit-bias",
+        type=_logit_bias,
+        default=None,
+        metavar="JSON",
+        help='{"token id": bias in [-100, 100]}',
     )
-    group.add_argument("--min-tokens", type=int, default=0, help="tokens before end-of-sequence may end the reply")
+    group.add_argument(
+        "--min-tokens", type=int, default=0, help="tokens before end-of-sequence may end the reply"
+    )
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument(
         "--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[],
         help="token id that ends the reply (repeatable)",
     )
     group.add_argument(
-        "--bad-word", dest="bad_words", action="append", default=[], help="a word never generated (repeatable)"
+        "--bad-word",
+        dest="bad_words",
+        action="append",
+        default=[],
+        help="a word never generated (repeatable)",
     )
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
@@ -89,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = verbs.add_parser("generate", help="generate from one prompt, streaming to stdout")
     generate.add_argument("prompt", help="the prompt text")
-    generate.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    generate.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
+    )
     add_model_arg(generate)
     add_pin_system_prompt_arg(generate)
     add_sampling_args(generate)
@@ -125,12 +144,15 @@ def _print_request_stats(delta_metrics, stream=sys.stderr) -> None:
         parts.append(f"TTFT {metrics.ttft_s * 1000:.1f} ms")
     if metrics.prefill_tokens_per_s is not None:
         parts.append(
-            f"prefill {metrics.num_prompt_tokens - metrics.num_cached_tokens} tokens at {metrics.prefill_tokens_per_s:.1f} tokens/s"
+            f"prefill {metrics.num_prompt_tokens - metrics.num_cached_tokens} tokens at "
+            f"{metrics.prefill_tokens_per_s:.1f} tokens/s"
         )
     if metrics.num_cached_tokens:
         parts.append(f"{metrics.num_cached_tokens} prompt tokens from the prefix cache")
     if metrics.decode_tokens_per_s is not None:
-        parts.append(f"decode {metrics.num_generation_tokens} tokens at {metrics.decode_tokens_per_s:.1f} tokens/s")
+        parts.append(
+            f"decode {metrics.num_generation_tokens} tokens at {metrics.decode_tokens_per_s:.1f} tokens/s"
+        )
     print("[" + ", ".join(parts) + "]", file=stream, flush=True)
 
 
@@ -181,7 +203,9 @@ def run_chat(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.handler(args)
     except ValueError as error:

@@ -94,15 +94,19 @@ class ModelConfig:
     )
     cuda_graphs: bool = field(
         default=True,
-        metadata=_help("cuda: replay steps from CUDA graphs captured at start: decode-only steps for batch sizes "
-                       "1, 2, 4, 8, 16, then every 16 up to max_num_seqs; steps with prefill rows by token count "
-                       "(see cuda_graph_max_tokens)"),
+        metadata=_help(
+            "cuda: replay steps from CUDA graphs captured at start: decode-only steps for batch sizes "
+            "1, 2, 4, 8, 16, then every 16 up to max_num_seqs; steps with prefill rows by token count "
+            "(see cuda_graph_max_tokens)"
+        ),
     )
     cuda_graph_max_tokens: int = field(
         default=2048,
-        metadata=_help("cuda: the longest step with prefill rows replayed from a graph (token counts 16, 32, 48, "
-                       "64, 96, 128, then every 64 to 512, 128 to 1024, 256 beyond; capped by "
-                       "max_num_batched_tokens); longer steps and 0 run eagerly, fresh prompts on SDPA flash"),
+        metadata=_help(
+            "cuda: the longest step with prefill rows replayed from a graph (token counts 16, 32, 48, "
+            "64, 96, 128, then every 64 to 512, 128 to 1024, 256 beyond; capped by "
+            "max_num_batched_tokens); longer steps and 0 run eagerly, fresh prompts on SDPA flash"
+        ),
     )
     quantization: str | None = field(
         default=None,
@@ -279,7 +283,9 @@ class PromptCacheConfig:
     )
     max_pinned_fraction: float = field(
         default=0.5,
-        metadata=_help("fraction of the KV blocks that pinned prefixes may hold together; a pin past it is refused"),
+        metadata=_help(
+            "fraction of the KV blocks that pinned prefixes may hold together; a pin past it is refused"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -312,7 +318,9 @@ class SpeculativeConfig:
     )
     model: str | None = field(
         default=None,
-        metadata=_help("draft: the draft model (GGUF file or Hugging Face folder) sharing the target's tokenizer"),
+        metadata=_help(
+            "draft: the draft model (GGUF file or Hugging Face folder) sharing the target's tokenizer"
+        ),
     )
     draft_kv_cache_memory_bytes: int = field(
         default=64 << 20, metadata=_help("draft: bytes for the draft model's own paged KV cache")

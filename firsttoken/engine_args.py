@@ -72,7 +72,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kind = _flag_type(field)
             if kind is bool:
                 group.add_argument(
-                    flag, dest=_dest(name), action=argparse.BooleanOptionalAction, default=None, help=help_text
+                    flag,
+                    dest=_dest(name),
+                    action=argparse.BooleanOptionalAction,
+                    default=None,
+                    help=help_text,
                 )
             else:
                 group.add_argument(
@@ -99,8 +103,8 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="GGUF file, Hugging Face folder, or repo id (org/name[@revision]) in the local Hugging Face cache "
-        "(default: embedded SmolLM2-135M-Instruct)",
+        help="GGUF file, Hugging Face folder, or repo id (org/name[@revision]) in the local "
+        "Hugging Face cache (default: embedded SmolLM2-135M-Instruct)",
     )
 
 

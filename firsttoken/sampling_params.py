@@ -33,7 +33,9 @@ class StructuredOutput:
         given = [self.json_schema is not None, self.json_object, self.regex is not None,
                  self.choice is not None, self.grammar is not None]
         if sum(given) != 1:
-            raise InvalidInputError(self.field, "give exactly one of json_schema, json_object, regex, choice, grammar")
+            raise InvalidInputError(
+                self.field, "give exactly one of json_schema, json_object, regex, choice, grammar"
+            )
         if self.choice is not None and (
             not self.choice or any(not isinstance(option, str) or not option for option in self.choice)
         ):
@@ -54,8 +56,8 @@ class SamplingParams:
     """Sampling and stopping rules of one request; temperature 0 means greedy.
 
     The logits processors (structured output, penalties, min_p, logit_bias, min_tokens,
-    bad_words) change a row's logits before it is sampled; each is off at its default. Validated on construction: a bad
-    value raises InvalidInputError naming the field and its limit.
+    bad_words) change a row's logits before it is sampled; each is off at its default.
+    Validated on construction: a bad value raises InvalidInputError naming the field and its limit.
     """
 
     max_tokens: int = 16
@@ -110,7 +112,10 @@ class SamplingParams:
         self._validate()
         # A grammar's state follows the request's tokens, as the penalties' counts do.
         tracks_tokens = (
-            self.has_penalties or bool(self.bad_words) or self.min_tokens > 0 or self.structured_output is not None
+            self.has_penalties
+            or bool(self.bad_words)
+            or self.min_tokens > 0
+            or self.structured_output is not None
         )
         object.__setattr__(self, "tracks_tokens", tracks_tokens)
         # min_p is a filter of the draw (sampler.py), not a change to the logits.

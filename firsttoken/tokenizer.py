@@ -31,7 +31,9 @@ def _strftime_now(format_string: str) -> str:
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     """transformers' tojson: plain json.dumps, where Jinja's own escapes <, >, & and ' for HTML."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -246,5 +248,7 @@ def _validate_messages(messages: Sequence[dict[str, Any]]) -> None:
             raise InvalidInputError(f"messages[{index}].role", f"must be one of {CHAT_ROLES}, got {role!r}")
         content = message.get("content")
         # An assistant's message that only calls tools has no content.
-        if not isinstance(content, str) and not (content is None and role == "assistant" and message.get("tool_calls")):
+        if not isinstance(content, str) and not (
+            content is None and role == "assistant" and message.get("tool_calls")
+        ):
             raise InvalidInputError(f"messages[{index}].content", "must be a string")

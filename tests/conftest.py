@@ -1,9 +1,11 @@
-"""Shared fixtures: the embedded model through firsttoken, and through transformers as the reference."""
+"""Shared fixtures: the embedded model through firsttoken, and through transformers as the reference;
+and the tier of every collected test (see "Test tiers" in the README)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import pathlib
 import tempfile
 
 import pytest
@@ -23,10 +25,55 @@ from firsttoken.models.registry import default_model_path  # noqa: E402
 
 TEST_KV_CACHE_BYTES = 512 * 1024 * 1024
 
+TESTS_ROOT = pathlib.Path(__file__).resolve().parent
+TIERS = ("fast", "engine", "server", "browser", "triton", "ray")
+# A test using one of these fixtures (directly or through another fixture) is in that tier.
+TIER_OF_FIXTURE = {"chromium": "browser", "ray_cluster": "ray"}
+# Fixtures that load the embedded model: a test using one runs a real engine.
+MODEL_FIXTURES = frozenset({"model_path", "llm", "hf_model", "hf_tokenizer"})
+# Folders whose tests start servers or engines, or build kernels, even without the embedded model.
+SERVER_FOLDERS = frozenset({"server", "reliability", "deploy"})
+ENGINE_FOLDERS = frozenset({"engine", "models", "ops", "worker", "reliability"})
+
+
+def tier_of(item: pytest.Item) -> str:
+    """The one tier a test runs in: by the fixtures it uses, then by its folder; the rest is fast."""
+    path = pathlib.Path(item.path).resolve()
+    folder = path.relative_to(TESTS_ROOT).parts[0] if TESTS_ROOT in path.parents else ""
+    if folder == "cuda":
+        return "triton"
+    fixtures = set(item.fixturenames)
+    for fixture, tier in TIER_OF_FIXTURE.items():
+        if fixture in fixtures:
+            return tier
+    if fixtures & MODEL_FIXTURES:
+        return "server" if folder in SERVER_FOLDERS else "engine"
+    if folder in ENGINE_FOLDERS:
+        return "engine"
+    return "fast"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test with its tier, so `pytest -m fast` (or engine, ...) selects one; a test
+    marked slow is in no other tier, so that selecting a tier never runs a slow test."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            continue
+        if not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(tier_of(item))
+
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer():
+    """The embedded model's tokenizer alone, read once (no weights: tests using it stay fast)."""
+    from firsttoken.models.registry import open_checkpoint
+
+    return open_checkpoint(default_model_path()).tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,9 @@
 Layers, top to bottom (DESIGN.md section 3): the command line; the Ray Serve deployment (an
 ingress serving the server's app in front of engine replicas); the server and the benchmarks;
 the public API (`firsttoken/__init__.py`); the engine; the worker; the sampler; models, core,
-metrics and the speculative proposers; attention; ops; then the plain modules everything may use (config, errors,
-logprobs, outputs, request, sampling parameters, the tokenizer). A module may import its own part of
+metrics and the speculative proposers; attention; ops; then the plain modules everything may use
+(config, errors, logprobs, outputs, request, sampling parameters, the tokenizer). A module may
+import its own part of
 the package and any part on a lower layer; every import counts, those inside functions and
 under TYPE_CHECKING too.
 """

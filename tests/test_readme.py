@@ -24,6 +24,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
 README_SERVER = "http://127.0.0.1:8000"
 SET_UP_PREFIX = "python3 -m venv .venv && . .venv/bin/activate && pip install"
+PYTEST_PREFIX = "python -m pytest "
 
 
 def _blocks(language: str) -> list[str]:
@@ -58,8 +59,10 @@ def test_set_up_commands_are_what_ci_runs():
     ci_script = (ROOT / ".ci" / "run").read_text()
     install_and_test = tests.split(" && ", 2)[2]
     assert install_and_test in ci_script.replace("python -m pip install --quiet", "pip install")
+    assert "\npython -m pytest -q -m slow" in ci_script, "CI runs the slow tier too"
 
 
+@pytest.mark.usefixtures("model_path")  # the embedded model, loaded by the code under test
 def test_main_job_generates_the_answer(capsys):
     main_job = next(line for line in _shell_lines() if line.startswith(SET_UP_PREFIX))
     generate = _commands(main_job)[-1]
@@ -78,6 +81,7 @@ def test_firsttoken_command_lines_parse():
                 raise AssertionError(f"README command does not parse: {line}") from error
 
 
+@pytest.mark.engine  # a Python per bench script, each importing torch: too slow for the fast tier
 def test_script_lines_name_scripts_and_flags_that_exist():
     for line in _shell_lines():
         command = shlex.split(line)
@@ -93,8 +97,22 @@ def test_script_lines_name_scripts_and_flags_that_exist():
             assert flag in usage.stdout, f"{command[1]} has no {flag}"
 
 
+def test_test_tier_lines_select_registered_markers():
+    import tomllib
+
+    pytest_options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    registered = {marker.split(":")[0] for marker in pytest_options["markers"]}
+    lines = [line for line in _shell_lines() if line.startswith(PYTEST_PREFIX)]
+    assert lines, "the README shows how to run one tier"
+    for line in lines:
+        command = shlex.split(line)
+        selection = command[command.index("-m", 3) + 1]
+        names = set(re.findall(r"\w+", selection)) - {"and", "or", "not"}
+        assert names and names <= registered, f"README selects unregistered markers: {line}"
+
+
 def test_no_shell_line_goes_unchecked():
-    checked = ("firsttoken ", "python bench/", "docker ", SET_UP_PREFIX)
+    checked = ("firsttoken ", "python bench/", "docker ", PYTEST_PREFIX, SET_UP_PREFIX)
     unchecked = [line for line in _shell_lines() if not line.startswith(checked)]
     assert not unchecked, f"add a check for these README lines: {unchecked}"
 
@@ -106,6 +124,7 @@ def _run_python_block(code: str) -> str:
     return stdout.getvalue()
 
 
+@pytest.mark.usefixtures("model_path")  # the embedded model, loaded by the code under test
 def test_offline_python_blocks_run():
     offline = [block for block in _blocks("python") if README_SERVER not in block]
     assert offline

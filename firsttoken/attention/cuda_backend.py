@@ -132,7 +132,9 @@ class CudaAttentionBackend:
     ) -> CudaAttentionMetadata:
         """Metadata of a step whose every row attends through the chunk kernel's `tiles`, over
         tensors the caller owns (a graph's static inputs)."""
-        return CudaAttentionMetadata(slot_mapping, None, ChunkQueries(block_tables, tiles), [], has_uncovered_rows=True)
+        return CudaAttentionMetadata(
+            slot_mapping, None, ChunkQueries(block_tables, tiles), [], has_uncovered_rows=True
+        )
 
     def forward(
         self,

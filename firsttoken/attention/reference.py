@@ -41,7 +41,9 @@ def paged_attention_reference(
             dtype=torch.long,
         )
         keys = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
-        values = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
+        values = (
+            kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
+        )
         queries = query[row : row + sequence.query_len].float()
         scores = torch.einsum("qhd,khd->hqk", queries, keys) / head_dim**0.5
         query_positions = torch.arange(sequence.num_context_tokens, sequence.seq_len)

@@ -71,7 +71,10 @@ class SDPABackend:
     index_dtype = torch.long  # index_copy_ and the native KV write take int64 slots
 
     def __init__(
-        self, device: torch.device, native_kernels: native.NativeKernels | None = None, decode_as_prefill: bool = False
+        self,
+        device: torch.device,
+        native_kernels: native.NativeKernels | None = None,
+        decode_as_prefill: bool = False,
     ) -> None:
         self.device = device
         self.native = native_kernels
@@ -180,7 +183,12 @@ class SDPABackend:
         return self.native.flash_attention_supports(probe, probe)
 
     def _prefill(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        span: PrefillSpan,
     ) -> torch.Tensor:
         """The AVX512-BF16 kernel where it applies (bf16, heads of 32 to 128), else the portable
         flash kernel, else SDPA."""
@@ -260,7 +268,9 @@ def first_of_run(block_ids: list[int]) -> int | None:
     return first
 
 
-def context_in_place(kv_cache: torch.Tensor, first_block: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def context_in_place(
+    kv_cache: torch.Tensor, first_block: int, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [num_tokens, num_kv_heads, head_dim]: views of a run of blocks starting at `first_block`."""
     num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
     start = first_block * kv_cache.shape[2]
@@ -269,7 +279,9 @@ def context_in_place(kv_cache: torch.Tensor, first_block: int, num_tokens: int) 
     return keys, values
 
 
-def gather_context(kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_context(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [num_tokens, num_kv_heads, head_dim] of one sequence's first `num_tokens` tokens."""
     num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
     keys = kv_cache[0].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:num_tokens]
@@ -288,7 +300,9 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: SDP
     return output.reshape(num_decodes, num_heads, head_dim)
 
 
-def _gather_decode_context(kv_cache: torch.Tensor, metadata: SDPAMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_decode_context(
+    kv_cache: torch.Tensor, metadata: SDPAMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [num_decodes, kv_heads, decode_num_keys, D] through the decode block tables.
 
     index_select over whole blocks is a copy per block; indexing with the 2-D table instead
@@ -318,13 +332,18 @@ def _prefill_attention(
         output = F.scaled_dot_product_attention(query_t, key_t, value_t, is_causal=True, enable_gqa=True)
         return output.squeeze(0).transpose(0, 1)
     if span.context_first_block is not None:
-        context_keys, context_values = context_in_place(kv_cache, span.context_first_block, span.num_context_tokens)
+        context_keys, context_values = context_in_place(
+            kv_cache, span.context_first_block, span.num_context_tokens
+        )
     else:
         num_context_blocks = -(-span.num_context_tokens // kv_cache.shape[2])
         context_block_ids = span.sequence_block_ids[:num_context_blocks]
         context_keys, context_values = gather_context(kv_cache, context_block_ids, span.num_context_tokens)
     context_output, context_lse = _flash_with_lse(
-        query_t, context_keys.transpose(0, 1).unsqueeze(0), context_values.transpose(0, 1).unsqueeze(0), causal=False
+        query_t,
+        context_keys.transpose(0, 1).unsqueeze(0),
+        context_values.transpose(0, 1).unsqueeze(0),
+        causal=False,
     )
     new_output, new_lse = _flash_with_lse(query_t, key_t, value_t, causal=True)
     merged = merge_attention_states(context_output, context_lse, new_output, new_lse)

@@ -10,7 +10,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,18 @@ class LoadShape:
 
 
 @dataclass(frozen=True)
+class Clock:
+    """Where the client reads the time and how it waits for an arrival; tests pass a scripted
+    one, so what they check holds however busy the machine is."""
+
+    now: Callable[[], float] = time.perf_counter
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+
+
+SYSTEM_CLOCK = Clock()
+
+
+@dataclass(frozen=True)
 class ServeRun:
     """The records of one benchmark run, in prompt order, and how long the run took."""
 
@@ -78,7 +90,11 @@ def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[f
 
 
 async def run_load(
-    target: ServeTarget, shape: LoadShape, prompts: Sequence[BenchPrompt], show_progress: bool = True
+    target: ServeTarget,
+    shape: LoadShape,
+    prompts: Sequence[BenchPrompt],
+    show_progress: bool = True,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> ServeRun:
     limits = httpx.Limits(
         max_connections=shape.max_concurrency or len(prompts), max_keepalive_connections=None
@@ -88,23 +104,23 @@ async def run_load(
         counters_before = await read_counters(client)
         gate = asyncio.Semaphore(shape.max_concurrency or len(prompts))
         with tqdm(total=len(prompts), desc="requests", unit="req", disable=not show_progress) as bar:
-            run_start = time.perf_counter()
+            run_start = clock.now()
 
             async def send(prompt: BenchPrompt) -> RequestRecord:
                 async with gate:
-                    record = await stream_one(client, target, model, prompt, run_start)
+                    record = await stream_one(client, target, model, prompt, run_start, clock)
                 bar.update(1)
                 return record
 
             tasks = []
             offsets = arrival_offsets(len(prompts), shape.request_rate, shape.seed)
             for prompt, offset in zip(prompts, offsets, strict=True):
-                delay = run_start + offset - time.perf_counter()
+                delay = run_start + offset - clock.now()
                 if delay > 0:
-                    await asyncio.sleep(delay)
+                    await clock.sleep(delay)
                 tasks.append(asyncio.create_task(send(prompt)))
             records = await asyncio.gather(*tasks)
-            duration = time.perf_counter() - run_start
+            duration = clock.now() - run_start
         counters_after = await read_counters(client)
     counters = None
     if counters_before is not None and counters_after is not None:
@@ -139,10 +155,15 @@ def request_body(target: ServeTarget, model: str, prompt: BenchPrompt) -> dict[s
 
 
 async def stream_one(
-    client: httpx.AsyncClient, target: ServeTarget, model: str, prompt: BenchPrompt, run_start: float
+    client: httpx.AsyncClient,
+    target: ServeTarget,
+    model: str,
+    prompt: BenchPrompt,
+    run_start: float,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> RequestRecord:
     body = request_body(target, model, prompt)
-    start = time.perf_counter()
+    start = clock.now()
     record = RequestRecord(start_s=start - run_start, num_prompt_tokens=prompt.num_prompt_tokens)
     last_chunk = start
     num_content_chunks = 0
@@ -164,7 +185,7 @@ async def stream_one(
                 usage = chunk.get("usage") or usage
                 if not chunk_content(chunk):
                     continue
-                now = time.perf_counter()
+                now = clock.now()
                 if num_content_chunks == 0:
                     record.ttft_s = now - start
                 else:

@@ -67,9 +67,16 @@ async def read_counters(client: httpx.AsyncClient) -> ServerCounters | None:
 def format_counters(counters: ServerCounters) -> str:
     parts = []
     if counters.prefix_cache_hit_rate is not None:
-        parts.append(f"prefix cache hit rate {counters.prefix_cache_hit_rate:.1%} of {counters.prefix_cache_queries:.0f} "
-                     "prompt tokens")
+        parts.append(
+            f"prefix cache hit rate {counters.prefix_cache_hit_rate:.1%} of "
+            f"{counters.prefix_cache_queries:.0f} "
+            "prompt tokens"
+        )
     if counters.spec_acceptance_rate is not None:
-        parts.append(f"speculative acceptance {counters.spec_acceptance_rate:.1%} of {counters.spec_draft_tokens:.0f} "
-                     "proposed tokens")
-    return "server counters over the run: " + ("; ".join(parts) if parts else "no prompt-cache queries, no proposals")
+        parts.append(
+            f"speculative acceptance {counters.spec_acceptance_rate:.1%} of {counters.spec_draft_tokens:.0f} "
+            "proposed tokens"
+        )
+    return "server counters over the run: " + (
+        "; ".join(parts) if parts else "no prompt-cache queries, no proposals"
+    )

@@ -82,7 +82,8 @@ class ScheduledChunk:
             return []
         first = self.sample
         return [
-            SampleSpec(first.sampling_params, first.output_index + i, first.req_id) for i in range(self.num_sampled_rows)
+            SampleSpec(first.sampling_params, first.output_index + i, first.req_id)
+            for i in range(self.num_sampled_rows)
         ]
 
     @property

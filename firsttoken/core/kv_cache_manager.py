@@ -67,7 +67,9 @@ class KVCacheManager:
     def admit(self, request: Request, cached_prefix: list[KVBlock], num_new_tokens: int) -> bool:
         """Give a request its cached prefix plus blocks for `num_new_tokens` more tokens."""
         num_prefix_tokens = len(cached_prefix) * self.block_size
-        num_new_blocks = num_blocks_for(num_prefix_tokens + num_new_tokens, self.block_size) - len(cached_prefix)
+        num_new_blocks = num_blocks_for(num_prefix_tokens + num_new_tokens, self.block_size) - len(
+            cached_prefix
+        )
         num_revived = sum(1 for block in cached_prefix if block.ref_cnt == 0)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
             return False
@@ -84,7 +86,9 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` more tokens of an admitted request."""
         blocks = self._blocks[request.req_id]
-        num_needed = num_blocks_for(request.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
+        num_needed = num_blocks_for(request.num_computed_tokens + num_new_tokens, self.block_size) - len(
+            blocks
+        )
         if num_needed <= 0:
             return True
         new_blocks = self.pool.allocate(num_needed)
@@ -101,7 +105,9 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
         for index in range(self._num_registered_blocks[request.req_id], num_full):
             self.pool.cache(blocks[index], request.block_hashes[index])
-        self._num_registered_blocks[request.req_id] = max(num_full, self._num_registered_blocks[request.req_id])
+        self._num_registered_blocks[request.req_id] = max(
+            num_full, self._num_registered_blocks[request.req_id]
+        )
 
     def release_blocks_past(self, request: Request, num_tokens: int) -> None:
         """Give back the request's blocks past its first `num_tokens` tokens (those that held

@@ -117,7 +117,9 @@ class Scheduler:
     # -- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        self.validate_capacity(request.num_prompt_tokens, request.max_total_tokens - request.num_prompt_tokens)
+        self.validate_capacity(
+            request.num_prompt_tokens, request.max_total_tokens - request.num_prompt_tokens
+        )
         if request.req_id in self.requests:
             raise InvalidInputError("request_id", f"{request.req_id!r} is already in use")
         limit = self.config.max_waiting_requests
@@ -258,7 +260,9 @@ class Scheduler:
     def _speculates(self, num_decoding: int) -> bool:
         """Speculate this step: a proposer, few decodes, and no prompt waiting for its prefill."""
         return (
-            self.proposer is not None and 0 < num_decoding <= self.max_num_speculating_seqs and not self.waiting
+            self.proposer is not None
+            and 0 < num_decoding <= self.max_num_speculating_seqs
+            and not self.waiting
             and all(request.num_uncomputed_tokens <= 1 for request in self.running)
         )
 
@@ -277,7 +281,9 @@ class Scheduler:
         if not candidates:
             return {}
         proposals = self.proposer.propose_batch([request.token_ids for request in candidates], rooms)
-        return {request.req_id: proposal[:room] for request, proposal, room in zip(candidates, proposals, rooms)}
+        return {
+            request.req_id: proposal[:room] for request, proposal, room in zip(candidates, proposals, rooms)
+        }
 
     @property
     def latency_targets(self) -> LatencyTargets:
@@ -301,7 +307,9 @@ class Scheduler:
         candidates = self._prefill_candidates()
         load = StepLoad(
             num_decodes=num_decodes,
-            decode_attention_pairs=sum(r.num_computed_tokens + 1 for r in self.running if r.num_uncomputed_tokens == 1),
+            decode_attention_pairs=sum(
+                r.num_computed_tokens + 1 for r in self.running if r.num_uncomputed_tokens == 1
+            ),
             num_prefill_candidates=len(candidates),
             head_prefill_context_tokens=candidates[0].num_computed_tokens if candidates else 0,
             head_prefill_remaining_tokens=candidates[0].num_uncomputed_tokens if candidates else 0,

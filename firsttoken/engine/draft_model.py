@@ -18,7 +18,9 @@ from firsttoken.sampling_params import SamplingParams
 
 
 class DraftModelProposer:
-    def __init__(self, target_config: EngineConfig, speculative: SpeculativeConfig, target_vocab_size: int) -> None:
+    def __init__(
+        self, target_config: EngineConfig, speculative: SpeculativeConfig, target_vocab_size: int
+    ) -> None:
         # Imported here: the engine core imports this module to build its proposer.
         from firsttoken.engine.engine_core import EngineCore
 
@@ -47,7 +49,9 @@ class DraftModelProposer:
             req_id = self.core.new_request_id()
             order.append(req_id)
             proposals[req_id] = []
-            greedy = SamplingParams(temperature=0, max_tokens=min(limit, self.num_speculative_tokens), ignore_eos=True)
+            greedy = SamplingParams(
+                temperature=0, max_tokens=min(limit, self.num_speculative_tokens), ignore_eos=True
+            )
             try:
                 self.core.add_request(req_id, sequence, greedy)
             except InvalidInputError:

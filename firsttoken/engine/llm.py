@@ -56,7 +56,9 @@ class LLM:
         outputs = self.generate(prompts, sampling_params)
         return outputs if is_batch else outputs[0]
 
-    def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> Iterator[RequestDelta]:
+    def stream(
+        self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestDelta]:
         """Deltas of one request as they are produced; closing the iterator aborts it."""
         is_text = isinstance(prompt, str)
         (request_id, _), = self._prepare(

@@ -110,7 +110,9 @@ class PromptEncoder:
     ) -> list[int]:
         if messages is not None:
             try:
-                prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt, **chat_template_args)
+                prompt = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt, **chat_template_args
+                )
             except jinja2.TemplateError as error:  # a model's template refusing this conversation
                 raise InvalidInputError("messages", f"the chat template failed: {error}") from error
         if not prompt:

@@ -230,7 +230,11 @@ def _engine_series(stats: EngineStats) -> Iterator[tuple[type, str, str, float]]
             "Prefill tokens the last engine step allowed (the adaptive chunk size).",
             stats.last_prefill_budget,
         ),
-        ("num_pinned_tokens", "Prompt tokens whose KV is pinned in the prefix cache.", stats.num_pinned_tokens),
+        (
+            "num_pinned_tokens",
+            "Prompt tokens whose KV is pinned in the prefix cache.",
+            stats.num_pinned_tokens,
+        ),
     )
     counters = (
         (

@@ -49,7 +49,9 @@ def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 class LlamaAttention(nn.Module):
     """Fused QKV projection, rotary embedding, paged attention and output projection."""
 
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, kernels: Kernels, dtype: torch.dtype) -> None:
+    def __init__(
+        self, arch: ModelArch, backend: AttentionBackend, kernels: Kernels, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.kernels = kernels
         self.num_heads = arch.num_heads
@@ -68,13 +70,19 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = shard.num_heads * self.head_dim, shard.num_kv_heads * self.head_dim
         self.qkv_proj = _rows_of(self.qkv_proj, qkv_rows(shard, arch))
         q_start, q_end = shard.head_range
-        self.o_proj = RowParallelLinear(_columns_of(self.o_proj, q_start * self.head_dim, q_end * self.head_dim), collectives)
+        self.o_proj = RowParallelLinear(
+            _columns_of(self.o_proj, q_start * self.head_dim, q_end * self.head_dim), collectives
+        )
 
-    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attn_metadata: Any) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attn_metadata: Any
+    ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q + 2 kv]
         # Queries and keys are rotated together: one pass over their heads.
-        query_key = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        query_key = qkv[:, : self.q_size + self.kv_size].view(
+            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        )
         query_key = self.kernels.apply_rotary(query_key, *rotary)
         query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
         value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -94,7 +102,9 @@ class LlamaMLP(nn.Module):
     def shard(self, shard: ModelShard, arch: ModelArch, collectives: Collectives) -> None:
         """Keep this rank's slice of the intermediate features."""
         self.gate_up_proj = _rows_of(self.gate_up_proj, gate_up_rows(shard, arch))
-        self.down_proj = RowParallelLinear(_columns_of(self.down_proj, *shard.intermediate_range), collectives)
+        self.down_proj = RowParallelLinear(
+            _columns_of(self.down_proj, *shard.intermediate_range), collectives
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(hidden)))
@@ -103,7 +113,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the next norm."""
 
-    def __init__(self, arch: ModelArch, backend: AttentionBackend, kernels: Kernels, dtype: torch.dtype) -> None:
+    def __init__(
+        self, arch: ModelArch, backend: AttentionBackend, kernels: Kernels, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         self.kernels = kernels
         self.eps = arch.rms_norm_eps
@@ -125,7 +137,9 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.kernels.add_rms_norm(hidden, residual, self.input_norm_weight, self.eps)
         hidden = self.self_attn(hidden, rotary, attn_metadata)
-        hidden, residual = self.kernels.add_rms_norm(hidden, residual, self.post_attention_norm_weight, self.eps)
+        hidden, residual = self.kernels.add_rms_norm(
+            hidden, residual, self.post_attention_norm_weight, self.eps
+        )
         return self.mlp(hidden), residual
 
 
@@ -145,12 +159,16 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.kernels = kernels
         self.embed_weight = _empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, backend, kernels, dtype) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, backend, kernels, dtype) for _ in range(arch.num_layers)
+        )
         self.norm_weight = _empty(arch.hidden_size, dtype=dtype)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, dtype)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_weight
-        inv_freq = inverse_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_frequency_divisors)
+        inv_freq = inverse_frequencies(
+            arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_frequency_divisors
+        )
         self.register_buffer("rope_table", cos_sin_table(inv_freq, max_positions), persistent=False)
         self.native_decode: NativeDecodeStep | None = None
         # Set by shard(): this rank's slices, and the process group that joins them.
@@ -166,7 +184,9 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.shard(shard, self.arch, collectives)
         vocab_start, vocab_end = shard.vocab_range
         tied = self.lm_head.weight is self.embed_weight
-        self.embed_weight = nn.Parameter(self.embed_weight.data[vocab_start:vocab_end].clone(), requires_grad=False)
+        self.embed_weight = nn.Parameter(
+            self.embed_weight.data[vocab_start:vocab_end].clone(), requires_grad=False
+        )
         if tied:
             self.lm_head.weight = self.embed_weight
         else:
@@ -181,7 +201,11 @@ class LlamaForCausalLM(nn.Module):
     def _native_decode_step(self) -> NativeDecodeStep | None:
         """The whole-step native decode where every projection is a `NativeInt4Linear` for decode."""
         native_kernels = self.kernels.native
-        if native_kernels is None or not native_kernels.has_decode_kernels or self.embed_weight.dtype != torch.bfloat16:
+        if (
+            native_kernels is None
+            or not native_kernels.has_decode_kernels
+            or self.embed_weight.dtype != torch.bfloat16
+        ):
             return None
         layers = []
         for layer in self.layers:
@@ -193,11 +217,21 @@ class LlamaForCausalLM(nn.Module):
             if not all(isinstance(projection, NativeInt4Linear) for projection in projections):
                 return None
             layers.append(
-                DecodeLayerWeights(layer.input_norm_weight, layer.post_attention_norm_weight, *projections, attention.kv_cache)
+                DecodeLayerWeights(
+                    layer.input_norm_weight,
+                    layer.post_attention_norm_weight,
+                    *projections,
+                    attention.kv_cache,
+                )
             )
         arch = self.arch
         shape = DecodeShape(
-            arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size, arch.rms_norm_eps
+            arch.hidden_size,
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            arch.intermediate_size,
+            arch.rms_norm_eps,
         )
         if not supports_layers(shape, layers):
             return None
@@ -208,7 +242,9 @@ class LlamaForCausalLM(nn.Module):
         if self.collectives is None:
             hidden = F.embedding(input_ids, self.embed_weight)
         else:
-            hidden = vocab_parallel_embedding(input_ids, self.embed_weight, self.tensor_shard.vocab_range, self.collectives)
+            hidden = vocab_parallel_embedding(
+                input_ids, self.embed_weight, self.tensor_shard.vocab_range, self.collectives
+            )
         rotary = rotary_cos_sin(self.rope_table, positions, hidden.dtype)
         # Decode tables come with decode-only steps the native step takes; backends without
         # them (CUDA) carry none.
@@ -328,7 +364,9 @@ class WeightLoader:
         parameter = self.model.get_parameter(target)
         destination = parameter.data if rows is None else parameter.data[rows[0] : rows[1]]
         if destination.shape != tensor.shape:
-            raise ValueError(f"model: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}")
+            raise ValueError(
+                f"model: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+            )
         destination.copy_(tensor)
         self.missing_parts[target] -= 1
 

@@ -84,7 +84,9 @@ def build_model(
     cache = ConversionCache(cache_dir, checkpoint.fingerprint) if checkpoint.format == "gguf" else None
     cached_weights = cache.load_weights(dtype) if cache else None
     if cached_weights is None or not _adopt_weights(model, cached_weights):
-        with tqdm(total=checkpoint.num_tensors, desc="Loading weights", unit="tensor", delay=1.0, leave=False) as bar:
+        with tqdm(
+            total=checkpoint.num_tensors, desc="Loading weights", unit="tensor", delay=1.0, leave=False
+        ) as bar:
             model.load_weights(_counting(checkpoint.read_weights(), bar))
         if cache:
             cache.save_weights(dtype, {name: p.data.contiguous() for name, p in model.named_parameters()})

@@ -101,11 +101,15 @@ def head_ranges(num_heads: int, num_kv_heads: int, world_size: int) -> list[tupl
     if world_size > num_heads:
         raise InvalidInputError(
             "tensor_parallel_size",
-            f"{world_size} ranks exceed the model's {num_heads} attention heads (each rank needs at least one)",
+            f"{world_size} ranks exceed the model's {num_heads} attention heads (each rank needs at least "
+            "one)",
         )
     group = num_heads // num_kv_heads  # query heads per KV head
     if world_size <= num_kv_heads:
-        return [((start * group, end * group), (start, end)) for start, end in balanced_ranges(num_kv_heads, world_size)]
+        return [
+            ((start * group, end * group), (start, end))
+            for start, end in balanced_ranges(num_kv_heads, world_size)
+        ]
     # More ranks than KV heads: the ranks sharing KV head k split its group of query heads.
     # A KV head gets at most ceil(world_size / num_kv_heads) <= group ranks, so none goes without.
     ranges = []
@@ -122,7 +126,11 @@ def shard_for_rank(arch: ModelArch, rank: int, world_size: int) -> ModelShard:
     ranges = head_ranges(arch.num_heads, arch.num_kv_heads, world_size)
     heads, kv_heads = ranges[rank]
     units_divide = arch.intermediate_size % _INTERMEDIATE_UNIT == 0
-    unit = _INTERMEDIATE_UNIT if units_divide and arch.intermediate_size // _INTERMEDIATE_UNIT >= world_size else 1
+    unit = (
+        _INTERMEDIATE_UNIT
+        if units_divide and arch.intermediate_size // _INTERMEDIATE_UNIT >= world_size
+        else 1
+    )
     return ModelShard(
         rank=rank,
         world_size=world_size,
@@ -149,7 +157,9 @@ def qkv_rows(shard: ModelShard, arch: ModelArch) -> torch.Tensor:
 def gate_up_rows(shard: ModelShard, arch: ModelArch) -> torch.Tensor:
     """Rows of the fused [gate; up] projection this rank computes: its slice of each."""
     start, end = shard.intermediate_range
-    return torch.cat([torch.arange(start, end), torch.arange(arch.intermediate_size + start, arch.intermediate_size + end)])
+    return torch.cat(
+        [torch.arange(start, end), torch.arange(arch.intermediate_size + start, arch.intermediate_size + end)]
+    )
 
 
 class RowParallelLinear(nn.Module):
@@ -182,11 +192,15 @@ def vocab_parallel_embedding(
     return hidden
 
 
-def gather_vocab_logits(local_logits: torch.Tensor, shard: ModelShard, collectives: Collectives) -> torch.Tensor | None:
+def gather_vocab_logits(
+    local_logits: torch.Tensor, shard: ModelShard, collectives: Collectives
+) -> torch.Tensor | None:
     """Rank 0: the full [R, vocab] logits from every rank's [R, slice]; None on the other ranks."""
     padding = shard.max_vocab_slice - local_logits.shape[-1]
     padded = nn.functional.pad(local_logits, (0, padding)) if padding else local_logits.contiguous()
     gathered = collectives.gather_to_driver(padded)
     if gathered is None:
         return None
-    return torch.cat([logits[:, : end - start] for logits, (start, end) in zip(gathered, shard.vocab_ranges)], dim=-1)
+    return torch.cat(
+        [logits[:, : end - start] for logits, (start, end) in zip(gathered, shard.vocab_ranges)], dim=-1
+    )

@@ -97,7 +97,12 @@ class Kernels:
 
     def apply_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated; the native kernel rotates x in place."""
-        if self._use_native(x) and native.heads_contiguous(x) and cos.is_contiguous() and cos.dtype == x.dtype:
+        if (
+            self._use_native(x)
+            and native.heads_contiguous(x)
+            and cos.is_contiguous()
+            and cos.dtype == x.dtype
+        ):
             return self.native.apply_rotary_(x, cos, sin)
         if self._use_triton(x) and cos.stride(-1) == 1 and sin.stride(-1) == 1:
             return self.triton.apply_rotary_(x, cos, sin)

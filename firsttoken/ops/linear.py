@@ -25,7 +25,9 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -58,7 +60,9 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features = weight.shape[0]
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_BATCH_HINT))
+        self.register_buffer(
+            "packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_BATCH_HINT)
+        )
         self.bias = bias
         # oneDNN runs a one-row input on another kernel, which sums some rows' products in
         # another order (576 x 1536 bf16: a row differs in ~1 of 20 random weights); from two
@@ -143,7 +147,9 @@ def rows_invariant(linear: PackedLinear, seed: int = 0) -> bool:
     count (say to other tiles for larger steps) fails. Random inputs: a probe, not a proof."""
     generator = torch.Generator().manual_seed(seed)
     in_features = linear.packed_weight.shape[1]
-    x = torch.randn(max(_INVARIANCE_PROBE_ROWS), in_features, generator=generator).to(linear.packed_weight.dtype)
+    x = torch.randn(max(_INVARIANCE_PROBE_ROWS), in_features, generator=generator).to(
+        linear.packed_weight.dtype
+    )
     first_rows = linear(x[:2])
     return all(torch.equal(linear(x[:rows])[:2], first_rows) for rows in _INVARIANCE_PROBE_ROWS[1:])
 
@@ -201,7 +207,9 @@ class Int8Linear(nn.Module):
         cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels | None = None
     ) -> Int8Linear:
         quantized, scales = quantize_int8(weight)
-        return cls(quantized.to(weight.device), scales.to(device=weight.device, dtype=weight.dtype), bias, kernels)
+        return cls(
+            quantized.to(weight.device), scales.to(device=weight.device, dtype=weight.dtype), bias, kernels
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -239,7 +247,9 @@ class Int8Linear(nn.Module):
 INT4_GROUP_SIZE = 32
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int4(
+    weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric group-wise 4-bit: (levels int32 [out, in] in 0..15, float32 scales_and_zeros
     [in / group_size, out, 2]) with W ~ (levels - 8) * scale + zero, PyTorch's int4 convention."""
     out_features, in_features = weight.shape
@@ -260,7 +270,11 @@ def dequantize_int4(levels: torch.Tensor, scales_and_zeros: torch.Tensor, group_
 
 
 def int4_linear_reference(
-    x: torch.Tensor, levels: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None
+    x: torch.Tensor,
+    levels: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
     return F.linear(x, dequantize_int4(levels, scales_and_zeros, group_size).to(x.dtype), bias)
 
@@ -273,7 +287,9 @@ class Int4Linear(nn.Module):
     """Weight-only int4 projection (CPU); computes in bf16, the one activation dtype PyTorch's
     int4 CPU kernel is fast in (float32 activations measured 25x slower)."""
 
-    def __init__(self, levels: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, levels: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
         super().__init__()
         self.out_features = levels.shape[0]
         self.register_buffer("packed_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1))
@@ -307,7 +323,9 @@ def pack_int4(levels: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[tor
     (byte j of each group of 32 holds level j in its low nibble, level j + 16 in its high
     one) and bf16 scales_zeros [out, 2 * groups] (a row's group scales, then its zeros)."""
     out_features, in_features = levels.shape
-    halves = levels.view(out_features, in_features // INT4_GROUP_SIZE, 2, INT4_GROUP_SIZE // 2).to(torch.uint8)
+    halves = levels.view(out_features, in_features // INT4_GROUP_SIZE, 2, INT4_GROUP_SIZE // 2).to(
+        torch.uint8
+    )
     packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out_features, in_features // 2)
     scales_zeros = torch.cat([scales_and_zeros[..., 0].t(), scales_and_zeros[..., 1].t()], dim=1)
     return packed.contiguous(), scales_zeros.to(torch.bfloat16).contiguous()
@@ -329,7 +347,11 @@ class NativeInt4Linear(nn.Module):
     takes multiply by the dequantized weights."""
 
     def __init__(
-        self, levels: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels
+        self,
+        levels: torch.Tensor,
+        scales_zeros: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels: native.NativeKernels,
     ) -> None:
         super().__init__()
         self.out_features = levels.shape[0]
@@ -339,7 +361,9 @@ class NativeInt4Linear(nn.Module):
         self.kernels = kernels
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels) -> NativeInt4Linear:
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels
+    ) -> NativeInt4Linear:
         return cls(*pack_int4(*quantize_int4(weight)), bias, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -349,7 +373,9 @@ class NativeInt4Linear(nn.Module):
         if flat.shape[0] <= native_abi.DECODE_MAX_ROWS:
             output = self.kernels.int4_matmul(self.levels, self.scales_zeros, self.bias, flat.contiguous())
         else:
-            output = int4_linear_reference(flat, *unpack_int4(self.levels, self.scales_zeros), INT4_GROUP_SIZE, self.bias)
+            output = int4_linear_reference(
+                flat, *unpack_int4(self.levels, self.scales_zeros), INT4_GROUP_SIZE, self.bias
+            )
         if output.dtype != x.dtype:
             output = output.to(x.dtype)
         return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)

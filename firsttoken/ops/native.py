@@ -94,8 +94,28 @@ _VECTOR_BF16_SIGNATURES = {
     "ft_prefill_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64]
     + [_INT64] * 5
     + [ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int],
-    "ft_int4_matmul": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int],
-    "ft_int8_matmul": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int],
+    "ft_int4_matmul": [
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _INT64,
+        _INT64,
+        _POINTER,
+        _INT64,
+        _POINTER,
+        ctypes.c_int,
+    ],
+    "ft_int8_matmul": [
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        _INT64,
+        _INT64,
+        _POINTER,
+        _INT64,
+        _POINTER,
+        ctypes.c_int,
+    ],
     "ft_decode_step": [_POINTER, _POINTER, _POINTER, ctypes.c_int],
     "ft_paged_decode_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64, _POINTER]
     + [_INT64] * 5
@@ -160,7 +180,14 @@ class NativeKernels:
         rows, cols = x.shape
         _check(
             self._library.ft_rms_norm(
-                x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, cols, eps, _code(x), torch.get_num_threads()
+                x.data_ptr(),
+                weight.data_ptr(),
+                out.data_ptr(),
+                rows,
+                cols,
+                eps,
+                _code(x),
+                torch.get_num_threads(),
             )
         )
         return out
@@ -211,8 +238,17 @@ class NativeKernels:
         rows, kv_heads, head_dim = key.shape
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
         copied = self._library.ft_write_kv(
-            kv_cache.data_ptr(), kv_cache.numel() // 2, num_slots, key.data_ptr(), key.stride(0), value.data_ptr(),
-            value.stride(0), slot_mapping.data_ptr(), rows, kv_heads * head_dim, _code(key),
+            kv_cache.data_ptr(),
+            kv_cache.numel() // 2,
+            num_slots,
+            key.data_ptr(),
+            key.stride(0),
+            value.data_ptr(),
+            value.stride(0),
+            slot_mapping.data_ptr(),
+            rows,
+            kv_heads * head_dim,
+            _code(key),
         )
         if not copied:
             raise IndexError(f"slot_mapping: a slot lies outside the cache's {num_slots} slots")
@@ -253,9 +289,21 @@ class NativeKernels:
         out = query.new_empty(num_queries, num_heads, head_dim)
         _check(
             self._library.ft_prefill_attention(
-                query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                num_queries, num_keys, num_heads, num_kv_heads, head_dim, head_dim**-0.5, out.data_ptr(),
-                max(1, num_threads), int(use_amx),
+                query.data_ptr(),
+                query.stride(0),
+                key.data_ptr(),
+                key.stride(0),
+                value.data_ptr(),
+                value.stride(0),
+                num_queries,
+                num_keys,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                head_dim**-0.5,
+                out.data_ptr(),
+                max(1, num_threads),
+                int(use_amx),
             )
         )
         return out
@@ -404,14 +452,18 @@ class NativeKernels:
         """x [rows, in] . W^T for rows <= `native_abi.DECODE_MAX_ROWS`, in a multiple of 64, all
         bf16 and contiguous; W in the layout of `firsttoken.ops.linear.pack_int4`: levels uint8
         [out, in / 2], scales_zeros [out, 2 * in / 32]."""
-        return self._quantized_matmul("int4_matmul", levels, scales_zeros, bias, x, 2 * levels.shape[1], INT4_INPUT_MULTIPLE)
+        return self._quantized_matmul(
+            "int4_matmul", levels, scales_zeros, bias, x, 2 * levels.shape[1], INT4_INPUT_MULTIPLE
+        )
 
     def int8_matmul(
         self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
     ) -> torch.Tensor:
         """x [rows, in] . (scales * W)^T for int8 W [out, in] (in a multiple of 16), rows <=
         `native_abi.DECODE_MAX_ROWS`; x, scales [out] and bias bf16; all contiguous."""
-        return self._quantized_matmul("int8_matmul", weight, scales, bias, x, weight.shape[1], INT8_INPUT_MULTIPLE)
+        return self._quantized_matmul(
+            "int8_matmul", weight, scales, bias, x, weight.shape[1], INT8_INPUT_MULTIPLE
+        )
 
     def portable_int4_matmul(
         self, levels: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
@@ -519,23 +571,38 @@ class NativeKernels:
         ):
             raise ValueError(
                 f"paged_decode_attention: {rows} queries of {num_heads} heads, block table "
-                f"{tuple(block_table.shape)} {block_table.dtype}, seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype}, "
+                f"{tuple(block_table.shape)} {block_table.dtype}, seq_lens {tuple(seq_lens.shape)} "
+                f"{seq_lens.dtype}, "
                 f"{num_kv_heads} KV heads, blocks of {block_size}"
             )
         block_table = block_table.contiguous()
         seq_lens = seq_lens.contiguous()
         out = query.new_empty(rows, num_heads, head_dim)
         arguments = [
-            query.data_ptr(), query.stride(0), kv_cache.data_ptr(), num_blocks * block_size, block_table.data_ptr(),
-            block_table.shape[1], seq_lens.data_ptr(), block_size, rows, num_heads, num_kv_heads, head_dim,
-            head_dim**-0.5, out.data_ptr(), torch.get_num_threads(),
+            query.data_ptr(),
+            query.stride(0),
+            kv_cache.data_ptr(),
+            num_blocks * block_size,
+            block_table.data_ptr(),
+            block_table.shape[1],
+            seq_lens.data_ptr(),
+            block_size,
+            rows,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            head_dim**-0.5,
+            out.data_ptr(),
+            torch.get_num_threads(),
         ]
         if as_prefill:
             status = self._library.ft_decode_attention_as_prefill(*arguments, int(self.has_amx))
         else:
             status = self._library.ft_paged_decode_attention(*arguments)
         if status < 0:
-            raise IndexError("paged_decode_attention: a block id or sequence length lies outside the KV cache")
+            raise IndexError(
+                "paged_decode_attention: a block id or sequence length lies outside the KV cache"
+            )
         _check(status)
         return out
 
@@ -574,7 +641,9 @@ def load_native_kernels(cache_dir: str, cpu_isa: str = "auto") -> NativeKernels 
         return NativeKernels(ctypes.CDLL(str(_built_library(Path(cache_dir), isa))))
     except subprocess.CalledProcessError as error:
         compiler_errors = error.stderr.decode(errors="replace").strip()
-        logger.warning("native CPU kernels unavailable, using torch ops (the build failed: %s)", compiler_errors)
+        logger.warning(
+            "native CPU kernels unavailable, using torch ops (the build failed: %s)", compiler_errors
+        )
         return None
     except (OSError, subprocess.SubprocessError) as error:
         logger.warning("native CPU kernels unavailable, using torch ops (%s)", error)

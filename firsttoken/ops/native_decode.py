@@ -76,7 +76,9 @@ def supports_layers(shape: DecodeShape, layers: list[DecodeLayerWeights]) -> boo
 class NativeDecodeStep:
     """Holds the layers' weights and caches (keeping them alive for the pointers it passes)."""
 
-    def __init__(self, kernels: native.NativeKernels, shape: DecodeShape, layers: list[DecodeLayerWeights]) -> None:
+    def __init__(
+        self, kernels: native.NativeKernels, shape: DecodeShape, layers: list[DecodeLayerWeights]
+    ) -> None:
         if not supports_layers(shape, layers):
             raise ValueError(
                 "native decode: needs bf16 norms and caches and a head size of 32 to "
@@ -87,8 +89,12 @@ class NativeDecodeStep:
         self._layer_array = (native_abi.DecodeLayer * len(layers))(
             *(
                 native_abi.DecodeLayer(
-                    layer.input_norm.data_ptr(), layer.post_attention_norm.data_ptr(), _int4_weight(layer.qkv),
-                    _int4_weight(layer.o), _int4_weight(layer.gate_up), _int4_weight(layer.down),
+                    layer.input_norm.data_ptr(),
+                    layer.post_attention_norm.data_ptr(),
+                    _int4_weight(layer.qkv),
+                    _int4_weight(layer.o),
+                    _int4_weight(layer.gate_up),
+                    _int4_weight(layer.down),
                     layer.kv_cache.data_ptr(),
                 )
                 for layer in layers
@@ -97,19 +103,34 @@ class NativeDecodeStep:
         cache_shape = layers[0].kv_cache.shape
         self.block_size = cache_shape[2]
         self._model = native_abi.DecodeModel(
-            len(layers), shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-            shape.intermediate_size, cache_shape[1] * cache_shape[2], shape.rms_norm_eps, shape.head_dim**-0.5,
+            len(layers),
+            shape.hidden_size,
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.intermediate_size,
+            cache_shape[1] * cache_shape[2],
+            shape.rms_norm_eps,
+            shape.head_dim**-0.5,
             ctypes.addressof(self._layer_array),
         )
 
-    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tables: DecodeTables) -> torch.Tensor:
+    def run(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tables: DecodeTables
+    ) -> torch.Tensor:
         """tables: of at most `native_abi.DECODE_MAX_ROWS` sequences. hidden: the step's
         embeddings, bf16 contiguous [rows, hidden_size], replaced by the last layer's output
         plus its residual; cos and sin contiguous bf16 [rows, 1, head_dim]."""
         num_sequences, max_blocks = tables.block_table.shape
         batch = native_abi.DecodeBatch(
-            num_sequences, max_blocks, self.block_size, tables.slot_mapping.data_ptr(), tables.block_table.data_ptr(),
-            tables.seq_lens.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            num_sequences,
+            max_blocks,
+            self.block_size,
+            tables.slot_mapping.data_ptr(),
+            tables.block_table.data_ptr(),
+            tables.seq_lens.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
         )
         self.kernels.decode_step(self._model, batch, hidden)
         return hidden

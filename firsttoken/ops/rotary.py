@@ -65,7 +65,9 @@ def cos_sin_table(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
 
-def rotary_cos_sin(table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [T, 1, head_dim] at `positions`, cast to the activations' dtype as
     transformers does; built once per step and shared by every layer."""
     cos_half, sin_half = table[positions].to(dtype).chunk(2, dim=-1)  # [T, D/2] each

@@ -79,7 +79,9 @@ def _matmul_kernel(
     for k_start in range(0, K, BLOCK_K):
         k = k_start + depth
         k_valid = k < K
-        x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + rows[:, None] * K + k[None, :], mask=row_valid[:, None] & k_valid[None, :], other=0.0
+        )
         weight = tl.load(
             weight_ptr + columns[None, :].to(tl.int64) * K + k[:, None],
             mask=k_valid[:, None] & column_valid[None, :],
@@ -95,7 +97,9 @@ def _matmul_kernel(
     )
 
 
-def row_invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def row_invariant_matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., K] times weight [N, K] transposed (+ bias [N]) -> [..., N] in x's dtype."""
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features:

@@ -95,7 +95,9 @@ class GrammarState:
             for token_id in self.end_token_ids:
                 bitmask_row[token_id // _BITS] |= _bit(token_id)
             return
-        matcher.unsafe_compute_mask_ptr(bitmask_row.data_ptr(), bitmask_row.numel() * bitmask_row.element_size())
+        matcher.unsafe_compute_mask_ptr(
+            bitmask_row.data_ptr(), bitmask_row.numel() * bitmask_row.element_size()
+        )
 
 
 class _VocabularyView:
@@ -128,7 +130,9 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._cache_size = cache_size
         self._engine_tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: collections.OrderedDict[tuple[object, ...], CompiledGrammar] = collections.OrderedDict()
+        self._compiled: collections.OrderedDict[tuple[object, ...], CompiledGrammar] = (
+            collections.OrderedDict()
+        )
         self._lock = threading.Lock()
 
     def engine_tokenizer(self) -> llguidance.LLTokenizer:
@@ -152,7 +156,9 @@ class GrammarCompiler:
                 return compiled
         # Compiled outside the lock (llguidance drops the GIL while compiling): two threads
         # compiling one new grammar at once both compile it, and one copy stays.
-        compiled = CompiledGrammar(self._start_matcher(structured), tuple(sorted(self._tokenizer.eos_token_ids)))
+        compiled = CompiledGrammar(
+            self._start_matcher(structured), tuple(sorted(self._tokenizer.eos_token_ids))
+        )
         with self._lock:
             self._compiled[key] = compiled
             self._compiled.move_to_end(key)

@@ -33,7 +33,12 @@ from firsttoken.server.protocol import (
 from firsttoken.server.reply import Reply
 from firsttoken.server.request_checks import RequestChecks
 from firsttoken.server.streaming import respond
-from firsttoken.server.tool_calls import ToolCallParser, forcing_constraint, hermes_conversation, parse_tool_calls
+from firsttoken.server.tool_calls import (
+    ToolCallParser,
+    forcing_constraint,
+    hermes_conversation,
+    parse_tool_calls,
+)
 
 
 async def create_chat_completion(
@@ -78,11 +83,17 @@ def _template_input(
     them; for one that does not, tools, calls and results are written into the messages in the
     Hermes format (tool_calls.py)."""
     messages = [message.template_message() for message in body.messages]
-    uses_tools = tools is not None or any(message.role == "tool" or message.tool_calls for message in body.messages)
+    uses_tools = tools is not None or any(
+        message.role == "tool" or message.tool_calls for message in body.messages
+    )
     template = tokenizer.chat_template
     if uses_tools and (template is None or not template.renders_tools):
         messages, tools = hermes_conversation(messages, tools), None
-    return messages, {"tools": tools, "documents": body.documents, "template_kwargs": body.chat_template_kwargs}
+    return messages, {
+        "tools": tools,
+        "documents": body.documents,
+        "template_kwargs": body.chat_template_kwargs,
+    }
 
 
 class _ChatReply(Reply):
@@ -154,7 +165,9 @@ class _ChatReply(Reply):
             cut_off = finish_reason == "length"
             content, calls = parse_tool_calls(choice.output.text, self.parallel_tool_calls, cut_off)
             tool_calls = [
-                ResponseToolCall(id=call.id, function=ResponseFunctionCall(name=call.name, arguments=call.arguments))
+                ResponseToolCall(
+                    id=call.id, function=ResponseFunctionCall(name=call.name, arguments=call.arguments)
+                )
                 for call in calls
             ]
             finish_reason = _finish_reason(finish_reason, len(calls))

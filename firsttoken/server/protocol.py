@@ -128,15 +128,24 @@ class ChatMessage(_StrictModel):
     def template_message(self) -> dict[str, Any]:
         """The message as chat templates read it (transformers' shape: a call's arguments as an
         object, as vLLM passes them)."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text() if self.content is not None else None}
+        message: dict[str, Any] = {
+            "role": self.role,
+            "content": self.text() if self.content is not None else None,
+        }
         if self.name is not None:
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             message["tool_calls"] = [
-                {"id": call.id, "type": "function",
-                 "function": {"name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments_object(call.function.arguments),
+                    },
+                }
                 for call in self.tool_calls
             ]
         return message
@@ -148,10 +157,13 @@ def _check_messages(messages: list[ChatMessage]) -> None:
     for index, message in enumerate(messages):
         if message.content is None and not (message.role == "assistant" and message.tool_calls):
             raise InvalidInputError(
-                f"messages[{index}].content", "Field required (except in an assistant's message with tool_calls)"
+                f"messages[{index}].content",
+                "Field required (except in an assistant's message with tool_calls)",
             )
         if message.tool_calls and message.role != "assistant":
-            raise InvalidInputError(f"messages[{index}].tool_calls", "only an assistant's message may call tools")
+            raise InvalidInputError(
+                f"messages[{index}].tool_calls", "only an assistant's message may call tools"
+            )
 
 
 def _arguments_object(arguments: str) -> Any:
@@ -225,7 +237,9 @@ class ResponseFormat(_StrictModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-GuidedJson = Annotated[Union[str, dict[str, Any]], _one_error_for_union("a JSON schema (an object or its text)")]
+GuidedJson = Annotated[
+    Union[str, dict[str, Any]], _one_error_for_union("a JSON schema (an object or its text)")
+]
 
 
 class GenerationRequest(RequestBody):
@@ -277,9 +291,15 @@ class GenerationRequest(RequestBody):
     response_format: ResponseFormat | None = Field(
         None, description="json_object: any JSON object; json_schema: JSON valid against its schema"
     )
-    guided_json: GuidedJson | None = Field(None, description="vLLM extension: the output is JSON valid against it")
-    guided_regex: str | None = Field(None, description="vLLM extension: the output matches this regular expression")
-    guided_choice: list[str] | None = Field(None, description="vLLM extension: the output is one of these strings")
+    guided_json: GuidedJson | None = Field(
+        None, description="vLLM extension: the output is JSON valid against it"
+    )
+    guided_regex: str | None = Field(
+        None, description="vLLM extension: the output matches this regular expression"
+    )
+    guided_choice: list[str] | None = Field(
+        None, description="vLLM extension: the output is one of these strings"
+    )
     guided_grammar: str | None = Field(
         None, description="vLLM extension: the output follows this grammar (GBNF/EBNF as llama.cpp, or Lark)"
     )
@@ -437,7 +457,9 @@ class ChatCompletionRequest(GenerationRequest):
         }:
             raise InvalidInputError("tool_choice", f"no tool is named {choice.function.name!r}")
         if self.forces_tool_call and self.structured_output() is not None:
-            raise InvalidInputError("tool_choice", f"{self.tool_choice_name!r} and an output constraint exclude each other")
+            raise InvalidInputError(
+                "tool_choice", f"{self.tool_choice_name!r} and an output constraint exclude each other"
+            )
         return self
 
     @property

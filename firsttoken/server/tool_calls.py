@@ -61,13 +61,18 @@ def tools_system_prompt(tools: Sequence[dict[str, Any]]) -> str:
     )
 
 
-def hermes_conversation(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def hermes_conversation(
+    messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
     """The conversation with tools, calls and results written as text, for a template that has
     no tool support of its own: only roles and string contents remain."""
     rewritten: list[dict[str, Any]] = []
     if tools:
         if messages and messages[0]["role"] == "system":
-            system = {"role": "system", "content": messages[0]["content"] + "\n\n" + tools_system_prompt(tools)}
+            system = {
+                "role": "system",
+                "content": messages[0]["content"] + "\n\n" + tools_system_prompt(tools),
+            }
             messages = messages[1:]
         else:
             system = {"role": "system", "content": tools_system_prompt(tools)}

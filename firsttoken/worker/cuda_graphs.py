@@ -94,7 +94,9 @@ class StaticInputs:
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], device: torch.device) -> None:
         pin = device.type != "cpu"
-        self.host = {name: torch.zeros(shape, dtype=torch.int32, pin_memory=pin) for name, shape in shapes.items()}
+        self.host = {
+            name: torch.zeros(shape, dtype=torch.int32, pin_memory=pin) for name, shape in shapes.items()
+        }
         self.on_device = {name: torch.zeros_like(tensor, device=device) for name, tensor in self.host.items()}
         self._copy_done: torch.Event | None = None
 
@@ -151,7 +153,9 @@ class CudaGraphCapture:
         return replay
 
 
-def capture_ladder(capture: GraphCapture, sizes: list[int], forward_of: Callable[[int], Forward]) -> dict[int, Forward]:
+def capture_ladder(
+    capture: GraphCapture, sizes: list[int], forward_of: Callable[[int], Forward]
+) -> dict[int, Forward]:
     """One replay per size, the largest captured first: smaller graphs then fit in the memory
     pool the largest one sized."""
     return {size: capture.capture(forward_of(size)) for size in reversed(sizes)}
@@ -174,7 +178,9 @@ class DecodeGraphs:
         self.scratch_block_id = scratch_block_id
         self.block_size = block_size
         max_size = sizes[-1]
-        self.inputs = StaticInputs({"scalars": (4, max_size), "block_tables": (max_size, max_blocks_per_seq)}, device)
+        self.inputs = StaticInputs(
+            {"scalars": (4, max_size), "block_tables": (max_size, max_blocks_per_seq)}, device
+        )
         # Every row starts as padding, so the warm-up and capture runs touch only the scratch block.
         self._write_padding(self.inputs.writable(), 0, max_size)
         self.inputs.ship({})

@@ -33,4 +33,8 @@ def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions and oneDNN can use them."""
     flags = cpu_flags()
     has_instructions = "avx512_bf16" in flags or "amx_bf16" in flags
-    return has_instructions and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (
+        has_instructions
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )

@@ -103,7 +103,13 @@ class ModelRunner:
                     self.device,
                 )
             self.decode_graphs = DecodeGraphs(
-                self.model, capture, batch_sizes, max_blocks_per_seq, scratch_block_id, self.block_size, self.device
+                self.model,
+                capture,
+                batch_sizes,
+                max_blocks_per_seq,
+                scratch_block_id,
+                self.block_size,
+                self.device,
             )
         seconds = time.perf_counter() - started
         return GraphCaptureReport(

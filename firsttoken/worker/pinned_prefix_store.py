@@ -120,7 +120,10 @@ class PinnedPrefixStore:
             self.identity.num_kv_heads, self.identity.head_dim,
         )
         if tuple(kv.shape) != expected_shape or str(kv.dtype).removeprefix("torch.") != self.identity.dtype:
-            raise ValueError(f"KV tensor {tuple(kv.shape)} {kv.dtype} does not match {expected_shape} {self.identity.dtype}")
+            raise ValueError(
+                f"KV tensor {tuple(kv.shape)} {kv.dtype} does not match {expected_shape} "
+                f"{self.identity.dtype}"
+            )
         validate_pin_id(pin_id)
         return StoredPrefix(pin_id, token_ids, block_hashes, kv)
 
@@ -128,4 +131,6 @@ class PinnedPrefixStore:
         for field_name, ours in asdict(self.identity).items():
             theirs = getattr(stored, field_name)
             if theirs != ours:
-                raise ValueError(f"written for {field_name}={theirs!r}, this engine has {field_name}={ours!r}")
+                raise ValueError(
+                    f"written for {field_name}={theirs!r}, this engine has {field_name}={ours!r}"
+                )

@@ -50,7 +50,8 @@ class RankGroup:
     def __init__(self, parallel: ParallelConfig, device: torch.device, rank: int) -> None:
         if dist.is_initialized():
             raise InvalidInputError(
-                "tensor_parallel_size", "this process already runs a tensor-parallel engine; shut it down first"
+                "tensor_parallel_size",
+                "this process already runs a tensor-parallel engine; shut it down first",
             )
         self.parallel = parallel
         self.device = device
@@ -156,7 +157,9 @@ class RankProcesses:
             if not connection.poll():
                 process.join()
                 self.shutdown()
-                raise TensorParallelError(f"tensor parallel: rank {rank} {_exit_description(process.exitcode)} while starting")
+                raise TensorParallelError(
+                    f"tensor parallel: rank {rank} {_exit_description(process.exitcode)} while starting"
+                )
             counts.append(connection.recv())
         for connection in self.connections:
             connection.send(min(counts))
@@ -177,7 +180,9 @@ class RankProcesses:
         """The error to raise for a failed step or collective: which ranks died, and how; the
         remaining ranks are stopped, and every later step raises the same error."""
         if self.failure is None:
-            self.failure = TensorParallelError(f"tensor parallel: {self._describe_ranks()}; the engine cannot continue ({error})")
+            self.failure = TensorParallelError(
+                f"tensor parallel: {self._describe_ranks()}; the engine cannot continue ({error})"
+            )
             logger.error("%s", self.failure)
             for process in self.processes:  # dead or hung: not worth a polite stop
                 process.kill()
@@ -206,7 +211,9 @@ def _exit_description(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
-def _stop_ranks(processes: list[BaseProcess], connections: list[multiprocessing.connection.Connection]) -> None:
+def _stop_ranks(
+    processes: list[BaseProcess], connections: list[multiprocessing.connection.Connection]
+) -> None:
     for connection in connections:
         try:
             connection.send_bytes(_STOP)

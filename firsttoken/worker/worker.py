@@ -99,7 +99,11 @@ class Worker:
                 logger.info("native CPU kernels built for %s", native_kernels.isa)
         attention_arch = shard.attention_arch(arch) if shard is not None else arch
         backend = select_attention_backend(
-            config.attention, self.device, attention_arch.num_heads, attention_arch.num_kv_heads, native_kernels,
+            config.attention,
+            self.device,
+            attention_arch.num_heads,
+            attention_arch.num_kv_heads,
+            native_kernels,
             batch_invariant=model_config.batch_invariant,
         )
         self.kernels = Kernels(
@@ -113,14 +117,20 @@ class Worker:
         if self.rank_group is not None:
             self.rank_group.connect(self._init_method())
         self.kv_caches = allocate_kv_caches(
-            attention_arch, self.num_kv_blocks + int(use_graphs), config.cache.block_size, self.dtype, self.device
+            attention_arch,
+            self.num_kv_blocks + int(use_graphs),
+            config.cache.block_size,
+            self.dtype,
+            self.device,
         )
         if config.cache.prefault_kv_cache and self.device.type == "cpu":
             self._prefault_kv_cache()
         self.model.bind_kv_caches(self.kv_caches)
         sampler = Sampler(model_config.seed, self.device, arch.vocab_size)
         send_step = self.rank_processes.send_step if self.rank_processes is not None else None
-        self.runner = ModelRunner(self.model, backend, sampler, config.cache.block_size, self.device, send_step)
+        self.runner = ModelRunner(
+            self.model, backend, sampler, config.cache.block_size, self.device, send_step
+        )
         self.graph_capture: GraphCaptureReport | None = None
         if use_graphs:
             # Every rank captures the same sizes in the same order: the collectives inside match.
@@ -149,7 +159,8 @@ class Worker:
         shard = shard_for_rank(self.checkpoint.arch, rank, config.parallel.tensor_parallel_size)
         if config.prompt_cache.persist_dir is not None and config.prompt_cache.enable:
             raise InvalidInputError(
-                "prompt_cache_dir", "persisted pinned prefixes need tensor_parallel_size 1 (each rank holds a KV slice)"
+                "prompt_cache_dir",
+                "persisted pinned prefixes need tensor_parallel_size 1 (each rank holds a KV slice)",
             )
         self.device = rank_device(self.device, rank)
         self.rank_group = RankGroup(config.parallel, self.device, rank)
@@ -247,8 +258,9 @@ class Worker:
         if self.tensor_parallel_size > 2:
             # Two partial sums are the same bits in either order; three or more are not.
             logger.warning(
-                "batch_invariant: gloo's all-reduce may add three or more ranks' partial sums in an order that "
-                "depends on the step's size; with tensor_parallel_size > 2 greedy outputs may depend on what else runs"
+                "batch_invariant: gloo's all-reduce may add three or more ranks' partial sums in an "
+                "order that depends on the step's size; with tensor_parallel_size > 2 greedy outputs "
+                "may depend on what else runs"
             )
             return False
         return (
@@ -263,8 +275,9 @@ class Worker:
         reductions pick their split by the tensor's size); not across ranks."""
         if self.tensor_parallel_size > 1:
             logger.warning(
-                "batch_invariant: NCCL's all-reduce may sum the ranks' partial products in an order that "
-                "depends on the step's size; with tensor_parallel_size > 1 greedy outputs may depend on what else runs"
+                "batch_invariant: NCCL's all-reduce may sum the ranks' partial products in an order "
+                "that depends on the step's size; with tensor_parallel_size > 1 greedy outputs may "
+                "depend on what else runs"
             )
             return False
         # Imported here: triton is needed on CUDA only.
@@ -273,8 +286,11 @@ class Worker:
 
         on_cublas = [module for module in self.model.modules() if isinstance(module, Linear)]
         return (
-            isinstance(backend, CudaAttentionBackend) and backend.rows_invariant and self.kernels.triton is not None
-            and not on_cublas and isinstance(self.model.lm_head, RowInvariantLinear)
+            isinstance(backend, CudaAttentionBackend)
+            and backend.rows_invariant
+            and self.kernels.triton is not None
+            and not on_cublas
+            and isinstance(self.model.lm_head, RowInvariantLinear)
         )
 
     def _matmuls_rows_invariant(self, model: LlamaForCausalLM) -> bool:
@@ -360,7 +376,9 @@ class Worker:
 
     def _predicted_seconds(self, scheduler_output: SchedulerOutput) -> float:
         assert self._calibrated is not None
-        pairs = sum(attention_pairs(chunk.start_position, chunk.num_tokens) for chunk in scheduler_output.chunks)
+        pairs = sum(
+            attention_pairs(chunk.start_position, chunk.num_tokens) for chunk in scheduler_output.chunks
+        )
         return self._calibrated.predict(scheduler_output.num_tokens, pairs)
 
     def warm_up(self) -> None:
@@ -383,7 +401,9 @@ class Worker:
         with torch.inference_mode():
             for cache in self.kv_caches:
                 cache.zero_()
-        logger.info("wrote the %d-block KV cache in %.2f s", self.num_kv_blocks, time.perf_counter() - started)
+        logger.info(
+            "wrote the %d-block KV cache in %.2f s", self.num_kv_blocks, time.perf_counter() - started
+        )
 
     def _run_scratch_step(self, start: int, num_tokens: int) -> None:
         block_size = self.config.cache.block_size
@@ -414,7 +434,9 @@ class Worker:
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
         )
-        self._calibrated = load_or_calibrate(self.runner, limits, os.path.join(self.cache_dir, "step_costs", name))
+        self._calibrated = load_or_calibrate(
+            self.runner, limits, os.path.join(self.cache_dir, "step_costs", name)
+        )
         if self.adapts_threads:
             self.thread_governor = ThreadGovernor(self.num_threads)
         return self._calibrated

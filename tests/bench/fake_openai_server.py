@@ -1,7 +1,8 @@
-"""A fake OpenAI-compatible server that streams scripted chunks after scripted sleeps.
+"""A fake OpenAI-compatible server that streams scripted chunks after scripted delays.
 
 It runs uvicorn on a free 127.0.0.1 port in a background thread, so a client under test in
-the main thread sees real HTTP and SSE with known timing.
+the main thread sees real HTTP and SSE. The delays are real sleeps, or, with a scripted clock,
+moves of that clock: a client reading the same clock then measures them exactly.
 """
 
 from __future__ import annotations
@@ -18,18 +19,25 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tests.bench.scripted_clock import ScriptedClock
+
 MODEL_NAME = "fake-model"
 
 
 @dataclass(frozen=True)
 class Script:
     """What every streamed reply does: wait `ttft_s`, send a content chunk, then one more
-    after each gap; usage reports `tokens_per_chunk` tokens per content chunk."""
+    after each gap; usage reports `tokens_per_chunk` tokens per content chunk.
+
+    With a `clock`, a wait moves the clock instead of sleeping, and each content chunk waits
+    for the client to read the clock (to stamp it) before the next move; such a server serves
+    one request at a time (the clock is shared)."""
 
     ttft_s: float
     gaps_s: tuple[float, ...]
     tokens_per_chunk: int = 1
     status_code: int = 200
+    clock: ScriptedClock | None = None
 
 
 @dataclass
@@ -52,6 +60,14 @@ def build_app(script: Script, state: ServerState) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]}
 
+    async def wait(delay_s: float) -> int:
+        """Let `delay_s` pass; returns how often the clock was read by then (0 without one)."""
+        if script.clock is None:
+            await asyncio.sleep(delay_s)
+            return 0
+        script.clock.advance(delay_s)
+        return script.clock.num_reads
+
     async def stream(body: dict, is_chat: bool) -> AsyncIterator[str]:
         def content_chunk(text: str) -> dict:
             choice = {"index": 0, "delta": {"content": text}} if is_chat else {"index": 0, "text": text}
@@ -68,11 +84,11 @@ def build_app(script: Script, state: ServerState) -> FastAPI:
                     ]
                 }
             )
-            await asyncio.sleep(script.ttft_s)
-            yield _sse(content_chunk("first"))
-            for gap in script.gaps_s:
-                await asyncio.sleep(gap)
-                yield _sse(content_chunk(" next"))
+            for index, delay in enumerate((script.ttft_s, *script.gaps_s)):
+                num_reads = await wait(delay)
+                yield _sse(content_chunk(" next" if index else "first"))
+                if script.clock is not None:
+                    await script.clock.wait_for_read_after(num_reads)
             num_tokens = (len(script.gaps_s) + 1) * script.tokens_per_chunk
             yield _sse({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": num_tokens}})
             yield _sse("[DONE]")

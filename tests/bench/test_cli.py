@@ -124,8 +124,9 @@ def test_serve_verb_writes_a_result_and_plots(server, tmp_path, capsys):
     result = json.loads(result_file.read_text())
     summary = result["summary"]
     assert summary["num_completed"] == 6 and summary["num_failed"] == 0
-    assert summary["ttft_ms"]["median"] == pytest.approx(80, abs=25)
-    assert summary["tpot_ms"]["median"] == pytest.approx(20, abs=25)
+    # The server sleeps 80 ms before every first token, so no TTFT is shorter however busy the
+    # machine (tests/bench/test_serve_client.py checks the exact timings on a scripted clock).
+    assert summary["ttft_ms"]["median"] >= 80 and summary["tpot_ms"]["median"] > 0
     assert summary["goodput"] == 0.0  # every TTFT misses the 60 ms target
     assert result["load"]["request_rate"] == 50.0 and len(result["requests"]) == 6
     assert len(list(tmp_path.glob("serve-shared-prefix-*.png"))) == 3

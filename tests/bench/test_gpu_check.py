@@ -54,13 +54,20 @@ def test_exit_status_fails_where_claimed_batch_invariance_moved_a_bit():
     plain = {"engine": "plain", "claimed": False, "must_claim": False, "same_bits_beside_others": False}
     assert gpu_check.exit_status([_result(0, 0.1)], [held, plain]) == 0
     assert gpu_check.exit_status([_result(0, 0.1)], [moved, plain]) == 1
-    assert gpu_check.exit_status([_result(0, 0.1)], [held | {"claimed": False}, plain]) == 1  # CUDA must claim
-    assert gpu_check.exit_status([_result(0, 0.1)], [held | {"claimed": False, "must_claim": False}, plain]) == 0
+    assert (
+        gpu_check.exit_status([_result(0, 0.1)], [held | {"claimed": False}, plain]) == 1
+    )  # CUDA must claim
+    assert (
+        gpu_check.exit_status([_result(0, 0.1)], [held | {"claimed": False, "must_claim": False}, plain]) == 0
+    )
 
 
 def test_ttft_targets_read_as_the_device_check_states_them():
     assert gpu_check.ttft_target(gpu_check.LLAMA2_7B, 128, floor_s=0.002) == (0.005, "<= 5 ms")
-    assert gpu_check.ttft_target(gpu_check.LLAMA2_7B, 512, floor_s=0.01) == (pytest.approx(0.013), "<= 1.3x floor")
+    assert gpu_check.ttft_target(gpu_check.LLAMA2_7B, 512, floor_s=0.01) == (
+        pytest.approx(0.013),
+        "<= 1.3x floor",
+    )
     assert gpu_check.ttft_target(gpu_check.SMOLLM2_135M, 512, floor_s=1e-4) == (0.003, "<= 3 ms")
     assert gpu_check.ttft_target(gpu_check.TINY_MHA, 64, floor_s=1e-4) == (None, "-")
     assert gpu_check.ttft_lengths(gpu_check.SMOLLM2_135M, gpu_check.FULL_PLAN) == [128, 512, 2048]
@@ -75,6 +82,7 @@ def test_forward_flops_of_the_7b_shape():
     assert gpu_check.leading_matches([1, 2, 3], [1, 2, 4]) == 2
 
 
+@pytest.mark.engine  # a subprocess that builds engines on tiny shapes
 def test_cpu_smoke_run_prints_the_tables_and_passes(tmp_path):
     results_file = tmp_path / "results.json"
     script = os.path.join(REPO, "bench", "gpu_check.py")

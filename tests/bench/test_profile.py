@@ -151,4 +151,7 @@ def test_with_auto_chunks_the_report_shows_the_chunks_under_load():
     result = ProfileResult(2048, summarize([1.0]), summarize([1.0]), [stages], plans)
     report = format_report(result, input_len=2048)
     assert "chunk_size auto" in report and " + ".join(map(str, plans[8].chunk_tokens)) in report
-    assert json.loads(format_json(result, input_len=2048))["auto_chunk_plans"]["8"]["chunk_tokens"] == plans[8].chunk_tokens
+    assert (
+        json.loads(format_json(result, input_len=2048))["auto_chunk_plans"]["8"]["chunk_tokens"]
+        == plans[8].chunk_tokens
+    )

@@ -1,4 +1,8 @@
-"""The serving client against a fake server with scripted delays: the timings come back exactly."""
+"""The serving client against a fake server with scripted delays: the timings come back exactly.
+
+The delays move a scripted clock the client reads too, so no result depends on how busy the
+machine is; the concurrency cap is shown by counting the requests the server has in flight.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +13,50 @@ import math
 import pytest
 
 from firsttoken.bench.datasets import BenchPrompt
-from firsttoken.bench.serve_client import CHAT_COMPLETIONS, LoadShape, ServeTarget, arrival_offsets, run_load
+from firsttoken.bench.serve_client import (
+    CHAT_COMPLETIONS,
+    SYSTEM_CLOCK,
+    Clock,
+    LoadShape,
+    ServeTarget,
+    arrival_offsets,
+    run_load,
+)
 from tests.bench.fake_openai_server import MODEL_NAME, Script, serve_in_thread
+from tests.bench.scripted_clock import ScriptedClock
 
-# Timer resolution plus event-loop, HTTP and scheduling jitter on a busy 2-core machine. The
-# scripted delays are at least 40 ms apart, so a chunk counted in the wrong place still fails.
-TOLERANCE_S = 0.025
-SCRIPT = Script(ttft_s=0.300, gaps_s=(0.060, 0.180, 0.020, 0.120))
+# Distinct delays: a chunk stamped in the wrong place gives a different list.
+TTFT_S, GAPS_S = 0.300, (0.060, 0.180, 0.020, 0.120)
+# One request at a time: the scripted clock is shared by every request in flight.
+ONE_AT_A_TIME = LoadShape(max_concurrency=1)
+
+
+def _scripted_server(ttft_s: float, gaps_s: tuple[float, ...], tokens_per_chunk: int = 1):
+    clock = ScriptedClock()
+    script = Script(ttft_s=ttft_s, gaps_s=gaps_s, tokens_per_chunk=tokens_per_chunk, clock=clock)
+    for server in serve_in_thread(script):
+        yield server, clock
 
 
 @pytest.fixture(scope="module")
 def server():
-    yield from serve_in_thread(SCRIPT)
+    """Real sleeps: for what does not depend on timing."""
+    yield from serve_in_thread(Script(ttft_s=0.020, gaps_s=(0.010, 0.010)))
+
+
+@pytest.fixture(scope="module")
+def scripted_server():
+    yield from _scripted_server(TTFT_S, GAPS_S)
 
 
 @pytest.fixture(scope="module")
 def batched_server():
-    yield from serve_in_thread(Script(ttft_s=0.100, gaps_s=(0.050, 0.050), tokens_per_chunk=2))
+    yield from _scripted_server(0.100, (0.050, 0.050), tokens_per_chunk=2)
+
+
+@pytest.fixture(scope="module")
+def instant_server():
+    yield from _scripted_server(0.0, ())
 
 
 @pytest.fixture(scope="module")
@@ -37,23 +68,31 @@ def _prompts(count: int, max_tokens: int = 5) -> list[BenchPrompt]:
     return [BenchPrompt(f"prompt {index}", 3, max_tokens) for index in range(count)]
 
 
-def _run(base_url: str, prompts: list[BenchPrompt], shape: LoadShape | None = None, **target_options):
+def _run(
+    base_url: str,
+    prompts: list[BenchPrompt],
+    shape: LoadShape | None = None,
+    clock: Clock = SYSTEM_CLOCK,
+    **target_options,
+):
     target = ServeTarget(base_url, **target_options)
-    return asyncio.run(run_load(target, shape or LoadShape(), prompts, show_progress=False))
+    return asyncio.run(run_load(target, shape or LoadShape(), prompts, show_progress=False, clock=clock))
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", CHAT_COMPLETIONS])
-def test_ttft_itl_and_tpot_are_the_scripted_delays(server, endpoint):
-    run = _run(server.base_url, _prompts(3), endpoint=endpoint)
+def test_ttft_itl_and_tpot_are_the_scripted_delays(scripted_server, endpoint):
+    server, clock = scripted_server
+    run = _run(server.base_url, _prompts(3), ONE_AT_A_TIME, clock, endpoint=endpoint)
     assert run.model == MODEL_NAME
     for record in run.records:
         assert record.success, record.error
-        assert record.ttft_s == pytest.approx(SCRIPT.ttft_s, abs=TOLERANCE_S)
-        assert record.itl_s == pytest.approx(list(SCRIPT.gaps_s), abs=TOLERANCE_S)
-        assert record.num_output_tokens == len(SCRIPT.gaps_s) + 1
+        assert record.ttft_s == pytest.approx(TTFT_S)
+        assert record.itl_s == pytest.approx(list(GAPS_S))
+        assert record.num_output_tokens == len(GAPS_S) + 1
         assert record.num_prompt_tokens == 7  # the server's usage wins over the client's estimate
-        assert record.tpot_s == pytest.approx(sum(SCRIPT.gaps_s) / len(SCRIPT.gaps_s), abs=TOLERANCE_S)
+        assert record.tpot_s == pytest.approx(sum(GAPS_S) / len(GAPS_S))
         assert record.latency_s == pytest.approx(record.ttft_s + sum(record.itl_s))
+    assert run.duration_s == pytest.approx(3 * (TTFT_S + sum(GAPS_S)))
 
 
 def test_request_bodies_stream_with_usage(server):
@@ -65,26 +104,26 @@ def test_request_bodies_stream_with_usage(server):
 
 
 def test_tpot_counts_the_tokens_usage_reports_not_the_chunks(batched_server):
-    (record,) = _run(batched_server.base_url, _prompts(1)).records
+    server, clock = batched_server
+    (record,) = _run(server.base_url, _prompts(1), ONE_AT_A_TIME, clock).records
     assert record.num_output_tokens == 6
-    assert record.tpot_s == pytest.approx((0.050 + 0.050) / 5, abs=TOLERANCE_S)
+    assert record.tpot_s == pytest.approx((0.050 + 0.050) / 5)
 
 
 def test_max_concurrency_caps_requests_in_flight(server):
     server.state.max_in_flight = 0
     run = _run(server.base_url, _prompts(6), LoadShape(max_concurrency=2))
     assert all(record.success for record in run.records)
+    # All six leave at once: the cap, not the arrivals, holds the last four back.
     assert server.state.max_in_flight == 2
-    # Three waves of two requests: the last ones wait for two earlier replies.
-    one_reply = SCRIPT.ttft_s + sum(SCRIPT.gaps_s)
-    assert run.duration_s == pytest.approx(3 * one_reply, abs=0.15)
 
 
-def test_requests_leave_at_their_poisson_arrival_times(server):
+def test_requests_leave_at_their_poisson_arrival_times(instant_server):
+    server, clock = instant_server
     shape = LoadShape(request_rate=10.0, seed=3)
-    run = _run(server.base_url, _prompts(5), shape)
+    run = _run(server.base_url, _prompts(5), shape, clock)
     offsets = arrival_offsets(5, shape.request_rate, shape.seed)
-    assert [record.start_s for record in run.records] == pytest.approx(offsets, abs=TOLERANCE_S)
+    assert [record.start_s for record in run.records] == pytest.approx(offsets)
 
 
 def test_arrival_offsets_are_a_seeded_poisson_process():

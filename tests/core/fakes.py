@@ -18,7 +18,9 @@ def make_request(
     prompt: list[int] | None = None,
     sampling_params: SamplingParams | None = None,
 ) -> Request:
-    prompt_token_ids = prompt if prompt is not None else list(range(first_token, first_token + num_prompt_tokens))
+    prompt_token_ids = (
+        prompt if prompt is not None else list(range(first_token, first_token + num_prompt_tokens))
+    )
     return Request(
         req_id=req_id,
         prompt_token_ids=prompt_token_ids,

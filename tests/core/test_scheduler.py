@@ -30,7 +30,9 @@ def make_scheduler(
     max_waiting: int | None = None,
 ) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched, max_waiting_requests=max_waiting),
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched, max_waiting_requests=max_waiting
+        ),
         ChunkedPrefillConfig(enable=enable_chunking, chunk_size=chunk_size, aging_steps=aging_steps),
         KVCacheManager(num_blocks, BLOCK, enable_caching=caching),
         max_model_len,
@@ -75,7 +77,9 @@ def test_running_decodes_get_a_token_every_step_while_a_long_prompt_prefills():
 def test_token_budget_is_never_exceeded():
     scheduler = make_scheduler(chunk_size=24, max_batched=32, max_num_seqs=8)
     for index in range(12):
-        scheduler.add_request(make_request(f"r{index}", 7 + 11 * index, max_tokens=9, first_token=100 * index))
+        scheduler.add_request(
+            make_request(f"r{index}", 7 + 11 * index, max_tokens=9, first_token=100 * index)
+        )
     for output, token_budget in _steps_with_their_token_budgets(scheduler):
         assert output.num_tokens <= token_budget <= 32
         assert len(output.chunks) <= 8
@@ -87,7 +91,9 @@ def _steps_with_their_token_budgets(scheduler):
     while scheduler.has_unfinished_requests():
         running_decodes = sum(1 for r in scheduler.running if r.num_uncomputed_tokens == 1)
         output = step(scheduler)
-        token_budget = min(scheduler.config.max_num_batched_tokens, running_decodes + scheduler.stats.last_prefill_budget)
+        token_budget = min(
+            scheduler.config.max_num_batched_tokens, running_decodes + scheduler.stats.last_prefill_budget
+        )
         steps.append((output, token_budget))
     return steps
 
@@ -111,7 +117,9 @@ def _step_with_a_new_short_prompt(scheduler, index):
 
 def test_aging_bounds_the_wait_of_a_long_prompt_under_a_flood_of_short_ones():
     aging = 6
-    scheduler = make_scheduler(num_blocks=256, chunk_size=8, max_batched=64, aging_steps=aging, max_num_seqs=8)
+    scheduler = make_scheduler(
+        num_blocks=256, chunk_size=8, max_batched=64, aging_steps=aging, max_num_seqs=8
+    )
     scheduler.add_request(make_request("long", 400, max_tokens=1, first_token=5000))
     waited_steps = 0
     for index in range(200):
@@ -128,7 +136,9 @@ def test_aging_bounds_the_wait_of_a_long_prompt_under_a_flood_of_short_ones():
 def test_an_aged_prompt_shares_steps_with_short_ones():
     """Aging stops a long prompt starving; it does not hand it every step's budget."""
     aging = 4
-    scheduler = make_scheduler(num_blocks=512, chunk_size=8, max_batched=64, aging_steps=aging, max_num_seqs=8)
+    scheduler = make_scheduler(
+        num_blocks=512, chunk_size=8, max_batched=64, aging_steps=aging, max_num_seqs=8
+    )
     scheduler.add_request(make_request("long", 800, max_tokens=1, first_token=5000))
     steps_with_long = 0
     for index in range(40):

@@ -99,7 +99,9 @@ def test_speculates_only_without_waiting_prefills_and_within_the_seq_limit():
     output = model_step(scheduler, lambda req_id, position: 9)
     assert all(chunk.num_draft_tokens == 0 for chunk in output.chunks)  # b was waiting
     output = model_step(scheduler, lambda req_id, position: 9)
-    assert len(output.chunks) == 2 and all(chunk.num_draft_tokens == 0 for chunk in output.chunks)  # two decodes > 1
+    assert len(output.chunks) == 2 and all(
+        chunk.num_draft_tokens == 0 for chunk in output.chunks
+    )  # two decodes > 1
 
 
 def test_proposals_never_preempt_and_take_only_free_blocks():
@@ -122,13 +124,17 @@ def test_a_constrained_request_never_speculates_and_its_grammar_reaches_the_samp
     step that first schedules it hands its (here stand-in) compiled grammar to the sampler."""
     scheduler = make_scheduler(proposal=[1, 2], max_speculating=8)
     grammar = object()
-    constrained = SamplingParams(max_tokens=10, temperature=0, structured_output=StructuredOutput(json_object=True))
+    constrained = SamplingParams(
+        max_tokens=10, temperature=0, structured_output=StructuredOutput(json_object=True)
+    )
     request = make_request("json", 4, sampling_params=constrained)
     request.grammar = grammar
     scheduler.add_request(request)
     scheduler.add_request(make_request("free", 4, max_tokens=10, first_token=300))
     first = model_step(scheduler, lambda req_id, position: 9)
-    assert [(tracked.req_id, tracked.grammar) for tracked in first.new_tracked_requests] == [("json", grammar)]
+    assert [(tracked.req_id, tracked.grammar) for tracked in first.new_tracked_requests] == [
+        ("json", grammar)
+    ]
     for _ in range(3):
         output = model_step(scheduler, lambda req_id, position: 9)
         drafts = {chunk.req_id: chunk.num_draft_tokens for chunk in output.chunks}

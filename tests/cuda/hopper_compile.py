@@ -24,18 +24,36 @@ def _compile(kernel, signature: dict[str, str], constexprs: dict[str, object]):
 
 def compile_matmul():
     tiles = triton_matmul.matmul_tiles(576, 576, torch.bfloat16)
-    signature = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "num_rows": "i32"}
+    signature = {
+        "x_ptr": "*bf16",
+        "weight_ptr": "*bf16",
+        "bias_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        "num_rows": "i32",
+    }
     constexprs = {
-        "N": 576, "K": 576, "BLOCK_M": triton_matmul.BLOCK_M, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k,
-        "HAS_BIAS": True, "DOT_PRECISION": "tf32",
+        "N": 576,
+        "K": 576,
+        "BLOCK_M": triton_matmul.BLOCK_M,
+        "BLOCK_N": tiles.block_n,
+        "BLOCK_K": tiles.block_k,
+        "HAS_BIAS": True,
+        "DOT_PRECISION": "tf32",
     }
     return _compile(triton_matmul._matmul_kernel, signature, constexprs)
 
 
 def compile_attention():
     strides = [
-        "stride_query_token", "stride_query_head", "stride_output_token", "stride_output_head", "stride_cache_kv",
-        "stride_cache_block", "stride_cache_offset", "stride_cache_head", "stride_table_seq",
+        "stride_query_token",
+        "stride_query_head",
+        "stride_output_token",
+        "stride_output_head",
+        "stride_cache_kv",
+        "stride_cache_block",
+        "stride_cache_offset",
+        "stride_cache_head",
+        "stride_table_seq",
     ]
     signature = {
         "output_ptr": "*bf16", "query_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32",

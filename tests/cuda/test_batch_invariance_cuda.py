@@ -47,12 +47,18 @@ class InvariantRunner:
             device, TINY_ARCH.num_heads, TINY_ARCH.num_kv_heads,
             paged_prefills=batch_invariant, decodes_as_chunks=batch_invariant,
         )
-        model = random_model(backend, torch.bfloat16, device, kernels=Kernels(fused=True, triton_ops=triton_ops))
+        model = random_model(
+            backend, torch.bfloat16, device, kernels=Kernels(fused=True, triton_ops=triton_ops)
+        )
         model.prepare_projections(None, False, False, batch_invariant=batch_invariant, triton_matmuls=True)
         # One block past the manager's: the graphs' padding writes only there.
-        model.bind_kv_caches(allocate_kv_caches(TINY_ARCH, NUM_BLOCKS + 1, BLOCK_SIZE, torch.bfloat16, device))
+        model.bind_kv_caches(
+            allocate_kv_caches(TINY_ARCH, NUM_BLOCKS + 1, BLOCK_SIZE, torch.bfloat16, device)
+        )
         self.model = model
-        self.runner = ModelRunner(model, backend, Sampler(0, device, TINY_ARCH.vocab_size), BLOCK_SIZE, device)
+        self.runner = ModelRunner(
+            model, backend, Sampler(0, device, TINY_ARCH.vocab_size), BLOCK_SIZE, device
+        )
         self.capture = EagerCapture()
         if graphs:
             self.runner.capture_graphs(16, TINY_ARCH.max_position_embeddings, 256, NUM_BLOCKS, self.capture)
@@ -81,7 +87,12 @@ class InvariantRunner:
 
 
 def _chunk(
-    req_id: str, token_ids: list[int], start: int, block_table: list[int], sample: bool = True, prefill: bool = True
+    req_id: str,
+    token_ids: list[int],
+    start: int,
+    block_table: list[int],
+    sample: bool = True,
+    prefill: bool = True,
 ) -> ScheduledChunk:
     spec = SampleSpec(GREEDY, 0, req_id) if sample else None
     return ScheduledChunk(req_id, token_ids, start, block_table, spec, prefill=prefill)
@@ -97,7 +108,9 @@ def _prefill(runner: InvariantRunner, req_id: str, token_ids: list[int], chunk_s
     table = runner.blocks(len(token_ids) + 1)
     for start in range(0, len(token_ids), chunk_size):
         end = min(start + chunk_size, len(token_ids))
-        logits = runner.step([_chunk(req_id, token_ids[start:end], start, table, sample=end == len(token_ids))])
+        logits = runner.step(
+            [_chunk(req_id, token_ids[start:end], start, table, sample=end == len(token_ids))]
+        )
     return logits[req_id]
 
 
@@ -134,7 +147,9 @@ def test_beside_other_prompts_and_decodes_the_logits_are_the_same_bits(invariant
     decoding = others[: num_others // 2]  # these run their first decode beside the prompt
     tables = {f"other-{i}": invariant.blocks(len(prompt) + 2) for i, prompt in enumerate(others)}
     if decoding:
-        invariant.step([_chunk(f"other-{i}", prompt, 0, tables[f"other-{i}"]) for i, prompt in enumerate(decoding)])
+        invariant.step(
+            [_chunk(f"other-{i}", prompt, 0, tables[f"other-{i}"]) for i, prompt in enumerate(decoding)]
+        )
     chunks = [_chunk("target", PROMPT, 0, invariant.blocks(len(PROMPT)))]
     for i, prompt in enumerate(others):
         if i < len(decoding):
@@ -167,13 +182,17 @@ def test_a_decode_row_is_the_bits_of_the_same_token_recomputed_as_a_prefill_row(
     table = invariant.blocks(len(PROMPT) + 4)
     neighbour = _other_prompts(1, seed=99)[0]
     neighbour_table = invariant.blocks(len(neighbour) + 4)
-    step = invariant.step([_chunk("decoding", token_ids, 0, table), _chunk("neighbour", neighbour, 0, neighbour_table)])
+    step = invariant.step(
+        [_chunk("decoding", token_ids, 0, table), _chunk("neighbour", neighbour, 0, neighbour_table)]
+    )
     decoded = []
     replays = invariant.capture.num_replays
     for _ in range(3):
         token_ids.append(int(step["decoding"].argmax()))
         neighbour.append(7)
-        step = invariant.step([_decode("decoding", token_ids, table), _decode("neighbour", neighbour, neighbour_table)])
+        step = invariant.step(
+            [_decode("decoding", token_ids, table), _decode("neighbour", neighbour, neighbour_table)]
+        )
         decoded.append(step["decoding"])
     assert invariant.capture.num_replays - replays == (3 if invariant.runner.decode_graphs is not None else 0)
     recomputed = _prefill(invariant, "recomputed", token_ids, len(token_ids))
@@ -195,4 +214,6 @@ def test_without_batch_invariance_the_old_kernels_run(device):
     layout_step = [_chunk("fresh", PROMPT, 0, plain.blocks(len(PROMPT)))]
     step = build_host_step(layout_step, BLOCK_SIZE)
     metadata = backend.build_metadata(step.layout, torch.from_numpy(step.slot_mapping).to(device))
-    assert metadata.chunks is None and [prefill.num_tokens for prefill in metadata.fresh_prefills] == [len(PROMPT)]
+    assert metadata.chunks is None and [prefill.num_tokens for prefill in metadata.fresh_prefills] == [
+        len(PROMPT)
+    ]

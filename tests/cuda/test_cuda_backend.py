@@ -84,5 +84,7 @@ def test_selector_picks_by_device_and_refuses_mismatches():
 @pytest.mark.parametrize("batch_invariant", [False, True])
 def test_batch_invariance_sends_every_row_through_the_chunk_kernels_tiles(batch_invariant):
     heads = (TINY_ARCH.num_heads, TINY_ARCH.num_kv_heads)
-    backend = select_attention_backend(AttentionConfig(), torch.device("cuda"), *heads, batch_invariant=batch_invariant)
+    backend = select_attention_backend(
+        AttentionConfig(), torch.device("cuda"), *heads, batch_invariant=batch_invariant
+    )
     assert backend.paged_prefills == backend.decodes_as_chunks == batch_invariant

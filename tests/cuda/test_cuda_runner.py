@@ -183,6 +183,8 @@ def test_a_mixed_step_pads_to_the_next_token_count_and_writes_only_its_slots(dev
     assert tiles[:4].tolist() == [[0, 0, 5, 1], [1, 1, 2, 1], [2, 2, 0, 9], [3, 11, 10, 6]]
     assert tiles[4:].abs().sum() == 0
     for cache, reference_cache in zip(caches, reference_caches):
-        torch.testing.assert_close(cache[:, :NUM_BLOCKS], reference_cache[:, :NUM_BLOCKS], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            cache[:, :NUM_BLOCKS], reference_cache[:, :NUM_BLOCKS], atol=1e-5, rtol=1e-5
+        )
         written = cache[0, NUM_BLOCKS].abs().sum((-2, -1)).nonzero().flatten()
         assert written.tolist() == [0]  # every padding token at the scratch block's first slot

@@ -11,7 +11,8 @@ import torch
 from firsttoken import LLM, SamplingParams
 from firsttoken.core.batch import SampleSpec, ScheduledChunk
 from firsttoken.worker.step_inputs import build_host_step
-from tests.model.tiny_models import save_hf_folder, tiny_hf_model
+from tests.engine_state import tracked_requests
+from tests.models.tiny_models import save_hf_folder, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -36,12 +37,19 @@ def test_cuda_engine_gives_the_cpu_engines_greedy_tokens_with_and_without_graphs
     )
     for cuda_graphs, max_graph_tokens in ((True, 2048), (True, 0), (False, 2048)):
         llm = LLM(
-            tiny_folder, device="cuda", cuda_graphs=cuda_graphs, cuda_graph_max_tokens=max_graph_tokens, **OPTIONS
+            tiny_folder,
+            device="cuda",
+            cuda_graphs=cuda_graphs,
+            cuda_graph_max_tokens=max_graph_tokens,
+            **OPTIONS,
         )
         assert llm.engine.worker.kv_caches[0].device.type == "cuda"
         assert (llm.engine.worker.runner.step_graphs is not None) == (cuda_graphs and max_graph_tokens > 0)
         outputs = llm.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY)
-        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected], (cuda_graphs, max_graph_tokens)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in expected], (
+            cuda_graphs,
+            max_graph_tokens,
+        )
 
 
 def test_cuda_defaults_to_bfloat16_and_sizes_the_cache_from_free_memory(tiny_folder):
@@ -98,7 +106,7 @@ def test_cuda_engine_gives_the_cpu_engines_processed_greedy_tokens(tiny_folder):
     llm = LLM(tiny_folder, device="cuda", **OPTIONS)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=PROCESSED)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
-    assert llm.engine.worker.runner.sampler.tracked.requests == {}
+    assert tracked_requests(llm) == {}
 
 
 def test_logits_processors_on_the_gpu_equal_the_cpus():

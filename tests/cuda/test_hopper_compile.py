@@ -17,7 +17,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_the_kernels_compile_for_hopper_and_the_matmul_runs_on_wgmma():
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     completed = subprocess.run(
-        [sys.executable, "-m", "tests.cuda.hopper_compile"], capture_output=True, text=True, timeout=300, cwd=REPO,
+        [sys.executable, "-m", "tests.cuda.hopper_compile"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
         env=env | {"PYTHONPATH": REPO},
     )
     assert completed.returncode == 0, completed.stderr

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from firsttoken import LLM, SamplingParams
 from firsttoken.config import ParallelConfig
 from firsttoken.worker.tensor_parallel import RankGroup, local_init_method
-from tests.model.tiny_models import save_hf_folder, tiny_hf_model
+from tests.models.tiny_models import save_hf_folder, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs a CUDA device and NCCL"
@@ -35,7 +35,9 @@ def test_an_nccl_rank_group_of_one_gpu_reduces_and_gathers():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_gpus_give_one_gpus_greedy_tokens(tmp_path):
     folder = save_hf_folder(tiny_hf_model("llama"), str(tmp_path / "tiny-llama"))
-    options = dict(device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20, chunk_size=32, max_num_seqs=8)
+    options = dict(
+        device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20, chunk_size=32, max_num_seqs=8
+    )
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
     expected = [output.token_ids for output in LLM(folder, **options).generate(prompts, greedy)]

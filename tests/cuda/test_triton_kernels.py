@@ -162,8 +162,12 @@ def test_a_tokens_attention_is_the_same_bits_in_any_chunk_and_as_a_decode(
         output = torch.full_like(inputs.query, float("nan"))
         chunks = [(start, context + start, end - start) for start, end in zip(cuts, cuts[1:])]
         for chunk in chunks:  # one launch per chunk, as steps of a chunked prefill
-            tiles = torch.tensor(chunk_tiles([chunk], prefill_tile_shape(group).query_tokens), dtype=torch.int32)
-            paged_chunk_attention(output, inputs.query, inputs.kv_cache, ChunkQueries(block_tables, tiles.to(device)))
+            tiles = torch.tensor(
+                chunk_tiles([chunk], prefill_tile_shape(group).query_tokens), dtype=torch.int32
+            )
+            paged_chunk_attention(
+                output, inputs.query, inputs.kv_cache, ChunkQueries(block_tables, tiles.to(device))
+            )
         return output
 
     whole = as_chunks([0, num_new])

@@ -25,13 +25,17 @@ ROW_COUNTS = [1, 2, 3, 7, 16, 33, 64, 65, 130]
 def _inputs(rows: int, out_features: int, in_features: int, dtype: torch.dtype, device, bias: bool):
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=generator).to(dtype).to(device)
-    weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype).to(device)
+    weight = (
+        (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype).to(device)
+    )
     bias_ = torch.randn(out_features, generator=generator).to(dtype).to(device) if bias else None
     return x, weight, bias_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("out_features,in_features,bias", [(96, 64, False), (200, 80, True), (40, 576, False)])
+@pytest.mark.parametrize(
+    "out_features,in_features,bias", [(96, 64, False), (200, 80, True), (40, 576, False)]
+)
 def test_row_invariant_matmul_is_close_to_torch(dtype, out_features, in_features, bias, device):
     x, weight, bias_ = _inputs(37, out_features, in_features, dtype, device, bias)
     out = row_invariant_matmul(x, weight, bias_)

@@ -33,7 +33,8 @@ def test_without_replica_flags_serve_stays_single_process():
 
 @pytest.mark.parametrize(
     ("options", "field"),
-    [({"num_replicas": 0}, "replicas"), ({"router": "random"}, "router"), ({"imbalance_bound": -1}, "imbalance_bound"),
+    [({"num_replicas": 0}, "replicas"), ({"router": "random"}, "router"),
+     ({"imbalance_bound": -1}, "imbalance_bound"),
      ({"min_replicas": 1}, "max_replicas"), ({"max_routing_blocks": 0}, "max_routing_blocks")],
 )  # fmt: skip
 def test_bad_settings_name_the_field(options, field):
@@ -64,7 +65,9 @@ def test_the_engine_deployment_options_pass_autoscaling_and_the_router_through()
     assert fixed["request_router_config"].get_request_router_class() is PrefixAwareRouter
 
     scaled = engine_deployment_options(
-        ReplicasConfig(num_replicas=2, min_replicas=1, max_replicas=4, target_ongoing_requests=8, router="pow2")
+        ReplicasConfig(
+            num_replicas=2, min_replicas=1, max_replicas=4, target_ongoing_requests=8, router="pow2"
+        )
     )
     assert "num_replicas" not in scaled and "request_router_config" not in scaled
     autoscaling = scaled["autoscaling_config"]

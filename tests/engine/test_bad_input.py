@@ -10,12 +10,7 @@ import pytest
 from firsttoken import LLM, SamplingParams
 from firsttoken.config import CacheConfig, ChunkedPrefillConfig, EngineConfig, SchedulerConfig
 from firsttoken.engine import InvalidInputError
-
-
-def _all_blocks_free(llm: LLM) -> bool:
-    stats = llm.stats()
-    return stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0 and stats.num_waiting == 0
-
+from tests.engine_state import all_blocks_free
 
 BAD_SAMPLING_PARAMS = [
     (dict(max_tokens=0), "max_tokens"),
@@ -81,21 +76,21 @@ def test_empty_prompts_are_refused(llm):
         llm.generate([""])
     with pytest.raises(ValueError, match="prompt_token_ids\\[0\\]"):
         llm.generate(prompt_token_ids=[[]])
-    assert _all_blocks_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_prompt_plus_max_tokens_over_max_model_len(model_path):
     llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=64 << 20, chunk_size=64, max_model_len=64)
     with pytest.raises(ValueError, match=r"max_tokens: .*longer than max_model_len \(64\)"):
         llm.generate(["word " * 40], SamplingParams(max_tokens=30))
-    assert _all_blocks_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_a_bad_request_in_a_batch_leaves_nothing_queued(model_path):
     llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=64 << 20, chunk_size=64, max_model_len=64)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(["hello", "hi", "word " * 80], SamplingParams(max_tokens=4))
-    assert _all_blocks_free(llm)
+    assert all_blocks_free(llm)
     (output,) = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4))
     assert len(output.token_ids) >= 1
 
@@ -111,7 +106,7 @@ def test_sampling_token_ids_outside_the_vocabulary_are_refused(llm, params, fiel
     with pytest.raises(InvalidInputError, match=rf"^{field}: .*the vocabulary has 49152 tokens") as raised:
         llm.generate(["hello", "hi"], [SamplingParams(max_tokens=2), params])
     assert raised.value.field == field
-    assert _all_blocks_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_out_of_vocabulary_token_ids(llm):
@@ -119,7 +114,7 @@ def test_out_of_vocabulary_token_ids(llm):
         llm.generate(prompt_token_ids=[[1, 2, 49152]])
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate(prompt_token_ids=[[-1]])
-    assert _all_blocks_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_unknown_model_path():

@@ -30,7 +30,8 @@ def _other_prompts(count: int, seed: int) -> list[str]:
 
 def _bits(output) -> tuple:
     return tuple(output.token_ids), tuple(
-        (entry.logprob, tuple((alt.token_id, alt.logprob) for alt in entry.top_logprobs)) for entry in output.logprobs
+        (entry.logprob, tuple((alt.token_id, alt.logprob) for alt in entry.top_logprobs))
+        for entry in output.logprobs
     )
 
 
@@ -84,7 +85,9 @@ def test_after_a_prefix_cache_hit_every_bit_is_the_same(engine_options, alone):
 
 
 @pytest.mark.parametrize("extra_tokens", [0, 1])
-def test_a_hit_on_whole_blocks_recomputes_the_last_token_as_a_prefill(invariant_llm, engine_options, extra_tokens):
+def test_a_hit_on_whole_blocks_recomputes_the_last_token_as_a_prefill(
+    invariant_llm, engine_options, extra_tokens
+):
     """A prompt of whole cached blocks recomputes only its last token (to sample from it), and
     one block and a token leaves one new token: either way a one-token prefill chunk."""
     block_size = invariant_llm.engine.config.cache.block_size
@@ -113,8 +116,12 @@ def test_quantized_weights_claim_no_invariance(engine_options):
 
 
 def test_seeded_sampling_draws_the_same_tokens_beside_other_requests(invariant_llm):
-    seeded = [SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=40 + i, max_tokens=24, ignore_eos=True,
-                             logprobs=1) for i in range(len(PROMPTS))]
+    seeded = [
+        SamplingParams(
+            temperature=0.9, top_p=0.95, top_k=50, seed=40 + i, max_tokens=24, ignore_eos=True, logprobs=1
+        )
+        for i in range(len(PROMPTS))
+    ]
     alone = [_bits(invariant_llm.generate([prompt], params)[0]) for prompt, params in zip(PROMPTS, seeded)]
     others = _other_prompts(7, seed=99)
     unseeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
@@ -136,7 +143,9 @@ def test_after_preemption_and_recompute_every_bit_is_the_same(invariant_llm, eng
     assert [_bits(output) for output in outputs] == others_alone + alone
 
 
-def test_a_prompt_on_blocks_a_decode_step_wrote_gets_every_bit_of_a_cold_prefill(invariant_llm, engine_options):
+def test_a_prompt_on_blocks_a_decode_step_wrote_gets_every_bit_of_a_cold_prefill(
+    invariant_llm, engine_options
+):
     """A follow-up prompt that repeats an answer hits the blocks its decode steps wrote."""
     llm = LLM(**engine_options, enable_prompt_cache=True)
     prompt_ids = llm.tokenizer.encode(PROMPTS[0])

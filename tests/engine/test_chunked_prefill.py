@@ -31,7 +31,8 @@ def unchunked(model_path):
     return _run(model_path, enable_chunked_prefill=False, enable_prompt_cache=False)
 
 
-# Every chunk size with and without the prompt cache, but for unchunked without the cache: the baseline itself.
+# Every chunk size with and without the prompt cache, but for unchunked without the cache:
+# the baseline itself.
 # One-token chunks without the cache (a step per prompt token, ~17 s) are slow; with it they stay.
 CASES = [
     pytest.param(

@@ -16,14 +16,10 @@ from firsttoken.ops.linear import (
     dequantize_int4,
     unpack_int4,
 )
+from tests.engine_state import all_blocks_free
 from tests.prompts import CHAT_CONVERSATION, SHORT_PROMPTS, long_prompt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def _all_blocks_free(llm: LLM) -> bool:
-    stats = llm.stats()
-    return stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0 and stats.num_waiting == 0
 
 
 def _mixed_prompts(llm: LLM, count: int) -> list[list[int]]:
@@ -36,13 +32,15 @@ def _mixed_prompts(llm: LLM, count: int) -> list[list[int]]:
 
 
 def test_batch_of_16_equals_each_prompt_alone(model_path):
-    llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=64, enable_prompt_cache=False)
+    llm = LLM(
+        model_path, dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=64, enable_prompt_cache=False
+    )
     prompts = _mixed_prompts(llm, 16)
     batched = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     for prompt, output in zip(prompts, batched):
         (alone,) = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)
         assert output.token_ids == alone.token_ids
-    assert _all_blocks_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_tiny_kv_budget_preempts_yet_gives_the_same_tokens(model_path):
@@ -52,11 +50,13 @@ def test_tiny_kv_budget_preempts_yet_gives_the_same_tokens(model_path):
     expected = [o.token_ids for o in prompts_llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     # 40 blocks of 16 tokens: far less than the 8 requests need together.
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4
-    small = LLM(model_path, dtype="float32", kv_cache_memory_bytes=40 * block_bytes, chunk_size=64, max_num_seqs=8)
+    small = LLM(
+        model_path, dtype="float32", kv_cache_memory_bytes=40 * block_bytes, chunk_size=64, max_num_seqs=8
+    )
     outputs = small.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outputs] == expected
     assert small.stats().num_preemptions > 0
-    assert _all_blocks_free(small)
+    assert all_blocks_free(small)
 
 
 def test_stream_deltas_add_up_to_the_generated_text(llm):
@@ -73,7 +73,7 @@ def test_closing_a_stream_early_aborts_and_frees_its_blocks(llm):
     stream = llm.stream("Tell me a long story about a dragon.", SamplingParams(temperature=0, max_tokens=200))
     next(stream)
     stream.close()
-    assert _all_blocks_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_text_equals_decoding_the_tokens(llm):
@@ -111,7 +111,7 @@ def test_stop_string_is_cut_from_text_and_ends_request(llm):
     assert stopped.finish_reason == "stop"
     assert stopped.stop_reason == stop_word
     assert stopped.text == full.text[: full.text.index(stop_word)]
-    assert _all_blocks_free(llm)
+    assert all_blocks_free(llm)
     streamed = "".join(d.text for d in llm.stream("Count: one, two, three,", stop))
     assert streamed == stopped.text
 
@@ -142,7 +142,7 @@ def test_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(llm,
         output_text, finish, stop_reason = output.text, output.finish_reason, output.stop_reason
     assert (finish, stop_reason) == ("stop", stop_string)
     assert output_text == text[: text.rindex(stop_string)]
-    assert _all_blocks_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_stop_token_id_as_the_last_allowed_token_finishes_with_stop(llm):
@@ -161,7 +161,9 @@ def test_stop_token_ids_and_eos(llm):
     (stopped,) = llm.generate(["Count: one, two, three,"], params)
     assert stopped.token_ids == full.token_ids[: full.token_ids.index(stop_token) + 1]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_token
-    chat = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=200))
+    chat = llm.chat(
+        [{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=200)
+    )
     assert chat.finish_reason == "stop"
     assert chat.token_ids[-1] in llm.tokenizer.eos_token_ids
 
@@ -206,7 +208,9 @@ def test_fused_ops_give_the_plain_ops_tokens(llm, model_path):
 def test_native_int4_decode_gives_the_per_op_tokens(model_path):
     """The whole-step native decode against the same int4 engine stepping op by op (the same
     int4 kernel; torch's SDPA instead of the native attention), batched and alone."""
-    llm = LLM(model_path, dtype="bfloat16", quantization="int4", kv_cache_memory_bytes=256 << 20, chunk_size=512)
+    llm = LLM(
+        model_path, dtype="bfloat16", quantization="int4", kv_cache_memory_bytes=256 << 20, chunk_size=512
+    )
     native_step = llm.engine.worker.model.native_decode
     if native_step is None:
         pytest.skip("no native int4 decode on this machine (needs a C compiler and AVX512-BF16)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from firsttoken import LLM, SamplingParams
+from tests.engine_state import tracked_requests
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 # Each over one KV block of 16 tokens, so that a second run hits the prefix cache.
@@ -19,10 +20,6 @@ PROMPTS = [
 ]
 
 
-def _tracked_requests(llm: LLM) -> dict:
-    return llm.engine.worker.runner.sampler.tracked.requests
-
-
 def test_a_bad_word_never_appears(llm):
     plain = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=24))
     assert "Paris" in plain.text
@@ -32,7 +29,7 @@ def test_a_bad_word_never_appears(llm):
         length = len(word_token_ids)
         windows = [tuple(banned.token_ids[i : i + length]) for i in range(len(banned.token_ids))]
         assert word_token_ids not in windows
-    assert _tracked_requests(llm) == {}
+    assert tracked_requests(llm) == {}
 
 
 def test_min_tokens_holds_back_the_end(llm):
@@ -105,12 +102,12 @@ def test_chunking_and_preemption_give_the_same_processed_tokens(llm, model_path)
     # Again, now on the prefixes the first run cached.
     assert [output.token_ids for output in small.generate(PROMPTS, MIXED)] == expected
     assert small.stats().prefix_cache_hits > 0
-    assert _tracked_requests(small) == {}
+    assert tracked_requests(small) == {}
 
 
 def test_an_aborted_request_frees_its_token_state(llm):
     stream = llm.stream("Hello", SamplingParams(max_tokens=50, frequency_penalty=1.0, ignore_eos=True))
     next(stream)
-    assert len(_tracked_requests(llm)) == 1
+    assert len(tracked_requests(llm)) == 1
     stream.close()
-    assert _tracked_requests(llm) == {}
+    assert tracked_requests(llm) == {}

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from firsttoken import LLM, SamplingParams
+from tests.engine_state import all_blocks_free
 from tests.prompts import long_prompt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -24,12 +25,6 @@ def _engine(model_path, **options) -> LLM:
     return LLM(model_path, **settings)
 
 
-def _all_blocks_free(llm: LLM) -> bool:
-    stats = llm.stats()
-    pinned_blocks = stats.num_pinned_tokens // llm.config.cache.block_size
-    return stats.num_free_kv_blocks + pinned_blocks == stats.num_kv_blocks and stats.num_running == 0
-
-
 def _workload(llm: LLM) -> list[list[list[int]]]:
     """Rounds of prompts sharing system prompts (ending mid-block and on block edges),
     with exact duplicates of earlier prompts."""
@@ -40,13 +35,20 @@ def _workload(llm: LLM) -> list[list[list[int]]]:
     ]
     prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template(c)) for c in conversations]
     block_aligned = prompts[0][: 4 * llm.config.cache.block_size] + [504, 3575]
-    return [prompts[:6], prompts[3:12] + [block_aligned], prompts[:4] + prompts[10:] + [block_aligned, prompts[0]]]
+    return [
+        prompts[:6],
+        prompts[3:12] + [block_aligned],
+        prompts[:4] + prompts[10:] + [block_aligned, prompts[0]],
+    ]
 
 
 @pytest.fixture(scope="module")
 def uncached_outputs(model_path):
     llm = _engine(model_path, enable_prompt_cache=False)
-    return [[o.token_ids for o in llm.generate(prompt_token_ids=batch, sampling_params=GREEDY)] for batch in _workload(llm)]
+    return [
+        [o.token_ids for o in llm.generate(prompt_token_ids=batch, sampling_params=GREEDY)]
+        for batch in _workload(llm)
+    ]
 
 
 def test_same_tokens_with_the_cache_on_and_off(model_path, uncached_outputs):
@@ -59,7 +61,7 @@ def test_same_tokens_with_the_cache_on_and_off(model_path, uncached_outputs):
     stats = llm.stats()
     assert sum(cached_tokens) == stats.prefix_cache_hits > 0
     assert stats.prefix_cache_queries > stats.prefix_cache_hits
-    assert _all_blocks_free(llm)
+    assert all_blocks_free(llm)
 
 
 def test_shared_512_token_prefix_prefills_only_the_remainder(model_path):
@@ -97,7 +99,7 @@ def test_pinned_prefix_survives_eviction_pressure(model_path):
     output = llm.chat(conversation, GREEDY)
     assert output.num_cached_tokens == pinned.num_tokens
     llm.unpin_prefix(pinned.pin_id)
-    assert _all_blocks_free(llm) and llm.stats().num_pinned_tokens == 0
+    assert all_blocks_free(llm) and llm.stats().num_pinned_tokens == 0
 
 
 def test_pin_needs_a_full_block_and_the_cache(model_path, llm):
@@ -112,7 +114,9 @@ def test_pins_hold_at_most_their_share_of_the_cache(model_path):
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4
     llm = _engine(model_path, kv_cache_memory_bytes=40 * block_bytes, max_pinned_fraction=0.25)
     first = llm.pin_prefix(list(range(100, 100 + 6 * 16)), pin_id="six-blocks")
-    with pytest.raises(ValueError, match=r"^prefix: pinning 6 more KV blocks would make 12 pinned, over the limit of 10"):
+    with pytest.raises(
+        ValueError, match=r"^prefix: pinning 6 more KV blocks would make 12 pinned, over the limit of 10"
+    ):
         llm.pin_prefix(list(range(300, 300 + 6 * 16)), pin_id="six-more")
     assert "six-more" not in llm.engine.pinned
     llm.pin_prefix(list(range(300, 300 + 4 * 16)), pin_id="four-more")  # 10 of 10: at the limit
@@ -135,7 +139,10 @@ def test_reset_frees_every_block(model_path):
 
 def test_persisted_pin_is_restored_and_hits_after_a_restart(model_path, tmp_path):
     folder = str(tmp_path / "prompt-cache")
-    conversation = [{"role": "system", "content": SYSTEM_PROMPTS[2]}, {"role": "user", "content": "Summarize."}]
+    conversation = [
+        {"role": "system", "content": SYSTEM_PROMPTS[2]},
+        {"role": "user", "content": "Summarize."},
+    ]
     first_engine = _engine(model_path, prompt_cache_dir=folder)
     pinned = first_engine.pin_system_prompt(SYSTEM_PROMPTS[2], pin_id="system")
     expected = first_engine.chat(conversation, GREEDY)

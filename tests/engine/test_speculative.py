@@ -10,6 +10,7 @@ import pytest
 from firsttoken import LLM, SamplingParams
 from firsttoken.engine_args import add_engine_args, engine_kwargs
 from firsttoken.errors import InvalidInputError
+from tests.engine_state import all_blocks_free
 
 # Prompts whose answers repeat what came before (the second's does), so that proposals get accepted.
 PROMPTS = [
@@ -29,15 +30,15 @@ def _tokens(output) -> tuple:
     return tuple(output.token_ids), output.text, output.finish_reason
 
 
-def _all_blocks_free(llm: LLM) -> bool:
-    stats = llm.stats()
-    return stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_running == 0
-
-
 @pytest.fixture(scope="module")
 def engines(model_path):
     """bf16 with batch invariance: verify rows give the bits decode rows give."""
-    options = {"model": model_path, "dtype": "bfloat16", "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
+    options = {
+        "model": model_path,
+        "dtype": "bfloat16",
+        "kv_cache_memory_bytes": 128 << 20,
+        "chunk_size": 256,
+    }
     plain = LLM(**options)
     if not plain.engine.worker.batch_invariant:
         pytest.skip("no batch invariance on this machine: verify rows may round otherwise than decode rows")
@@ -58,7 +59,7 @@ def test_outputs_equal_those_without_speculation_alone_and_batched(engines, para
     expected = [_bits(output) for output in plain.generate(PROMPTS, params)]
     assert [_bits(speculative.generate([prompt], params)[0]) for prompt in PROMPTS] == expected
     assert [_bits(output) for output in speculative.generate(PROMPTS, params)] == expected
-    assert _all_blocks_free(speculative)
+    assert all_blocks_free(speculative)
 
 
 @pytest.mark.slow
@@ -108,7 +109,9 @@ def test_bad_speculative_options_name_the_field(model_path):
     with pytest.raises(InvalidInputError, match="speculative_config.*prompt_lookup_mid"):
         LLM(model_path, speculative_config={"method": "ngram", "prompt_lookup_mid": 3})
     with pytest.raises(InvalidInputError, match="prompt_lookup_min"):
-        LLM(model_path, speculative_config={"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3})
+        LLM(
+            model_path, speculative_config={"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 3}
+        )
 
 
 def test_the_command_line_takes_vllms_json_and_flags_over_it():
@@ -139,7 +142,7 @@ def test_beside_non_speculating_requests_in_chunks_and_across_preemption(engines
     assert [_bits(output) for output in outputs] == expected
     stats = small.stats()
     assert stats.num_preemptions > 0 and stats.spec_decode_num_draft_tokens > 0
-    assert _all_blocks_free(small)
+    assert all_blocks_free(small)
 
 
 def test_sampled_tokens_are_the_targets_draws_seed_for_seed(engines):
@@ -147,7 +150,9 @@ def test_sampled_tokens_are_the_targets_draws_seed_for_seed(engines):
     seeded uniform, proposals or not: the same token for each of 48 seeds, so the accepted
     tokens' frequencies are the target's."""
     plain, speculative = engines
-    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True) for seed in range(48)]
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=12, ignore_eos=True) for seed in range(48)
+    ]
     prompt = [PROMPTS[1]] * len(params)
     before = speculative.stats().spec_decode_num_draft_tokens
     group = 8  # the default max_num_speculating_seqs
@@ -156,15 +161,24 @@ def test_sampled_tokens_are_the_targets_draws_seed_for_seed(engines):
         for output in speculative.generate(prompt[start : start + group], params[start : start + group])
     ]
     assert speculative.stats().spec_decode_num_draft_tokens > before
-    assert [output.token_ids for output in outputs] == [output.token_ids for output in plain.generate(prompt, params)]
+    assert [output.token_ids for output in outputs] == [
+        output.token_ids for output in plain.generate(prompt, params)
+    ]
 
 
 def test_a_draft_model_drafting_for_itself_is_always_right_and_changes_nothing(engines, model_path):
     """The embedded model as its own draft: every proposal accepted, the same bits as without,
     and both engines' blocks all back in their pools."""
     plain, _ = engines
-    options = {"model": model_path, "dtype": "bfloat16", "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
-    drafted = LLM(**options, speculative_config={"method": "draft", "model": model_path, "num_speculative_tokens": 3})
+    options = {
+        "model": model_path,
+        "dtype": "bfloat16",
+        "kv_cache_memory_bytes": 128 << 20,
+        "chunk_size": 256,
+    }
+    drafted = LLM(
+        **options, speculative_config={"method": "draft", "model": model_path, "num_speculative_tokens": 3}
+    )
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     assert [_bits(output) for output in drafted.generate(PROMPTS, greedy)] == [
         _bits(output) for output in plain.generate(PROMPTS, greedy)
@@ -178,21 +192,28 @@ def test_a_draft_model_drafting_for_itself_is_always_right_and_changes_nothing(e
     assert [_bits(output) for output in drafted.generate(PROMPTS, seeded)] == [
         _bits(output) for output in plain.generate(PROMPTS, seeded)
     ]
-    assert _all_blocks_free(drafted)
+    assert all_blocks_free(drafted)
     draft_core = drafted.engine.scheduler.proposer.core
     assert draft_core.kv_manager.pool.num_free_blocks == draft_core.kv_manager.num_blocks
 
 
 def test_a_sequence_longer_than_the_drafts_cache_decodes_without_proposals(engines, model_path):
     plain, _ = engines
-    options = {"model": model_path, "dtype": "bfloat16", "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
+    options = {
+        "model": model_path,
+        "dtype": "bfloat16",
+        "kv_cache_memory_bytes": 128 << 20,
+        "chunk_size": 256,
+    }
     block_bytes = 2 * 30 * 16 * 3 * 64 * 2  # layers x block tokens x KV heads x head size, bf16
     drafted = LLM(**options, speculative_config={"method": "draft", "model": model_path,
                                                  "draft_kv_cache_memory_bytes": 2 * block_bytes})
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = drafted.generate(PROMPTS, params)
-    assert [output.token_ids for output in outputs] == [output.token_ids for output in plain.generate(PROMPTS, params)]
-    assert _all_blocks_free(drafted)
+    assert [output.token_ids for output in outputs] == [
+        output.token_ids for output in plain.generate(PROMPTS, params)
+    ]
+    assert all_blocks_free(drafted)
 
 
 def test_a_draft_model_is_named_with_method_draft_only(model_path):

@@ -15,6 +15,7 @@ import pytest
 from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
 from firsttoken.sampling_params import StructuredOutput
+from tests.engine_state import tracked_requests
 from tests.json_schemas import example_instance, random_schema
 
 NUM_SCHEMAS = 10
@@ -37,14 +38,16 @@ def _assert_schema_outputs_validate(llm: LLM, seeds: range) -> None:
     ]
     params = [
         SamplingParams(
-            temperature=0, max_tokens=MAX_TOKENS, structured_output=StructuredOutput(json_schema=json.dumps(schema))
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            structured_output=StructuredOutput(json_schema=json.dumps(schema)),
         )
         for schema in schemas
     ]
     for schema, output in zip(schemas, llm.generate(prompts, params)):
         assert output.finish_reason == "stop", (schema, output.text)
         jsonschema.validate(json.loads(output.text), schema)
-    assert llm.engine.worker.runner.sampler.tracked.requests == {}
+    assert tracked_requests(llm) == {}
 
 
 def test_random_schema_outputs_validate(llm):
@@ -99,9 +102,13 @@ def test_json_object_regex_choice_and_grammars(llm):
 def test_greedy_output_is_the_same_alone_and_in_a_batch(llm):
     structured = StructuredOutput(json_schema=json.dumps(random_schema(3)))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_output=structured)
-    prompt = _chat_prompt(llm, "Reply with a JSON object like " + json.dumps(example_instance(random_schema(3), 3)))
+    prompt = _chat_prompt(
+        llm, "Reply with a JSON object like " + json.dumps(example_instance(random_schema(3), 3))
+    )
     alone = llm.generate([prompt], params)[0]
-    batch = llm.generate([prompt, "Hello", prompt], [params, SamplingParams(temperature=0, max_tokens=20), params])
+    batch = llm.generate(
+        [prompt, "Hello", prompt], [params, SamplingParams(temperature=0, max_tokens=20), params]
+    )
     assert batch[0].token_ids == alone.token_ids == batch[2].token_ids
 
 
@@ -120,16 +127,18 @@ def test_bad_constraints_are_refused_with_nothing_queued(llm, structured):
         llm.generate(["one", "two"], [good, bad])
     assert raised.value.field == structured.field
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.worker.runner.sampler.tracked.requests == {}
+    assert tracked_requests(llm) == {}
 
 
 def test_an_aborted_request_frees_its_grammar(llm):
-    params = SamplingParams(temperature=0, max_tokens=50, structured_output=StructuredOutput(json_object=True))
+    params = SamplingParams(
+        temperature=0, max_tokens=50, structured_output=StructuredOutput(json_object=True)
+    )
     stream = llm.stream("Describe a cat as JSON:", params)
     next(stream)
-    assert len(llm.engine.worker.runner.sampler.tracked.requests) == 1
+    assert len(tracked_requests(llm)) == 1
     stream.close()
-    assert llm.engine.worker.runner.sampler.tracked.requests == {}
+    assert tracked_requests(llm) == {}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -28,8 +28,14 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 @pytest.fixture(scope="module")
 def tp2(model_path):
     # Chunks of 64: the longer prompts prefill in several steps here, in one step in the reference.
-    llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=128 << 20, chunk_size=64, tensor_parallel_size=2,
-              speculative_config=NGRAM)
+    llm = LLM(
+        model_path,
+        dtype="float32",
+        kv_cache_memory_bytes=128 << 20,
+        chunk_size=64,
+        tensor_parallel_size=2,
+        speculative_config=NGRAM,
+    )
     yield llm
     llm.shutdown()
 
@@ -62,7 +68,9 @@ def test_two_ranks_reuse_the_prefix_cache_with_the_same_tokens(tp2, llm):
 
 def test_first_token_logprobs_match_within_1e_4(tp2, llm):
     first = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    for output, reference in zip(tp2.generate(SHORT_PROMPTS, first), llm.generate(SHORT_PROMPTS, first), strict=True):
+    for output, reference in zip(
+        tp2.generate(SHORT_PROMPTS, first), llm.generate(SHORT_PROMPTS, first), strict=True
+    ):
         token, reference_token = output.logprobs[0], reference.logprobs[0]
         assert token.token_id == reference_token.token_id
         assert abs(token.logprob - reference_token.logprob) < LOGPROB_TOLERANCE
@@ -89,7 +97,9 @@ def test_tensor_parallel_size_is_an_engine_option_and_a_flag():
     assert EngineConfig.from_kwargs(tensor_parallel_size=2).parallel.tensor_parallel_size == 2
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    options = engine_kwargs(parser.parse_args(["--tensor-parallel-size", "2", "--distributed-backend", "hccl"]))
+    options = engine_kwargs(
+        parser.parse_args(["--tensor-parallel-size", "2", "--distributed-backend", "hccl"])
+    )
     assert options == {"tensor_parallel_size": 2, "distributed_backend": "hccl"}
     with pytest.raises(InvalidInputError, match="tensor_parallel_size: must be >= 1"):
         EngineConfig.from_kwargs(tensor_parallel_size=0)

@@ -9,7 +9,7 @@ import pytest
 from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
 from tests.engine.test_tensor_parallel import GREEDY, assert_same_outputs
-from tests.model.tiny_models import save_hf_folder, tiny_hf_model
+from tests.models.tiny_models import save_hf_folder, tiny_hf_model
 from tests.prompts import SHORT_PROMPTS
 
 OPTIONS = {"dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "chunk_size": 32}
@@ -48,7 +48,9 @@ def test_three_ranks_in_bf16_do_not_claim_batch_invariance(tiny_model, caplog):
 
 
 def test_more_ranks_than_heads_is_refused_before_any_rank_starts(tiny_model):
-    with pytest.raises(InvalidInputError, match="tensor_parallel_size: 5 ranks exceed the model's 4 attention heads"):
+    with pytest.raises(
+        InvalidInputError, match="tensor_parallel_size: 5 ranks exceed the model's 4 attention heads"
+    ):
         LLM(tiny_model, tensor_parallel_size=5, **OPTIONS)
 
 
@@ -61,7 +63,9 @@ def test_persisted_pins_are_refused_with_ranks(tiny_model, tmp_path):
 def test_two_ranks_in_bf16_stay_batch_invariant(model_path):
     """Each rank's rows are row-invariant and two partial sums add to the same bits in either
     order: a request's tokens and logprobs alone are those it gets in a batch."""
-    two = LLM(model_path, dtype="bfloat16", kv_cache_memory_bytes=128 << 20, chunk_size=64, tensor_parallel_size=2)
+    two = LLM(
+        model_path, dtype="bfloat16", kv_cache_memory_bytes=128 << 20, chunk_size=64, tensor_parallel_size=2
+    )
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     try:
         if not two.engine.worker.batch_invariant:

@@ -140,7 +140,10 @@ def test_replica_stats_give_one_series_per_replica():
     assert value(metrics, "firsttoken:num_requests_running", replica="r1") == 3
     assert value(metrics, "firsttoken:num_requests_running", replica="r2") == 5
     assert value(metrics, "firsttoken:prefix_cache_hits_total", replica="r2") == 96
-    assert value(metrics, "firsttoken:spec_decode_num_accepted_tokens_per_pos_total", replica="r2", position="0") == 1
+    assert (
+        value(metrics, "firsttoken:spec_decode_num_accepted_tokens_per_pos_total", replica="r2", position="0")
+        == 1
+    )
     families = {family.name: family for family in text_string_to_metric_families(metrics.render().decode())}
     running = families["firsttoken:num_requests_running"].samples
     assert sorted(sample.labels["replica"] for sample in running) == ["r1", "r2"], "one family, two series"

@@ -19,7 +19,9 @@ def _random_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype, se
     generator = torch.Generator().manual_seed(seed)
     blocks_needed = [-(-(ctx + q) // block_size) for ctx, q in seqs]
     num_blocks = sum(blocks_needed) + 3
-    order = list(range(3, num_blocks)) if in_order else torch.randperm(num_blocks, generator=generator).tolist()
+    order = (
+        list(range(3, num_blocks)) if in_order else torch.randperm(num_blocks, generator=generator).tolist()
+    )
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
     sequences, cursor = [], 0
     for (ctx, q), needed in zip(seqs, blocks_needed):
@@ -40,7 +42,8 @@ def _random_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype, se
     layout = BatchLayout(sequences, num_decodes, block_size)
     slot_mapping = torch.cat(
         [
-            torch.tensor(s.block_table)[torch.arange(s.num_context_tokens, s.seq_len) // block_size] * block_size
+            torch.tensor(s.block_table)[torch.arange(s.num_context_tokens, s.seq_len) // block_size]
+            * block_size
             + torch.arange(s.num_context_tokens, s.seq_len) % block_size
             for s in sequences
         ]
@@ -115,12 +118,16 @@ def test_contexts_in_consecutive_blocks_are_read_in_place_and_match_reference(
     dtype, seqs, with_native, native_kernels, monkeypatch
 ):
     """With native kernels (AVX512-BF16 or AMX), every bf16 prefill here takes one native call."""
-    layout, slot_mapping, kv_cache, query, key, value = _random_batch(seqs, 16, 9, 3, 64, dtype, in_order=True)
+    layout, slot_mapping, kv_cache, query, key, value = _random_batch(
+        seqs, 16, 9, 3, 64, dtype, in_order=True
+    )
     backend = SDPABackend(torch.device("cpu"), _native_or_skip(native_kernels) if with_native else None)
     native_calls = []
     if with_native:
         attend = native_kernels.prefill_attention
-        monkeypatch.setattr(native_kernels, "prefill_attention", lambda *args: native_calls.append(1) or attend(*args))
+        monkeypatch.setattr(
+            native_kernels, "prefill_attention", lambda *args: native_calls.append(1) or attend(*args)
+        )
     metadata = backend.build_metadata(layout, slot_mapping)
     if layout.num_decodes == 1:
         assert metadata.decode_first_block is not None and metadata.decode_block_table is None
@@ -156,12 +163,16 @@ def test_scattered_context_takes_the_native_kernel_with_the_in_place_bits(seqs, 
     native_kernels = _native_or_skip(native_kernels)
     if not native_kernels.has_prefill_attention:
         pytest.skip("no native prefill attention on this CPU")
-    layout, slot_mapping, kv_cache, query, key, value = _random_batch(seqs, 16, 9, 3, 64, torch.bfloat16, in_order=True)
+    layout, slot_mapping, kv_cache, query, key, value = _random_batch(
+        seqs, 16, 9, 3, 64, torch.bfloat16, in_order=True
+    )
     scattered = _relabelled(layout, slot_mapping, kv_cache, torch.Generator().manual_seed(1))
     assert all(first_of_run(s.block_table) is None for s in scattered[0].sequences if len(s.block_table) > 1)
     native_calls = []
     attend = native_kernels.prefill_attention
-    monkeypatch.setattr(native_kernels, "prefill_attention", lambda *args: native_calls.append(1) or attend(*args))
+    monkeypatch.setattr(
+        native_kernels, "prefill_attention", lambda *args: native_calls.append(1) or attend(*args)
+    )
     backend = SDPABackend(torch.device("cpu"), native_kernels)
     outputs = []
     for step_layout, step_slots, step_cache in [(layout, slot_mapping, kv_cache), scattered]:
@@ -191,7 +202,9 @@ def test_bf16_decode_rows_take_the_paged_kernel_and_give_the_same_bits_whatever_
     calls = []
     attend = kernels.paged_decode_attention
     monkeypatch.setattr(
-        kernels, "paged_decode_attention", lambda *args, **kwargs: calls.append(kwargs) or attend(*args, **kwargs)
+        kernels,
+        "paged_decode_attention",
+        lambda *args, **kwargs: calls.append(kwargs) or attend(*args, **kwargs),
     )
     backend = SDPABackend(torch.device("cpu"), kernels, decode_as_prefill=decode_as_prefill)
     layout, slot_mapping, kv_cache, query, key, value = _random_batch(
@@ -246,11 +259,15 @@ def test_decode_rows_as_prefill_get_the_bits_a_prefill_gives_their_positions(
     block_ids = torch.tensor(layout.sequences[0].block_table)
     keys = kv_cache[0][block_ids].flatten(0, 1)[:num_keys]
     values = kv_cache[1][block_ids].flatten(0, 1)[:num_keys]
-    query = torch.randn(num_keys, num_heads, head_dim, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    query = torch.randn(num_keys, num_heads, head_dim, generator=torch.Generator().manual_seed(1)).to(
+        torch.bfloat16
+    )
     prefill = kernels.prefill_attention(query, keys, values, num_threads=2)
     block_table = block_ids.repeat(len(positions), 1)
     seq_lens = torch.tensor(positions) + 1
-    decoded = kernels.paged_decode_attention(query[positions], kv_cache, block_table, seq_lens, as_prefill=True)
+    decoded = kernels.paged_decode_attention(
+        query[positions], kv_cache, block_table, seq_lens, as_prefill=True
+    )
     assert torch.equal(decoded, prefill[positions])
     exact = kernels.paged_decode_attention(query[positions], kv_cache, block_table, seq_lens)
     torch.testing.assert_close(decoded.float(), exact.float(), atol=2e-2, rtol=2e-2)
@@ -273,9 +290,13 @@ def test_paged_decode_attention_rejects_a_block_outside_the_cache(native_kernels
     kv_cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
     query = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
     with pytest.raises(IndexError, match="outside the KV cache"):
-        kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 4]]), torch.tensor([20]), as_prefill)
+        kernels.paged_decode_attention(
+            query, kv_cache, torch.tensor([[0, 4]]), torch.tensor([20]), as_prefill
+        )
     with pytest.raises(IndexError, match="outside the KV cache"):
-        kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 1]]), torch.tensor([33]), as_prefill)
+        kernels.paged_decode_attention(
+            query, kv_cache, torch.tensor([[0, 1]]), torch.tensor([33]), as_prefill
+        )
     with pytest.raises(ValueError, match="block table"):
         kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20]))
 

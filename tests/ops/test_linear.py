@@ -74,7 +74,9 @@ def test_the_invariance_probe_catches_a_kernel_that_changes_with_the_row_count(m
 
     linear = PackedLinear(torch.randn(64, 128).to(torch.bfloat16), None)
     forward = PackedLinear.forward
-    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: forward(self, x) * (1 + 2**-7 * (x.shape[0] > 64)))
+    monkeypatch.setattr(
+        PackedLinear, "forward", lambda self, x: forward(self, x) * (1 + 2**-7 * (x.shape[0] > 64))
+    )
     assert rows_invariant(linear) is False
 
 

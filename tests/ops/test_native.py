@@ -59,7 +59,9 @@ def test_norms_match_reference(kernels, dtype, rows):
 @pytest.mark.parametrize("rows", ROW_COUNTS)
 def test_silu_and_mul_matches_reference(kernels, dtype, rows):
     gate_up = (4 * torch.randn(rows, 2 * 1536)).to(dtype)
-    torch.testing.assert_close(kernels.silu_and_mul(gate_up), silu_and_mul_reference(gate_up), **TOLERANCE[dtype])
+    torch.testing.assert_close(
+        kernels.silu_and_mul(gate_up), silu_and_mul_reference(gate_up), **TOLERANCE[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -128,13 +130,17 @@ def _load_with_compiler(compiler: str, cache_dir: str, monkeypatch, caplog) -> s
 
 
 def test_a_missing_compiler_leaves_the_torch_ops(tmp_path, monkeypatch, caplog):
-    log = _load_with_compiler(str(tmp_path / "no-such-compiler"), str(tmp_path / "cache"), monkeypatch, caplog)
+    log = _load_with_compiler(
+        str(tmp_path / "no-such-compiler"), str(tmp_path / "cache"), monkeypatch, caplog
+    )
     assert "native CPU kernels unavailable" in log
 
 
 def test_a_failed_build_leaves_the_torch_ops_and_shows_the_compiler_errors(tmp_path, monkeypatch, caplog):
     failing_compiler = tmp_path / "failing-cc"
-    failing_compiler.write_text("#!/bin/sh\necho 'decode_step.c:1: error: a static assertion failed' >&2\nexit 1\n")
+    failing_compiler.write_text(
+        "#!/bin/sh\necho 'decode_step.c:1: error: a static assertion failed' >&2\nexit 1\n"
+    )
     failing_compiler.chmod(0o755)
     log = _load_with_compiler(str(failing_compiler), str(tmp_path / "cache"), monkeypatch, caplog)
     assert "a static assertion failed" in log
@@ -145,7 +151,9 @@ def _causal_attention_reference(query, key, value):
     num_queries, num_heads, head_dim = query.shape
     num_keys, num_kv_heads = key.shape[0], key.shape[1]
     group = num_heads // num_kv_heads
-    scores = torch.einsum("qhd,khd->hqk", query.float(), key.float().repeat_interleave(group, 1)) / head_dim**0.5
+    scores = (
+        torch.einsum("qhd,khd->hqk", query.float(), key.float().repeat_interleave(group, 1)) / head_dim**0.5
+    )
     allowed = torch.arange(num_keys)[None, :] <= torch.arange(num_queries)[:, None] + (num_keys - num_queries)
     weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return torch.einsum("hqk,khd->qhd", weights, value.float().repeat_interleave(group, 1))
@@ -163,7 +171,9 @@ def test_prefill_attention_matches_plain_math(
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = torch.randn(num_keys, width, generator=generator).to(torch.bfloat16)  # rows strided as in the model
     query = qkv[-num_queries:, : num_heads * head_dim].view(num_queries, num_heads, head_dim)
-    key = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_keys, num_kv_heads, head_dim)
+    key = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(
+        num_keys, num_kv_heads, head_dim
+    )
     value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_keys, num_kv_heads, head_dim)
     assert attention_kernels.prefill_attention_supports(query, key, value)
     output = attention_kernels.prefill_attention(query, key, value, num_threads=2, use_amx=use_amx)
@@ -175,7 +185,9 @@ def test_prefill_attention_matches_plain_math(
 def test_prefill_attention_declines_what_it_cannot_take_and_names_bad_shapes(attention_kernels):
     query = torch.randn(4, 4, 16).to(torch.bfloat16)
     assert not attention_kernels.prefill_attention_supports(query, query, query)  # head_dim 16
-    assert not attention_kernels.prefill_attention_supports(*(torch.randn(4, 4, 64) for _ in range(3)))  # float32
+    assert not attention_kernels.prefill_attention_supports(
+        *(torch.randn(4, 4, 64) for _ in range(3))
+    )  # float32
     query, key = torch.randn(8, 4, 64).to(torch.bfloat16), torch.randn(4, 4, 64).to(torch.bfloat16)
     with pytest.raises(ValueError, match="8 queries"):
         attention_kernels.prefill_attention(query, key, key, num_threads=1)

@@ -67,7 +67,9 @@ def test_native_int4_linear_matches_dequantized_weights(int4_kernels, in_feature
 def test_native_int4_matmul_names_a_bad_shape(int4_kernels):
     linear = NativeInt4Linear.from_float(torch.randn(8, 128), None, int4_kernels)
     with pytest.raises(ValueError, match="int4_matmul: 1 rows of 64 inputs"):
-        int4_kernels.int4_matmul(linear.levels, linear.scales_zeros, None, torch.zeros(1, 64, dtype=torch.bfloat16))
+        int4_kernels.int4_matmul(
+            linear.levels, linear.scales_zeros, None, torch.zeros(1, 64, dtype=torch.bfloat16)
+        )
 
 
 @pytest.mark.parametrize("rows", [1, 5, 8])
@@ -90,9 +92,19 @@ def test_native_int8_linear_matches_torch_kernel(int4_kernels, rows, with_bias):
 
 def _arch(head_dim: int, num_heads: int, num_kv_heads: int, attention_bias: bool) -> ModelArch:
     return ModelArch(
-        architecture="llama", vocab_size=256, hidden_size=128, intermediate_size=192, num_layers=2,
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
-        max_position_embeddings=256, tie_word_embeddings=False, attention_bias=attention_bias,
+        architecture="llama",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=192,
+        num_layers=2,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        attention_bias=attention_bias,
     )
 
 
@@ -129,7 +141,10 @@ def _decode_inputs(model: LlamaForCausalLM, sequences):
     )
     positions = torch.tensor([seq_len - 1 for seq_len, _ in sequences])
     slot_mapping = torch.tensor(
-        [blocks[(seq_len - 1) // BLOCK_SIZE] * BLOCK_SIZE + (seq_len - 1) % BLOCK_SIZE for seq_len, blocks in sequences]
+        [
+            blocks[(seq_len - 1) // BLOCK_SIZE] * BLOCK_SIZE + (seq_len - 1) % BLOCK_SIZE
+            for seq_len, blocks in sequences
+        ]
     )
     metadata = model.layers[0].self_attn.backend.build_metadata(layout, slot_mapping)
     input_ids = torch.arange(len(sequences)) * 31 + 7
@@ -143,7 +158,9 @@ def _decode_inputs(model: LlamaForCausalLM, sequences):
 )
 @pytest.mark.parametrize("sequences", SEQUENCES.values(), ids=SEQUENCES.keys())
 @torch.inference_mode()
-def test_native_decode_step_matches_the_per_op_layers(int4_kernels, head_dim, num_heads, num_kv_heads, attention_bias, sequences):
+def test_native_decode_step_matches_the_per_op_layers(
+    int4_kernels, head_dim, num_heads, num_kv_heads, attention_bias, sequences
+):
     model = _int4_model(_arch(head_dim, num_heads, num_kv_heads, attention_bias), int4_kernels)
     native_step = model.native_decode
     assert native_step is not None

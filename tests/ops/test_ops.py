@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from firsttoken.ops.activation import silu_and_mul_reference
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
@@ -26,6 +24,8 @@ TOKEN_COUNTS = [FUSED_MIN_TOKENS - 1, FUSED_MIN_TOKENS, FUSED_MIN_TOKENS + 77]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_reference_is_transformers_rms_norm(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
     x = torch.randn(37, 576).to(dtype)
     hf = LlamaRMSNorm(576, eps=1e-5).to(dtype)
     hf.weight.data = torch.randn(576).to(dtype)
@@ -37,7 +37,9 @@ def test_rms_norm_reference_is_transformers_rms_norm(dtype):
 def test_fused_norms_match_reference(dtype, num_tokens):
     x, residual = (torch.randn(num_tokens, 576).to(dtype) for _ in range(2))
     weight = torch.randn(576).to(dtype)
-    torch.testing.assert_close(FUSED.rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5), **FUSED_TOLERANCE[dtype])
+    torch.testing.assert_close(
+        FUSED.rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5), **FUSED_TOLERANCE[dtype]
+    )
     normed, summed = FUSED.add_rms_norm(x, residual, weight, 1e-6)
     expected_normed, expected_summed = add_rms_norm_reference(x, residual, weight, 1e-6)
     torch.testing.assert_close(summed, x + residual, atol=0, rtol=0)
@@ -61,6 +63,9 @@ def test_fused_norms_match_reference(dtype, num_tokens):
     ],
 )
 def test_rotary_reference_matches_transformers(rope_parameters):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
     head_dim, num_heads = 64, 4
     config = LlamaConfig(
         hidden_size=head_dim * num_heads, num_attention_heads=num_heads, rope_parameters=rope_parameters,
@@ -88,7 +93,9 @@ def test_fused_rotary_matches_reference_on_strided_heads(dtype, num_tokens):
     qkv = torch.randn(num_tokens, 15 * 64).to(dtype)
     query_key = qkv[:, : 12 * 64].view(num_tokens, 12, 64)  # rows strided as in the model
     torch.testing.assert_close(
-        FUSED.apply_rotary(query_key, cos, sin), apply_rotary_reference(query_key, cos, sin), **FUSED_TOLERANCE[dtype]
+        FUSED.apply_rotary(query_key, cos, sin),
+        apply_rotary_reference(query_key, cos, sin),
+        **FUSED_TOLERANCE[dtype],
     )
 
 

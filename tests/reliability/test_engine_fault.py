@@ -4,7 +4,6 @@ event and [DONE], or a 503), /health turns unhealthy, and nothing hangs."""
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
@@ -14,6 +13,9 @@ from tests.server.conftest import running_server
 
 NUM_STREAMS = 4
 STEPS_BEFORE_FAULT = 12
+# How long a request may take to end after the fault: it tells a hang from a busy machine, and
+# measures nothing (under two busy cores, 30 s was too short for the last stream to drain).
+HANG_LIMIT_S = 120
 
 
 @pytest.fixture
@@ -55,11 +57,9 @@ def test_an_engine_fault_ends_every_request_in_band(server_to_break, monkeypatch
         thread.start()
     streams_started.wait()
     monkeypatch.setattr(core, "step", step_that_fails_later)
-    start = time.monotonic()
     for thread in threads:
-        thread.join(timeout=30)
+        thread.join(timeout=HANG_LIMIT_S)
         assert not thread.is_alive(), "a request hung after the engine failed"
-    assert time.monotonic() - start < 30
     for index in range(NUM_STREAMS):
         events = outcomes[f"stream {index}"]
         assert events[-1] == "data: [DONE]"

@@ -115,7 +115,7 @@ def _assert_clean(server, tally: SoakTally, start) -> None:
     failed = tally.outcomes["5xx"] + tally.outcomes["incomplete"]
     assert failed == 0, (tally.outcomes, tally.failures[:5])
     assert tally.outcomes["complete"] > 0, tally.outcomes
-    server.wait_for_idle_kv(timeout_s=10.0, since=start)
+    server.wait_for_idle_kv(since=start)
 
 
 def test_a_short_mixed_soak(server):

@@ -12,7 +12,7 @@ import pytest
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.errors import TensorParallelError
-from tests.model.tiny_models import save_hf_folder, tiny_hf_model
+from tests.models.tiny_models import save_hf_folder, tiny_hf_model
 
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 

@@ -13,7 +13,6 @@ import torch
 
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput, TrackedRequest
 from firsttoken.errors import InvalidInputError
-from firsttoken.models.registry import default_model_path, open_checkpoint
 from firsttoken.sample.grammar import GrammarCompiler, apply_bitmask
 from firsttoken.sample.sampler import Sampler
 from firsttoken.sampling_params import SamplingParams, StructuredOutput
@@ -23,8 +22,8 @@ COLORS = ("red", "green", "blue", "light blue")
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return open_checkpoint(default_model_path()).tokenizer
+def tokenizer(embedded_tokenizer):
+    return embedded_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +34,10 @@ def compiler(tokenizer):
 def token_texts(tokenizer) -> list[bytes | None]:
     """Each token's bytes; None for special tokens (never part of a grammar's text)."""
     special = set(tokenizer.backend.get_added_tokens_decoder())
-    return [None if token_id in special else tokenizer.token_bytes(token_id) for token_id in range(tokenizer.vocab_size)]
+    return [
+        None if token_id in special else tokenizer.token_bytes(token_id)
+        for token_id in range(tokenizer.vocab_size)
+    ]
 
 
 def reference_allowed(texts: list[bytes | None], generated: bytes, full_match: re.Pattern[bytes],
@@ -88,7 +90,10 @@ def test_masked_rows_equal_the_plain_reference_and_others_are_untouched(tokenize
     texts = token_texts(tokenizer)
     full_match = re.compile(b"|".join(option.encode() for option in COLORS))
     choice = StructuredOutput(choice=COLORS)
-    rows = {"choice": constrained(choice, temperature=0), "free": SamplingParams(temperature=0, max_tokens=32)}
+    rows = {
+        "choice": constrained(choice, temperature=0),
+        "free": SamplingParams(temperature=0, max_tokens=32),
+    }
     sampler = Sampler(0, CPU, tokenizer.vocab_size)
     start_step(sampler, compiler, rows)
     generated = b""

@@ -12,19 +12,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import (
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    NoBadWordsLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    SequenceBiasLogitsProcessor,
-)
 
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput, TrackedRequest
 from firsttoken.sample.logits_processors import TrackedTokens, apply_logits_processors, bad_word_bans
 from firsttoken.sample.sampler import Sampler, candidate_width, filter_logits, find_nucleus
 from firsttoken.sampling_params import SamplingParams
-from tests.ops.test_sampler import _assert_follows, _chi_square_p_value
+from tests.sample.distributions import assert_follows, chi_square_p_value
 
 CPU = torch.device("cpu")
 VOCAB = 300
@@ -237,6 +230,8 @@ def _one_row(params: dict, prompt: list[int], output: list[int], **row_fields) -
 
 @pytest.mark.parametrize("penalty", [0.6, 1.0, 1.7])
 def test_repetition_penalty_equals_transformers(penalty):
+    from transformers import RepetitionPenaltyLogitsProcessor
+
     rng = random.Random(9)
     rows = [_one_row(dict(repetition_penalty=penalty), random_tokens(rng, 25), random_tokens(rng, 8))]
     logits = random_logits(1, 9)
@@ -247,6 +242,8 @@ def test_repetition_penalty_equals_transformers(penalty):
 
 @pytest.mark.parametrize("num_generated", [0, 3, 4, 9])
 def test_min_tokens_equals_transformers(num_generated):
+    from transformers import MinNewTokensLengthLogitsProcessor
+
     rng = random.Random(10)
     prompt, output = random_tokens(rng, 12), random_tokens(rng, num_generated)
     rows = [_one_row(dict(min_tokens=4), prompt, output, stop_token_ids=(EOS, 40))]
@@ -258,6 +255,8 @@ def test_min_tokens_equals_transformers(num_generated):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_bad_words_equal_transformers_over_the_generated_tokens(seed):
+    from transformers import NoBadWordsLogitsProcessor
+
     rng = random.Random(seed)
     output = random_tokens(rng, 6)
     words = (
@@ -277,6 +276,8 @@ def test_bad_words_equal_transformers_over_the_generated_tokens(seed):
 
 
 def test_logit_bias_equals_transformers_sequence_bias_of_single_tokens():
+    from transformers import SequenceBiasLogitsProcessor
+
     bias = {3: 12.5, 40: -100.0, 299: 100.0, 7: -0.25}
     rows = [_one_row(dict(logit_bias=bias), [1, 2, 3], [4])]
     logits = random_logits(1, 11)
@@ -287,6 +288,8 @@ def test_logit_bias_equals_transformers_sequence_bias_of_single_tokens():
 
 @pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5, 1.0])
 def test_min_p_filter_keeps_what_transformers_keeps(min_p):
+    from transformers import MinPLogitsWarper
+
     logits = random_logits(4, 12)
     expected = MinPLogitsWarper(min_p)(torch.zeros(4, 1, dtype=torch.long), logits.clone())
     for index in range(4):
@@ -472,6 +475,6 @@ def test_min_p_draws_follow_the_filtered_softmax(top_k, top_p):
     ]
     tokens = [t.token_id for t in Sampler(0, CPU, vocab_size).sample(logits.expand(num_draws, -1), specs)]
     probs = filter_logits(logits / temperature, top_k, top_p, min_p).softmax(-1)
-    _assert_follows(tokens, probs)
+    assert_follows(tokens, probs)
     without_min_p = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
-    assert _chi_square_p_value(tokens, without_min_p) < 1e-6
+    assert chi_square_p_value(tokens, without_min_p) < 1e-6

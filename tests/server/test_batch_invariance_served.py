@@ -35,7 +35,10 @@ def _answer(reply: dict) -> tuple:
 @pytest.fixture(scope="module")
 def bf16_server(model_path):
     with running_server(
-        model_path, ServerConfig(port=0, served_model_names=(MODEL_NAME,)), dtype="bfloat16", chunk_size="auto"
+        model_path,
+        ServerConfig(port=0, served_model_names=(MODEL_NAME,)),
+        dtype="bfloat16",
+        chunk_size="auto",
     ) as running:
         if not running.engine.core.worker.batch_invariant:
             pytest.skip("no batch invariance on this machine (needs AVX512-BF16 native kernels)")

@@ -40,7 +40,7 @@ def server(model_path):
 
 
 @pytest.fixture(scope="module")
-def driver(server):
+def chromium(server):
     browser = start_chromium()
     try:
         yield browser
@@ -49,9 +49,10 @@ def driver(server):
 
 
 @pytest.fixture
-def page(driver, server):
+def page(chromium, server):
     """The page freshly loaded with the API key in its localStorage, greedy short replies set,
     and the browser's console log emptied of anything before this load."""
+    driver = chromium
     driver.set_window_size(1200, 900)
     driver.get(server.base_url + "/")
     driver.execute_script("localStorage.setItem('firsttoken.apiKey', arguments[0])", API_KEY)
@@ -122,9 +123,10 @@ def _console_errors(driver) -> list[dict[str, Any]]:
 # -- tests ----------------------------------------------------------------------------------------
 
 
-def test_the_page_asks_for_the_api_key_and_keeps_it(driver, server):
+def test_the_page_asks_for_the_api_key_and_keeps_it(chromium, server):
     from selenium.webdriver.common.keys import Keys
 
+    driver = chromium
     driver.get(server.base_url + "/")
     driver.execute_script("localStorage.clear()")
     driver.get(server.base_url + "/")
@@ -190,7 +192,7 @@ def test_stop_aborts_the_stream_and_the_server_ends_the_request(page, server):
     assert reply["note"] == "Stopped."
     assert _by_id(page, "stop").get_attribute("disabled") is not None
     assert _by_id(page, "send").get_attribute("disabled") is None
-    server.wait_for_idle_kv(timeout_s=10.0, since=start)
+    server.wait_for_idle_kv(since=start)
     assert server.metric("firsttoken:num_requests_running") == 0
     assert server.metric("firsttoken:request_success_total", finished_reason="abort") == aborted_before + 1
 
@@ -270,7 +272,7 @@ def test_the_pin_toggle_pins_the_system_prompt_on_the_server(page, server):
     _wait(page, lambda d: _by_id(d, "pin-status").text == "")
     assert httpx.get(server.base_url + "/v1/pins", headers=AUTH).json()["data"] == []
     assert _by_id(page, "system-prompt").get_attribute("readonly") is None
-    server.wait_for_idle_kv(timeout_s=5.0, since=start)
+    server.wait_for_idle_kv(since=start)
 
 
 def test_the_page_fits_a_phone_screen(page):

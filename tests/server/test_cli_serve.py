@@ -11,6 +11,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from firsttoken.cli import build_parser
 from firsttoken.config import SUBCONFIGS, flat_name
@@ -117,6 +118,7 @@ SYSTEM_PROMPT = (
 )
 
 
+@pytest.mark.usefixtures("model_path")  # the embedded model, loaded by the code under test
 def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path):
     port = _free_port()
     (tmp_path / "system.txt").write_text(SYSTEM_PROMPT)
@@ -126,7 +128,8 @@ def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path):
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "firsttoken", "serve", "--port", str(port), "--served-model-name", "cli-model",
+            [sys.executable, "-m", "firsttoken", "serve", "--port", str(port),
+             "--served-model-name", "cli-model",
              "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20), "--chunk-size", "64",
              "--max-model-len", "128", "--pin-system-prompt", str(tmp_path / "system.txt")],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -37,7 +37,9 @@ def test_sampling_params_name_their_field_as_param():
 
 
 def test_an_unknown_chat_role_names_the_message_as_param():
-    tokenizer = Tokenizer(RustTokenizer(models.WordLevel({"a": 0}, unk_token="a")), [0], None, "{{ messages }}")
+    tokenizer = Tokenizer(
+        RustTokenizer(models.WordLevel({"a": 0}, unk_token="a")), [0], None, "{{ messages }}"
+    )
     robot = [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]
     error = from_exception(_raised_by(lambda: tokenizer.apply_chat_template(robot)), RETRY_AFTER_S)
     assert (error.status_code, error.param) == (400, "messages[1].role")

@@ -8,7 +8,6 @@ import socket
 import time
 
 import httpx
-import openai
 import pytest
 
 from firsttoken import SamplingParams
@@ -31,6 +30,8 @@ def server(model_path):
 
 @pytest.fixture(scope="module")
 def client(server):
+    import openai
+
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -264,6 +265,8 @@ def test_extreme_sampling_values_act_greedy_and_keep_the_engine_alive(client, ll
 
 
 def test_32_concurrent_streams_get_their_own_outputs(server, llm):
+    import openai
+
     start = server.engine.stats()
     prompts = [f"Item {index}: the number after {index} is" for index in range(32)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -290,7 +293,11 @@ def test_32_concurrent_streams_get_their_own_outputs(server, llm):
     server.wait_for_idle_kv(since=start)
 
 
-def test_disconnect_mid_stream_frees_kv_within_a_second(server):
+# Tokens an aborted stream may still decode while the server notices its client has gone.
+MAX_DECODES_AFTER_A_DISCONNECT = 100
+
+
+def test_disconnect_mid_stream_frees_kv_long_before_the_reply_would_end(server):
     start = server.engine.stats()
     aborted_before = server.metric("firsttoken:request_success_total", finished_reason="abort")
     with httpx.Client(base_url=server.base_url, timeout=120) as http:
@@ -299,7 +306,9 @@ def test_disconnect_mid_stream_frees_kv_within_a_second(server):
             lines = response.iter_lines()
             assert next(line for line in lines if line).startswith("data: {")
             assert server.metric("firsttoken:kv_cache_usage_perc") > 0
-    assert server.wait_for_idle_kv(timeout_s=1.0, since=start) < 1.0
+    idle = server.wait_for_idle_kv(since=start)
+    # Counted in tokens, not seconds: the abort cut the 400-token reply short.
+    assert idle.num_decode_tokens - start.num_decode_tokens < MAX_DECODES_AFTER_A_DISCONNECT
     assert server.metric("firsttoken:request_success_total", finished_reason="abort") == aborted_before + 1
 
 
@@ -457,6 +466,8 @@ def test_a_body_of_a_million_values_is_refused_before_it_is_parsed(server):
 
 
 def test_unknown_model_gets_404(client):
+    import openai
+
     with pytest.raises(openai.NotFoundError) as raised:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
     assert raised.value.body["code"] == "model_not_found"

@@ -54,7 +54,7 @@ def test_a_pinned_system_prompt_is_listed_reused_and_deleted(server):
         again = http.delete(f"/v1/pins/{pin['id']}")
         assert again.status_code == 404
         assert again.json()["error"]["param"] == "pin_id"
-    server.wait_for_idle_kv(timeout_s=5.0, since=start)
+    server.wait_for_idle_kv(since=start)
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 
 import httpx
-import openai
 import pytest
 
 from firsttoken import SamplingParams
@@ -27,6 +26,8 @@ def server(model_path):
 
 @pytest.fixture(scope="module")
 def client(server):
+    import openai
+
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 

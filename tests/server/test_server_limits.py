@@ -12,12 +12,7 @@ import time
 from typing import Iterator
 
 import httpx
-import openai
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
-from schemathesis.checks import not_a_server_error
 
 from firsttoken.server.config import ServerConfig
 from tests.server.conftest import MODEL_NAME, RunningServer, running_server
@@ -94,6 +89,8 @@ def test_the_key_is_checked_before_the_body(server, content):
 
 
 def test_the_right_key_is_accepted_by_the_openai_client(server):
+    import openai
+
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
     assert client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2).choices[0].text
     with pytest.raises(openai.AuthenticationError):
@@ -228,7 +225,7 @@ def test_full_queue_gets_429_with_retry_after_and_keeps_nothing(server, monkeypa
     assert response.status_code == 429
     assert response.headers["Retry-After"] == "1"
     assert response.json()["error"]["code"] == "queue_full"
-    server.wait_for_idle_kv(timeout_s=5.0, since=start)
+    server.wait_for_idle_kv(since=start)
 
 
 # -- fuzzing the schema -------------------------------------------------------------------------------
@@ -236,6 +233,11 @@ def test_full_queue_gets_429_with_retry_after_and_keeps_nothing(server, monkeypa
 
 def _fuzz(server, max_examples: int) -> None:
     """Positive and negative cases from /openapi.json: no answer may be a 5xx."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+    from schemathesis.checks import not_a_server_error
+
     schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
     cases = st.one_of(
         schema.as_strategy(schemathesis.GenerationMode.POSITIVE),
@@ -258,7 +260,7 @@ def _fuzz(server, max_examples: int) -> None:
 
     no_server_error()
     _unpin_all(server)  # a valid POST /v1/pins keeps its blocks by design
-    server.wait_for_idle_kv(timeout_s=5.0)
+    server.wait_for_idle_kv()
 
 
 def _unpin_all(server) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import httpx
 import pytest
@@ -44,9 +43,9 @@ def test_a_request_in_flight_finishes_within_the_drain(model_path):
 def test_past_the_drain_time_or_at_a_second_signal_streams_end_with_an_error_event(
     model_path, shutdown_timeout_s, num_signals
 ):
-    start = time.monotonic()
     events, aborted = _events_after_signals(model_path, LONG_STREAM, shutdown_timeout_s, num_signals)
-    assert time.monotonic() - start < 20
+    # Cut short, not drained to its end (counted in events, since seconds depend on the machine).
+    assert len(events) < LONG_STREAM["max_tokens"]
     assert events[-1] == "data: [DONE]"
     assert '"code":"engine_unavailable"' in events[-2]
     assert aborted

@@ -10,7 +10,6 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from firsttoken.server.config import ServerConfig
@@ -18,7 +17,10 @@ from tests.server.conftest import MODEL_NAME, running_server
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -33,6 +35,8 @@ def server(model_path):
 
 @pytest.fixture(scope="module")
 def client(server):
+    import openai
+
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -44,7 +48,9 @@ def _chat(client, stream: bool, messages=ASK_PERSON, **fields) -> tuple[str, str
     if not stream:
         return response.choices[0].message.content, response.choices[0].finish_reason
     chunks = [chunk for chunk in response if chunk.choices]
-    return "".join(chunk.choices[0].delta.content or "" for chunk in chunks), chunks[-1].choices[0].finish_reason
+    return "".join(chunk.choices[0].delta.content or "" for chunk in chunks), chunks[-1].choices[
+        0
+    ].finish_reason
 
 
 def _completion(client, stream: bool, prompt: str, **extra) -> tuple[str, str]:
@@ -59,7 +65,10 @@ def _completion(client, stream: bool, prompt: str, **extra) -> tuple[str, str]:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_json_schema(client, stream):
-    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+    }
     content, finish_reason = _chat(client, stream, response_format=response_format)
     assert finish_reason == "stop"
     jsonschema.validate(json.loads(content), PERSON)
@@ -78,14 +87,19 @@ def test_completions_guided_fields(client, stream):
     text, reason = _completion(client, stream, "A person as JSON:", guided_json=PERSON)
     assert reason == "stop"
     jsonschema.validate(json.loads(text), PERSON)
-    text, reason = _completion(client, stream, "Today's date:", guided_regex=r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")
+    text, reason = _completion(
+        client, stream, "Today's date:", guided_regex=r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"
+    )
     assert reason == "stop" and re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", text)
     text, reason = _completion(client, stream, "Is water wet? Answer:", guided_choice=["yes", "no"])
     assert reason == "stop" and text in ("yes", "no")
     text, reason = _completion(client, stream, "2 + 2 =", guided_grammar='root ::= " " [0-9] [0-9]?')
     assert reason == "stop" and re.fullmatch(r" [0-9][0-9]?", text)
     text, reason = _completion(
-        client, stream, "Person:", response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+        client,
+        stream,
+        "Person:",
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
     )
     jsonschema.validate(json.loads(text), PERSON)
 

@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from firsttoken.models.registry import default_model_path, open_checkpoint
 from firsttoken.sample.grammar import GrammarCompiler
 from firsttoken.server.tool_calls import (
     ToolCallParser,
@@ -65,7 +64,10 @@ def test_text_that_only_looks_like_a_tag_is_released():
 
 
 def test_malformed_and_unclosed_calls_stay_text():
-    assert parse_tool_calls("<tool_call>\nnot json\n</tool_call>") == ("<tool_call>\nnot json\n</tool_call>", [])
+    assert parse_tool_calls("<tool_call>\nnot json\n</tool_call>") == (
+        "<tool_call>\nnot json\n</tool_call>",
+        [],
+    )
     assert parse_tool_calls('<tool_call>\n{"name": "f"') == ('<tool_call>\n{"name": "f"', [])
 
 
@@ -73,28 +75,46 @@ def test_conversation_for_a_template_without_tools():
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris and Rome?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-            {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "a",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                },
+                {
+                    "id": "b",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+                },
+            ],
+        },
         {"role": "tool", "tool_call_id": "a", "content": "sunny"},
         {"role": "tool", "tool_call_id": "b", "content": "rainy"},
     ]
     assert hermes_conversation(messages, [WEATHER]) == [
         {"role": "system", "content": "Be brief.\n\n" + tools_system_prompt([WEATHER])},
         {"role": "user", "content": "Weather in Paris and Rome?"},
-        {"role": "assistant", "content": (
-            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
-        )},
-        {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrainy\n</tool_response>"},
+        {
+            "role": "assistant",
+            "content": (
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+            ),
+        },
+        {
+            "role": "user",
+            "content": "<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrainy\n</tool_response>",
+        },
     ]
     assert json.dumps(WEATHER) in tools_system_prompt([WEATHER])
 
 
 @pytest.fixture(scope="module")
-def compiler():
-    tokenizer = open_checkpoint(default_model_path()).tokenizer
+def compiler(embedded_tokenizer):
+    tokenizer = embedded_tokenizer
     return tokenizer, GrammarCompiler(tokenizer, tokenizer.vocab_size)
 
 

@@ -9,7 +9,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from firsttoken.server.config import ServerConfig
@@ -22,7 +21,10 @@ WEATHER = {
         "description": "The current weather of a city",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
             "required": ["city", "unit"],
             "additionalProperties": False,
         },
@@ -53,6 +55,8 @@ def server(model_path):
 
 @pytest.fixture(scope="module")
 def client(server):
+    import openai
+
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -64,7 +68,10 @@ def _create(client, stream: bool, messages, **fields) -> tuple[str | None, list[
     )
     if not stream:
         message = response.choices[0].message
-        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls or []]
+        calls = [
+            {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+            for c in message.tool_calls or []
+        ]
         return message.content, calls, response.choices[0].finish_reason
     content, calls, finish_reason = "", {}, None
     for chunk in response:
@@ -95,12 +102,26 @@ def test_round_trip_with_a_required_call(client, stream):
     call = calls[0]
     conversation = [
         *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
-        ]},
-        {"role": "tool", "tool_call_id": call["id"], "content": json.dumps({"temperature": 21, "sky": "sunny"})},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call["id"],
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": call["arguments"]},
+                }
+            ],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": call["id"],
+            "content": json.dumps({"temperature": 21, "sky": "sunny"}),
+        },
     ]
-    answer, answer_calls, answer_finish = _create(client, stream, conversation, tools=TOOLS, tool_choice="none")
+    answer, answer_calls, answer_finish = _create(
+        client, stream, conversation, tools=TOOLS, tool_choice="none"
+    )
     assert answer and not answer_calls and answer_finish in ("stop", "length")
 
 
@@ -128,7 +149,10 @@ def test_auto_parses_what_the_model_writes(client):
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ],
 )

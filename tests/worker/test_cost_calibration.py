@@ -37,7 +37,9 @@ def machine(monkeypatch):
     return calls
 
 
-def _limits(max_batched_tokens: int, capacity_tokens: int, max_model_len: int = 8192, vocab_size: int = 49152):
+def _limits(
+    max_batched_tokens: int, capacity_tokens: int, max_model_len: int = 8192, vocab_size: int = 49152
+):
     return CalibrationLimits(1, capacity_tokens, max_batched_tokens, max_model_len, vocab_size)
 
 

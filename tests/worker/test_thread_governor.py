@@ -7,7 +7,9 @@ from firsttoken.worker.thread_governor import ThreadGovernor
 STEP_S = 0.05  # predicted (quiet, every thread) step time
 
 
-def run(governor: ThreadGovernor, slowness_by_threads: dict[int, float], clock: list[float], steps: int) -> list[int]:
+def run(
+    governor: ThreadGovernor, slowness_by_threads: dict[int, float], clock: list[float], steps: int
+) -> list[int]:
     """Steps on the governor's choice, each `slowness_by_threads[threads]` times the prediction."""
     chosen = []
     for _ in range(steps):

@@ -39,7 +39,9 @@ class ConversionCache:
     """One folder per converted model file."""
 
     def __init__(self, cache_dir: str | None, fingerprint: str) -> None:
-        self.folder = os.path.join(cache_dir or default_cache_dir(), "converted", f"{fingerprint}-v{FORMAT_VERSION}")
+        self.folder = os.path.join(
+            cache_dir or default_cache_dir(), "converted", f"{fingerprint}-v{FORMAT_VERSION}"
+        )
 
     def weights_file(self, dtype: torch.dtype) -> str:
         return os.path.join(self.folder, f"weights-{str(dtype).removeprefix('torch.')}.safetensors")

@@ -196,7 +196,11 @@ def _tokenizer_from_fields(fields: dict[str, Any]) -> Tokenizer:
     )
     eos_ids = [
         int(fields[key])
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        for key in (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        )
         if key in fields
     ]
     return Tokenizer(

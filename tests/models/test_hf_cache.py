@@ -8,7 +8,7 @@ import pytest
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.models.registry import resolve_model_path
-from tests.model.tiny_models import save_hf_folder, tiny_hf_model
+from tests.models.tiny_models import save_hf_folder, tiny_hf_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -85,7 +85,11 @@ _LAYER_NAMES = {
 
 
 def _gguf_name(hf_name: str) -> str:
-    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    globals_ = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf_name in globals_:
         return globals_[hf_name]
     parts = hf_name.split(".")
@@ -122,7 +126,9 @@ def write_gguf(model, path: str, gguf_arch: str, qtypes: dict[str, GGMLQuantizat
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
     writer.add_token_types([3 if index in special else 1 for index in range(len(tokens))])
-    writer.add_token_merges([" ".join(merge) if isinstance(merge, list) else merge for merge in tokenizer["model"]["merges"]])
+    writer.add_token_merges(
+        [" ".join(merge) if isinstance(merge, list) else merge for merge in tokenizer["model"]["merges"]]
+    )
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)

@@ -51,7 +51,9 @@ def test_balanced_ranges_cover_the_total_in_sizes_one_unit_apart():
     "num_heads, num_kv_heads, world_size",
     [(9, 3, 2), (9, 3, 3), (4, 2, 3), (4, 1, 4), (6, 2, 5), (32, 8, 8), (32, 8, 3)],
 )
-def test_each_query_head_is_on_exactly_one_rank_with_the_kv_head_it_reads(num_heads, num_kv_heads, world_size):
+def test_each_query_head_is_on_exactly_one_rank_with_the_kv_head_it_reads(
+    num_heads, num_kv_heads, world_size
+):
     ranges = head_ranges(num_heads, num_kv_heads, world_size)
     assert len(ranges) == world_size
     group = num_heads // num_kv_heads
@@ -69,14 +71,20 @@ def test_more_ranks_than_kv_heads_replicate_a_kv_head():
 
 
 def test_more_ranks_than_query_heads_is_a_clear_error():
-    with pytest.raises(InvalidInputError, match="tensor_parallel_size: 5 ranks exceed the model's 4 attention heads"):
+    with pytest.raises(
+        InvalidInputError, match="tensor_parallel_size: 5 ranks exceed the model's 4 attention heads"
+    ):
         head_ranges(4, 2, 5)
 
 
 def test_kv_shares_add_up_to_the_whole_cache():
     shards = [shard_for_rank(ARCH, rank, 3) for rank in range(3)]
     assert sum(shard.kv_share for shard in shards) == pytest.approx(1.0)
-    assert [shard.intermediate_range for shard in shards] == [(0, 32), (32, 64), (64, 96)]  # 96: not whole 64s
+    assert [shard.intermediate_range for shard in shards] == [
+        (0, 32),
+        (32, 64),
+        (64, 96),
+    ]  # 96: not whole 64s
 
 
 def _mlp(world_size: int = 1, rank: int = 0) -> LlamaMLP:
@@ -111,7 +119,10 @@ def test_uneven_vocab_slices_gather_into_the_full_logits_on_rank_0_only():
     logits = torch.randn(3, ARCH.vocab_size)
     shards = [shard_for_rank(ARCH, rank, 2) for rank in range(2)]
     assert [shard.vocab_range for shard in shards] == [(0, 51), (51, 101)]
-    padded = [torch.nn.functional.pad(logits[:, start:end], (0, 51 - (end - start))) for start, end in shards[0].vocab_ranges]
+    padded = [
+        torch.nn.functional.pad(logits[:, start:end], (0, 51 - (end - start)))
+        for start, end in shards[0].vocab_ranges
+    ]
     full = gather_vocab_logits(logits[:, :51], shards[0], OneRank(0, 2, gathered=padded))
     torch.testing.assert_close(full, logits, atol=0, rtol=0)
     assert gather_vocab_logits(logits[:, 51:], shards[1], OneRank(1, 2)) is None

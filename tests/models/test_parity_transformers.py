@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from firsttoken import SamplingParams
-from tests.model.reference import assert_logprobs_close, hf_greedy
+from tests.models.reference import assert_logprobs_close, hf_greedy
 from tests.prompts import CHAT_CONVERSATION, SHORT_PROMPTS, long_prompt
 
 NUM_TOKENS = 32
@@ -112,11 +112,21 @@ QUANTIZED_DECODE_TOKENS = 16
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
-def test_quantized_decode_stays_close_to_float32_transformers(model_path, hf_model, parity_prompts, quantization):
+def test_quantized_decode_stays_close_to_float32_transformers(
+    model_path, hf_model, parity_prompts, quantization
+):
     from firsttoken import LLM
 
-    llm = LLM(model_path, dtype="bfloat16", quantization=quantization, kv_cache_memory_bytes=256 << 20, chunk_size=512)
-    params = SamplingParams(temperature=0, max_tokens=QUANTIZED_DECODE_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
+    llm = LLM(
+        model_path,
+        dtype="bfloat16",
+        quantization=quantization,
+        kv_cache_memory_bytes=256 << 20,
+        chunk_size=512,
+    )
+    params = SamplingParams(
+        temperature=0, max_tokens=QUANTIZED_DECODE_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS
+    )
     for prompt_ids in parity_prompts[:-1]:
         (output,) = llm.generate(prompt_token_ids=[prompt_ids], sampling_params=params)
         with torch.no_grad():
@@ -128,4 +138,6 @@ def test_quantized_decode_stays_close_to_float32_transformers(model_path, hf_mod
                 difference = abs(alternative.logprob - float(reference[position, alternative.token_id]))
                 assert difference < QUANTIZED_LOGPROB_TOLERANCE[quantization], (position, alternative)
             best = int(logits[position].argmax())
-            assert token == best or float(logits[position, best] - logits[position, token]) <= QUANTIZED_NEAR_TIE
+            assert (
+                token == best or float(logits[position, best] - logits[position, token]) <= QUANTIZED_NEAR_TIE
+            )

@@ -18,6 +18,7 @@ from firsttoken.sample.sampler import (
     seeded_uniform,
 )
 from firsttoken.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from tests.sample.distributions import NUM_DRAWS, SIGNIFICANCE, assert_follows, chi_square_p_value
 
 
 @pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-12])
@@ -144,7 +145,7 @@ def test_a_tie_overflow_row_draws_from_every_tied_token():
     specs = [_spec(temperature=1.0, top_k=2, seed=seed) for seed in range(num_draws)]
     tokens = _tokens(Sampler(0, CPU, logits.shape[-1]), logits.expand(num_draws, -1), specs)
     assert len(set(tokens) & set(range(100, 200))) == 100
-    _assert_follows(tokens, _filtered_probs(logits, 1.0, 2, 1.0))
+    assert_follows(tokens, _filtered_probs(logits, 1.0, 2, 1.0))
 
 
 def _mixed_batch(vocab_size: int, seed: int) -> tuple[torch.Tensor, list[SampleSpec]]:
@@ -228,7 +229,7 @@ def test_top_k_past_the_vocabulary_filters_nothing():
     assert _kept_token_ids(nucleus, 0) == _finite_token_ids(filter_logits(logits[0], 51, 0.9))
     specs = [_spec(temperature=1.0, top_k=10**6, seed=seed) for seed in range(2000)]
     tokens = _tokens(Sampler(0, CPU, logits.shape[-1]), logits[0].expand(2000, -1), specs)
-    _assert_follows(tokens, logits[0].softmax(-1))
+    assert_follows(tokens, logits[0].softmax(-1))
 
 
 @pytest.mark.parametrize("top_k", [-1, 40])
@@ -258,26 +259,6 @@ def test_seeded_uniforms_lie_in_the_half_open_unit_interval():
 
 # --- Distribution: draws follow the filtered softmax ------------------------------------------
 
-NUM_DRAWS = 20000
-SIGNIFICANCE = 1e-6  # a correct sampler fails one run in a million
-
-
-def _chi_square_p_value(tokens: list[int], probs: torch.Tensor) -> float:
-    """p-value of the draws under probs [V]; a token drawn where probs is 0 gives 0."""
-    counts = torch.bincount(torch.tensor(tokens), minlength=probs.numel()).double()
-    expected = probs.double() * len(tokens)
-    if (counts[expected == 0] > 0).any():
-        return 0.0
-    support = expected > 0
-    chi_square = ((counts[support] - expected[support]) ** 2 / expected[support]).sum()
-    degrees = int(support.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(degrees / 2), chi_square / 2))
-
-
-def _assert_follows(tokens: list[int], probs: torch.Tensor) -> None:
-    assert _chi_square_p_value(tokens, probs) > SIGNIFICANCE
-
-
 DISTRIBUTION_CASES = {  # name: (vocab_size, top_k, top_p), one per way a row is filtered
     "unfiltered": (12, -1, 1.0),
     "top-k candidates": (100, 6, 1.0),
@@ -296,11 +277,11 @@ def test_draws_follow_the_filtered_softmax(case, seeded):
     filters = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     specs = [_spec(draw % 100, seed=draw // 100 if seeded else None, **filters) for draw in range(NUM_DRAWS)]
     tokens = _tokens(Sampler(15, CPU, vocab_size), logits.expand(NUM_DRAWS, -1), specs)
-    _assert_follows(tokens, _filtered_probs(logits, temperature, top_k, top_p))
+    assert_follows(tokens, _filtered_probs(logits, temperature, top_k, top_p))
     # The test has the power to catch a scheme off by the temperature, or one that drops a filter.
-    assert _chi_square_p_value(tokens, _filtered_probs(logits, 1.0, top_k, top_p)) < SIGNIFICANCE
+    assert chi_square_p_value(tokens, _filtered_probs(logits, 1.0, top_k, top_p)) < SIGNIFICANCE
     if (top_k, top_p) != (-1, 1.0):
-        assert _chi_square_p_value(tokens, _filtered_probs(logits, temperature, -1, 1.0)) < SIGNIFICANCE
+        assert chi_square_p_value(tokens, _filtered_probs(logits, temperature, -1, 1.0)) < SIGNIFICANCE
 
 
 @pytest.mark.parametrize("neighbour", ["next output index", "next seed"])
@@ -314,4 +295,4 @@ def test_neighbouring_seeded_draws_are_independent(neighbour):
         second = [_spec(0, temperature=1.0, seed=seed + 1) for seed in range(0, 2 * NUM_DRAWS, 2)]
     sampler, rows = Sampler(0, CPU, logits.shape[-1]), logits.expand(NUM_DRAWS, -1)
     pairs = [a * 4 + b for a, b in zip(_tokens(sampler, rows, first), _tokens(sampler, rows, second))]
-    _assert_follows(pairs, torch.outer(probs, probs).flatten())
+    assert_follows(pairs, torch.outer(probs, probs).flatten())

@@ -9,10 +9,31 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from firsttoken import LLM, SamplingParams
-from tests.model.reference import assert_logprobs_close, hf_greedy
-from tests.model.tiny_models import save_hf_folder, tiny_hf_model, write_gguf
+from tests.models.reference import assert_logprobs_close, hf_greedy
+from tests.models.tiny_models import save_hf_folder, tiny_hf_model, write_gguf
 
-PROMPT_IDS = [504, 3575, 282, 4649, 314, 7042, 30, 198, 17, 33, 34, 1708, 2988, 216, 1062, 45, 990, 12, 87, 8000] * 3
+PROMPT_IDS = [
+    504,
+    3575,
+    282,
+    4649,
+    314,
+    7042,
+    30,
+    198,
+    17,
+    33,
+    34,
+    1708,
+    2988,
+    216,
+    1062,
+    45,
+    990,
+    12,
+    87,
+    8000,
+] * 3
 NUM_TOKENS = 16
 TOLERANCE = 1e-3
 
@@ -77,8 +98,12 @@ def test_gguf_file_matches_transformers_gguf_loader(variant, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model_type, overrides, qtypes = GGUF_VARIANTS[variant]
-    path = write_gguf(tiny_hf_model(model_type, **overrides), str(tmp_path / f"{variant}.gguf"), model_type, qtypes)
-    hf_model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    path = write_gguf(
+        tiny_hf_model(model_type, **overrides), str(tmp_path / f"{variant}.gguf"), model_type, qtypes
+    )
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
     output = _firsttoken_run(path)
     expected_ids, expected_logprobs = hf_greedy(hf_model.eval(), PROMPT_IDS, NUM_TOKENS)
     assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
