@@ -7,7 +7,7 @@ import torch
 
 from firsttoken.attention.backend import BatchLayout, SequenceLayout
 from firsttoken.attention.reference import paged_attention_reference, write_kv_reference
-from firsttoken.attention.sdpa import SDPABackend, first_of_run
+from firsttoken.attention.sdpa import FLASH_MAX_QUERIES_BESIDE_SDPA, SDPABackend, first_of_run
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -364,3 +364,16 @@ def test_portable_flash_takes_every_row_and_decodes_get_a_prefills_bits(dtype, i
 
 def test_without_native_kernels_decodes_do_not_take_a_prefills_arithmetic():
     assert not SDPABackend(torch.device("cpu"), None, decode_as_prefill=True).decodes_as_prefill(16, torch.float32, 64)
+
+
+@pytest.mark.parametrize("decode_as_prefill", [False, True])
+def test_long_chunks_take_sdpa_unless_decodes_need_the_prefills_bits(decode_as_prefill, native_kernels, monkeypatch):
+    kernels = _flash_kernels_or_skip(native_kernels, torch.float32)
+    calls = _counting(kernels, monkeypatch, "flash_attention")
+    backend = SDPABackend(torch.device("cpu"), kernels, decode_as_prefill=decode_as_prefill)
+    num_tokens = FLASH_MAX_QUERIES_BESIDE_SDPA + 1
+    layout, slot_mapping, kv_cache, query, key, value = _random_batch([(0, num_tokens), (0, 40)], 16, 2, 1, 16, torch.float32)
+    output = backend.forward(query, key, value, kv_cache, backend.build_metadata(layout, slot_mapping))
+    assert calls["flash_attention"] == (2 if decode_as_prefill else 1)
+    expected = paged_attention_reference(query, kv_cache, layout)
+    torch.testing.assert_close(output, expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])

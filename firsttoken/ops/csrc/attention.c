@@ -105,12 +105,14 @@ static void load_tile(const KeyValueRows *rows, int64_t first_key, int64_t count
             widen_row((const uint16_t *)rows->keys + slot * rows->key_stride, head_dim, key_buffer + k * head_dim);
             widen_row((const uint16_t *)rows->values + slot * rows->value_stride, head_dim,
                       value_buffer + k * head_dim);
-            tile->keys[k] = key_buffer + k * head_dim;
-            tile->values[k] = value_buffer + k * head_dim;
         } else {
-            tile->keys[k] = (const float *)rows->keys + slot * rows->key_stride;
-            tile->values[k] = (const float *)rows->values + slot * rows->value_stride;
+            memcpy(key_buffer + k * head_dim, (const float *)rows->keys + slot * rows->key_stride,
+                   (size_t)head_dim * sizeof(float));
+            memcpy(value_buffer + k * head_dim, (const float *)rows->values + slot * rows->value_stride,
+                   (size_t)head_dim * sizeof(float));
         }
+        tile->keys[k] = key_buffer + k * head_dim;
+        tile->values[k] = value_buffer + k * head_dim;
     }
 }
 
@@ -172,19 +174,31 @@ static void weigh_values(const float *p, const float *const *values, int64_t val
     }
 }
 
-/* One query row over the first `valid` keys of a tile (1..KEY_TILE: those up to its causal
- * limit): scores, the online softmax update, output += P V. Not inlined: every row, from
- * whichever call, runs this one compiled body, so its bits never depend on the caller. */
-__attribute__((noinline)) static void attend_tile(const float *query, const KeyTile *tile, int64_t valid,
-                                                  int64_t head_dim, float scale, RowState *state) {
+/* A query row's scaled scores over the first `valid` keys of a tile (1..KEY_TILE: those up to
+ * its causal limit), the rest of their last vector -inf. Not inlined (nor update_row): every
+ * row, from whichever call, runs this one compiled body, so its bits never depend on the
+ * caller. A block's rows score first, then update: the tile's keys, then its values, stay in
+ * L1 across the rows. */
+__attribute__((noinline)) static void score_tile(const float *query, const KeyTile *tile, int64_t valid,
+                                                 int64_t head_dim, float scale, float *scores) {
     int64_t dim_vectors = head_dim / VEC_WIDTH, key_vectors = (valid + VEC_WIDTH - 1) / VEC_WIDTH;
     const vint lanes = vi_lane_indices();
-    const vfloat absent = vf_splat(-INFINITY);
-    vfloat scores[KEY_TILE / VEC_WIDTH];
-    vfloat tile_max = absent;
     for (int64_t g = 0; g < key_vectors; g++) {
         vint inside = lanes + (int32_t)(g * VEC_WIDTH) < (int32_t)valid;
-        scores[g] = vf_select(inside, score_keys(query, tile->keys + g * VEC_WIDTH, dim_vectors) * scale, absent);
+        vfloat score = score_keys(query, tile->keys + g * VEC_WIDTH, dim_vectors) * scale;
+        vf_store(scores + g * VEC_WIDTH, vf_select(inside, score, vf_splat(-INFINITY)));
+    }
+}
+
+/* The online softmax update of a row from its tile's scores, then output += P V. */
+__attribute__((noinline)) static void update_row(const float *tile_scores, const KeyTile *tile, int64_t valid,
+                                                 int64_t head_dim, RowState *state) {
+    int64_t dim_vectors = head_dim / VEC_WIDTH, key_vectors = (valid + VEC_WIDTH - 1) / VEC_WIDTH;
+    const vint lanes = vi_lane_indices();
+    vfloat scores[KEY_TILE / VEC_WIDTH];
+    vfloat tile_max = vf_splat(-INFINITY);
+    for (int64_t g = 0; g < key_vectors; g++) {
+        scores[g] = vf_load(tile_scores + g * VEC_WIDTH);
         tile_max = vf_max(tile_max, scores[g]);
     }
     float new_max = vf_max_lane(tile_max);
@@ -221,6 +235,7 @@ __attribute__((noinline)) static void finish_row(const RowState *state, int64_t 
 typedef struct {
     float *queries; /* max_rows * head_dim (bf16 queries, widened) */
     float *outputs; /* max_rows * head_dim */
+    float *scores;  /* max_rows * KEY_TILE: each row's scores of the tile at hand */
     RowState *states;
     const float **query_rows; /* max_rows: each row's float32 query */
     float *key_buffer, *value_buffer; /* KEY_TILE * head_dim each */
@@ -233,7 +248,7 @@ static void free_scratch(Scratch *scratch) {
 }
 
 static int allocate_scratch(Scratch *scratch, int64_t max_rows, int64_t head_dim) {
-    size_t floats = (size_t)((2 * max_rows + 2 * KEY_TILE) * head_dim);
+    size_t floats = (size_t)((2 * max_rows + 2 * KEY_TILE) * head_dim + max_rows * KEY_TILE);
     scratch->queries = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     scratch->states = malloc((size_t)max_rows * sizeof(RowState));
     scratch->query_rows = malloc((size_t)max_rows * sizeof(const float *));
@@ -244,7 +259,15 @@ static int allocate_scratch(Scratch *scratch, int64_t max_rows, int64_t head_dim
     scratch->outputs = scratch->queries + max_rows * head_dim;
     scratch->key_buffer = scratch->outputs + max_rows * head_dim;
     scratch->value_buffer = scratch->key_buffer + KEY_TILE * head_dim;
+    scratch->scores = scratch->value_buffer + KEY_TILE * head_dim;
     return 1;
+}
+
+/* Keys of the tile from `first_key` that a query at `position` sees (>= 1 for the rows that
+ * reach the tile). */
+static inline int64_t tile_valid(int64_t position, int64_t first_key, int64_t num_keys) {
+    int64_t limit = position < num_keys - 1 ? position : num_keys - 1;
+    return limit - first_key + 1 < KEY_TILE ? limit - first_key + 1 : KEY_TILE;
 }
 
 /* Queries [first_query, first_query + positions) of `sequence` at query heads [first_head,
@@ -280,14 +303,15 @@ static void attend_block(const Sequence *sequence, const Shape *shape, int64_t f
     for (int64_t first_key = 0; first_key <= last_key; first_key += KEY_TILE) {
         int64_t tile_keys = last_key - first_key + 1 < KEY_TILE ? last_key - first_key + 1 : KEY_TILE;
         load_tile(&kv, first_key, tile_keys, shape, scratch->key_buffer, scratch->value_buffer, &tile);
-        for (int64_t r = 0; r < rows; r++) {
-            int64_t limit = first_position + r / heads;
-            limit = limit < kv.count - 1 ? limit : kv.count - 1;
-            if (limit < first_key) {
-                continue;
-            }
-            int64_t valid = limit - first_key + 1 < KEY_TILE ? limit - first_key + 1 : KEY_TILE;
-            attend_tile(queries[r], &tile, valid, head_dim, shape->scale, &scratch->states[r]);
+        /* Rows before first_row see none of this tile's keys. */
+        int64_t first_row = first_key > first_position ? (first_key - first_position) * heads : 0;
+        for (int64_t r = first_row; r < rows; r++) {
+            score_tile(queries[r], &tile, tile_valid(first_position + r / heads, first_key, kv.count), head_dim,
+                       shape->scale, scratch->scores + r * KEY_TILE);
+        }
+        for (int64_t r = first_row; r < rows; r++) {
+            update_row(scratch->scores + r * KEY_TILE, &tile, tile_valid(first_position + r / heads, first_key, kv.count),
+                       head_dim, &scratch->states[r]);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
