@@ -66,8 +66,8 @@ _SIGNATURES = {
     "ft_write_kv": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64, _INT64]
     + [ctypes.c_int],
     "ft_matmul_panel_width": [],
-    "ft_row_invariant_matmul": [_POINTER, _INT64, _INT64, _POINTER, ctypes.c_int, _POINTER, _INT64, _INT64, _POINTER]
-    + [ctypes.c_int],
+    "ft_row_invariant_matmul": [_POINTER, _INT64, _INT64, _POINTER, ctypes.c_int, _POINTER, _INT64, _INT64]
+    + [_POINTER, ctypes.c_int],
 }
 # x86-64 with AMX only: the permission for the tile registers.
 _AMX_SIGNATURES = {"ft_amx_available": []}
@@ -264,8 +264,8 @@ class NativeKernels:
             or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)))
         ):
             raise ValueError(
-                f"row_invariant_matmul: x {tuple(x.shape)} {x.dtype}, packed weight {tuple(packed_weight.shape)} "
-                f"{packed_weight.dtype} for {out_features} outputs, bias "
+                f"row_invariant_matmul: x {tuple(x.shape)} {x.dtype}, packed weight "
+                f"{tuple(packed_weight.shape)} {packed_weight.dtype} for {out_features} outputs, bias "
                 f"{None if bias is None else (tuple(bias.shape), bias.dtype)}"
             )
         out = x.new_empty(rows, out_features)
