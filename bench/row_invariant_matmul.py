@@ -35,7 +35,13 @@ from firsttoken.ops.cpu_isa import runnable_cpu_isas  # noqa: E402
 from firsttoken.ops.native import NativeKernels, load_native_kernels  # noqa: E402
 
 # (name, out_features, in_features)
-SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
+SHAPES = [
+    ("qkv", 960, 576),
+    ("o", 576, 576),
+    ("gate_up", 3072, 576),
+    ("down", 576, 1536),
+    ("lm_head", 49152, 576),
+]
 # The LM head only sees the rows that sample: at most a batch of decodes.
 LM_HEAD_MAX_ROWS = 128
 DECODE_PROMPT_LEN = 128
@@ -75,17 +81,28 @@ def kernel_rows(native: NativeKernels, row_counts: list[int], repeats: int) -> l
                 turns,
             )
             gflops = 2 * rows * out_features * in_features / ms["ours"] / 1e6
-            table.append([
-                native.isa, name, rows, ms["ours"], ms["ours bf16 W"], ms["torch"], gflops,
-                ms["ours"] / ms["torch"], ms["ours bf16 W"] / ms["torch"],
-            ])
+            table.append(
+                [
+                    native.isa,
+                    name,
+                    rows,
+                    ms["ours"],
+                    ms["ours bf16 W"],
+                    ms["torch"],
+                    gflops,
+                    ms["ours"] / ms["torch"],
+                    ms["ours bf16 W"] / ms["torch"],
+                ]
+            )
     return table
 
 
 def ttft_run(llm: LLM, length: int):
     return lambda index: timed(
-        lambda: llm.generate(prompt_token_ids=[random_prompt(length, seed=7_000 + 10 * length + index)],
-                             sampling_params=GREEDY_ONE)
+        lambda: llm.generate(
+            prompt_token_ids=[random_prompt(length, seed=7_000 + 10 * length + index)],
+            sampling_params=GREEDY_ONE,
+        )
     )
 
 
@@ -103,16 +120,27 @@ def decode_run(llm: LLM, num_tokens: int):
 
 def engine_tables(isa: str, lengths: list[int], repeats: int, decode_tokens: int) -> dict:
     max_len = max(*lengths, DECODE_PROMPT_LEN + decode_tokens + 1)
-    options = dict(dtype="float32", enable_prompt_cache=False, chunk_size=max_len, max_num_batched_tokens=max_len,
-                   cpu_isa=isa, num_threads=torch.get_num_threads())
-    engines = {setting: LLM(default_model_path(), batch_invariant=setting == "on", **options) for setting in ("on", "off")}
+    options = dict(
+        dtype="float32",
+        enable_prompt_cache=False,
+        chunk_size=max_len,
+        max_num_batched_tokens=max_len,
+        cpu_isa=isa,
+        num_threads=torch.get_num_threads(),
+    )
+    engines = {
+        setting: LLM(default_model_path(), batch_invariant=setting == "on", **options)
+        for setting in ("on", "off")
+    }
     rows, ttft_results = [], {}
     for length in lengths:
         ttft = interleaved_medians({name: ttft_run(llm, length) for name, llm in engines.items()}, repeats)
         ttft_results[length] = ttft
         rows.append([isa, length, ttft["on"] * 1000, ttft["off"] * 1000, ttft["on"] / ttft["off"]])
     print_table(["isa", "prompt tokens", "TTFT ms, invariant", "TTFT ms, torch", "ratio"], rows)
-    per_token = interleaved_medians({name: decode_run(llm, decode_tokens) for name, llm in engines.items()}, repeats)
+    per_token = interleaved_medians(
+        {name: decode_run(llm, decode_tokens) for name, llm in engines.items()}, repeats
+    )
     print()
     print_table(
         ["isa", f"decode after {DECODE_PROMPT_LEN}", "tokens/s, invariant", "tokens/s, torch", "ratio"],
@@ -122,7 +150,9 @@ def engine_tables(isa: str, lengths: list[int], repeats: int, decode_tokens: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--isa", nargs="+", default=runnable_cpu_isas() or ["auto"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 128, 512, 2048])
     parser.add_argument("--repeats", type=int, default=15)
@@ -141,8 +171,17 @@ def main() -> None:
             sys.exit("no native kernels on this machine (no working C compiler): nothing to compare")
         table = kernel_rows(native, args.rows, args.repeats)
         print_table(
-            ["isa", "projection", "rows", "ours ms", "ours bf16 W ms", "torch ms", "ours GFLOP/s", "ratio",
-             "ratio bf16 W"],
+            [
+                "isa",
+                "projection",
+                "rows",
+                "ours ms",
+                "ours bf16 W ms",
+                "torch ms",
+                "ours GFLOP/s",
+                "ratio",
+                "ratio bf16 W",
+            ],
             table,
         )
         print()

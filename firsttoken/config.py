@@ -63,10 +63,11 @@ class ModelConfig:
     )
     batch_invariant: bool = field(
         default=True,
-        metadata=_help("unquantized (cpu: bf16, or float32 with native kernels; cuda: one rank): a request's "
-                       "tokens and logprobs are the same bits whatever else runs in its steps, chunked, cached or "
-                       "recomputed (cpu: bf16 one-row matmuls run as two rows, float32 projections on a row-invariant "
-                       "native matmul, decode rows attend with the prefill kernel's arithmetic; cuda: projections "
+        metadata=_help("unquantized (cpu: bf16, or float32 with native kernels; cuda: one rank): a "
+                       "request's tokens and logprobs are the same bits whatever else runs in its steps, chunked, "
+                       "cached or recomputed (cpu: bf16 one-row matmuls run as two rows, float32 projections on "
+                       "a row-invariant native matmul, decode rows attend with the prefill kernel's arithmetic; "
+                       "cuda: projections "
                        "on a fixed-tile Triton matmul, every attention row on the chunk kernel's tiles); off: "
                        "oneDNN's one-row kernel and an exact-softmax decode kernel (cuda: cuBLAS, SDPA prefills)"),
     )

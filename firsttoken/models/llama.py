@@ -289,8 +289,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = RowInvariantLinear.from_linear(self.lm_head)
             return
         native_kernels = self.kernels.native
-        float_dtype = self.embed_weight.dtype
-        if batch_invariant and quantization is None and native_row_invariant_available(float_dtype, native_kernels):
+        native_takes = native_row_invariant_available(self.embed_weight.dtype, native_kernels)
+        if batch_invariant and quantization is None and native_takes:
             replace_linears(self.layers, lambda linear: row_invariant_linear(linear, native_kernels))
             self.lm_head = row_invariant_linear(self.lm_head, native_kernels)
             return

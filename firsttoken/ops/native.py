@@ -80,8 +80,8 @@ _SIGNATURES = {
     "ft_portable_int4_matmul": [_POINTER] * 3 + [_INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int, ctypes.c_int],
     "ft_portable_int8_matmul": [_POINTER] * 3 + [_INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int, ctypes.c_int],
     "ft_matmul_panel_width": [],
-    "ft_row_invariant_matmul": [_POINTER, _INT64, _INT64, _POINTER, ctypes.c_int, _POINTER, _INT64, _INT64, _POINTER]
-    + [ctypes.c_int],
+    "ft_row_invariant_matmul": [_POINTER, _INT64, _INT64, _POINTER, ctypes.c_int, _POINTER, _INT64, _INT64]
+    + [_POINTER, ctypes.c_int],
 }
 # ft_flash_attention's and ft_flash_decode_attention's statuses besides 1 (done) and 0 (out of memory).
 _FLASH_OUT_OF_BOUNDS = -1
@@ -429,8 +429,8 @@ class NativeKernels:
             or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)))
         ):
             raise ValueError(
-                f"row_invariant_matmul: x {tuple(x.shape)} {x.dtype}, packed weight {tuple(packed_weight.shape)} "
-                f"{packed_weight.dtype} for {out_features} outputs, bias "
+                f"row_invariant_matmul: x {tuple(x.shape)} {x.dtype}, packed weight "
+                f"{tuple(packed_weight.shape)} {packed_weight.dtype} for {out_features} outputs, bias "
                 f"{None if bias is None else (tuple(bias.shape), bias.dtype)}"
             )
         out = x.new_empty(rows, out_features)

@@ -297,9 +297,8 @@ class Worker:
         """Whether every projection gives a row the same bits at any row count: all on the native
         row-invariant matmul (float32), or all oneDNN-packed (bf16) with this CPU's kernels
         passing the probe; warn where they do not."""
-        projections = [
-            module for module in model.modules() if isinstance(module, (Linear, PackedLinear, NativeRowInvariantLinear))
-        ]
+        kinds = (Linear, PackedLinear, NativeRowInvariantLinear)
+        projections = [module for module in model.modules() if isinstance(module, kinds)]
         if not projections or any(isinstance(module, Linear) for module in projections):
             return False  # torch's plain matmuls pick their kernel by the row count
         packed = [module for module in projections if isinstance(module, PackedLinear)]

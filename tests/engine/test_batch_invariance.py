@@ -135,7 +135,7 @@ def test_after_preemption_and_recompute_every_bit_is_the_same(invariant_llm, eng
     others = _other_prompts(6, seed=7)
     others_alone = [_bits(invariant_llm.generate([prompt], GREEDY)[0]) for prompt in others]
     element_bytes = 2 if engine_options["dtype"] == "bfloat16" else 4
-    block_bytes = 2 * 30 * 16 * 3 * 64 * element_bytes  # K and V x layers x block tokens x KV heads x head size
+    block_bytes = 2 * 30 * 16 * 3 * 64 * element_bytes  # K and V x layers x block tokens x KV heads x dims
     small = LLM(**{**engine_options, "kv_cache_memory_bytes": 48 * block_bytes}, enable_prompt_cache=False,
                 max_num_seqs=10)
     outputs = small.generate(others + PROMPTS, GREEDY)
@@ -172,11 +172,10 @@ def test_float32_projections_run_on_the_row_invariant_matmul(float32_llm):
     """Every projection and the LM head; the claim then rests on the decode attention alone."""
     worker = float32_llm.engine.worker
     model = worker.model
-    projections = [model.lm_head] + [
-        projection
-        for layer in model.layers
-        for projection in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    ]
+    projections = [model.lm_head]
+    for layer in model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        projections += [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
     assert all(isinstance(module, NativeRowInvariantLinear) for module in projections)
     block_size = float32_llm.engine.config.cache.block_size
     assert worker.batch_invariant == worker.runner.backend.decodes_as_prefill(block_size)

@@ -58,7 +58,9 @@ def test_bf16_stored_weights_match_f_linear_on_the_rounded_weights(kernels, out_
     packed = kernels.pack_matmul_weight(weight, torch.bfloat16)
     assert packed.dtype == torch.bfloat16
     expected = F.linear(x, weight.to(torch.bfloat16).float(), bias)
-    torch.testing.assert_close(kernels.row_invariant_matmul(x, packed, bias, out_features), expected, **TOLERANCE)
+    torch.testing.assert_close(
+        kernels.row_invariant_matmul(x, packed, bias, out_features), expected, **TOLERANCE
+    )
 
 
 def test_strided_rows_give_the_contiguous_result(kernels):
@@ -81,7 +83,9 @@ def test_a_row_has_the_same_bits_at_every_row_count_and_thread_count(
     packed = kernels.pack_matmul_weight(weight, weight_dtype)
     x = torch.randn(300, in_features)
     torch.set_num_threads(1)
-    alone = torch.cat([kernels.row_invariant_matmul(x[r : r + 1], packed, bias, out_features) for r in range(300)])
+    alone = torch.cat(
+        [kernels.row_invariant_matmul(x[r : r + 1], packed, bias, out_features) for r in range(300)]
+    )
     for num_threads in (1, 2):
         torch.set_num_threads(num_threads)
         for rows in range(1, 301):
@@ -100,7 +104,9 @@ def test_a_row_keeps_its_bits_wherever_it_sits_in_the_step(kernels, threads):
     for position in range(40):
         x = torch.randn(40, 576)
         x[position] = row[0]
-        assert torch.equal(kernels.row_invariant_matmul(x, packed, bias, 576)[position : position + 1], expected)
+        assert torch.equal(
+            kernels.row_invariant_matmul(x, packed, bias, 576)[position : position + 1], expected
+        )
 
 
 def test_no_rows_give_an_empty_result(kernels):
@@ -121,6 +127,8 @@ def test_no_rows_give_an_empty_result(kernels):
 )
 def test_mismatched_arguments_are_an_error_naming_the_shapes(kernels, change):
     weight, bias = _weights(32, 16, True)
-    arguments = dict(x=torch.randn(3, 16), packed_weight=kernels.pack_matmul_weight(weight), bias=bias, out_features=32)
+    arguments = dict(
+        x=torch.randn(3, 16), packed_weight=kernels.pack_matmul_weight(weight), bias=bias, out_features=32
+    )
     with pytest.raises(ValueError, match="row_invariant_matmul: x"):
         kernels.row_invariant_matmul(**{**arguments, **change})

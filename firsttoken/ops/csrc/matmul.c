@@ -47,13 +47,16 @@ int ft_matmul_panel_width(void) {
     return PANEL_WIDTH;
 }
 
-static inline __attribute__((always_inline)) vfloat load_weight(const void *panel, int64_t index, const int is_bf16) {
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE vfloat load_weight(const void *panel, int64_t index, const int is_bf16) {
     return is_bf16 ? vf_load_bf16((const uint16_t *)panel + index) : vf_load((const float *)panel + index);
 }
 
 /* Loads `rows` x PANEL_WIDTH partial sums from out (its first `cols` columns valid). */
-static inline __attribute__((always_inline)) void load_sums(
-    const int rows, vfloat sums[TILE_ROWS][PANEL_VECTORS], const float *out, int64_t out_stride, int64_t cols) {
+ALWAYS_INLINE void load_sums(
+    const int rows, vfloat sums[TILE_ROWS][PANEL_VECTORS], const float *out, int64_t out_stride,
+    int64_t cols) {
     for (int r = 0; r < rows; r++) {
         float row[PANEL_WIDTH] = {0};
         const float *source = out + r * out_stride;
@@ -67,7 +70,7 @@ static inline __attribute__((always_inline)) void load_sums(
     }
 }
 
-static inline __attribute__((always_inline)) void store_sums(
+ALWAYS_INLINE void store_sums(
     const int rows, vfloat sums[TILE_ROWS][PANEL_VECTORS], float *out, int64_t out_stride, int64_t cols) {
     for (int r = 0; r < rows; r++) {
         float row[PANEL_WIDTH];
@@ -84,14 +87,16 @@ static inline __attribute__((always_inline)) void store_sums(
 /* out[r][c] (+)= sum over k in [k_begin, k_end) of x[r][k] * W[c][k], one FMA at a time in k's
  * order, for `rows` rows and one panel's `cols` columns; the first block starts from zero and
  * the last adds the bias. */
-static inline __attribute__((always_inline)) void multiply_tile(
-    const int rows, const int is_bf16, const Matmul *m, int64_t row, int64_t panel, int64_t k_begin, int64_t k_end) {
+ALWAYS_INLINE void multiply_tile(
+    const int rows, const int is_bf16, const Matmul *m, int64_t row, int64_t panel, int64_t k_begin,
+    int64_t k_end) {
     int64_t column = panel * PANEL_WIDTH;
     int64_t cols = m->out_features - column < PANEL_WIDTH ? m->out_features - column : PANEL_WIDTH;
     float *out = m->out + row * m->out_features + column;
     const float *x = m->x + row * m->x_stride;
-    const void *weights = is_bf16 ? (const void *)((const uint16_t *)m->weight + panel * m->in_features * PANEL_WIDTH)
-                                  : (const void *)((const float *)m->weight + panel * m->in_features * PANEL_WIDTH);
+    int64_t panel_start = panel * m->in_features * PANEL_WIDTH;
+    const void *weights = is_bf16 ? (const void *)((const uint16_t *)m->weight + panel_start)
+                                  : (const void *)((const float *)m->weight + panel_start);
     vfloat sums[TILE_ROWS][PANEL_VECTORS];
     if (k_begin == 0) {
 #pragma GCC unroll 16
@@ -138,7 +143,8 @@ static inline __attribute__((always_inline)) void multiply_tile(
         break;
 
 /* One tile of 1 to TILE_ROWS rows, each row count its own unrolled code. */
-static void multiply_rows(int rows, const Matmul *m, int64_t row, int64_t panel, int64_t k_begin, int64_t k_end) {
+static void multiply_rows(int rows, const Matmul *m, int64_t row, int64_t panel, int64_t k_begin,
+                          int64_t k_end) {
     switch (rows) {
         TILE_CASE(1)
         TILE_CASE(2)
@@ -158,7 +164,8 @@ static void multiply_rows(int rows, const Matmul *m, int64_t row, int64_t panel,
 }
 
 /* Rows [row_begin, row_end) by panels [panel_begin, panel_end). */
-static void multiply_block(const Matmul *m, int64_t row_begin, int64_t row_end, int64_t panel_begin, int64_t panel_end) {
+static void multiply_block(const Matmul *m, int64_t row_begin, int64_t row_end, int64_t panel_begin,
+                           int64_t panel_end) {
     for (int64_t block = row_begin; block < row_end; block += ROW_BLOCK) {
         int64_t block_end = block + ROW_BLOCK < row_end ? block + ROW_BLOCK : row_end;
         for (int64_t k = 0; k < m->in_features; k += K_BLOCK) {
@@ -176,10 +183,11 @@ static void multiply_block(const Matmul *m, int64_t row_begin, int64_t row_end, 
 /* out [rows, out_features] = x [rows, in_features] (rows `x_stride` floats apart) times the
  * packed W^T (float32, or bf16 when weight_dtype is DTYPE_BFLOAT16), plus bias if not NULL.
  * Returns 1. */
-int ft_row_invariant_matmul(const float *x, int64_t x_stride, int64_t rows, const void *weight, int weight_dtype,
-                            const float *bias, int64_t out_features, int64_t in_features, float *out,
-                            int num_threads) {
-    Matmul m = {x, x_stride, rows, weight, weight_dtype == DTYPE_BFLOAT16, bias, out_features, in_features, out};
+int ft_row_invariant_matmul(const float *x, int64_t x_stride, int64_t rows, const void *weight,
+                            int weight_dtype, const float *bias, int64_t out_features, int64_t in_features,
+                            float *out, int num_threads) {
+    int is_bf16 = weight_dtype == DTYPE_BFLOAT16;
+    Matmul m = {x, x_stride, rows, weight, is_bf16, bias, out_features, in_features, out};
     int64_t panels = (out_features + PANEL_WIDTH - 1) / PANEL_WIDTH;
     int parallel = rows * out_features * in_features >= PARALLEL_MIN_ELEMENTS * 16 && num_threads > 1;
 #pragma omp parallel num_threads(num_threads) if (parallel)
@@ -191,7 +199,8 @@ int ft_row_invariant_matmul(const float *x, int64_t x_stride, int64_t rows, cons
             multiply_block(&m, 0, rows, begin, end);
         } else {
             int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-            int64_t begin = tiles * thread / threads * TILE_ROWS, end = tiles * (thread + 1) / threads * TILE_ROWS;
+            int64_t begin = tiles * thread / threads * TILE_ROWS;
+            int64_t end = tiles * (thread + 1) / threads * TILE_ROWS;
             multiply_block(&m, begin, end < rows ? end : rows, 0, panels);
         }
     }
