@@ -94,11 +94,13 @@ def run_replicated(args: argparse.Namespace) -> int:
     ray.init(address=args.ray_address)
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
-        application = build_application(model, server_cli.engine_options(args), config, replicas, system_prompt)
+        engine_options = server_cli.engine_options(args)
+        application = build_application(model, engine_options, config, replicas, system_prompt)
         serve.run(application, name=APP_NAME, route_prefix="/")
     except (ray.exceptions.RayError, RuntimeError) as error:
         # Ray's own traceback says which actor died and why, over many lines: one is enough here.
-        print(f"firsttoken: error: the replicas did not start: {_first_line(error)}", file=sys.stderr, flush=True)
+        message = f"firsttoken: error: the replicas did not start: {_first_line(error)}"
+        print(message, file=sys.stderr, flush=True)
         ray.shutdown()
         return 1
     address = f"http://{config.host}:{config.port}"
