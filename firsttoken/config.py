@@ -459,7 +459,8 @@ def _section_from_dict(section: str, section_cls: type, values: dict[str, Any]) 
     for name, value in values.items():
         if not _has_type(value, hints[name]):
             expected = _type_name(hints[name])
-            raise InvalidInputError(f"{section}.{name}", f"expected {expected}, got {type(value).__name__} {value!r}")
+            got = f"{type(value).__name__} {value!r}"
+            raise InvalidInputError(f"{section}.{name}", f"expected {expected}, got {got}")
     return section_cls(**values)
 
 
