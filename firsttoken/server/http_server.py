@@ -33,7 +33,8 @@ _ABORT_WAIT_S = 0.3
 _POLL_S = 0.05
 # What the exit deadline leaves for the process's own teardown: a signalled server process is
 # gone by shutdown_timeout_s + 1 s (the first signal) or this much after a second one.
-_EXIT_MARGIN_S = 0.9
+# The rest of the second covers the signal's delivery and the kernel's reaping on a busy machine.
+_EXIT_MARGIN_S = 0.7
 _EXIT_AFTER_SECOND_SIGNAL_S = 0.5
 
 
