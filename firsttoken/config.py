@@ -481,9 +481,9 @@ def _section_from_dict(section: str, section_cls: type, values: dict[str, Any]) 
     hints = typing.get_type_hints(section_cls)
     for name, value in values.items():
         if not _has_type(value, hints[name]):
-            raise InvalidInputError(
-                f"{section}.{name}", f"expected {_type_name(hints[name])}, got {type(value).__name__} {value!r}"
-            )
+            expected = _type_name(hints[name])
+            got = f"{type(value).__name__} {value!r}"
+            raise InvalidInputError(f"{section}.{name}", f"expected {expected}, got {got}")
     return section_cls(**values)
 
 

@@ -467,7 +467,9 @@ class Scheduler:
             if sampled.grammar_error is not None:
                 constraint = request.sampling_params.structured_output
                 field = constraint.field if constraint is not None else "structured_output"
-                request.stop_reason = f"{field}: the output constraint failed mid-generation ({sampled.grammar_error})"
+                request.stop_reason = (
+                    f"{field}: the output constraint failed mid-generation ({sampled.grammar_error})"
+                )
                 self.finish_request(request.req_id, RequestStatus.FINISHED_ERROR)
                 progress.append(RequestProgress(request, []))
                 continue

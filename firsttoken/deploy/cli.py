@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 import threading
@@ -19,6 +20,14 @@ APP_NAME = "firsttoken"
 # Flags whose names differ from their field's.
 _FLAG_NAMES = {"num_replicas": "replicas", "num_cpus": "replica_cpus", "num_gpus": "replica_gpus"}
 _DEFAULTS = ReplicasConfig()
+# Ray Serve's proxy must answer a health check within 10 s, three times running, or the start
+# fails; on a busy machine still loading replicas it may not. A local Ray instance's processes
+# inherit this process's environment: these are its defaults there (set values win).
+_PROXY_CHECK_ENV = {
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "20",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+}
 
 
 def add_replica_args(serve: argparse.ArgumentParser) -> None:
@@ -62,6 +71,11 @@ def run_serve(args: argparse.Namespace) -> int:
     return run_replicated(args)
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else 'no reason given'}"
+
+
 def run_replicated(args: argparse.Namespace) -> int:
     """Deploy the application on Ray and serve until SIGINT or SIGTERM, then delete it."""
     import ray
@@ -75,10 +89,20 @@ def run_replicated(args: argparse.Namespace) -> int:
     system_prompt = read_system_prompt(args)
     model = resolve_model_path(args.model)
     config = server_cli.server_config(args, model)
+    for name, value in _PROXY_CHECK_ENV.items():
+        os.environ.setdefault(name, value)
     ray.init(address=args.ray_address)
-    serve.start(http_options={"host": config.host, "port": config.port})
-    application = build_application(model, server_cli.engine_options(args), config, replicas, system_prompt)
-    serve.run(application, name=APP_NAME, route_prefix="/")
+    try:
+        serve.start(http_options={"host": config.host, "port": config.port})
+        engine_options = server_cli.engine_options(args)
+        application = build_application(model, engine_options, config, replicas, system_prompt)
+        serve.run(application, name=APP_NAME, route_prefix="/")
+    except (ray.exceptions.RayError, RuntimeError) as error:
+        # Ray's own traceback says which actor died and why, over many lines: one is enough here.
+        message = f"firsttoken: error: the replicas did not start: {_first_line(error)}"
+        print(message, file=sys.stderr, flush=True)
+        ray.shutdown()
+        return 1
     address = f"http://{config.host}:{config.port}"
     print(
         f"firsttoken: serving {config.model_name} on {address} with {replicas.num_replicas} replicas "

@@ -36,8 +36,11 @@ def engine_deployment_options(replicas: ReplicasConfig) -> dict[str, Any]:
     options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": replicas.num_cpus, "num_gpus": replicas.num_gpus},
         "max_ongoing_requests": replicas.max_ongoing_requests,
-        # Loading and warming up a model takes longer than Ray's default health-check timeout.
-        "health_check_timeout_s": 60,
+        # Loading and warming up a model takes longer than Ray's default health-check timeout, and
+        # on a busy machine a replica stepping a long prefill answers late: three misses in a row
+        # replace it, so the checks are rare and patient.
+        "health_check_period_s": 30,
+        "health_check_timeout_s": 120,
     }
     if replicas.max_replicas is None:
         options["num_replicas"] = replicas.num_replicas

@@ -28,6 +28,8 @@ from firsttoken.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_THREAD_POLL_S = 0.02
+
 
 class RequestObserver(Protocol):
     """Sees every delta of every request on the asyncio thread (metrics)."""
@@ -306,13 +308,18 @@ class AsyncEngine:
         self._encoder.submit(self.core.worker.grammar_compiler.engine_tokenizer)
 
     async def shutdown(self) -> None:
-        """Stop the loop thread; live requests end with EngineDeadError."""
+        """Stop the loop thread; live requests end with EngineDeadError at once, not after the
+        step the thread is running. Cancelling this while it waits for that step leaves the
+        (daemon) thread to finish on its own: a server's shutdown deadline is kept."""
         self._inbox.close()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-        self._encoder.shutdown()
-        self.core.shutdown()
         self._fail_all(EngineDeadError("the engine was shut down"))
+        self._encoder.shutdown()
+        if self._thread is not None:
+            # Polled rather than joined on an executor thread, which asyncio.run would wait for
+            # at exit even after this coroutine was cancelled.
+            while self._thread.is_alive():
+                await asyncio.sleep(_THREAD_POLL_S)
+        self.core.shutdown()
 
     def add_observer(self, observer: RequestObserver) -> None:
         """Show every future delta to `observer` (on the asyncio thread, as it arrives)."""

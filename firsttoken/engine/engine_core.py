@@ -169,7 +169,8 @@ class EngineCore:
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        expired = [self.output_processor.closing_delta(request) for request in self.scheduler.expire_waiting(self._pending_pins)]
+        expired_requests = self.scheduler.expire_waiting(self._pending_pins)
+        expired = [self.output_processor.closing_delta(request) for request in expired_requests]
         if expired:
             self._release_finished()
         scheduler_output = self.scheduler.schedule()

@@ -92,7 +92,7 @@ class PromptEncoder:
         return await loop.run_in_executor(self._pool, self._encode_system_prompt, system_prompt)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _encode_system_prompt(self, system_prompt: str) -> list[int]:
         try:

@@ -253,7 +253,9 @@ class Sampler:
             return self._with_grammar_errors(results, specs)
         return results
 
-    def _with_grammar_errors(self, results: list[SampledToken], specs: list[SampleSpec]) -> list[SampledToken]:
+    def _with_grammar_errors(
+        self, results: list[SampledToken], specs: list[SampleSpec]
+    ) -> list[SampledToken]:
         """Mark the draws of rows whose grammar failed, so their requests end with the error
         rather than with a silent stop."""
         for row, spec in enumerate(specs):

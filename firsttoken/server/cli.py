@@ -139,12 +139,13 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
 def run_serve(args: argparse.Namespace) -> int:
     from firsttoken.engine import AsyncEngine
     from firsttoken.server.app import create_app
-    from firsttoken.server.http_server import build_server
+    from firsttoken.server.http_server import ExitDeadline, build_server
 
     system_prompt = read_system_prompt(args)
     engine = AsyncEngine.from_options(args.model, system_prompt=system_prompt, **engine_options(args))
     config = server_config(args, engine.model_path)
     server = build_server(create_app(engine, config), config, abort_in_flight=engine.shutdown)
+    server.exit_deadline = ExitDeadline()  # this process is the server's: a signal's deadline ends it
     address = f"http://{config.host}:{config.port}"
     chat_page = f"; chat page at {address}/" if config.web_ui else ""
     print(f"firsttoken: serving {config.model_name} on {address}{chat_page}", file=sys.stderr, flush=True)

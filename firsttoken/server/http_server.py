@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import threading
@@ -20,10 +21,49 @@ from firsttoken.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
-# After in-flight requests were ended, how long their error events and 503s may take to leave
-# before the server stops waiting for their connections (a client that stopped reading).
-_FLUSH_AFTER_ABORT_S = 5.0
+# After in-flight requests were ended at the drain's deadline, how long their error events and
+# 503s may take to leave before the server stops waiting for their connections (a client that
+# stopped reading); with ending them, within the 1 s past the deadline that a shutdown may take.
+_FLUSH_AFTER_ABORT_S = 0.5
+# At a second signal: just long enough for the error events already written to leave.
+_FLUSH_AFTER_SECOND_SIGNAL_S = 0.1
+# Ending the requests fails their streams at once; waiting for the engine's running step to end
+# is bounded by this (the engine thread is a daemon and finishes on its own).
+_ABORT_WAIT_S = 0.3
 _POLL_S = 0.05
+# What the exit deadline leaves for the process's own teardown: a signalled server process is
+# gone by shutdown_timeout_s + 1 s (the first signal) or this much after a second one.
+# The rest of the second covers the signal's delivery and the kernel's reaping on a busy machine.
+_EXIT_MARGIN_S = 0.7
+_EXIT_AFTER_SECOND_SIGNAL_S = 0.5
+
+
+class ExitDeadline:
+    """Owns the last resort of a signalled server process: a daemon timer that ends the process
+    if its orderly shutdown (ending requests, closing connections, the interpreter's teardown)
+    has not by the deadline, which a busy machine or a stuck client could otherwise stretch."""
+
+    def __init__(self) -> None:
+        self._timer: threading.Timer | None = None
+
+    def arm(self, seconds: float, exit_status: int) -> None:
+        """Exit with `exit_status` in `seconds` unless the process has exited; replaces any
+        deadline armed before."""
+        self.cancel()
+        self._timer = threading.Timer(seconds, _exit_now, args=(seconds, exit_status))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _exit_now(seconds: float, exit_status: int) -> None:
+    logger.error("shutdown: still running %.1f s after the signal; exiting now", seconds)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(exit_status)
 
 
 class NoDelayHttpToolsProtocol(HttpToolsProtocol):
@@ -56,13 +96,22 @@ class DrainingServer(uvicorn.Server):
         self.abort_requested = False
         self.aborted_in_flight = False
         self.interrupted = False
+        # Set by a caller that owns the process (`firsttoken serve`), never by one that embeds it.
+        self.exit_deadline: ExitDeadline | None = None
 
     def handle_exit(self, sig: int, frame: object) -> None:
         if self.should_exit:  # a second signal: stop waiting for in-flight requests
             self.abort_requested = True
+            self._arm_exit_deadline(_EXIT_AFTER_SECOND_SIGNAL_S)
             return
         self.should_exit = True
         self.interrupted = sig == signal.SIGINT
+        self._arm_exit_deadline(self.shutdown_timeout_s + _EXIT_MARGIN_S)
+
+    def _arm_exit_deadline(self, seconds: float) -> None:
+        if self.exit_deadline is not None:
+            # A forced exit ended requests early: the status a caller gives an aborted drain.
+            self.exit_deadline.arm(seconds, 130 if self.interrupted else 1)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -95,8 +144,14 @@ class DrainingServer(uvicorn.Server):
             return
         self.aborted_in_flight = True
         logger.warning("shutdown: ending the requests of %d connection(s) still open", num_connections)
-        await self.abort_in_flight()
-        await asyncio.sleep(_FLUSH_AFTER_ABORT_S)
+        try:
+            await asyncio.wait_for(self.abort_in_flight(), _ABORT_WAIT_S)
+        except asyncio.TimeoutError:
+            logger.warning("shutdown: not waiting for the engine's running step to end")
+        flush_s = _FLUSH_AFTER_SECOND_SIGNAL_S if self.abort_requested else _FLUSH_AFTER_ABORT_S
+        flush_deadline = time.monotonic() + flush_s
+        while self.server_state.connections and time.monotonic() < flush_deadline:
+            await asyncio.sleep(_POLL_S)
         self.force_exit = True
 
 

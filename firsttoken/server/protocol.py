@@ -351,7 +351,8 @@ def _response_format_constraint(response_format: ResponseFormat) -> StructuredOu
     if response_format.json_schema is None:
         raise InvalidInputError("response_format.json_schema", "required when type is json_schema")
     field = "response_format.json_schema.schema"
-    return StructuredOutput(json_schema=checked_schema_text(response_format.json_schema.json_schema, field), field=field)
+    schema = checked_schema_text(response_format.json_schema.json_schema, field)
+    return StructuredOutput(json_schema=schema, field=field)
 
 
 def _check_stop_strings(stop: str | list[str] | None) -> None:
@@ -439,7 +440,9 @@ class ChatCompletionRequest(GenerationRequest):
         for index, tool in enumerate(self.tools or ()):
             function = tool.function
             if function.name in names:
-                raise InvalidInputError(f"tools[{index}].function.name", f"{function.name!r} names an earlier tool too")
+                raise InvalidInputError(
+                    f"tools[{index}].function.name", f"{function.name!r} names an earlier tool too"
+                )
             names.add(function.name)
             if function.parameters is not None:
                 checked_schema_text(function.parameters, f"tools[{index}].function.parameters")

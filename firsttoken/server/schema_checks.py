@@ -43,7 +43,9 @@ def check_schema_shape(value: Any, field: str) -> None:
         item, depth = pending.pop()
         num_values += 1
         if num_values > MAX_SCHEMA_VALUES:
-            raise InvalidInputError(field, f"holds more than the {MAX_SCHEMA_VALUES} values a schema may hold")
+            raise InvalidInputError(
+                field, f"holds more than the {MAX_SCHEMA_VALUES} values a schema may hold"
+            )
         if depth > MAX_SCHEMA_DEPTH:
             raise InvalidInputError(field, f"nests deeper than the {MAX_SCHEMA_DEPTH} levels a schema may")
         if isinstance(item, dict):

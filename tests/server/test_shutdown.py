@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
+from typing import Iterator
 
 import httpx
 import pytest
@@ -67,3 +75,79 @@ def test_ctrl_c_is_raised_again_after_the_shutdown_and_sigterm_is_not():
         _capture_one_signal(signal.SIGTERM)  # nothing raised: run_serve returns the exit status
     finally:
         signal.signal(signal.SIGINT, inherited)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _serve_process(tmp_path, shutdown_timeout_s: float) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`firsttoken serve` in a process of its own, on loopback, ready to answer."""
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "firsttoken", "serve", "--port", str(port), "--dtype", "float32",
+         "--kv-cache-memory-bytes", str(512 << 20), "--chunk-size", "64", "--max-model-len", "2048",
+         "--shutdown-timeout", str(shutdown_timeout_s), "--no-web-ui"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600  # a busy machine loads slowly
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(base_url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield process, base_url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def _open_clients(base_url: str, num_streams: int, num_idle: int) -> list[socket.socket]:
+    """Streams that never end on their own (none of them read: a client that stopped reading),
+    and keep-alive connections left idle after one request."""
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"prompt": "Tell me a long story.", "max_tokens": 1000, "ignore_eos": True, "stream": True})
+    sockets = []
+    for index in range(num_streams + num_idle):
+        sock = socket.create_connection((host, int(port)))
+        request_body = body if index < num_streams else json.dumps({"prompt": "Hi", "max_tokens": 1})
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(request_body)}\r\n\r\n{request_body}".encode()
+        )
+        head = sock.recv(64)  # the response has begun: the request is in flight (or answered)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        sockets.append(sock)
+    return sockets
+
+
+@pytest.mark.parametrize("num_signals", [1, 2])
+def test_the_process_exits_within_the_shutdown_timeout_plus_a_second(tmp_path, num_signals):
+    shutdown_timeout_s = 3 if num_signals == 1 else 60
+    with _serve_process(tmp_path, shutdown_timeout_s) as (process, base_url):
+        clients = _open_clients(base_url, num_streams=8, num_idle=4)
+        try:
+            for index in range(num_signals):
+                if index:
+                    time.sleep(0.2)
+                process.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()  # the last signal
+            process.wait(timeout=shutdown_timeout_s + 30)
+            exited_after_s = time.monotonic() - signalled
+        finally:
+            for client in clients:
+                client.close()
+    # The shutdown's own deadline; a second signal ends everything at once.
+    limit_s = shutdown_timeout_s + 1 if num_signals == 1 else 1
+    assert exited_after_s <= limit_s, (exited_after_s, (tmp_path / "serve.log").read_text()[-3000:])
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
