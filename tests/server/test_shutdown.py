@@ -131,6 +131,8 @@ def _open_clients(base_url: str, num_streams: int, num_idle: int) -> list[socket
     return sockets
 
 
+# The contract is a bound in real time, so a busy machine can break it: the slow tier (CI) runs it.
+@pytest.mark.slow
 @pytest.mark.parametrize("num_signals", [1, 2])
 def test_the_process_exits_within_the_shutdown_timeout_plus_a_second(tmp_path, num_signals):
     shutdown_timeout_s = 3 if num_signals == 1 else 60
