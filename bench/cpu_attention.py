@@ -42,7 +42,9 @@ def qkv_views(num_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     """Query, key and value as strided views of one qkv projection, as the model holds them."""
     qkv = torch.randn(num_tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM).to(dtype)
     query = qkv[:, : NUM_HEADS * HEAD_DIM].view(num_tokens, NUM_HEADS, HEAD_DIM)
-    key = qkv[:, NUM_HEADS * HEAD_DIM : (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    key = qkv[:, NUM_HEADS * HEAD_DIM : (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM].view(
+        num_tokens, NUM_KV_HEADS, HEAD_DIM
+    )
     value = qkv[:, (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM :].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
     return query, key, value
 
@@ -108,11 +110,19 @@ def decode_row(native: NativeKernels, num_context: int, rows: int, dtype: torch.
             "ours": lambda: native.flash_decode_attention(query, kv_cache, ours.block_table, ours.seq_lens),
         }
     )
-    return [f"decode x{rows} over", num_context, medians["sdpa"], medians["ours"], medians["sdpa"] / medians["ours"]]
+    return [
+        f"decode x{rows} over",
+        num_context,
+        medians["sdpa"],
+        medians["ours"],
+        medians["sdpa"] / medians["ours"],
+    ]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--isa", nargs="+", default=["auto"], choices=["auto", *runnable_cpu_isas()])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)

@@ -55,7 +55,9 @@ def warm_prefix_run(llm: LLM):
     """A prefix cached by an untimed request, then a new suffix on it (timed)."""
     def run(index: int) -> float:
         prefix = random_prompt(PREFIX_LEN, seed=50_000 + index)
-        llm.generate(prompt_token_ids=[prefix + random_prompt(SUFFIX_LEN, seed=1)], sampling_params=GREEDY_ONE)
+        llm.generate(
+            prompt_token_ids=[prefix + random_prompt(SUFFIX_LEN, seed=1)], sampling_params=GREEDY_ONE
+        )
         return ttft_of(llm, prefix + random_prompt(SUFFIX_LEN, seed=2))
 
     return run
@@ -110,8 +112,12 @@ def _head_bytes(model, seen: set[int]) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--isa", nargs="+", default=None, help="ISAs to build for (default: every one this CPU runs)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--isa", nargs="+", default=None, help="ISAs to build for (default: every one this CPU runs)"
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--repeats", type=int, default=5)
@@ -124,7 +130,9 @@ def main() -> None:
                    kv_cache_memory_bytes=1 << 30)
     settings = {BASELINE: dict(native_kernels=False), **{isa: dict(cpu_isa=isa) for isa in isas}}
     started = time.perf_counter()
-    cold = {name: LLM(path, enable_prompt_cache=False, **options, **extra) for name, extra in settings.items()}
+    cold = {
+        name: LLM(path, enable_prompt_cache=False, **options, **extra) for name, extra in settings.items()
+    }
     warm = {name: LLM(path, enable_prompt_cache=True, **options, **extra) for name, extra in settings.items()}
     int4 = {name: LLM(path, enable_prompt_cache=False, quantization="int4", **options, **extra)
             for name, extra in settings.items()}
@@ -134,13 +142,19 @@ def main() -> None:
 
     results: dict[str, dict[str, float]] = {}
     for length in args.lengths:
-        medians = interleaved_medians({name: ttft_run(llm, length) for name, llm in cold.items()}, args.repeats)
+        medians = interleaved_medians(
+            {name: ttft_run(llm, length) for name, llm in cold.items()}, args.repeats
+        )
         results[f"TTFT {length} tokens (ms)"] = {name: seconds * 1000 for name, seconds in medians.items()}
     medians = interleaved_medians({name: warm_prefix_run(llm) for name, llm in warm.items()}, args.repeats)
     results[f"warm prefix {PREFIX_LEN} + {SUFFIX_LEN} (ms)"] = {name: s * 1000 for name, s in medians.items()}
-    for label, engines in ((f"decode {args.dtype}, batch 1 (tok/s)", cold), ("decode int4, batch 1 (tok/s)", int4)):
-        medians = interleaved_medians({name: decode_run(llm, args.decode_tokens) for name, llm in engines.items()},
-                                      args.repeats)
+    for label, engines in (
+        (f"decode {args.dtype}, batch 1 (tok/s)", cold),
+        ("decode int4, batch 1 (tok/s)", int4),
+    ):
+        medians = interleaved_medians(
+            {name: decode_run(llm, args.decode_tokens) for name, llm in engines.items()}, args.repeats
+        )
         results[label] = {name: 1.0 / seconds for name, seconds in medians.items()}
 
     names = list(settings)
@@ -158,7 +172,9 @@ def main() -> None:
             reached = rate * weight_bytes / 1e9
             rows.append([f"{label}, {name}", weight_bytes / 2**20, rate, reached, reached / bandwidth])
     print(f"copy bandwidth (read + write of 512 MiB): {bandwidth:.1f} GB/s")
-    print_table(["decode weights", "MiB read a step", "tok/s", "GB/s read", "fraction of copy bandwidth"], rows)
+    print_table(
+        ["decode weights", "MiB read a step", "tok/s", "GB/s read", "fraction of copy bandwidth"], rows
+    )
     print("saved", save_result("cpu_classes", {"isas": isas, "dtype": args.dtype, "results": results,
                                                 "copy_bandwidth_gb_s": bandwidth}))
 

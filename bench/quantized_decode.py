@@ -1,6 +1,7 @@
 """Quantized decode on this CPU: the projections' kernels, then whole engines, in turns.
 
-    python bench/quantized_decode.py [--isa auto] [--repeats 7] [--threads N] [--skip-kernels] [--skip-engines]
+    python bench/quantized_decode.py [--isa auto] [--repeats 7] [--threads N]
+                                     [--skip-kernels] [--skip-engines]
 
 1. Memory bandwidth: the median of summing a 1 GiB float32 tensor (reads only), GB/s.
 2. Kernels: every projection of SmolLM2-135M's 30 layers (576 -> 960 qkv, 576 -> 576 o,
@@ -59,7 +60,9 @@ class LayerWeights:
         self.float32 = torch.randn(out_features, in_features, generator=generator) * 0.05
         levels, scales_and_zeros = quantize_int4(self.float32)
         self.torch_int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
-        self.torch_int4_scales = {dtype: scales_and_zeros.to(dtype) for dtype in (torch.float32, torch.bfloat16)}
+        self.torch_int4_scales = {
+            dtype: scales_and_zeros.to(dtype) for dtype in (torch.float32, torch.bfloat16)
+        }
         self.levels, self.scales_zeros = pack_int4(levels, scales_and_zeros)
         self.int8, scales = quantize_int8(self.float32)
         self.int8_scales = {torch.float32: scales, torch.bfloat16: scales.to(torch.bfloat16)}
@@ -71,14 +74,18 @@ class LayerWeights:
         return self.int8.nbytes + self.int8_scales[torch.float32].nbytes
 
 
-def projection_runs(weights: list[LayerWeights], native: NativeKernels | None, rows: int) -> dict[str, Callable]:
+def projection_runs(
+    weights: list[LayerWeights], native: NativeKernels | None, rows: int
+) -> dict[str, Callable]:
     """name -> a function running every projection once on `rows` rows."""
     inputs = {
         dtype: {w.float32.shape[1]: torch.randn(rows, w.float32.shape[1]).to(dtype) for w in weights}
         for dtype in (torch.float32, torch.bfloat16)
     }
 
-    def over_layers(project: Callable[[LayerWeights, torch.Tensor], torch.Tensor], dtype: torch.dtype) -> Callable:
+    def over_layers(
+        project: Callable[[LayerWeights, torch.Tensor], torch.Tensor], dtype: torch.dtype
+    ) -> Callable:
         return lambda: [project(w, inputs[dtype][w.float32.shape[1]]) for w in weights]
 
     runs = {BASELINE: over_layers(lambda w, x: F.linear(x, w.float32), torch.float32)}
@@ -90,26 +97,34 @@ def projection_runs(weights: list[LayerWeights], native: NativeKernels | None, r
             dtype,
         )
         runs[f"torch int8, {label} x"] = over_layers(
-            lambda w, x, dtype=dtype: torch.ops.aten._weight_int8pack_mm(x, w.int8, w.int8_scales[dtype]), dtype
+            lambda w, x, dtype=dtype: torch.ops.aten._weight_int8pack_mm(x, w.int8, w.int8_scales[dtype]),
+            dtype,
         )
         if native is not None:
             runs[f"portable int4, {label} x"] = over_layers(
                 lambda w, x: native.portable_int4_matmul(w.levels, w.scales_zeros, None, x), dtype
             )
             runs[f"portable int8, {label} x"] = over_layers(
-                lambda w, x, dtype=dtype: native.portable_int8_matmul(w.int8, w.int8_scales[dtype], None, x), dtype
+                lambda w, x, dtype=dtype: native.portable_int8_matmul(w.int8, w.int8_scales[dtype], None, x),
+                dtype,
             )
     return runs
 
 
 def bench_kernels(native: NativeKernels | None, repeats: int) -> dict:
-    weights = [LayerWeights(i, o, seed=layer * 4 + k) for layer in range(NUM_LAYERS) for k, (i, o) in enumerate(LAYER_SHAPES)]
+    weights = [
+        LayerWeights(i, o, seed=layer * 4 + k)
+        for layer in range(NUM_LAYERS)
+        for k, (i, o) in enumerate(LAYER_SHAPES)
+    ]
     int4_bytes = sum(w.int4_bytes() for w in weights)
     int8_bytes = sum(w.int8_bytes() for w in weights)
     results = {}
     for rows in ROW_COUNTS:
         runs = projection_runs(weights, native, rows)
-        medians = interleaved_medians({name: (lambda index, run=run: timed(run)) for name, run in runs.items()}, repeats)
+        medians = interleaved_medians(
+            {name: (lambda index, run=run: timed(run)) for name, run in runs.items()}, repeats
+        )
         table = []
         for name, seconds in medians.items():
             read = int4_bytes if "int4" in name else int8_bytes if "int8" in name else None
@@ -144,7 +159,10 @@ def bench_engines(isa: str, repeats: int, bandwidth: float) -> dict:
     engines = {"float32": LLM(path, **options), "float32 + int4": LLM(path, quantization="int4", **options)}
     results = {}
     for batch in (1, 8):
-        runs = {name: (lambda index, llm=llm: decode_seconds_per_token(llm, batch, index)) for name, llm in engines.items()}
+        runs = {
+            name: (lambda index, llm=llm: decode_seconds_per_token(llm, batch, index))
+            for name, llm in engines.items()
+        }
         medians = interleaved_medians(runs, repeats)
         print_table(
             [f"decode, batch {batch}", "ms/step", "tokens/s", "ratio vs float32"],
@@ -153,12 +171,21 @@ def bench_engines(isa: str, repeats: int, bandwidth: float) -> dict:
         results[batch] = medians
     step_bytes = decode_weight_bytes(engines["float32 + int4"])
     fraction = step_bytes / results[1]["float32 + int4"] / bandwidth
-    print(f"int4 decode, batch 1: {step_bytes / 1e6:.1f} MB of weights a step, {fraction:.0%} of the measured bandwidth")
-    return {"decode_s_per_step": results, "int4_step_weight_bytes": step_bytes, "bandwidth_fraction": fraction}
+    print(
+        f"int4 decode, batch 1: {step_bytes / 1e6:.1f} MB of weights a step, "
+        f"{fraction:.0%} of the measured bandwidth"
+    )
+    return {
+        "decode_s_per_step": results,
+        "int4_step_weight_bytes": step_bytes,
+        "bandwidth_fraction": fraction,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--isa", choices=CPU_ISAS, default="auto", help="the native kernels' build target")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")

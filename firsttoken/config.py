@@ -63,13 +63,15 @@ class ModelConfig:
     )
     batch_invariant: bool = field(
         default=True,
-        metadata=_help("unquantized (cpu: bf16, or float32 with native kernels; cuda: one rank): a "
-                       "request's tokens and logprobs are the same bits whatever else runs in its steps, chunked, "
-                       "cached or recomputed (cpu: bf16 one-row matmuls run as two rows, float32 projections on "
-                       "a row-invariant native matmul, decode rows attend with the prefill kernel's arithmetic; "
-                       "cuda: projections "
-                       "on a fixed-tile Triton matmul, every attention row on the chunk kernel's tiles); off: "
-                       "oneDNN's one-row kernel and an exact-softmax decode kernel (cuda: cuBLAS, SDPA prefills)"),
+        metadata=_help(
+            "unquantized (cpu: bf16, or float32 with native kernels; cuda: one rank): a "
+            "request's tokens and logprobs are the same bits whatever else runs in its steps, chunked, "
+            "cached or recomputed (cpu: bf16 one-row matmuls run as two rows, float32 projections on "
+            "a row-invariant native matmul, decode rows attend with the prefill kernel's arithmetic; "
+            "cuda: projections "
+            "on a fixed-tile Triton matmul, every attention row on the chunk kernel's tiles); off: "
+            "oneDNN's one-row kernel and an exact-softmax decode kernel (cuda: cuBLAS, SDPA prefills)"
+        ),
     )
     adaptive_threads: bool = field(
         default=True,
@@ -88,10 +90,12 @@ class ModelConfig:
     )
     cpu_isa: str = field(
         default_factory=lambda: os.environ.get(CPU_ISA_ENVIRONMENT_VARIABLE, "auto"),
-        metadata=_help("cpu: the instruction set the native kernels are built for: auto (this CPU's own), avx2 "
-                       "(AVX2 + FMA), avx512 (AVX-512 F/BW/DQ/VL, no BF16), avx512_bf16; a narrower one runs the "
-                       f"kernels of that CPU class here; default: ${CPU_ISA_ENVIRONMENT_VARIABLE}, else auto",
-                       choices=CPU_ISAS),
+        metadata=_help(
+            "cpu: the instruction set the native kernels are built for: auto (this CPU's own), avx2 "
+            "(AVX2 + FMA), avx512 (AVX-512 F/BW/DQ/VL, no BF16), avx512_bf16; a narrower one runs the "
+            f"kernels of that CPU class here; default: ${CPU_ISA_ENVIRONMENT_VARIABLE}, else auto",
+            choices=CPU_ISAS,
+        ),
     )
     cuda_graphs: bool = field(
         default=True,
@@ -477,7 +481,9 @@ def _section_from_dict(section: str, section_cls: type, values: dict[str, Any]) 
     known = {config_field.name for config_field in dataclasses.fields(section_cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise InvalidInputError(section, f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise InvalidInputError(
+            section, f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
     hints = typing.get_type_hints(section_cls)
     for name, value in values.items():
         if not _has_type(value, hints[name]):

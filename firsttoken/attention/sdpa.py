@@ -135,11 +135,14 @@ class SDPABackend:
             **self._native_decode_tables(layout, decode_rows),
         )
 
-    def _native_decode_tables(self, layout: BatchLayout, decode_rows: DecodeTables | None) -> dict[str, DecodeTables | None]:
+    def _native_decode_tables(
+        self, layout: BatchLayout, decode_rows: DecodeTables | None
+    ) -> dict[str, DecodeTables | None]:
         if self.native is None or decode_rows is None:
             return {}
         whole_step = (
-            self.native.has_decode_kernels and layout.num_decodes == len(layout.sequences) <= native_abi.DECODE_MAX_ROWS
+            self.native.has_decode_kernels
+            and layout.num_decodes == len(layout.sequences) <= native_abi.DECODE_MAX_ROWS
         )
         return {"paged_decodes": decode_rows, "decode_tables": decode_rows if whole_step else None}
 
@@ -170,11 +173,17 @@ class SDPABackend:
         portable flash kernel (the prefill's arithmetic, always), else SDPA."""
         paged = metadata.paged_decodes
         if paged is not None and self.native.paged_decode_attention_supports(query, kv_cache):
-            as_prefill = self.decode_as_prefill and self.decodes_as_prefill(kv_cache.shape[2], query.dtype, query.shape[2])
+            as_prefill = self.decode_as_prefill and self.decodes_as_prefill(
+                kv_cache.shape[2], query.dtype, query.shape[2]
+            )
             return self.native.paged_decode_attention(
                 query, kv_cache, paged.block_table, paged.seq_lens, as_prefill=as_prefill
             )
-        if paged is not None and self.native.flash_attention_supports(query, kv_cache) and kv_cache.is_contiguous():
+        if (
+            paged is not None
+            and self.native.flash_attention_supports(query, kv_cache)
+            and kv_cache.is_contiguous()
+        ):
             return self.native.flash_decode_attention(query, kv_cache, paged.block_table, paged.seq_lens)
         return _decode_attention(query, kv_cache, metadata)
 
@@ -184,7 +193,10 @@ class SDPABackend:
         if self.native is None:
             return False
         if _takes_vector_bf16_attention(self.native, dtype, head_dim):
-            return self.native.has_prefill_attention and block_size % native.DECODE_AS_PREFILL_BLOCK_MULTIPLE == 0
+            return (
+                self.native.has_prefill_attention
+                and block_size % native.DECODE_AS_PREFILL_BLOCK_MULTIPLE == 0
+            )
         probe = torch.empty(1, 1, head_dim, dtype=dtype)
         return self.native.flash_attention_supports(probe, probe)
 
@@ -204,7 +216,11 @@ class SDPABackend:
             if self.native.prefill_attention_supports(query, *keys_values):
                 return self.native.prefill_attention(query, *keys_values, torch.get_num_threads())
         wants_flash = self.decode_as_prefill or span.query_len <= FLASH_MAX_QUERIES_BESIDE_SDPA
-        if self.native is not None and wants_flash and _flash_takes(self.native, query, key, value, kv_cache, span):
+        if (
+            self.native is not None
+            and wants_flash
+            and _flash_takes(self.native, query, key, value, kv_cache, span)
+        ):
             return _flash_prefill(self.native, query, key, value, kv_cache, span)
         return _prefill_attention(query, key, value, kv_cache, span)
 
@@ -238,7 +254,9 @@ def _flash_prefill(
         return kernels.flash_attention(query, key, value, threads)
     num_keys = span.num_context_tokens + span.query_len
     if span.sequence_first_block is not None:
-        return kernels.flash_attention(query, *context_in_place(kv_cache, span.sequence_first_block, num_keys), threads)
+        return kernels.flash_attention(
+            query, *context_in_place(kv_cache, span.sequence_first_block, num_keys), threads
+        )
     return kernels.flash_attention_paged(query, kv_cache, span.sequence_block_ids, num_keys, threads)
 
 

@@ -537,7 +537,11 @@ class Scheduler:
 
 def _is_decode(request: Request, num_new: int) -> bool:
     """A one-token chunk right after a generated token (not a prompt chunk or a recompute)."""
-    return num_new == 1 and request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1
+    return (
+        num_new == 1
+        and request.num_output_tokens > 0
+        and request.num_computed_tokens == request.num_tokens - 1
+    )
 
 
 def _prompt_logprob_spec(request: Request, start: int, end: int) -> PromptLogprobSpec | None:

@@ -43,7 +43,9 @@ def resolve_cpu_isa(name: str) -> CpuIsa:
         raise InvalidInputError("cpu_isa", f"must be one of {CPU_ISAS}, got {name!r}")
     isa = ISAS[name]
     if isa.required_cpu_flags and platform.machine() not in ("x86_64", "AMD64"):
-        raise InvalidInputError("cpu_isa", f"{name} is an x86-64 instruction set; this CPU is {platform.machine()}")
+        raise InvalidInputError(
+            "cpu_isa", f"{name} is an x86-64 instruction set; this CPU is {platform.machine()}"
+        )
     missing = sorted(isa.required_cpu_flags - cpu_flags())
     if missing:
         raise InvalidInputError("cpu_isa", f"{name} needs CPU flags this CPU lacks: {', '.join(missing)}")
@@ -54,4 +56,6 @@ def runnable_cpu_isas() -> list[str]:
     """The named ISAs this CPU can run (besides `auto`), narrowest first."""
     flags = cpu_flags()
     on_x86 = platform.machine() in ("x86_64", "AMD64")
-    return [name for name, isa in ISAS.items() if name != "auto" and on_x86 and isa.required_cpu_flags <= flags]
+    return [
+        name for name, isa in ISAS.items() if name != "auto" and on_x86 and isa.required_cpu_flags <= flags
+    ]

@@ -1,11 +1,11 @@
 """Projections: the float Linear every layer starts as, and its weight-only int8 and int4 forms.
 
-Decoding on a CPU reads every weight once per step, so its speed is bound by the bytes of
-the weights: int8 weights (per-output-channel scales) halve what bf16 reads, int4 (groups of
-32 with a scale and a zero each) quarter it. The quantized matmuls are PyTorch's own CPU
-kernels, on CPUs with AVX512-BF16 our own for bf16 (`NativeInt4Linear`, and `Int8Linear` for
-decode-sized steps), and for float32 activations on any CPU our portable ones
-(`PortableInt4Linear`, `Int8Linear`); each plain reference dequantizes. Those kernels lose to the float (oneDNN, AMX)
+Decoding on a CPU reads every weight once per step, so its speed is bound by the bytes of the
+weights: int8 weights (per-output-channel scales) halve what bf16 reads, int4 (groups of 32
+with a scale and a zero each) quarter it. The quantized matmuls are PyTorch's own CPU kernels,
+on CPUs with AVX512-BF16 our own for bf16 (`NativeInt4Linear`, and `Int8Linear` for decode-
+sized steps), and for float32 activations on any CPU our portable ones (`PortableInt4Linear`,
+`Int8Linear`); each plain reference dequantizes. Those kernels lose to the float (oneDNN, AMX)
 matmul once a step has more than a few rows, so by default a quantized projection keeps its
 float weights too and serves prefill-sized steps from them (`DecodeQuantizedLinear`).
 """
@@ -217,7 +217,9 @@ class Int8Linear(nn.Module):
         leading = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
         if self._native_takes(flat):
-            return self.kernels.int8_matmul(self.weight, self.scales, self.bias, flat.contiguous()).reshape(*leading, -1)
+            return self.kernels.int8_matmul(self.weight, self.scales, self.bias, flat.contiguous()).reshape(
+                *leading, -1
+            )
         if self.runs_portable and flat.shape[0] <= native_abi.DECODE_MAX_ROWS and flat.dtype == torch.float32:
             output = self.kernels.portable_int8_matmul(self.weight, self.scales, self.bias, flat.contiguous())
             return output.reshape(*leading, -1)
@@ -236,7 +238,9 @@ class Int8Linear(nn.Module):
 
     def _native_takes(self, flat: torch.Tensor) -> bool:
         return (
-            self.kernels is not None and self.kernels.has_decode_kernels and flat.shape[0] <= native_abi.DECODE_MAX_ROWS
+            self.kernels is not None
+            and self.kernels.has_decode_kernels
+            and flat.shape[0] <= native_abi.DECODE_MAX_ROWS
             and flat.dtype == self.scales.dtype == torch.bfloat16
             and (self.bias is None or self.bias.dtype == torch.bfloat16)
         )
@@ -388,7 +392,11 @@ class PortableInt4Linear(nn.Module):
     but a row's bits never depend on the step."""
 
     def __init__(
-        self, levels: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels
+        self,
+        levels: torch.Tensor,
+        scales_zeros: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels: native.NativeKernels,
     ) -> None:
         super().__init__()
         self.out_features = levels.shape[0]
@@ -475,7 +483,9 @@ def _portable_int4_takes(weight: torch.Tensor, native_kernels: native.NativeKern
 
 def max_quantized_rows(quantized: nn.Module, quantization: str) -> int:
     """Most rows a step may have to take `quantized` rather than the float weights."""
-    if isinstance(quantized, PortableInt4Linear) or (isinstance(quantized, Int8Linear) and quantized.runs_portable):
+    if isinstance(quantized, PortableInt4Linear) or (
+        isinstance(quantized, Int8Linear) and quantized.runs_portable
+    ):
         return PORTABLE_QUANTIZED_MAX_ROWS
     return QUANTIZED_MAX_ROWS[quantization]
 

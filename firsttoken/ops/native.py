@@ -77,8 +77,10 @@ _SIGNATURES = {
     + [_INT64] * 5
     + [ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int],
     "ft_flash_attention_head_dim_multiple": [],
-    "ft_portable_int4_matmul": [_POINTER] * 3 + [_INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int, ctypes.c_int],
-    "ft_portable_int8_matmul": [_POINTER] * 3 + [_INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int, ctypes.c_int],
+    "ft_portable_int4_matmul": [_POINTER] * 3
+    + [_INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int, ctypes.c_int],
+    "ft_portable_int8_matmul": [_POINTER] * 3
+    + [_INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int, ctypes.c_int],
     "ft_matmul_panel_width": [],
     "ft_row_invariant_matmul": [_POINTER, _INT64, _INT64, _POINTER, ctypes.c_int, _POINTER, _INT64, _INT64]
     + [_POINTER, ctypes.c_int],
@@ -334,15 +336,36 @@ class NativeKernels:
             raise ValueError(f"flash_attention: keys {tuple(key.shape)} and values {tuple(value.shape)}")
         out = query.new_empty(num_queries, num_heads, head_dim)
         status = self._library.ft_flash_attention(
-            query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-            None, 0, 1, num_keys, num_queries, num_keys, num_heads, num_kv_heads, head_dim, head_dim**-0.5,
-            out.data_ptr(), _code(query), max(1, num_threads),
+            query.data_ptr(),
+            query.stride(0),
+            key.data_ptr(),
+            key.stride(0),
+            value.data_ptr(),
+            value.stride(0),
+            None,
+            0,
+            1,
+            num_keys,
+            num_queries,
+            num_keys,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            head_dim**-0.5,
+            out.data_ptr(),
+            _code(query),
+            max(1, num_threads),
         )
         self._check_flash(status, "flash_attention", query, num_keys, num_kv_heads)
         return out
 
     def flash_attention_paged(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_keys: int, num_threads: int
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        num_keys: int,
+        num_threads: int,
     ) -> torch.Tensor:
         """`flash_attention` over the first num_keys keys of one sequence, read in place from
         kv_cache [2, blocks, block_size, kv_heads, head_dim] (contiguous) through its block ids
@@ -356,9 +379,25 @@ class NativeKernels:
         kv_width = num_kv_heads * head_dim
         out = query.new_empty(num_queries, num_heads, head_dim)
         status = self._library.ft_flash_attention(
-            query.data_ptr(), query.stride(0), kv_cache[0].data_ptr(), kv_width, kv_cache[1].data_ptr(), kv_width,
-            block_ids.data_ptr(), block_ids.shape[0], block_size, num_blocks * block_size, num_queries, num_keys,
-            num_heads, num_kv_heads, head_dim, head_dim**-0.5, out.data_ptr(), _code(query), max(1, num_threads),
+            query.data_ptr(),
+            query.stride(0),
+            kv_cache[0].data_ptr(),
+            kv_width,
+            kv_cache[1].data_ptr(),
+            kv_width,
+            block_ids.data_ptr(),
+            block_ids.shape[0],
+            block_size,
+            num_blocks * block_size,
+            num_queries,
+            num_keys,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            head_dim**-0.5,
+            out.data_ptr(),
+            _code(query),
+            max(1, num_threads),
         )
         self._check_flash(status, "flash_attention_paged", query, num_keys, num_kv_heads)
         return out
@@ -385,21 +424,39 @@ class NativeKernels:
         seq_lens = seq_lens.contiguous()
         out = query.new_empty(rows, num_heads, head_dim)
         status = self._library.ft_flash_decode_attention(
-            query.data_ptr(), query.stride(0), kv_cache.data_ptr(), num_blocks * block_size, block_table.data_ptr(),
-            block_table.shape[1], seq_lens.data_ptr(), block_size, rows, num_heads, num_kv_heads, head_dim,
-            head_dim**-0.5, out.data_ptr(), _code(query), torch.get_num_threads(),
+            query.data_ptr(),
+            query.stride(0),
+            kv_cache.data_ptr(),
+            num_blocks * block_size,
+            block_table.data_ptr(),
+            block_table.shape[1],
+            seq_lens.data_ptr(),
+            block_size,
+            rows,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            head_dim**-0.5,
+            out.data_ptr(),
+            _code(query),
+            torch.get_num_threads(),
         )
         self._check_flash(status, "flash_decode_attention", query, int(seq_lens.max()), num_kv_heads)
         return out
 
-    def _check_flash(self, status: int, name: str, query: torch.Tensor, num_keys: int, num_kv_heads: int) -> None:
+    def _check_flash(
+        self, status: int, name: str, query: torch.Tensor, num_keys: int, num_kv_heads: int
+    ) -> None:
         if status == _FLASH_OUT_OF_BOUNDS:
-            raise IndexError(f"{name}: a block id or sequence length lies outside the KV cache or the block table")
+            raise IndexError(
+                f"{name}: a block id or sequence length lies outside the KV cache or the block table"
+            )
         if status == _FLASH_BAD_SHAPE:
             num_queries, num_heads, head_dim = query.shape
             raise ValueError(
-                f"{name}: {num_queries} queries of {num_heads} heads over {num_keys} keys of {num_kv_heads} heads "
-                f"(needs 1 <= queries <= keys and heads a multiple of KV heads), head_dim {head_dim} (needs a "
+                f"{name}: {num_queries} queries of {num_heads} heads over {num_keys} keys of "
+                f"{num_kv_heads} heads (needs 1 <= queries <= keys and heads a multiple of KV heads), "
+                f"head_dim {head_dim} (needs a "
                 f"multiple of {self.flash_head_dim_multiple} up to {native_abi.ATTENTION_MAX_HEAD_DIM})"
             )
         _check(status)
@@ -471,7 +528,9 @@ class NativeKernels:
         """x [rows, in] . W^T (+ bias) on any ISA, rows <= `native_abi.DECODE_MAX_ROWS`, in a
         multiple of 32; x and bias float32 or bf16 (one dtype, the output's), all contiguous; W
         in the layout of `firsttoken.ops.linear.pack_int4` (scales_zeros bf16)."""
-        return self._portable_matmul("int4", levels, scales_zeros, bias, x, 2 * levels.shape[1], PORTABLE_INT4_INPUT_MULTIPLE)
+        return self._portable_matmul(
+            "int4", levels, scales_zeros, bias, x, 2 * levels.shape[1], PORTABLE_INT4_INPUT_MULTIPLE
+        )
 
     def portable_int8_matmul(
         self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
@@ -496,8 +555,15 @@ class NativeKernels:
         name = f"portable_{kind}_matmul"
         rows, in_features = x.shape
         takes_rows = 1 <= rows <= native_abi.DECODE_MAX_ROWS
-        if not takes_rows or weight_inputs != in_features or in_features % input_multiple or x.dtype not in _DTYPE_CODES:
-            raise ValueError(f"{name}: {rows} rows of {in_features} {x.dtype} inputs for weights {tuple(weight.shape)}")
+        if (
+            not takes_rows
+            or weight_inputs != in_features
+            or in_features % input_multiple
+            or x.dtype not in _DTYPE_CODES
+        ):
+            raise ValueError(
+                f"{name}: {rows} rows of {in_features} {x.dtype} inputs for weights {tuple(weight.shape)}"
+            )
         if bias is not None and bias.dtype != x.dtype:
             raise ValueError(f"{name}: bias in {bias.dtype}, inputs in {x.dtype}")
         out_features = weight.shape[0]

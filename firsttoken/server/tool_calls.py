@@ -110,7 +110,9 @@ def forcing_constraint(
 ) -> StructuredOutput:
     """The grammar of tool_choice "required" (calls to any tool, one or more; exactly one unless
     `parallel`), or of a named function (exactly one call to it)."""
-    functions = [tool["function"] for tool in tools if forced_name is None or tool["function"]["name"] == forced_name]
+    functions = [
+        tool["function"] for tool in tools if forced_name is None or tool["function"]["name"] == forced_name
+    ]
     call_schema = {
         "anyOf": [_call_schema(function) for function in functions],
         "x-guidance": _JSON_STYLE,

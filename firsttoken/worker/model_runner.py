@@ -131,7 +131,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         assert logits is not None  # rank 0 holds the gathered logits
         # The step's one synchronisation: the sampler hands the ids to Python.
-        sampled = self.sampler.sample(logits, [spec for chunk in sampling_chunks for spec in chunk.sample_specs()])
+        sampled = self.sampler.sample(
+            logits, [spec for chunk in sampling_chunks for spec in chunk.sample_specs()]
+        )
         return _model_output(sampling_chunks, sampled, prompt_logprobs)
 
     @torch.inference_mode()

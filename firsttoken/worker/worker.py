@@ -192,7 +192,9 @@ class Worker:
         return self.config.parallel.tensor_parallel_size
 
     def describe(self) -> str:
-        ranks = f", {self.tensor_parallel_size} tensor-parallel ranks" if self.tensor_parallel_size > 1 else ""
+        ranks = (
+            f", {self.tensor_parallel_size} tensor-parallel ranks" if self.tensor_parallel_size > 1 else ""
+        )
         return (
             f"{self.model_path} ({self.checkpoint.arch.architecture}, {self.dtype} on {self.device}"
             f"{self._kernels_description()}{ranks})"
@@ -265,7 +267,9 @@ class Worker:
             return False
         return (
             isinstance(backend, SDPABackend)
-            and backend.decodes_as_prefill(self.config.cache.block_size, self.dtype, self.checkpoint.arch.head_dim)
+            and backend.decodes_as_prefill(
+                self.config.cache.block_size, self.dtype, self.checkpoint.arch.head_dim
+            )
             and self._matmuls_rows_invariant(self.model)
         )
 

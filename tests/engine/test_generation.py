@@ -267,8 +267,12 @@ def test_float32_int4_decode_gives_the_dequantized_weights_tokens(model_path):
     """float32 + int4 on the portable kernels (int8 LM head) against the same engine with every
     quantized projection replaced by F.linear on its dequantized weights; the short parity
     prompts in one batch (decode steps of 7 rows) and one of them alone (steps of 1 row)."""
-    llm = LLM(model_path, dtype="float32", quantization="int4", kv_cache_memory_bytes=256 << 20, chunk_size=512)
-    dispatches = [module for module in llm.engine.worker.model.modules() if isinstance(module, DecodeQuantizedLinear)]
+    llm = LLM(
+        model_path, dtype="float32", quantization="int4", kv_cache_memory_bytes=256 << 20, chunk_size=512
+    )
+    dispatches = [
+        module for module in llm.engine.worker.model.modules() if isinstance(module, DecodeQuantizedLinear)
+    ]
     if not any(isinstance(dispatch.quantized, PortableInt4Linear) for dispatch in dispatches):
         pytest.skip("no native kernels on this machine (needs a C compiler)")
     assert all(isinstance(dispatch.quantized, (PortableInt4Linear, Int8Linear)) for dispatch in dispatches)

@@ -278,7 +278,9 @@ def test_decode_rows_as_prefill_need_blocks_of_whole_16_key_tiles(native_kernels
     kv_cache = torch.zeros(2, 8, 8, 2, 64, dtype=torch.bfloat16)
     query = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="blocks of 8"):
-        kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 1]]), torch.tensor([9]), as_prefill=True)
+        kernels.paged_decode_attention(
+            query, kv_cache, torch.tensor([[0, 1]]), torch.tensor([9]), as_prefill=True
+        )
     assert not SDPABackend(torch.device("cpu"), kernels, decode_as_prefill=True).decodes_as_prefill(
         8, torch.bfloat16, 64
     )
@@ -298,7 +300,9 @@ def test_paged_decode_attention_rejects_a_block_outside_the_cache(native_kernels
             query, kv_cache, torch.tensor([[0, 1]]), torch.tensor([33]), as_prefill
         )
     with pytest.raises(ValueError, match="block table"):
-        kernels.paged_decode_attention(query, kv_cache, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20]))
+        kernels.paged_decode_attention(
+            query, kv_cache, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20])
+        )
 
 
 def _flash_kernels_or_skip(native_kernels, dtype):
@@ -324,17 +328,23 @@ def _counting(kernels, monkeypatch, *names):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("in_order", [False, True])
-def test_portable_flash_takes_every_row_and_decodes_get_a_prefills_bits(dtype, in_order, native_kernels, monkeypatch):
+def test_portable_flash_takes_every_row_and_decodes_get_a_prefills_bits(
+    dtype, in_order, native_kernels, monkeypatch
+):
     """Without the AVX512-BF16 kernels: fresh prefills, chunks on cached context (blocks in a
     run or scattered) and decode rows each take one portable flash call; a decode row gives the
     same bits alone, beside decodes or beside chunks, and the bits a prefill of the same tokens
     gives its position."""
     kernels = _flash_kernels_or_skip(native_kernels, dtype)
-    calls = _counting(kernels, monkeypatch, "flash_attention", "flash_attention_paged", "flash_decode_attention")
+    calls = _counting(
+        kernels, monkeypatch, "flash_attention", "flash_attention_paged", "flash_decode_attention"
+    )
     backend = SDPABackend(torch.device("cpu"), kernels, decode_as_prefill=True)
     assert backend.decodes_as_prefill(16, dtype, 64)
     seqs = [(70, 1), (200, 1), (3, 1), (0, 40), (33, 17)]
-    layout, slot_mapping, kv_cache, query, key, value = _random_batch(seqs, 16, 9, 3, 64, dtype, in_order=in_order)
+    layout, slot_mapping, kv_cache, query, key, value = _random_batch(
+        seqs, 16, 9, 3, 64, dtype, in_order=in_order
+    )
     row_starts = [0, 1, 2, 3, 43, 60]
     first_rows = []
     for picked in ([0], [0, 1, 2], [0, 3, 4]):
@@ -344,7 +354,9 @@ def test_portable_flash_takes_every_row_and_decodes_get_a_prefills_bits(dtype, i
         metadata = backend.build_metadata(part, slot_mapping[rows])
         output = backend.forward(query[rows], key[rows], value[rows], kv_cache, metadata)
         expected = paged_attention_reference(query[rows], kv_cache, part)
-        torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        torch.testing.assert_close(
+            output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+        )
         first_rows.append(output[0])
     assert calls["flash_decode_attention"] == 3
     assert calls["flash_attention"] + calls["flash_attention_paged"] == 2  # the fresh prompt and the chunk
@@ -358,21 +370,29 @@ def test_portable_flash_takes_every_row_and_decodes_get_a_prefills_bits(dtype, i
     queries = torch.randn(decoded.seq_len, 9, 64).to(dtype)
     queries[-1] = query[0]
     as_prefill = BatchLayout([SequenceLayout(decoded.seq_len, 0, decoded.block_table)], 0, 16)
-    prefill = backend.forward(queries, keys, values, kv_cache.clone(), backend.build_metadata(as_prefill, slots))
+    prefill = backend.forward(
+        queries, keys, values, kv_cache.clone(), backend.build_metadata(as_prefill, slots)
+    )
     assert torch.equal(prefill[-1], first_rows[0])
 
 
 def test_without_native_kernels_decodes_do_not_take_a_prefills_arithmetic():
-    assert not SDPABackend(torch.device("cpu"), None, decode_as_prefill=True).decodes_as_prefill(16, torch.float32, 64)
+    assert not SDPABackend(torch.device("cpu"), None, decode_as_prefill=True).decodes_as_prefill(
+        16, torch.float32, 64
+    )
 
 
 @pytest.mark.parametrize("decode_as_prefill", [False, True])
-def test_long_chunks_take_sdpa_unless_decodes_need_the_prefills_bits(decode_as_prefill, native_kernels, monkeypatch):
+def test_long_chunks_take_sdpa_unless_decodes_need_the_prefills_bits(
+    decode_as_prefill, native_kernels, monkeypatch
+):
     kernels = _flash_kernels_or_skip(native_kernels, torch.float32)
     calls = _counting(kernels, monkeypatch, "flash_attention")
     backend = SDPABackend(torch.device("cpu"), kernels, decode_as_prefill=decode_as_prefill)
     num_tokens = FLASH_MAX_QUERIES_BESIDE_SDPA + 1
-    layout, slot_mapping, kv_cache, query, key, value = _random_batch([(0, num_tokens), (0, 40)], 16, 2, 1, 16, torch.float32)
+    layout, slot_mapping, kv_cache, query, key, value = _random_batch(
+        [(0, num_tokens), (0, 40)], 16, 2, 1, 16, torch.float32
+    )
     output = backend.forward(query, key, value, kv_cache, backend.build_metadata(layout, slot_mapping))
     assert calls["flash_attention"] == (2 if decode_as_prefill else 1)
     expected = paged_attention_reference(query, kv_cache, layout)

@@ -28,12 +28,15 @@ def kernels(request, tmp_path_factory) -> native.NativeKernels:
 
 
 def _qkv(num_queries, num_keys, num_heads, num_kv_heads, head_dim, dtype, seed=0):
-    """Query [n, heads, D] and key, value [m, kv_heads, D] as strided views of one qkv, as the model holds them."""
+    """Query [n, heads, D] and key, value [m, kv_heads, D] as strided views of one qkv, as the model
+    holds them."""
     generator = torch.Generator().manual_seed(seed)
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = torch.randn(num_keys, width, generator=generator).to(dtype)
     query = qkv[-num_queries:, : num_heads * head_dim].view(num_queries, num_heads, head_dim)
-    key = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_keys, num_kv_heads, head_dim)
+    key = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(
+        num_keys, num_kv_heads, head_dim
+    )
     value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_keys, num_kv_heads, head_dim)
     return query, key, value
 
@@ -42,7 +45,9 @@ def _causal_attention_reference(query, key, value):
     num_queries, num_heads, head_dim = query.shape
     num_keys, num_kv_heads = key.shape[0], key.shape[1]
     group = num_heads // num_kv_heads
-    scores = torch.einsum("qhd,khd->hqk", query.float(), key.float().repeat_interleave(group, 1)) / head_dim**0.5
+    scores = (
+        torch.einsum("qhd,khd->hqk", query.float(), key.float().repeat_interleave(group, 1)) / head_dim**0.5
+    )
     positions = torch.arange(num_keys - num_queries, num_keys)
     allowed = torch.arange(num_keys)[None, :] <= positions[:, None]
     weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
@@ -66,12 +71,16 @@ def _paged(key, value, block_size, seed=1):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", SHAPES)
 @pytest.mark.parametrize("num_queries,num_keys", QUERIES_KEYS)
-def test_flash_attention_matches_plain_math(kernels, dtype, num_heads, num_kv_heads, head_dim, num_queries, num_keys):
+def test_flash_attention_matches_plain_math(
+    kernels, dtype, num_heads, num_kv_heads, head_dim, num_queries, num_keys
+):
     query, key, value = _qkv(num_queries, num_keys, num_heads, num_kv_heads, head_dim, dtype)
     assert kernels.flash_attention_supports(query, key)
     output = kernels.flash_attention(query, key, value, num_threads=2)
     assert output.dtype == dtype
-    torch.testing.assert_close(output.float(), _causal_attention_reference(query, key, value), **TOLERANCE[dtype])
+    torch.testing.assert_close(
+        output.float(), _causal_attention_reference(query, key, value), **TOLERANCE[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -117,7 +126,9 @@ def test_decode_rows_get_the_bits_a_prefill_gives_their_positions(
     block_table = block_ids.repeat(len(positions), 1)
     decoded = kernels.flash_decode_attention(query[positions], kv_cache, block_table, positions + 1)
     assert torch.equal(decoded, prefill[positions])
-    alone = kernels.flash_decode_attention(query[positions[-2:]], kv_cache, block_table[-2:], positions[-2:] + 1)
+    alone = kernels.flash_decode_attention(
+        query[positions[-2:]], kv_cache, block_table[-2:], positions[-2:] + 1
+    )
     assert torch.equal(alone, prefill[positions[-2:]])
 
 
@@ -136,4 +147,6 @@ def test_bad_shapes_and_tables_are_named(kernels):
     with pytest.raises(IndexError, match="outside the KV cache"):
         kernels.flash_decode_attention(query[:1], kv_cache, torch.tensor([[0, 1]]), torch.tensor([33]))
     with pytest.raises(ValueError, match="block table"):
-        kernels.flash_decode_attention(query[:1], kv_cache, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([9]))
+        kernels.flash_decode_attention(
+            query[:1], kv_cache, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([9])
+        )

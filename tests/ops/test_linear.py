@@ -31,7 +31,8 @@ from firsttoken.ops.linear import (
 
 ROW_COUNTS = [1, 4, 8, 33]
 needs_onednn_bf16 = pytest.mark.skipif(
-    not cpu_computes_bf16(), reason="oneDNN has no bf16 kernels for this CPU (needs AVX512-BF16, AMX or AVX-512 BW/VL/DQ)"
+    not cpu_computes_bf16(),
+    reason="oneDNN has no bf16 kernels for this CPU (needs AVX512-BF16, AMX or AVX-512 BW/VL/DQ)",
 )
 # bf16 activations and outputs: one bf16 rounding of each ~0.5-sized output, plus the
 # kernels' fp32 sums in their own order.
@@ -229,7 +230,9 @@ def test_float32_projections_take_the_portable_kernels_for_decode_sized_steps(na
     kernels = _portable_kernels(native_kernels)
     linear = Linear(128, 96, bias=False, dtype=torch.float32)
     linear.weight.data = _weight()
-    dispatch = fastest_linear(linear, quantization, quantized_prefill=False, pack_onednn=False, native_kernels=kernels)
+    dispatch = fastest_linear(
+        linear, quantization, quantized_prefill=False, pack_onednn=False, native_kernels=kernels
+    )
     assert isinstance(dispatch.quantized, PortableInt4Linear if quantization == "int4" else Int8Linear)
     assert dispatch.max_quantized_rows == PORTABLE_QUANTIZED_MAX_ROWS
     for rows in (1, PORTABLE_QUANTIZED_MAX_ROWS, PORTABLE_QUANTIZED_MAX_ROWS + 1):

@@ -120,7 +120,9 @@ def test_int4_sums_do_not_depend_on_the_thread_count(kernels):
 def test_bad_shapes_and_dtypes_are_errors_naming_the_kernel(kernels):
     packed, scales_zeros, _ = _int4_case(8, 64)
     with pytest.raises(ValueError, match="portable_int4_matmul: 9 rows"):
-        kernels.portable_int4_matmul(packed, scales_zeros, None, _inputs(DECODE_MAX_ROWS + 1, 64, torch.float32))
+        kernels.portable_int4_matmul(
+            packed, scales_zeros, None, _inputs(DECODE_MAX_ROWS + 1, 64, torch.float32)
+        )
     with pytest.raises(ValueError, match="portable_int4_matmul: 1 rows of 32"):
         kernels.portable_int4_matmul(packed, scales_zeros, None, _inputs(1, 32, torch.float32))
     with pytest.raises(ValueError, match="bias"):

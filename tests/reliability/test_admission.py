@@ -29,7 +29,10 @@ def pinning_server(model_path):
 
 def test_a_request_that_cannot_fit_beside_the_pins_is_refused_at_once(pinning_server):
     base_url = pinning_server.base_url
-    pins = [httpx.post(base_url + "/v1/pins", json={"system_prompt": _system_prompt(i)}, timeout=60) for i in range(3)]
+    pins = [
+        httpx.post(base_url + "/v1/pins", json={"system_prompt": _system_prompt(i)}, timeout=60)
+        for i in range(3)
+    ]
     assert [pin.status_code for pin in pins] == [200, 200, 200], pins[-1].text
     try:
         stats = pinning_server.engine.stats()
@@ -40,7 +43,9 @@ def test_a_request_that_cannot_fit_beside_the_pins_is_refused_at_once(pinning_se
         error = refused.json()["error"]
         assert error["param"] == "max_tokens"
         assert f"pinned prefixes hold {num_pinned_blocks} of the {stats.num_kv_blocks}" in error["message"]
-        fits = httpx.post(base_url + "/v1/completions", json={**BIG_REQUEST, "prompt": "x " * 100}, timeout=60)
+        fits = httpx.post(
+            base_url + "/v1/completions", json={**BIG_REQUEST, "prompt": "x " * 100}, timeout=60
+        )
         assert fits.status_code == 200, fits.text
         after = pinning_server.engine.stats()
         assert after.num_kv_blocks - after.num_free_kv_blocks == num_pinned_blocks
@@ -57,7 +62,9 @@ def test_a_request_that_cannot_fit_beside_the_pins_is_refused_at_once(pinning_se
 def one_slot_server(model_path):
     """One request runs at a time; the others may wait a quarter of a second."""
     config = ServerConfig(port=0, served_model_names=(MODEL_NAME,))
-    with running_server(model_path, config, max_num_seqs=1, max_queue_wait_s=0.25, max_model_len=512) as running:
+    with running_server(
+        model_path, config, max_num_seqs=1, max_queue_wait_s=0.25, max_model_len=512
+    ) as running:
         yield running
 
 

@@ -53,14 +53,18 @@ HOSTILE = [
      "response_format.json_schema.schema"),
     ("deep guided_json object", "/v1/completions", _with_deep_schema({"prompt": "hi", "guided_json": "DEEP"}),
      "guided_json"),
-    ("deep guided_json text", "/v1/completions", json.dumps({"prompt": "hi", "guided_json": DEEP}), "guided_json"),
+    ("deep guided_json text", "/v1/completions", json.dumps({"prompt": "hi", "guided_json": DEEP}),
+     "guided_json"),
     ("deep tool parameters", "/v1/chat/completions",
-     _with_deep_schema({"messages": MESSAGES, "tools": [_tool("f", "DEEP")]}), "tools[0].function.parameters"),
+     _with_deep_schema({"messages": MESSAGES, "tools": [_tool("f", "DEEP")]}),
+     "tools[0].function.parameters"),
     ("self-referencing schema", "/v1/completions",
-     {"prompt": "hi", "response_format": _schema_format(SELF_REFERENCE)}, "response_format.json_schema.schema"),
+     {"prompt": "hi", "response_format": _schema_format(SELF_REFERENCE)},
+     "response_format.json_schema.schema"),
     ("a $defs loop", "/v1/completions", {"prompt": "hi", "guided_json": DEFS_LOOP}, "guided_json"),
     ("a mutual $ref loop", "/v1/chat/completions",
-     {"messages": MESSAGES, "response_format": _schema_format(MUTUAL_LOOP)}, "response_format.json_schema.schema"),
+     {"messages": MESSAGES, "response_format": _schema_format(MUTUAL_LOOP)},
+     "response_format.json_schema.schema"),
     ("a forced call of a self-referencing tool", "/v1/chat/completions",
      {"messages": MESSAGES, "tools": [_tool("f", SELF_REFERENCE)], "tool_choice": "required"},
      "tools[0].function.parameters"),
@@ -78,7 +82,11 @@ HOSTILE = [
 def test_hostile_schema_gets_a_400_naming_the_field(server, path, body, param):
     connection = WireConnection(server.base_url)
     try:
-        raw = body if isinstance(body, bytes) else (body if isinstance(body, str) else json.dumps(body)).encode()
+        raw = (
+            body
+            if isinstance(body, bytes)
+            else (body if isinstance(body, str) else json.dumps(body)).encode()
+        )
         response = connection.request("POST", path, raw, JSON)
         assert response.status == 400, response.body[:500]
         assert response.json()["error"]["param"] == param, response.json()
@@ -90,7 +98,9 @@ def test_hostile_schema_gets_a_400_naming_the_field(server, path, body, param):
 
 
 def test_invalid_utf8_is_named_as_such(server):
-    response = httpx.post(server.base_url + "/v1/completions", content=b'{"prompt": "hi \xff\xfe"}', headers=JSON)
+    response = httpx.post(
+        server.base_url + "/v1/completions", content=b'{"prompt": "hi \xff\xfe"}', headers=JSON
+    )
     assert response.status_code == 400
     assert "not valid UTF-8" in response.json()["error"]["message"]
     assert "surrogate" not in response.json()["error"]["message"]
@@ -123,5 +133,7 @@ def test_a_streamed_constraint_failing_mid_generation_ends_with_an_error_event(s
         events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "generation_failed"
-    finish_reasons = [choice["finish_reason"] for event in events[:-2] for choice in json.loads(event)["choices"]]
+    finish_reasons = [
+        choice["finish_reason"] for event in events[:-2] for choice in json.loads(event)["choices"]
+    ]
     assert finish_reasons[-1] == "error"

@@ -17,7 +17,11 @@ MAX_MODEL_LEN = 256
 @pytest.fixture(scope="module")
 def engine(model_path):
     return AsyncEngine.from_options(
-        model_path, dtype="float32", max_model_len=MAX_MODEL_LEN, chunk_size=32, kv_cache_memory_bytes=32 << 20
+        model_path,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        chunk_size=32,
+        kv_cache_memory_bytes=32 << 20,
     )
 
 

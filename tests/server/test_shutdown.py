@@ -98,7 +98,9 @@ def _serve_process(tmp_path, shutdown_timeout_s: float) -> Iterator[tuple[subpro
     try:
         deadline = time.monotonic() + 600  # a busy machine loads slowly
         while True:
-            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            assert process.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "serve.log"
+            ).read_text()
             try:
                 if httpx.get(base_url + "/health").status_code == 200:
                     break
@@ -116,7 +118,9 @@ def _open_clients(base_url: str, num_streams: int, num_idle: int) -> list[socket
     """Streams that never end on their own (none of them read: a client that stopped reading),
     and keep-alive connections left idle after one request."""
     host, port = base_url.removeprefix("http://").rsplit(":", 1)
-    body = json.dumps({"prompt": "Tell me a long story.", "max_tokens": 1000, "ignore_eos": True, "stream": True})
+    body = json.dumps(
+        {"prompt": "Tell me a long story.", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    )
     sockets = []
     for index in range(num_streams + num_idle):
         sock = socket.create_connection((host, int(port)))
