@@ -23,7 +23,7 @@ _DEFAULTS = ReplicasConfig()
 # Ray Serve's proxy must answer a health check within 10 s, three times running, or the start
 # fails; on a busy machine still loading replicas it may not. A local Ray instance's processes
 # inherit this process's environment: these are its defaults there (set values win).
-_PROXY_CHECK_ENV = {
+PROXY_CHECK_ENVIRONMENT = {
     "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
     "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "20",
     "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
@@ -89,7 +89,7 @@ def run_replicated(args: argparse.Namespace) -> int:
     system_prompt = read_system_prompt(args)
     model = resolve_model_path(args.model)
     config = server_cli.server_config(args, model)
-    for name, value in _PROXY_CHECK_ENV.items():
+    for name, value in PROXY_CHECK_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     ray.init(address=args.ray_address)
     try:

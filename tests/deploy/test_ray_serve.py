@@ -6,6 +6,8 @@ Ray starts once for the module; the replica-killing test runs last, since it rep
 
 from __future__ import annotations
 
+import os
+
 import random
 import socket
 import time
@@ -34,11 +36,19 @@ def _free_port() -> int:
 def ray_cluster():
     """A local Ray instance for the module (Ray is imported here, not when tests are collected)."""
     ray = pytest.importorskip("ray")
+    from firsttoken.deploy.cli import PROXY_CHECK_ENVIRONMENT
+
+    # The proxy's health checks as patient as `firsttoken serve --replicas` makes them: the
+    # replicas load while the proxy starts, which on a busy machine makes it miss the default ones.
+    patient = {name: value for name, value in PROXY_CHECK_ENVIRONMENT.items() if name not in os.environ}
+    os.environ.update(patient)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:
         ray.shutdown()
+        for name in patient:
+            del os.environ[name]
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ def test_a_replica_start_that_fails_is_one_clear_line(monkeypatch, capsys):
         raise ray.exceptions.ActorDiedError()
 
     monkeypatch.setattr(serve, "start", proxy_missed_its_checks)
-    for name in deploy_cli._PROXY_CHECK_ENV:
+    for name in deploy_cli.PROXY_CHECK_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
     args = build_parser().parse_args(["serve", "--replicas", "2"])
     assert deploy_cli.run_replicated(args) == 1
