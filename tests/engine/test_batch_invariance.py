@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.ops.linear import NativeRowInvariantLinear
@@ -169,7 +170,8 @@ def float32_llm(model_path):
 
 
 def test_float32_projections_run_on_the_row_invariant_matmul(float32_llm):
-    """Every projection and the LM head; the claim then rests on the decode attention alone."""
+    """Every projection and the LM head; with native kernels decode rows attend with the prefill
+    arithmetic on every ISA too, so the engine claims the whole guarantee."""
     worker = float32_llm.engine.worker
     model = worker.model
     projections = [model.lm_head]
@@ -177,8 +179,9 @@ def test_float32_projections_run_on_the_row_invariant_matmul(float32_llm):
         attention, mlp = layer.self_attn, layer.mlp
         projections += [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
     assert all(isinstance(module, NativeRowInvariantLinear) for module in projections)
-    block_size = float32_llm.engine.config.cache.block_size
-    assert worker.batch_invariant == worker.runner.backend.decodes_as_prefill(block_size)
+    block_size, head_dim = float32_llm.engine.config.cache.block_size, worker.checkpoint.arch.head_dim
+    assert worker.runner.backend.decodes_as_prefill(block_size, torch.float32, head_dim)
+    assert worker.batch_invariant
 
 
 @pytest.mark.parametrize("num_others", [1, 3, 7, 15])
