@@ -60,13 +60,18 @@ def test_too_many_values_are_refused_before_parsing():
          "messages[0].content[0].text"),
         (rb'{"model": "\ud800"}', "model"),
         (rb'{"\ud800": 1}', "body"),
-        (b'{"prompt": "\xed\xa0\x80"}', "prompt"),  # a surrogate encoded as UTF-8 bytes
     ],
 )  # fmt: skip
 def test_a_lone_surrogate_names_its_field(body, field):
     with pytest.raises(InvalidInputError) as raised:
         _parse(body)
     assert raised.value.field == field
+
+
+def test_a_surrogate_encoded_as_utf8_bytes_is_invalid_utf8():
+    """Such bytes are no UTF-8 at all: the body is refused as such, naming the byte."""
+    with pytest.raises(APIError, match="not valid UTF-8"):
+        _parse(b'{"prompt": "\xed\xa0\x80"}')
 
 
 def test_a_surrogate_pair_is_text():
