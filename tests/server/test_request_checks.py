@@ -15,7 +15,8 @@ from firsttoken.server.request_checks import RequestChecks
 
 def _checks(strict_fields: bool) -> RequestChecks:
     tokenizer = SimpleNamespace(longest_token_bytes=lambda: 10)
-    return RequestChecks(SimpleNamespace(max_request_tokens=100, tokenizer=tokenizer), strict_fields)
+    engine = SimpleNamespace(max_request_tokens=100, max_model_len=100, tokenizer=tokenizer)
+    return RequestChecks(engine, strict_fields)
 
 
 def _request(**fields) -> CompletionRequest:
