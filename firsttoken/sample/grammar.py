@@ -76,7 +76,10 @@ class GrammarState:
 
     def advance(self, token_ids: list[int]) -> None:
         # A token its mask allowed always advances it; a failure leaves it in an error state,
-        # which fill_bitmask turns into "end here".
+        # which fill_bitmask turns into "end here". A finished grammar (ignore_eos draws past its
+        # end) takes nothing more: the ends it allows there are no failure.
+        if self.matcher.is_stopped():
+            return
         self.matcher.consume_tokens(token_ids)
 
     def error(self) -> str | None:
