@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from firsttoken.attention.backend import BatchLayout, SequenceLayout
-from firsttoken.attention.sdpa import SDPABackend
+from firsttoken.attention.cpu_backend import CPUAttentionBackend
 from firsttoken.models.arch import ModelArch
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.ops.kernels import Kernels
@@ -113,7 +113,7 @@ NUM_BLOCKS = 16
 
 
 def _int4_model(arch: ModelArch, kernels, quantization: str | None = "int4") -> LlamaForCausalLM:
-    backend = SDPABackend(torch.device("cpu"), kernels)
+    backend = CPUAttentionBackend(torch.device("cpu"), kernels)
     model = LlamaForCausalLM(arch, backend, Kernels(fused=True, native_kernels=kernels), torch.bfloat16, 256)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
