@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from firsttoken.attention.backend import BatchLayout, decode_tables
 from firsttoken.attention.reference import write_kv_reference
-from firsttoken.ops import native, native_abi
+from firsttoken.ops import native
 from firsttoken.ops.native_decode import DecodeTables
 
 
@@ -66,8 +66,6 @@ class CPUAttentionMetadata:
     # A lone decode whose blocks are consecutive ids: its first block (read in place).
     decode_first_block: int | None
     prefills: list[PrefillSpan]
-    # A decode-only step with native kernels: its addressing for the whole-step native decode.
-    decode_tables: DecodeTables | None = None
     # With native kernels: the decode rows' addressing for the native paged decode attention.
     paged_decodes: DecodeTables | None = None
 
@@ -134,19 +132,8 @@ class CPUAttentionBackend:
             decode_num_keys=decode_num_keys,
             decode_first_block=decode_first_block,
             prefills=prefills,
-            **self._native_decode_tables(layout, decode_rows),
+            paged_decodes=decode_rows if self.native is not None else None,
         )
-
-    def _native_decode_tables(
-        self, layout: BatchLayout, decode_rows: DecodeTables | None
-    ) -> dict[str, DecodeTables | None]:
-        if self.native is None or decode_rows is None:
-            return {}
-        whole_step = (
-            self.native.has_decode_kernels
-            and layout.num_decodes == len(layout.sequences) <= native_abi.DECODE_MAX_ROWS
-        )
-        return {"paged_decodes": decode_rows, "decode_tables": decode_rows if whole_step else None}
 
     def forward(
         self,
