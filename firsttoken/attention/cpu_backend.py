@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from firsttoken.arithmetic import ceil_div
 from firsttoken.attention.backend import BatchLayout, decode_tables
 from firsttoken.attention.reference import write_kv_reference
 from firsttoken.ops import native
@@ -97,7 +98,7 @@ class CPUAttentionBackend:
         decode_first_block = None
         if len(decodes) == 1:
             decode_num_keys = decodes[0].seq_len
-            lone_blocks = decodes[0].block_table[: -(-decode_num_keys // layout.block_size)]
+            lone_blocks = decodes[0].block_table[: ceil_div(decode_num_keys, layout.block_size)]
             decode_first_block = first_of_run(lone_blocks)
             if decode_first_block is None:
                 decode_block_table = decode_rows.block_table
@@ -111,8 +112,8 @@ class CPUAttentionBackend:
         for sequence in layout.sequences[layout.num_decodes :]:
             context_first_block = sequence_first_block = sequence_block_ids = None
             if sequence.num_context_tokens:
-                sequence_blocks = sequence.block_table[: -(-sequence.seq_len // layout.block_size)]
-                num_context_blocks = -(-sequence.num_context_tokens // layout.block_size)
+                sequence_blocks = sequence.block_table[: ceil_div(sequence.seq_len, layout.block_size)]
+                num_context_blocks = ceil_div(sequence.num_context_tokens, layout.block_size)
                 context_first_block = first_of_run(sequence_blocks[:num_context_blocks])
                 sequence_first_block = first_of_run(sequence_blocks)
                 if sequence_first_block is None:
@@ -355,7 +356,7 @@ def _prefill_attention(
             kv_cache, span.context_first_block, span.num_context_tokens
         )
     else:
-        num_context_blocks = -(-span.num_context_tokens // kv_cache.shape[2])
+        num_context_blocks = ceil_div(span.num_context_tokens, kv_cache.shape[2])
         context_block_ids = span.sequence_block_ids[:num_context_blocks]
         context_keys, context_values = gather_context(kv_cache, context_block_ids, span.num_context_tokens)
     context_output, context_lse = _flash_with_lse(

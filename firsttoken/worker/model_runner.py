@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from firsttoken.arithmetic import ceil_div
 from firsttoken.attention.backend import AttentionBackend
 from firsttoken.attention.staging import StagingBuffer
 from firsttoken.core.batch import ModelOutput, ScheduledChunk, SchedulerOutput
@@ -90,7 +91,7 @@ class ModelRunner:
         capture = capture or CudaGraphCapture(self.device)
         batch_sizes = graph_batch_sizes(max_num_seqs)
         token_sizes = graph_token_sizes(max_graph_tokens) if max_graph_tokens else []
-        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        max_blocks_per_seq = ceil_div(max_model_len, self.block_size)
         memory_before = device_memory_in_use(self.device)
         started = time.perf_counter()
         with torch.inference_mode():
