@@ -23,7 +23,7 @@ from common import interleaved_medians, print_table, save_result, timed  # noqa:
 
 from firsttoken.attention.backend import BatchLayout, SequenceLayout  # noqa: E402
 from firsttoken.attention.reference import write_kv_reference  # noqa: E402
-from firsttoken.attention.sdpa import SDPABackend, _prefill_attention  # noqa: E402
+from firsttoken.attention.cpu_backend import CPUAttentionBackend, _prefill_attention  # noqa: E402
 from firsttoken.models.loaders.conversion_cache import default_cache_dir  # noqa: E402
 from firsttoken.ops.native import load_native_kernels  # noqa: E402
 
@@ -65,7 +65,7 @@ def main() -> None:
     native = load_native_kernels(os.path.join(default_cache_dir(), "native"))
     if native is None or not native.has_prefill_attention:
         sys.exit("needs the native prefill attention (a C compiler and a CPU with AVX512-BF16 or AMX)")
-    backend = SDPABackend(torch.device("cpu"), native)
+    backend = CPUAttentionBackend(torch.device("cpu"), native)
     rows, payload = [], []
     for shape in args.shapes:
         num_context, num_queries = (int(part) for part in shape.split(":"))

@@ -28,7 +28,7 @@ from common import print_table  # noqa: E402
 from native_kernels import call_medians  # noqa: E402
 
 from firsttoken.attention.backend import BatchLayout, SequenceLayout  # noqa: E402
-from firsttoken.attention.sdpa import PrefillSpan, SDPABackend, _prefill_attention  # noqa: E402
+from firsttoken.attention.cpu_backend import PrefillSpan, CPUAttentionBackend, _prefill_attention  # noqa: E402
 from firsttoken.models.loaders.conversion_cache import default_cache_dir  # noqa: E402
 from firsttoken.ops.cpu_isa import runnable_cpu_isas  # noqa: E402
 from firsttoken.ops.native import NativeKernels, load_native_kernels  # noqa: E402
@@ -101,9 +101,9 @@ def decode_row(native: NativeKernels, num_context: int, rows: int, dtype: torch.
     slot_mapping = torch.tensor([table[(length - 1) // BLOCK_SIZE] * BLOCK_SIZE + (length - 1) % BLOCK_SIZE
                                  for length, table in zip(lengths, tables)])
     query = torch.randn(rows, NUM_HEADS, HEAD_DIM).to(dtype)
-    torch_backend = SDPABackend(torch.device("cpu"))
+    torch_backend = CPUAttentionBackend(torch.device("cpu"))
     torch_metadata = torch_backend.build_metadata(layout, slot_mapping)
-    ours = SDPABackend(torch.device("cpu"), native).build_metadata(layout, slot_mapping).paged_decodes
+    ours = CPUAttentionBackend(torch.device("cpu"), native).build_metadata(layout, slot_mapping).paged_decodes
     medians = call_medians(
         {
             "sdpa": lambda: torch_backend._decode(query, kv_cache, torch_metadata),

@@ -82,13 +82,13 @@ def llama_cpp_ttft_run(model, length: int):
 
 def firsttoken_decode_run(llm: LLM, num_tokens: int, native_step: bool = True):
     """Seconds per decoded token at batch 1 after a 512-token prompt; `native_step=False`
-    sets the model's whole-step native decode aside for the run (the per-op path)."""
+    sets the runner's whole-step native decode aside for the run (the per-op path)."""
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    model = llm.engine.worker.model
-    whole_step = model.native_decode
+    runner = llm.engine.worker.runner
+    whole_step = runner.whole_step_decode
 
     def run(index: int) -> float:
-        model.native_decode = whole_step if native_step else None
+        runner.whole_step_decode = whole_step if native_step else None
         prompt = random_prompt(DECODE_PROMPT_LEN, seed=9_000 + index)
         (output,) = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
         return 1.0 / output.metrics.decode_tokens_per_s
@@ -203,7 +203,7 @@ def main() -> None:
             for quantization, engine in quantized.items()
         },
     }
-    if quantized["int4"].engine.worker.model.native_decode is not None:
+    if quantized["int4"].engine.worker.runner.whole_step_decode is not None:
         decode_runs["firsttoken int4, per-op decode"] = firsttoken_decode_run(
             quantized["int4"], args.decode_tokens, native_step=False
         )

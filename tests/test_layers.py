@@ -4,8 +4,8 @@ Layers, top to bottom (DESIGN.md section 3): the command line; the Ray Serve dep
 ingress serving the server's app in front of engine replicas); the server and the benchmarks;
 the public API (`firsttoken/__init__.py`); the engine; the worker; the sampler; models, core,
 metrics and the speculative proposers; attention; ops; then the plain modules everything may use
-(config, errors, logprobs, outputs, request, sampling parameters, the tokenizer). A module may
-import its own part of
+(arithmetic, config, errors, logprobs, outputs, request, sampling parameters, the tokenizer).
+A module may import its own part of
 the package and any part on a lower layer; every import counts, those inside functions and
 under TYPE_CHECKING too.
 """
@@ -33,15 +33,19 @@ LAYERS: list[set[str]] = [
     {"models", "core", "metrics", "spec"},
     {"attention"},
     {"ops"},
-    {"config", "engine_args", "errors", "logprobs", "outputs", "request", "sampling_params", "tokenizer"},
+    {
+        "arithmetic", "config", "engine_args", "errors", "logprobs", "outputs", "request", "sampling_params",
+        "tokenizer",
+    },
 ]
 RANK = {part: len(LAYERS) - index for index, parts in enumerate(LAYERS) for part in parts}
 BASE_RANK = 1
 
 # What the server may import besides itself: the engine's public API (its __all__), the
-# package's version, observability and plain data; a package here includes its modules.
+# package's version, observability, plain data and arithmetic; a package here includes its modules.
 SERVER_MAY_IMPORT_MODULES = {
     "firsttoken",
+    "firsttoken.arithmetic",
     "firsttoken.engine",
     "firsttoken.outputs",
     "firsttoken.sampling_params",

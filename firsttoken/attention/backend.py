@@ -1,4 +1,5 @@
-"""The attention backend interface and the host-side description of a batch it turns into tensors.
+"""The attention backend interface, the host-side description of a batch it turns into
+tensors, and the one builder of a step's addressing: block tables and query rows.
 
 A step's tokens are laid out flat, decodes (one new token each) first, then prefill chunks.
 Each sequence brings `num_context_tokens` tokens already in the paged cache and `query_len`
@@ -8,10 +9,12 @@ new ones whose K/V this step writes through the slot mapping.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Sequence
 
+import numpy as np
 import torch
 
+from firsttoken.arithmetic import ceil_div
 from firsttoken.ops.native_decode import DecodeTables
 
 
@@ -40,17 +43,44 @@ class BatchLayout:
     def num_tokens(self) -> int:
         return sum(sequence.query_len for sequence in self.sequences)
 
+    def query_rows(self) -> list[tuple[int, int, int]]:
+        """(first query row, context length, query length) of each sequence, in batch order:
+        what the chunk kernel's tiles are cut from."""
+        rows = []
+        first_row = 0
+        for sequence in self.sequences:
+            rows.append((first_row, sequence.num_context_tokens, sequence.query_len))
+            first_row += sequence.query_len
+        return rows
 
-def decode_tables(decodes: list[SequenceLayout], block_size: int, slot_mapping: torch.Tensor) -> DecodeTables:
+
+def write_block_tables(sequences: Sequence[SequenceLayout], block_size: int, table: np.ndarray) -> None:
+    """Row i of `table` [>= S, >= blocks of the longest] starts with the blocks holding sequence
+    i's tokens; the rest of the row stays as it was (past a sequence's length, no kernel reads)."""
+    for row, sequence in enumerate(sequences):
+        num_blocks = ceil_div(sequence.seq_len, block_size)
+        table[row, :num_blocks] = sequence.block_table[:num_blocks]
+
+
+def block_table_array(
+    sequences: Sequence[SequenceLayout], block_size: int, dtype: type[np.integer] = np.int32
+) -> np.ndarray:
+    """[S, blocks of the longest]: each row the blocks holding its sequence's tokens, then zeros."""
+    max_blocks = max(ceil_div(sequence.seq_len, block_size) for sequence in sequences)
+    table = np.zeros((len(sequences), max_blocks), dtype=dtype)
+    write_block_tables(sequences, block_size, table)
+    return table
+
+
+def decode_tables(
+    decodes: Sequence[SequenceLayout], block_size: int, slot_mapping: torch.Tensor
+) -> DecodeTables:
     """The addressing of a step's decode rows (`slot_mapping` holds theirs, in their order)."""
-    seq_lens = [sequence.seq_len for sequence in decodes]
-    max_blocks = -(-max(seq_lens) // block_size)
-    rows = [sequence.block_table[:max_blocks] for sequence in decodes]
-    table = [row + [0] * (max_blocks - len(row)) for row in rows]
+    device = slot_mapping.device
     return DecodeTables(
         slot_mapping.contiguous(),
-        torch.tensor(table, dtype=torch.long, device=slot_mapping.device),
-        torch.tensor(seq_lens, dtype=torch.long, device=slot_mapping.device),
+        torch.from_numpy(block_table_array(decodes, block_size, np.int64)).to(device),
+        torch.tensor([sequence.seq_len for sequence in decodes], dtype=torch.long, device=device),
     )
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from firsttoken.attention.backend import BatchLayout, SequenceLayout
+from firsttoken.attention.backend import BatchLayout, SequenceLayout, block_table_array
 from firsttoken.attention.triton_kernels import (
     TILE_FIELDS,
     ChunkQueries,
@@ -92,25 +92,24 @@ class CudaAttentionBackend:
     def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> CudaAttentionMetadata:
         decodes = layout.sequences[: layout.num_decodes]
         chunks: list[SequenceLayout] = []
-        chunk_rows: list[tuple[int, int, int]] = []  # (first row, context length, query length)
+        chunk_rows: list[tuple[int, int, int]] = []
         fresh_prefills = []
-        row = layout.num_decodes
-        for sequence in layout.sequences[layout.num_decodes :]:
+        prefill_rows = layout.query_rows()[layout.num_decodes :]
+        for sequence, rows in zip(layout.sequences[layout.num_decodes :], prefill_rows):
             if sequence.num_context_tokens or self.paged_prefills:
                 chunks.append(sequence)
-                chunk_rows.append((row, sequence.num_context_tokens, sequence.query_len))
+                chunk_rows.append(rows)
             else:
-                fresh_prefills.append(FreshPrefill(row, sequence.query_len))
-            row += sequence.query_len
+                fresh_prefills.append(FreshPrefill(rows[0], sequence.query_len))
         arrays = []
         if decodes:
             seq_lens = np.array([sequence.seq_len for sequence in decodes], dtype=np.int32)
             arrays += [block_table_array(decodes, layout.block_size), seq_lens]
         if chunks:
-            tiles = np.array(chunk_tiles(chunk_rows, self.chunk_tile_tokens), dtype=np.int32).reshape(
-                -1, TILE_FIELDS
-            )
-            arrays += [block_table_array(chunks, layout.block_size), tiles]
+            arrays += [
+                block_table_array(chunks, layout.block_size),
+                chunk_tile_array(chunk_rows, self.chunk_tile_tokens),
+            ]
         staged = iter(self.staging.stage(arrays))
         return CudaAttentionMetadata(
             slot_mapping=slot_mapping,
@@ -170,10 +169,7 @@ def causal_self_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     return output.squeeze(0).transpose(0, 1)
 
 
-def block_table_array(sequences: list[SequenceLayout], block_size: int) -> np.ndarray:
-    """int32 [S, max blocks]: each row the blocks holding the sequence's tokens, then zeros."""
-    num_blocks = [-(-sequence.seq_len // block_size) for sequence in sequences]
-    table = np.zeros((len(sequences), max(num_blocks)), dtype=np.int32)
-    for row, (sequence, count) in enumerate(zip(sequences, num_blocks)):
-        table[row, :count] = sequence.block_table[:count]
-    return table
+def chunk_tile_array(query_rows: list[tuple[int, int, int]], tile_tokens: int) -> np.ndarray:
+    """int32 [num_tiles, TILE_FIELDS]: the chunk kernel's tiles of the sequences whose
+    (first query row, context length, query length) are `query_rows`."""
+    return np.array(chunk_tiles(query_rows, tile_tokens), dtype=np.int32).reshape(-1, TILE_FIELDS)

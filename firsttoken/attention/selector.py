@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from firsttoken.attention.backend import AttentionBackend
-from firsttoken.attention.sdpa import SDPABackend
+from firsttoken.attention.cpu_backend import CPUAttentionBackend
 from firsttoken.config import AttentionConfig
 from firsttoken.ops.native import NativeKernels
 
@@ -19,9 +19,9 @@ def select_attention_backend(
     batch_invariant: bool = False,
 ) -> AttentionBackend:
     """cuda: SDPA flash prefills plus Triton paged attention, or when `batch_invariant` every
-    row on the Triton chunk kernel (fresh prefills and decodes too); cpu: SDPA, writing K/V
-    into the cache with `native_kernels` when given, whose decode rows take the prefill
-    kernel's arithmetic when `batch_invariant`."""
+    row on the Triton chunk kernel (fresh prefills and decodes too); cpu: the native kernels
+    when given, else SDPA, whose decode rows take the prefill kernel's arithmetic when
+    `batch_invariant`."""
     if device.type == "cuda":
         if config.backend == "sdpa":
             raise ValueError("attention_backend: sdpa runs on the CPU; on cuda choose auto or triton")
@@ -38,4 +38,4 @@ def select_attention_backend(
         )
     if config.backend == "triton":
         raise ValueError(f"attention_backend: triton needs device cuda, not {device.type}")
-    return SDPABackend(device, native_kernels, decode_as_prefill=batch_invariant)
+    return CPUAttentionBackend(device, native_kernels, decode_as_prefill=batch_invariant)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from firsttoken.arithmetic import ceil_div
+
 
 @dataclass(frozen=True)
 class StepCostModel:
@@ -40,7 +42,7 @@ class StepCostModel:
         than computing, so cutting a prompt that fine costs it more than it saves others."""
         if self.seconds_per_token <= 0:
             return 0
-        return int(-(-self.seconds_fixed // self.seconds_per_token))
+        return int(ceil_div(self.seconds_fixed, self.seconds_per_token))
 
     def max_prefill_tokens(
         self, seconds: float, num_decodes: int, decode_attention_pairs: int, prefill_context_tokens: int

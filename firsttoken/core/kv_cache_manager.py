@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from firsttoken.arithmetic import ceil_div
 from firsttoken.core.block_pool import BlockPool, KVBlock
 from firsttoken.core.hashing import BlockHash
 from firsttoken.request import Request
@@ -22,7 +23,7 @@ class PrefixCacheStats:
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+    return ceil_div(num_tokens, block_size)
 
 
 class KVCacheManager:

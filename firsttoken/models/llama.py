@@ -3,8 +3,7 @@
 forward(input_ids, positions, attn_metadata) runs every token of a step (many requests,
 prefilling and decoding) as one [T, hidden] batch with no padding; compute_logits runs the
 final norm and LM head only on the rows that sample a token. Q/K/V and gate/up projections
-are single fused matrices, built at load time. With int4 projections on the native kernels,
-a decode-only step runs all its layers in one native call (`firsttoken.ops.native_decode`).
+are single fused matrices, built at load time.
 """
 
 from __future__ import annotations
@@ -28,9 +27,7 @@ from firsttoken.models.sharding import (
 )
 from firsttoken.ops.kernels import Kernels
 from firsttoken.ops.linear import (
-    DecodeQuantizedLinear,
     Linear,
-    NativeInt4Linear,
     PackedLinear,
     convert_linears,
     fastest_linear,
@@ -38,7 +35,6 @@ from firsttoken.ops.linear import (
     replace_linears,
     row_invariant_linear,
 )
-from firsttoken.ops.native_decode import DecodeLayerWeights, DecodeShape, NativeDecodeStep, supports_layers
 from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin
 
 
@@ -170,15 +166,13 @@ class LlamaForCausalLM(nn.Module):
             arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_frequency_divisors
         )
         self.register_buffer("rope_table", cos_sin_table(inv_freq, max_positions), persistent=False)
-        self.native_decode: NativeDecodeStep | None = None
         # Set by shard(): this rank's slices, and the process group that joins them.
         self.tensor_shard: ModelShard | None = None
         self.collectives: Collectives | None = None
 
     def shard(self, shard: ModelShard, collectives: Collectives) -> None:
         """Keep only rank `shard.rank`'s slices of the loaded weights (call before
-        `prepare_projections`). Row-parallel projections then sum over the ranks, so the
-        whole-step native decode, which runs every layer in one call, is not used."""
+        `prepare_projections`). Row-parallel projections then sum over the ranks."""
         for layer in self.layers:
             layer.self_attn.shard(shard, self.arch, collectives)
             layer.mlp.shard(shard, self.arch, collectives)
@@ -196,65 +190,29 @@ class LlamaForCausalLM(nn.Module):
     def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             layer.self_attn.kv_cache = kv_cache
-        self.native_decode = self._native_decode_step()
-
-    def _native_decode_step(self) -> NativeDecodeStep | None:
-        """The whole-step native decode where every projection is a `NativeInt4Linear` for decode."""
-        native_kernels = self.kernels.native
-        if (
-            native_kernels is None
-            or not native_kernels.has_decode_kernels
-            or self.embed_weight.dtype != torch.bfloat16
-        ):
-            return None
-        layers = []
-        for layer in self.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            projections = [
-                _decode_form(module)
-                for module in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            ]
-            if not all(isinstance(projection, NativeInt4Linear) for projection in projections):
-                return None
-            layers.append(
-                DecodeLayerWeights(
-                    layer.input_norm_weight,
-                    layer.post_attention_norm_weight,
-                    *projections,
-                    attention.kv_cache,
-                )
-            )
-        arch = self.arch
-        shape = DecodeShape(
-            arch.hidden_size,
-            arch.num_heads,
-            arch.num_kv_heads,
-            arch.head_dim,
-            arch.intermediate_size,
-            arch.rms_norm_eps,
-        )
-        if not supports_layers(shape, layers):
-            return None
-        return NativeDecodeStep(native_kernels, shape, layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm."""
-        if self.collectives is None:
-            hidden = F.embedding(input_ids, self.embed_weight)
-        else:
-            hidden = vocab_parallel_embedding(
-                input_ids, self.embed_weight, self.tensor_shard.vocab_range, self.collectives
-            )
-        rotary = rotary_cos_sin(self.rope_table, positions, hidden.dtype)
-        # Decode tables come with decode-only steps the native step takes; backends without
-        # them (CUDA) carry none.
-        decode_tables = getattr(attn_metadata, "decode_tables", None)
-        if self.native_decode is not None and decode_tables is not None:
-            return self.native_decode.run(hidden, *rotary, decode_tables)
+        hidden = self.embed_tokens(input_ids)
+        rotary = self.rotary_embedding(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rotary, attn_metadata)
         return hidden + residual
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings [T, hidden] of the tokens (gathered over the ranks when sharded)."""
+        if self.collectives is None:
+            return F.embedding(input_ids, self.embed_weight)
+        return vocab_parallel_embedding(
+            input_ids, self.embed_weight, self.tensor_shard.vocab_range, self.collectives
+        )
+
+    def rotary_embedding(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's cos and sin at `positions`, in `dtype`."""
+        return rotary_cos_sin(self.rope_table, positions, dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [R, vocab] for the R rows that sample; sharded, on rank 0 only (the
@@ -324,11 +282,6 @@ def _columns_of(linear: Linear, start: int, end: int) -> Linear:
     sliced = Linear(end - start, weight.shape[0], False, weight.dtype).to(weight.device)
     sliced.weight.data = weight[:, start:end].contiguous()
     return sliced
-
-
-def _decode_form(projection: nn.Module) -> nn.Module:
-    """The module that serves a projection's decode-sized steps."""
-    return projection.quantized if isinstance(projection, DecodeQuantizedLinear) else projection
 
 
 _FUSED_PARTS = {"qkv_proj.weight": 3, "qkv_proj.bias": 3, "gate_up_proj.weight": 2}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from firsttoken.arithmetic import ceil_div
 from firsttoken.engine import EngineClient, InvalidInputError
 from firsttoken.server.protocol import RequestBody
 
@@ -41,7 +42,7 @@ class RequestChecks:
         """Refuse text for /tokenize whose bytes alone prove it longer than any prompt here (a
         multi-megabyte body would hold a tokenizer thread for seconds, to count for nothing)."""
         num_bytes = sum(len(text.encode("utf-8")) for text in texts)
-        min_tokens = -(-num_bytes // self.max_token_bytes)
+        min_tokens = ceil_div(num_bytes, self.max_token_bytes)
         if min_tokens > self.max_model_len:
             raise InvalidInputError(
                 field,
@@ -52,7 +53,7 @@ class RequestChecks:
     def check_prompt_bytes(self, field: str, texts: list[str]) -> None:
         """Refuse text whose bytes alone prove it too long, before the tokenizer spends time on it."""
         num_bytes = sum(len(text.encode("utf-8")) for text in texts)
-        min_tokens = -(-num_bytes // self.max_token_bytes)
+        min_tokens = ceil_div(num_bytes, self.max_token_bytes)
         if min_tokens >= self.max_request_tokens:
             raise InvalidInputError(
                 field,

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from firsttoken.arithmetic import ceil_div
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput
 from firsttoken.core.cost_model import StepCostModel, attention_pairs
 from firsttoken.sampling_params import SamplingParams
@@ -80,7 +81,7 @@ def calibration_shapes(limits: CalibrationLimits) -> list[StepShape]:
 def _scheduler_output(shape: StepShape, limits: CalibrationLimits) -> SchedulerOutput:
     chunks, next_block = [], 0
     for index, (start, count) in enumerate(shape.chunks):
-        num_blocks = -(-(start + count) // limits.block_size)
+        num_blocks = ceil_div(start + count, limits.block_size)
         chunks.append(
             ScheduledChunk(
                 req_id=f"calibration-{index}",

@@ -26,9 +26,10 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from firsttoken.attention.cuda_backend import CudaAttentionBackend
+from firsttoken.attention.backend import write_block_tables
+from firsttoken.attention.cuda_backend import CudaAttentionBackend, chunk_tile_array
 from firsttoken.attention.staging import wait_for_copy
-from firsttoken.attention.triton_kernels import TILE_FIELDS, chunk_tiles
+from firsttoken.attention.triton_kernels import TILE_FIELDS
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.worker.step_inputs import HostStep
 
@@ -207,10 +208,7 @@ class DecodeGraphs:
         scalars[_POSITIONS, :num_rows] = step.positions
         scalars[_SLOTS, :num_rows] = step.slot_mapping
         scalars[_SEQ_LENS, :num_rows] = step.positions + 1
-        tables = arrays["block_tables"]
-        for row, chunk in enumerate(step.chunks):
-            num_blocks = chunk.start_position // self.block_size + 1
-            tables[row, :num_blocks] = chunk.block_table[:num_blocks]
+        write_block_tables(step.layout.sequences, self.block_size, arrays["block_tables"])
         self._write_padding(arrays, num_rows, size)
         self.inputs.ship({"block_tables": size})
         return self.replays[size]()[:num_rows]
@@ -284,15 +282,8 @@ class StepGraphs:
         scalars[_POSITIONS, :num_tokens] = step.positions
         scalars[_SLOTS, :num_tokens] = step.slot_mapping
         self._write_padding(arrays, num_tokens, size)
-        tables = arrays["block_tables"]
-        tile_rows = []  # (first query row, context length, query length) per sequence
-        row = 0
-        for index, sequence in enumerate(step.layout.sequences):
-            num_blocks = -(-sequence.seq_len // self.block_size)
-            tables[index, :num_blocks] = sequence.block_table[:num_blocks]
-            tile_rows.append((row, sequence.num_context_tokens, sequence.query_len))
-            row += sequence.query_len
-        tiles = chunk_tiles(tile_rows, self.tile_tokens)
+        write_block_tables(step.layout.sequences, self.block_size, arrays["block_tables"])
+        tiles = chunk_tile_array(step.layout.query_rows(), self.tile_tokens)
         num_tiles = self._num_tiles(size)
         arrays["tiles"][: len(tiles)] = tiles
         arrays["tiles"][len(tiles) : num_tiles] = 0  # no rows: the kernel reads no key and writes nothing

@@ -1,10 +1,12 @@
 """ModelRunner: execute(SchedulerOutput) -> ModelOutput.
 
-The one place a scheduled batch runs: its inputs are built on the host (step_inputs.py),
-staged to the device in one copy, run through the model eagerly or, on CUDA, replayed from a
-captured graph (decode-only steps by batch size, steps with prefill rows by token count);
-logits are computed only for the rows that sample, and for the prompt rows of a request that
-asks for prompt logprobs (prompt_logprobs.py).
+The one place a scheduled batch runs, and the one place its path is chosen: its inputs are
+built on the host (step_inputs.py), staged to the device in one copy, and run on the fastest
+path that takes the step: on CUDA, a captured graph (decode-only steps by batch size, steps
+with prefill rows by token count); on a CPU with int4 native kernels, the whole-step native
+decode (whole_step_decode.py) for decode-only steps; else the model's forward. Logits are
+computed only for the rows that sample, and for the prompt rows of a request that asks for
+prompt logprobs (prompt_logprobs.py).
 Nothing synchronises the host with the device before the sampler hands back the ids.
 """
 
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from firsttoken.arithmetic import ceil_div
 from firsttoken.attention.backend import AttentionBackend
 from firsttoken.attention.staging import StagingBuffer
 from firsttoken.core.batch import ModelOutput, ScheduledChunk, SchedulerOutput
@@ -25,14 +28,16 @@ from firsttoken.outputs import SampledToken
 from firsttoken.sample.sampler import Sampler
 from firsttoken.worker.prompt_logprobs import PromptRows, find_prompt_rows, score_prompt_rows
 from firsttoken.worker.step_inputs import HostStep, build_host_step
+from firsttoken.worker.whole_step_decode import WholeStepDecode, build_whole_step_decode
 
 if TYPE_CHECKING:
     from firsttoken.worker.cuda_graphs import DecodeGraphs, GraphCapture, GraphCaptureReport, StepGraphs
 
 
 class ModelRunner:
-    """Runs the model on a scheduled batch and samples; owns the model, attention backend and
-    sampler, the staging buffer of step inputs, and the graphs once captured.
+    """Runs the model on a scheduled batch and samples; owns the model (its KV caches bound),
+    attention backend and sampler, the staging buffer of step inputs, the whole-step native
+    decode where the model has one, and the graphs once captured.
 
     Tensor-parallel: rank 0's runner hands each step to `send_step` (the other ranks, which run
     it with `run_shard`) before running its own slice; only rank 0 samples."""
@@ -54,6 +59,7 @@ class ModelRunner:
         self.device = device
         self.index_dtype = np.dtype(str(backend.index_dtype).removeprefix("torch."))
         self.staging = StagingBuffer(device, backend.index_dtype)
+        self.whole_step_decode: WholeStepDecode | None = build_whole_step_decode(model)
         self.decode_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
 
@@ -85,7 +91,7 @@ class ModelRunner:
         capture = capture or CudaGraphCapture(self.device)
         batch_sizes = graph_batch_sizes(max_num_seqs)
         token_sizes = graph_token_sizes(max_graph_tokens) if max_graph_tokens else []
-        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        max_blocks_per_seq = ceil_div(max_model_len, self.block_size)
         memory_before = device_memory_in_use(self.device)
         started = time.perf_counter()
         with torch.inference_mode():
@@ -158,8 +164,7 @@ class ModelRunner:
         hidden = self._replay(step)
         if hidden is None:
             staged = self.staging.stage([step.input_ids, step.positions, step.slot_mapping])
-            input_ids, positions, slot_mapping = staged
-            hidden = self.model(input_ids, positions, self.backend.build_metadata(step.layout, slot_mapping))
+            hidden = self._forward_eagerly(step, *staged)
         scored = score_prompt_rows(self.model.compute_logits, hidden, prompt_rows)
         if step.samples_every_row:
             return hidden, scored
@@ -177,9 +182,18 @@ class ModelRunner:
         input_ids, positions, slot_mapping, sample_rows = self.staging.stage(
             [step.input_ids, step.positions, step.slot_mapping, step.sample_rows]
         )
-        metadata = self.backend.build_metadata(step.layout, slot_mapping)
-        hidden = self.model(input_ids, positions, metadata)
+        hidden = self._forward_eagerly(step, input_ids, positions, slot_mapping)
         return hidden if step.samples_every_row else hidden[sample_rows]
+
+    def _forward_eagerly(
+        self, step: HostStep, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] of a step no graph holds, from its staged inputs: the
+        whole-step native decode where it serves the step, else the model's forward."""
+        if self.whole_step_decode is not None and self.whole_step_decode.takes(step.layout):
+            return self.whole_step_decode.run(input_ids, positions, slot_mapping, step.layout)
+        metadata = self.backend.build_metadata(step.layout, slot_mapping)
+        return self.model(input_ids, positions, metadata)
 
     def _replay(self, step: HostStep) -> torch.Tensor | None:
         """Hidden states [T, hidden] of the step from a captured graph; None when none holds it."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from firsttoken.attention.backend import AttentionBackend
-from firsttoken.attention.sdpa import SDPABackend
+from firsttoken.attention.cpu_backend import CPUAttentionBackend
 from firsttoken.attention.selector import select_attention_backend
 from firsttoken.config import EngineConfig
 from firsttoken.core.batch import ModelOutput, SampleSpec, ScheduledChunk, SchedulerOutput
@@ -266,7 +266,7 @@ class Worker:
             )
             return False
         return (
-            isinstance(backend, SDPABackend)
+            isinstance(backend, CPUAttentionBackend)
             and backend.decodes_as_prefill(
                 self.config.cache.block_size, self.dtype, self.checkpoint.arch.head_dim
             )

@@ -8,7 +8,7 @@ import torch
 
 from firsttoken.attention.cuda_backend import CudaAttentionBackend
 from firsttoken.attention.reference import paged_attention_reference, write_kv_reference
-from firsttoken.attention.sdpa import SDPABackend
+from firsttoken.attention.cpu_backend import CPUAttentionBackend
 from firsttoken.attention.selector import select_attention_backend
 from firsttoken.config import AttentionConfig
 from tests.cuda.paged_inputs import random_paged_inputs
@@ -73,7 +73,8 @@ def test_paged_prefills_send_every_prefill_through_the_chunk_kernel(device):
 
 def test_selector_picks_by_device_and_refuses_mismatches():
     heads = (TINY_ARCH.num_heads, TINY_ARCH.num_kv_heads)
-    assert isinstance(select_attention_backend(AttentionConfig(), torch.device("cpu"), *heads), SDPABackend)
+    cpu_backend = select_attention_backend(AttentionConfig(), torch.device("cpu"), *heads)
+    assert isinstance(cpu_backend, CPUAttentionBackend)
     with pytest.raises(ValueError, match="triton needs device cuda"):
         select_attention_backend(AttentionConfig(backend="triton"), torch.device("cpu"), *heads)
     with pytest.raises(ValueError, match="sdpa runs on the CPU"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from firsttoken.attention.cuda_backend import CudaAttentionBackend
-from firsttoken.attention.sdpa import SDPABackend
+from firsttoken.attention.cpu_backend import CPUAttentionBackend
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput
 from firsttoken.ops import triton_ops
 from firsttoken.ops.kernels import Kernels
@@ -50,7 +50,7 @@ class EagerCapture:
 
 
 def _runners(device, dtype):
-    reference_model = random_model(SDPABackend(device), dtype, device)
+    reference_model = random_model(CPUAttentionBackend(device), dtype, device)
     backend = CudaAttentionBackend(device, TINY_ARCH.num_heads, TINY_ARCH.num_kv_heads)
     # As the worker builds it on CUDA: the Triton kernels of the elementwise ops.
     model = random_model(backend, dtype, device, kernels=Kernels(fused=True, triton_ops=triton_ops))
@@ -59,7 +59,9 @@ def _runners(device, dtype):
     reference_model.bind_kv_caches(reference_caches)
     model.bind_kv_caches(caches)
     reference_sampler = Sampler(0, device, TINY_ARCH.vocab_size)
-    reference = ModelRunner(reference_model, SDPABackend(device), reference_sampler, BLOCK_SIZE, device)
+    reference = ModelRunner(
+        reference_model, CPUAttentionBackend(device), reference_sampler, BLOCK_SIZE, device
+    )
     runner = ModelRunner(model, backend, Sampler(0, device, TINY_ARCH.vocab_size), BLOCK_SIZE, device)
     return reference, reference_caches, runner, caches
 

@@ -211,13 +211,13 @@ def test_native_int4_decode_gives_the_per_op_tokens(model_path):
     llm = LLM(
         model_path, dtype="bfloat16", quantization="int4", kv_cache_memory_bytes=256 << 20, chunk_size=512
     )
-    native_step = llm.engine.worker.model.native_decode
-    if native_step is None:
+    runner = llm.engine.worker.runner
+    if runner.whole_step_decode is None:
         pytest.skip("no native int4 decode on this machine (needs a C compiler and AVX512-BF16)")
     prompts = _mixed_prompts(llm, 4) + [llm.tokenizer.encode(long_prompt())]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     native_outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    llm.engine.worker.model.native_decode = None
+    runner.whole_step_decode = None
     per_op_outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     for native, per_op in zip(native_outputs, per_op_outputs):
         for ours, theirs in zip(native.logprobs, per_op.logprobs):

@@ -1,4 +1,4 @@
-"""The SDPA paged-attention backend against the plain-math reference on random paged inputs."""
+"""The CPU paged-attention backend against the plain-math reference on random paged inputs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from firsttoken.attention.backend import BatchLayout, SequenceLayout
 from firsttoken.attention.reference import paged_attention_reference, write_kv_reference
-from firsttoken.attention.sdpa import FLASH_MAX_QUERIES_BESIDE_SDPA, SDPABackend, first_of_run
+from firsttoken.attention.cpu_backend import FLASH_MAX_QUERIES_BESIDE_SDPA, CPUAttentionBackend, first_of_run
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -61,7 +61,7 @@ def _random_batch(seqs, block_size, num_heads, num_kv_heads, head_dim, dtype, se
 )
 @pytest.mark.parametrize("block_size", [1, 16, 5])
 @pytest.mark.parametrize("with_native", [False, True])
-def test_sdpa_backend_matches_reference(
+def test_cpu_backend_matches_reference(
     dtype, num_heads, num_kv_heads, head_dim, block_size, with_native, native_kernels
 ):
     seqs = [
@@ -75,7 +75,8 @@ def test_sdpa_backend_matches_reference(
     layout, slot_mapping, kv_cache, query, key, value = _random_batch(
         seqs, block_size, num_heads, num_kv_heads, head_dim, dtype
     )
-    backend = SDPABackend(torch.device("cpu"), _native_or_skip(native_kernels) if with_native else None)
+    kernels = _native_or_skip(native_kernels) if with_native else None
+    backend = CPUAttentionBackend(torch.device("cpu"), kernels)
     metadata = backend.build_metadata(layout, slot_mapping)
     output = backend.forward(query, key, value, kv_cache, metadata)
     expected = paged_attention_reference(query, kv_cache, layout)
@@ -95,7 +96,7 @@ def test_lone_decode_cut_to_its_length_matches_reference(dtype, num_context_toke
     layout, slot_mapping, kv_cache, query, key, value = _random_batch(
         [(num_context_tokens, 1), (5, 9)], 16, 9, 3, 64, dtype
     )
-    backend = SDPABackend(torch.device("cpu"))
+    backend = CPUAttentionBackend(torch.device("cpu"))
     metadata = backend.build_metadata(layout, slot_mapping)
     assert metadata.decode_key_mask is None and metadata.decode_num_keys == num_context_tokens + 1
     output = backend.forward(query, key, value, kv_cache, metadata)
@@ -121,7 +122,8 @@ def test_contexts_in_consecutive_blocks_are_read_in_place_and_match_reference(
     layout, slot_mapping, kv_cache, query, key, value = _random_batch(
         seqs, 16, 9, 3, 64, dtype, in_order=True
     )
-    backend = SDPABackend(torch.device("cpu"), _native_or_skip(native_kernels) if with_native else None)
+    kernels = _native_or_skip(native_kernels) if with_native else None
+    backend = CPUAttentionBackend(torch.device("cpu"), kernels)
     native_calls = []
     if with_native:
         attend = native_kernels.prefill_attention
@@ -173,7 +175,7 @@ def test_scattered_context_takes_the_native_kernel_with_the_in_place_bits(seqs, 
     monkeypatch.setattr(
         native_kernels, "prefill_attention", lambda *args: native_calls.append(1) or attend(*args)
     )
-    backend = SDPABackend(torch.device("cpu"), native_kernels)
+    backend = CPUAttentionBackend(torch.device("cpu"), native_kernels)
     outputs = []
     for step_layout, step_slots, step_cache in [(layout, slot_mapping, kv_cache), scattered]:
         metadata = backend.build_metadata(step_layout, step_slots)
@@ -206,7 +208,7 @@ def test_bf16_decode_rows_take_the_paged_kernel_and_give_the_same_bits_whatever_
         "paged_decode_attention",
         lambda *args, **kwargs: calls.append(kwargs) or attend(*args, **kwargs),
     )
-    backend = SDPABackend(torch.device("cpu"), kernels, decode_as_prefill=decode_as_prefill)
+    backend = CPUAttentionBackend(torch.device("cpu"), kernels, decode_as_prefill=decode_as_prefill)
     layout, slot_mapping, kv_cache, query, key, value = _random_batch(
         [(70, 1), (200, 1), (3, 1), (0, 40), (33, 17)], 16, 8, 2, head_dim, torch.bfloat16
     )
@@ -281,7 +283,7 @@ def test_decode_rows_as_prefill_need_blocks_of_whole_16_key_tiles(native_kernels
         kernels.paged_decode_attention(
             query, kv_cache, torch.tensor([[0, 1]]), torch.tensor([9]), as_prefill=True
         )
-    assert not SDPABackend(torch.device("cpu"), kernels, decode_as_prefill=True).decodes_as_prefill(
+    assert not CPUAttentionBackend(torch.device("cpu"), kernels, decode_as_prefill=True).decodes_as_prefill(
         8, torch.bfloat16, 64
     )
 
@@ -339,7 +341,7 @@ def test_portable_flash_takes_every_row_and_decodes_get_a_prefills_bits(
     calls = _counting(
         kernels, monkeypatch, "flash_attention", "flash_attention_paged", "flash_decode_attention"
     )
-    backend = SDPABackend(torch.device("cpu"), kernels, decode_as_prefill=True)
+    backend = CPUAttentionBackend(torch.device("cpu"), kernels, decode_as_prefill=True)
     assert backend.decodes_as_prefill(16, dtype, 64)
     seqs = [(70, 1), (200, 1), (3, 1), (0, 40), (33, 17)]
     layout, slot_mapping, kv_cache, query, key, value = _random_batch(
@@ -377,7 +379,7 @@ def test_portable_flash_takes_every_row_and_decodes_get_a_prefills_bits(
 
 
 def test_without_native_kernels_decodes_do_not_take_a_prefills_arithmetic():
-    assert not SDPABackend(torch.device("cpu"), None, decode_as_prefill=True).decodes_as_prefill(
+    assert not CPUAttentionBackend(torch.device("cpu"), None, decode_as_prefill=True).decodes_as_prefill(
         16, torch.float32, 64
     )
 
@@ -388,7 +390,7 @@ def test_long_chunks_take_sdpa_unless_decodes_need_the_prefills_bits(
 ):
     kernels = _flash_kernels_or_skip(native_kernels, torch.float32)
     calls = _counting(kernels, monkeypatch, "flash_attention")
-    backend = SDPABackend(torch.device("cpu"), kernels, decode_as_prefill=decode_as_prefill)
+    backend = CPUAttentionBackend(torch.device("cpu"), kernels, decode_as_prefill=decode_as_prefill)
     num_tokens = FLASH_MAX_QUERIES_BESIDE_SDPA + 1
     layout, slot_mapping, kv_cache, query, key, value = _random_batch(
         [(0, num_tokens), (0, 40)], 16, 2, 1, 16, torch.float32

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from firsttoken.attention.backend import BatchLayout, SequenceLayout
-from firsttoken.attention.sdpa import SDPABackend
+from firsttoken.attention.cpu_backend import CPUAttentionBackend
 from firsttoken.models.arch import ModelArch
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.ops.kernels import Kernels
@@ -20,6 +20,7 @@ from firsttoken.ops.linear import (
 )
 from firsttoken.ops.native_abi import DECODE_MAX_ROWS
 from firsttoken.worker.kv_cache import allocate_kv_caches
+from firsttoken.worker.whole_step_decode import build_whole_step_decode
 
 
 @pytest.fixture
@@ -113,7 +114,7 @@ NUM_BLOCKS = 16
 
 
 def _int4_model(arch: ModelArch, kernels, quantization: str | None = "int4") -> LlamaForCausalLM:
-    backend = SDPABackend(torch.device("cpu"), kernels)
+    backend = CPUAttentionBackend(torch.device("cpu"), kernels)
     model = LlamaForCausalLM(arch, backend, Kernels(fused=True, native_kernels=kernels), torch.bfloat16, 256)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -135,7 +136,8 @@ SEQUENCES = {
 }
 
 
-def _decode_inputs(model: LlamaForCausalLM, sequences):
+def _decode_inputs(sequences):
+    """input_ids, positions, slot_mapping and layout of a decode-only step."""
     layout = BatchLayout(
         [SequenceLayout(1, seq_len - 1, blocks) for seq_len, blocks in sequences], len(sequences), BLOCK_SIZE
     )
@@ -146,9 +148,8 @@ def _decode_inputs(model: LlamaForCausalLM, sequences):
             for seq_len, blocks in sequences
         ]
     )
-    metadata = model.layers[0].self_attn.backend.build_metadata(layout, slot_mapping)
     input_ids = torch.arange(len(sequences)) * 31 + 7
-    return input_ids, positions, metadata
+    return input_ids, positions, slot_mapping, layout
 
 
 @pytest.mark.parametrize(
@@ -162,19 +163,19 @@ def test_native_decode_step_matches_the_per_op_layers(
     int4_kernels, head_dim, num_heads, num_kv_heads, attention_bias, sequences
 ):
     model = _int4_model(_arch(head_dim, num_heads, num_kv_heads, attention_bias), int4_kernels)
-    native_step = model.native_decode
-    assert native_step is not None
+    whole_step = build_whole_step_decode(model)
+    assert whole_step is not None
     caches = [layer.self_attn.kv_cache for layer in model.layers]
     before = [cache.clone() for cache in caches]
-    inputs = _decode_inputs(model, sequences)
-    assert inputs[2].decode_tables is not None
+    input_ids, positions, slot_mapping, layout = _decode_inputs(sequences)
+    assert whole_step.takes(layout)
 
-    native_hidden = model(*inputs)
+    native_hidden = whole_step.run(input_ids, positions, slot_mapping, layout)
     native_caches = [cache.clone() for cache in caches]
     for cache, saved in zip(caches, before):
         cache.copy_(saved)
-    model.native_decode = None
-    per_op_hidden = model(*inputs)
+    metadata = model.layers[0].self_attn.backend.build_metadata(layout, slot_mapping)
+    per_op_hidden = model(input_ids, positions, metadata)
 
     # The new K/V are the same bits (same int4 kernel, same rotary); nothing else is written.
     for native_cache, cache in zip(native_caches, caches):
@@ -185,17 +186,20 @@ def test_native_decode_step_matches_the_per_op_layers(
 
 
 @torch.inference_mode()
-def test_native_decode_step_rejects_a_slot_outside_the_cache(int4_kernels):
+def test_native_decode_step_rejects_a_block_outside_the_cache(int4_kernels):
     model = _int4_model(_arch(32, 4, 2, False), int4_kernels)
+    whole_step = build_whole_step_decode(model)
     caches = [layer.self_attn.kv_cache.clone() for layer in model.layers]
-    input_ids, positions, metadata = _decode_inputs(model, SEQUENCES["lone"])
-    metadata.decode_tables.block_table[0, -1] = NUM_BLOCKS  # one past the last block
+    input_ids, positions, slot_mapping, layout = _decode_inputs(SEQUENCES["lone"])
+    (sequence,) = layout.sequences
+    # The slot stays in the cache; the block table's last entry is one past the last block.
+    outside = SequenceLayout(1, sequence.num_context_tokens, sequence.block_table[:-1] + [NUM_BLOCKS])
     with pytest.raises(IndexError, match="outside the KV cache"):
-        model(input_ids, positions, metadata)
+        whole_step.run(input_ids, positions, slot_mapping, BatchLayout([outside], 1, BLOCK_SIZE))
     for layer, cache in zip(model.layers, caches):
         assert torch.equal(layer.self_attn.kv_cache, cache)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_native_decode_needs_int4_projections(int4_kernels, quantization):
-    assert _int4_model(_arch(32, 4, 2, False), int4_kernels, quantization).native_decode is None
+    assert build_whole_step_decode(_int4_model(_arch(32, 4, 2, False), int4_kernels, quantization)) is None

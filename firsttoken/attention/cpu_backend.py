@@ -1,23 +1,23 @@
-"""Paged attention on PyTorch's fused scaled-dot-product kernels (flash-style, no score matrix).
+"""Paged attention on the CPU: native kernels where they apply, PyTorch's fused
+scaled-dot-product (SDPA) kernels elsewhere; flash-style throughout, no score matrix.
 
-- Prefill with no cached context attends to its own fresh K/V (causal): no cache read.
-- Prefill on top of cached context (a prefix-cache hit or an earlier chunk) runs two fused
-  calls, one over the cached context (no mask) and one causal over the new tokens, and merges
-  them with their log-sum-exps, so no [query, context] mask is ever built.
-- Decodes are batched: their contexts are gathered through the block tables, padded to the
+- With native kernels, a step's K/V go into the cache in one call instead of two index copies.
+- bf16 on AVX512-BF16: decode rows attend in one native call that reads the paged cache in
+  place (no gather, no padding, each row alone: the same bits whatever else the step holds;
+  with `decode_as_prefill`, the prefill kernel's arithmetic, so a position's bits do not depend
+  on whether a decode or a prefill computed it), and prefills on the native prefill kernel.
+- Where those kernels do not apply (float32 on any CPU, bf16 without AVX512-BF16), the
+  portable flash kernel (csrc/attention.c) takes decode rows, each with the bits a prefill
+  gives its position, prefills, and chunks on cached context (read in place, scattered blocks
+  too); long chunks take SDPA unless decode rows need a prefill's bits.
+- On SDPA (no native kernels, or a long chunk): a prefill with no cached context attends to its own fresh
+  K/V (causal), no cache read; a prefill on top of cached context (a prefix-cache hit or an
+  earlier chunk) runs two fused calls, one over the cached context (no mask) and one causal
+  over the new tokens, merged with their log-sum-exps, so no [query, context] mask is ever
+  built; decodes are batched, their contexts gathered through the block tables, padded to the
   longest, and masked.
 - A context whose blocks are one run of consecutive block ids (the pool hands out ascending
   runs) is read in place, as a view of the cache: no per-layer copy of the context.
-- With native kernels, a step's K/V go into the cache in one call instead of two index copies;
-  bf16 decode rows attend in one native call that reads the paged cache in place (no gather,
-  no padding, each row alone: the same bits whatever else the step holds; with
-  `decode_as_prefill`, the prefill kernel's arithmetic, so a position's bits do not depend on
-  whether a decode or a prefill computed it); and a decode-only step carries `DecodeTables`
-  for the model's whole-step native decode.
-- Where those AVX512-BF16 kernels do not apply (float32 on any CPU, bf16 without AVX512-BF16),
-  the portable flash kernel (csrc/attention.c) takes prefills, chunks on cached context (read
-  in place, scattered blocks too) and decode rows, each decode row with the bits a prefill
-  gives its position.
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from firsttoken.arithmetic import ceil_div
 from firsttoken.attention.backend import BatchLayout, decode_tables
 from firsttoken.attention.reference import write_kv_reference
-from firsttoken.ops import native, native_abi
+from firsttoken.ops import native
 from firsttoken.ops.native_decode import DecodeTables
 
 
 # Longer chunks take SDPA unless decode rows must get a prefill's bits: its GEMM-based flash
-# kernel overtakes the portable one past ~1000 queries (float32, AVX2, CPU time per call:
-# 0.97x at 1024, 0.83x at 1536 and 2048; 1.3-1.5x faster at 128-512).
+# kernel overtakes the portable one past about a thousand queries.
 FLASH_MAX_QUERIES_BESIDE_SDPA = 1024
 
 
@@ -54,7 +54,9 @@ class PrefillSpan:
 
 
 @dataclass
-class SDPAMetadata:
+class CPUAttentionMetadata:
+    """Everything a layer needs for one step; built once, read by every layer."""
+
     slot_mapping: torch.Tensor  # long [T]
     num_decodes: int
     decode_block_table: torch.Tensor | None  # long [num_decodes, max_blocks]
@@ -65,14 +67,13 @@ class SDPAMetadata:
     # A lone decode whose blocks are consecutive ids: its first block (read in place).
     decode_first_block: int | None
     prefills: list[PrefillSpan]
-    # A decode-only step with native kernels: its addressing for the whole-step native decode.
-    decode_tables: DecodeTables | None = None
     # With native kernels: the decode rows' addressing for the native paged decode attention.
     paged_decodes: DecodeTables | None = None
 
 
-class SDPABackend:
-    """Attention through torch's fused SDPA kernels over the paged KV cache."""
+class CPUAttentionBackend:
+    """Attention over the paged KV cache on a CPU: holds the native kernels (None: SDPA alone)
+    and whether decode rows take the prefill kernel's arithmetic."""
 
     index_dtype = torch.long  # index_copy_ and the native KV write take int64 slots
 
@@ -86,7 +87,7 @@ class SDPABackend:
         self.native = native_kernels
         self.decode_as_prefill = decode_as_prefill
 
-    def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> SDPAMetadata:
+    def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> CPUAttentionMetadata:
         decodes = layout.sequences[: layout.num_decodes]
         # One table of the decode rows serves both the SDPA gather and the native kernels.
         decode_rows = (
@@ -97,7 +98,7 @@ class SDPABackend:
         decode_first_block = None
         if len(decodes) == 1:
             decode_num_keys = decodes[0].seq_len
-            lone_blocks = decodes[0].block_table[: -(-decode_num_keys // layout.block_size)]
+            lone_blocks = decodes[0].block_table[: ceil_div(decode_num_keys, layout.block_size)]
             decode_first_block = first_of_run(lone_blocks)
             if decode_first_block is None:
                 decode_block_table = decode_rows.block_table
@@ -111,8 +112,8 @@ class SDPABackend:
         for sequence in layout.sequences[layout.num_decodes :]:
             context_first_block = sequence_first_block = sequence_block_ids = None
             if sequence.num_context_tokens:
-                sequence_blocks = sequence.block_table[: -(-sequence.seq_len // layout.block_size)]
-                num_context_blocks = -(-sequence.num_context_tokens // layout.block_size)
+                sequence_blocks = sequence.block_table[: ceil_div(sequence.seq_len, layout.block_size)]
+                num_context_blocks = ceil_div(sequence.num_context_tokens, layout.block_size)
                 context_first_block = first_of_run(sequence_blocks[:num_context_blocks])
                 sequence_first_block = first_of_run(sequence_blocks)
                 if sequence_first_block is None:
@@ -124,7 +125,7 @@ class SDPABackend:
                 )
             )
             query_start += sequence.query_len
-        return SDPAMetadata(
+        return CPUAttentionMetadata(
             slot_mapping=slot_mapping,
             num_decodes=layout.num_decodes,
             decode_block_table=decode_block_table,
@@ -132,19 +133,8 @@ class SDPABackend:
             decode_num_keys=decode_num_keys,
             decode_first_block=decode_first_block,
             prefills=prefills,
-            **self._native_decode_tables(layout, decode_rows),
+            paged_decodes=decode_rows if self.native is not None else None,
         )
-
-    def _native_decode_tables(
-        self, layout: BatchLayout, decode_rows: DecodeTables | None
-    ) -> dict[str, DecodeTables | None]:
-        if self.native is None or decode_rows is None:
-            return {}
-        whole_step = (
-            self.native.has_decode_kernels
-            and layout.num_decodes == len(layout.sequences) <= native_abi.DECODE_MAX_ROWS
-        )
-        return {"paged_decodes": decode_rows, "decode_tables": decode_rows if whole_step else None}
 
     def forward(
         self,
@@ -152,7 +142,7 @@ class SDPABackend:
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: SDPAMetadata,
+        metadata: CPUAttentionMetadata,
     ) -> torch.Tensor:
         if self.native is not None and _native_writable(kv_cache, key, value, metadata.slot_mapping):
             self.native.write_kv(kv_cache, key, value, metadata.slot_mapping)
@@ -168,7 +158,9 @@ class SDPABackend:
             output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span)
         return output
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: CPUAttentionMetadata
+    ) -> torch.Tensor:
         """The AVX512-BF16 paged kernel where it applies (bf16, heads of 32 to 128), else the
         portable flash kernel (the prefill's arithmetic, always), else SDPA."""
         paged = metadata.paged_decodes
@@ -315,7 +307,9 @@ def gather_context(
     return keys, values
 
 
-def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:
+def _decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, metadata: CPUAttentionMetadata
+) -> torch.Tensor:
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[-2]
     group = num_heads // num_kv_heads
@@ -327,7 +321,7 @@ def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: SDP
 
 
 def _gather_decode_context(
-    kv_cache: torch.Tensor, metadata: SDPAMetadata
+    kv_cache: torch.Tensor, metadata: CPUAttentionMetadata
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [num_decodes, kv_heads, decode_num_keys, D] through the decode block tables.
 
@@ -362,7 +356,7 @@ def _prefill_attention(
             kv_cache, span.context_first_block, span.num_context_tokens
         )
     else:
-        num_context_blocks = -(-span.num_context_tokens // kv_cache.shape[2])
+        num_context_blocks = ceil_div(span.num_context_tokens, kv_cache.shape[2])
         context_block_ids = span.sequence_block_ids[:num_context_blocks]
         context_keys, context_values = gather_context(kv_cache, context_block_ids, span.num_context_tokens)
     context_output, context_lse = _flash_with_lse(

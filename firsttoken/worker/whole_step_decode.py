@@ -1,0 +1,91 @@
+"""The native whole-step decode: every layer of a decode-only step in one native call
+(ops/native_decode.py), for a model whose projections are all int4 on the native kernels.
+
+The runner takes it for the steps it serves and runs the model's forward for every other one;
+the model itself knows nothing of it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from firsttoken.attention.backend import BatchLayout, decode_tables
+from firsttoken.models.llama import LlamaForCausalLM
+from firsttoken.ops import native_abi
+from firsttoken.ops.linear import DecodeQuantizedLinear, NativeInt4Linear
+from firsttoken.ops.native_decode import DecodeLayerWeights, DecodeShape, NativeDecodeStep, supports_layers
+
+
+class WholeStepDecode:
+    """Owns the native step over a model's weights and KV caches; reads the model's embedding
+    and rotary table for the step's inputs."""
+
+    def __init__(self, model: LlamaForCausalLM, native_step: NativeDecodeStep) -> None:
+        self.model = model
+        self.native_step = native_step
+
+    @staticmethod
+    def takes(layout: BatchLayout) -> bool:
+        """Whether the step is one it serves: decodes only, at most `DECODE_MAX_ROWS` of them."""
+        return 0 < layout.num_decodes == len(layout.sequences) <= native_abi.DECODE_MAX_ROWS
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        layout: BatchLayout,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step before the final norm, as the model's forward gives."""
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_embedding(positions, hidden.dtype)
+        tables = decode_tables(layout.sequences, layout.block_size, slot_mapping)
+        return self.native_step.run(hidden, cos, sin, tables)
+
+
+def build_whole_step_decode(model: LlamaForCausalLM) -> WholeStepDecode | None:
+    """The whole-step decode of a model with its KV caches bound, where the native kernels run
+    it and every projection is a `NativeInt4Linear` for decode; None elsewhere. A sharded model
+    has none: its row-parallel projections sum over the ranks between layers."""
+    native_kernels = model.kernels.native
+    if (
+        native_kernels is None
+        or not native_kernels.has_decode_kernels
+        or model.embed_weight.dtype != torch.bfloat16
+    ):
+        return None
+    layers = []
+    for layer in model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        projections = [
+            _decode_form(module)
+            for module in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        ]
+        if not all(isinstance(projection, NativeInt4Linear) for projection in projections):
+            return None
+        layers.append(
+            DecodeLayerWeights(
+                layer.input_norm_weight,
+                layer.post_attention_norm_weight,
+                *projections,
+                attention.kv_cache,
+            )
+        )
+    arch = model.arch
+    shape = DecodeShape(
+        arch.hidden_size,
+        arch.num_heads,
+        arch.num_kv_heads,
+        arch.head_dim,
+        arch.intermediate_size,
+        arch.rms_norm_eps,
+    )
+    if not supports_layers(shape, layers):
+        return None
+    return WholeStepDecode(model, NativeDecodeStep(native_kernels, shape, layers))
+
+
+def _decode_form(projection: nn.Module) -> nn.Module:
+    """The module that serves a projection's decode-sized steps."""
+    return projection.quantized if isinstance(projection, DecodeQuantizedLinear) else projection

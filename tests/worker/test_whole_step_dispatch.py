@@ -1,0 +1,86 @@
+"""The runner chooses the whole-step native decode for the steps it serves (decode-only, at
+most DECODE_MAX_ROWS rows) and the model's forward for every other step.
+
+The native step itself needs AVX512-BF16 (tests/ops/test_native_decode.py runs it where it
+can); here a stand-in runs the model's per-op forward in its place, so the choice is checked
+on any CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from firsttoken.attention.backend import BatchLayout, SequenceLayout
+from firsttoken.attention.cpu_backend import CPUAttentionBackend
+from firsttoken.ops.native_abi import DECODE_MAX_ROWS
+from firsttoken.sample.sampler import Sampler
+from firsttoken.worker.kv_cache import allocate_kv_caches
+from firsttoken.worker.model_runner import ModelRunner
+from firsttoken.worker.whole_step_decode import WholeStepDecode
+from tests.cuda.tiny_engine import TINY_ARCH, greedy_generate, random_model
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 80
+DEVICE = torch.device("cpu")
+PROMPTS = [[5], list(range(10, 17)), list(range(30, 53)), list(range(100, 140))]
+
+
+class RecordingBackend(CPUAttentionBackend):
+    """Records the layout of every step it builds metadata for."""
+
+    def __init__(self) -> None:
+        super().__init__(DEVICE)
+        self.layouts: list[BatchLayout] = []
+
+    def build_metadata(self, layout, slot_mapping):
+        self.layouts.append(layout)
+        return super().build_metadata(layout, slot_mapping)
+
+
+class PerOpWholeStep(WholeStepDecode):
+    """Stands in for the native step: the model's per-op forward, on a backend of its own."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.backend = RecordingBackend()
+
+    def run(self, input_ids, positions, slot_mapping, layout):
+        return self.model(input_ids, positions, self.backend.build_metadata(layout, slot_mapping))
+
+
+def _runner() -> tuple[ModelRunner, RecordingBackend]:
+    backend = RecordingBackend()
+    model = random_model(backend, torch.float32, DEVICE)
+    model.bind_kv_caches(allocate_kv_caches(TINY_ARCH, NUM_BLOCKS, BLOCK_SIZE, torch.float32, DEVICE))
+    sampler = Sampler(0, DEVICE, TINY_ARCH.vocab_size)
+    return ModelRunner(model, backend, sampler, BLOCK_SIZE, DEVICE), backend
+
+
+def _is_decode_only(layout: BatchLayout) -> bool:
+    return layout.num_decodes == len(layout.sequences)
+
+
+def test_the_runner_takes_the_whole_step_decode_for_decode_only_steps():
+    plain, _ = _runner()
+    assert plain.whole_step_decode is None  # no native int4 projections in a float32 model
+    expected = greedy_generate(plain, PROMPTS, 6, NUM_BLOCKS, BLOCK_SIZE, chunk_size=16)
+
+    runner, backend = _runner()
+    whole_step = PerOpWholeStep(runner.model)
+    runner.whole_step_decode = whole_step
+    assert greedy_generate(runner, PROMPTS, 6, NUM_BLOCKS, BLOCK_SIZE, chunk_size=16) == expected
+    served, forwarded = whole_step.backend.layouts, backend.layouts
+    assert served and all(_is_decode_only(layout) for layout in served)
+    assert forwarded and not any(_is_decode_only(layout) for layout in forwarded)
+
+
+def test_the_whole_step_decode_serves_at_most_its_rows_of_decodes_only():
+    def decode(block_id: int) -> SequenceLayout:
+        return SequenceLayout(query_len=1, num_context_tokens=5, block_table=[block_id, block_id + 1])
+
+    decodes = [decode(2 * row) for row in range(DECODE_MAX_ROWS + 1)]
+    prefill = SequenceLayout(query_len=3, num_context_tokens=0, block_table=[40])
+    assert WholeStepDecode.takes(BatchLayout(decodes[:1], 1, BLOCK_SIZE))
+    assert WholeStepDecode.takes(BatchLayout(decodes[:DECODE_MAX_ROWS], DECODE_MAX_ROWS, BLOCK_SIZE))
+    assert not WholeStepDecode.takes(BatchLayout(decodes, DECODE_MAX_ROWS + 1, BLOCK_SIZE))
+    assert not WholeStepDecode.takes(BatchLayout(decodes[:2] + [prefill], 2, BLOCK_SIZE))
+    assert not WholeStepDecode.takes(BatchLayout([prefill], 0, BLOCK_SIZE))
