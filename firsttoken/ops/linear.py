@@ -199,7 +199,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.bias = bias
-        takes_native = kernels is not None and weight.shape[1] % native.INT8_INPUT_MULTIPLE == 0
+        takes_native = kernels is not None and weight.shape[1] % native_abi.INT8_INPUT_MULTIPLE == 0
         self.kernels = kernels if takes_native and weight.device.type == "cpu" else None
 
     @classmethod
@@ -465,7 +465,7 @@ class DecodeQuantizedLinear(nn.Module):
 def _native_int4_takes(weight: torch.Tensor, native_kernels: native.NativeKernels | None) -> bool:
     return (
         native_kernels is not None and native_kernels.has_decode_kernels and weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16 and weight.shape[1] % native.INT4_INPUT_MULTIPLE == 0
+        and weight.dtype == torch.bfloat16 and weight.shape[1] % native_abi.INT4_INPUT_MULTIPLE == 0
     )
 
 
@@ -477,7 +477,7 @@ def _portable_int4_takes(weight: torch.Tensor, native_kernels: native.NativeKern
     120 projections, 1 row: 0.44 s against 1.24 s on a loaded machine; within noise at 4 and 8)."""
     return (
         native_kernels is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
-        and weight.shape[1] % native.PORTABLE_INT4_INPUT_MULTIPLE == 0
+        and weight.shape[1] % native_abi.PORTABLE_INT4_INPUT_MULTIPLE == 0
     )
 
 

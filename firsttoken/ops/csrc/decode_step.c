@@ -137,15 +137,15 @@ static void int4_share(const Int4Weight *w, const uint16_t *paired, const float 
 }
 
 /* out = x . W^T for x contiguous bf16 [rows, in_features], rows <= DECODE_MAX_ROWS,
- * in_features a multiple of 64, out contiguous bf16 [rows, out_features]. Returns 0 when out
- * of memory. */
-int ft_int4_matmul(const uint8_t *levels, const uint16_t *scales_zeros, const uint16_t *bias, int64_t out_features,
-                   int64_t in_features, const uint16_t *x, int64_t rows, uint16_t *out, int num_threads) {
+ * in_features a multiple of 64, out contiguous bf16 [rows, out_features]. Returns FT_OUT_OF_MEMORY
+ * when out of memory. */
+FtStatus ft_int4_matmul(const uint8_t *levels, const uint16_t *scales_zeros, const uint16_t *bias, int64_t out_features,
+                        int64_t in_features, const uint16_t *x, int64_t rows, uint16_t *out, int num_threads) {
     Int4Weight weight = {levels, scales_zeros, bias, out_features, in_features};
     int64_t groups = in_features / INT4_GROUP;
     float *sums = malloc((size_t)(rows * groups) * sizeof(float) + (size_t)(rows * in_features) * sizeof(uint16_t));
     if (sums == NULL) {
-        return 0;
+        return FT_OUT_OF_MEMORY;
     }
     uint16_t *paired = (uint16_t *)(sums + rows * groups);
     prepare_inputs(x, rows, in_features, paired, sums);
@@ -161,7 +161,7 @@ int ft_int4_matmul(const uint8_t *levels, const uint16_t *scales_zeros, const ui
         free(row_scales);
     }
     free(sums);
-    return succeeded;
+    return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
 /* out[r, o] = scale[o] * (x[r] . W[o]) for int8 W [out, in] (in a multiple of 16), x
@@ -195,12 +195,12 @@ static inline __attribute__((always_inline)) void int8_block(const int8_t *weigh
     }
 }
 
-/* out = x . (scales * W)^T for int8 W: see int8_block. Returns 0 when out of memory. */
-int ft_int8_matmul(const int8_t *weight, const uint16_t *scales, const uint16_t *bias, int64_t out_features,
-                   int64_t in_features, const uint16_t *x, int64_t rows, uint16_t *out, int num_threads) {
+/* out = x . (scales * W)^T for int8 W: see int8_block. Returns FT_OUT_OF_MEMORY when out of memory. */
+FtStatus ft_int8_matmul(const int8_t *weight, const uint16_t *scales, const uint16_t *bias, int64_t out_features,
+                        int64_t in_features, const uint16_t *x, int64_t rows, uint16_t *out, int num_threads) {
     float *inputs = malloc((size_t)(rows * in_features) * sizeof(float));
     if (inputs == NULL) {
-        return 0;
+        return FT_OUT_OF_MEMORY;
     }
     load_row(x, 0, rows * in_features, DTYPE_BFLOAT16, inputs);
 #pragma omp parallel num_threads(num_threads) if (out_features * in_features >= 4 * PARALLEL_MIN_ELEMENTS)
@@ -212,7 +212,7 @@ int ft_int8_matmul(const int8_t *weight, const uint16_t *scales, const uint16_t 
 #undef INT8_BLOCK
     }
     free(inputs);
-    return 1;
+    return FT_OK;
 }
 
 /* ---- the decode step ---- */
@@ -467,12 +467,12 @@ static int thread_scratch(const DecodeModel *m, const DecodeBatch *b, ThreadScra
 
 /* Every layer of `m` for one new token per sequence of `b`: `hidden` [rows, hidden_size]
  * holds the tokens' embeddings on entry and the last layer's output plus its residual on
- * return; each layer's K/V go into its cache at the batch's slots. Returns 1, 0 when out of
- * memory, -1 (touching nothing) when a slot, block id or length lies outside the cache. */
-int ft_decode_step(const DecodeModel *m, const DecodeBatch *b, uint16_t *hidden, int num_threads) {
+ * return; each layer's K/V go into its cache at the batch's slots. Returns FT_OK, FT_OUT_OF_MEMORY,
+ * or FT_OUT_OF_BOUNDS (touching nothing) when a slot, block id or length lies outside the cache. */
+FtStatus ft_decode_step(const DecodeModel *m, const DecodeBatch *b, uint16_t *hidden, int num_threads) {
     int64_t rows = b->num_sequences;
     if (rows < 1 || rows > DECODE_MAX_ROWS || !batch_in_bounds(m, b)) {
-        return -1;
+        return FT_OUT_OF_BOUNDS;
     }
     int64_t widest = widest_input(m);
     int64_t qkv_width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
@@ -483,7 +483,7 @@ int ft_decode_step(const DecodeModel *m, const DecodeBatch *b, uint16_t *hidden,
     }
     uint16_t *memory = malloc((size_t)total * sizeof(uint16_t));
     if (memory == NULL) {
-        return 0;
+        return FT_OUT_OF_MEMORY;
     }
     Activations activations = {memory, memory + rows * widths[0], NULL, NULL, NULL, hidden, 0};
     activations.qkv = activations.normed + rows * widths[1];
@@ -509,21 +509,21 @@ int ft_decode_step(const DecodeModel *m, const DecodeBatch *b, uint16_t *hidden,
         }
     }
     free(memory);
-    return all_allocated && !activations.failed;
+    return all_allocated && !activations.failed ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
 /* out [rows, num_heads, head_dim] = each row's single query (rows of query, query_stride
  * apart, heads contiguous) attending over its sequence's first seq_lens[r] keys, read through
  * block_table [rows, max_blocks] from one layer's bf16 cache [2, num_slots, kv_heads *
  * head_dim]: the decode rows of a step that also prefills, or of one too wide for the whole
- * step, with no gather of the context. Returns 1, 0 when out of memory, -1 (touching
- * nothing) when a block id or length lies outside the cache. */
-int ft_paged_decode_attention(const uint16_t *query, int64_t query_stride, const uint16_t *kv_cache, int64_t num_slots,
-                              const int64_t *block_table, int64_t max_blocks, const int64_t *seq_lens,
-                              int64_t block_size, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
-                              int64_t head_dim, float scale, uint16_t *out, int num_threads) {
+ * step, with no gather of the context. Returns FT_OK, FT_OUT_OF_MEMORY, or
+ * FT_OUT_OF_BOUNDS (touching nothing) when a block id or length lies outside the cache. */
+FtStatus ft_paged_decode_attention(const uint16_t *query, int64_t query_stride, const uint16_t *kv_cache,
+                                   int64_t num_slots, const int64_t *block_table, int64_t max_blocks, const int64_t *seq_lens,
+                                   int64_t block_size, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
+                                   int64_t head_dim, float scale, uint16_t *out, int num_threads) {
     if (!tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
-        return -1;
+        return FT_OUT_OF_BOUNDS;
     }
     int64_t max_seq_len = 1;
     for (int64_t r = 0; r < rows; r++) {
@@ -532,7 +532,7 @@ int ft_paged_decode_attention(const uint16_t *query, int64_t query_stride, const
     int64_t scores_per_thread = max_seq_len + 16;
     float *scores = malloc((size_t)(num_threads * scores_per_thread) * sizeof(float));
     if (scores == NULL) {
-        return 0;
+        return FT_OUT_OF_MEMORY;
     }
 #pragma omp parallel num_threads(num_threads) if (rows * num_heads * max_seq_len * head_dim >= 4 * PARALLEL_MIN_ELEMENTS)
     {
@@ -548,6 +548,6 @@ int ft_paged_decode_attention(const uint16_t *query, int64_t query_stride, const
         }
     }
     free(scores);
-    return 1;
+    return FT_OK;
 }
 #endif

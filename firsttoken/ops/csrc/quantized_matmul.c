@@ -128,14 +128,14 @@ static inline __attribute__((always_inline)) void int4_outputs(const Int4Weight 
 
 /* out [rows, out_features] = x [rows, in_features] . W^T (+ bias) for 1 <= rows <=
  * DECODE_MAX_ROWS, in_features a multiple of 32; x, bias and out contiguous in `dtype`
- * (DTYPE_FLOAT32 or DTYPE_BFLOAT16). Returns 0 when out of memory. */
-int ft_portable_int4_matmul(const uint8_t *levels, const uint16_t *scales_zeros, const void *bias,
-                            int64_t out_features, int64_t in_features, const void *x, int64_t rows, void *out,
-                            int dtype, int num_threads) {
+ * (DTYPE_FLOAT32 or DTYPE_BFLOAT16). Returns FT_OUT_OF_MEMORY when out of memory. */
+FtStatus ft_portable_int4_matmul(const uint8_t *levels, const uint16_t *scales_zeros, const void *bias,
+                                 int64_t out_features, int64_t in_features, const void *x, int64_t rows, void *out,
+                                 int dtype, int num_threads) {
     Int4Weight weight = {levels, scales_zeros, bias, out_features, in_features};
     float *scratch = NULL;
     if (dtype == DTYPE_BFLOAT16 && (scratch = malloc((size_t)(rows * in_features) * sizeof(float))) == NULL) {
-        return 0;
+        return FT_OUT_OF_MEMORY;
     }
     const float *inputs = float_inputs(x, rows * in_features, dtype, scratch);
 #pragma omp parallel num_threads(num_threads) if (out_features * in_features >= 4 * PARALLEL_MIN_ELEMENTS)
@@ -147,7 +147,7 @@ int ft_portable_int4_matmul(const uint8_t *levels, const uint16_t *scales_zeros,
 #undef INT4_BLOCK
     }
     free(scratch);
-    return 1;
+    return FT_OK;
 }
 
 /* int8 outputs [o, o + tile): out[r, o] = scale[o] * (x[r] . W[o]), scales in `dtype`. */
@@ -192,12 +192,13 @@ static inline __attribute__((always_inline)) void int8_outputs(const int8_t *wei
 
 /* out [rows, out_features] = x . (scales * W)^T (+ bias) for int8 W [out, in], 1 <= rows <=
  * DECODE_MAX_ROWS, in_features a multiple of 16; x, scales [out], bias and out contiguous in
- * `dtype`. Returns 0 when out of memory. */
-int ft_portable_int8_matmul(const int8_t *weight, const void *scales, const void *bias, int64_t out_features,
-                            int64_t in_features, const void *x, int64_t rows, void *out, int dtype, int num_threads) {
+ * `dtype`. Returns FT_OUT_OF_MEMORY when out of memory. */
+FtStatus ft_portable_int8_matmul(const int8_t *weight, const void *scales, const void *bias, int64_t out_features,
+                                 int64_t in_features, const void *x, int64_t rows, void *out, int dtype,
+                                 int num_threads) {
     float *scratch = NULL;
     if (dtype == DTYPE_BFLOAT16 && (scratch = malloc((size_t)(rows * in_features) * sizeof(float))) == NULL) {
-        return 0;
+        return FT_OUT_OF_MEMORY;
     }
     const float *inputs = float_inputs(x, rows * in_features, dtype, scratch);
 #pragma omp parallel num_threads(num_threads) if (out_features * in_features >= 4 * PARALLEL_MIN_ELEMENTS)
@@ -210,5 +211,5 @@ int ft_portable_int8_matmul(const int8_t *weight, const void *scales, const void
 #undef INT8_BLOCK
     }
     free(scratch);
-    return 1;
+    return FT_OK;
 }
