@@ -4,13 +4,15 @@
   small ops than computing them (RMSNorm is eight ops, rotary seven, in every layer); each
   kernel here is one ctypes call, one pass over memory, split over torch's OpenMP threads
   once a step is large.
-- Causal prefill attention, flash-style (csrc/prefill_attention.c): on AMX tiles (x86-64
-  CPUs with AMX-BF16), else on AVX512-BF16.
+- Causal prefill attention, flash-style, and decode rows with its arithmetic
+  (csrc/prefill_attention.c): on AMX tiles (x86-64 CPUs with AMX-BF16), else on AVX512-BF16.
 - Flash attention in float32 arithmetic for every CPU class, float32 or bf16 tensors
   (csrc/attention.c): prefills, chunks reading their cached context in place through block
   ids, and decode rows with a prefill's bits.
-- int4 and int8 projections for decode-sized steps and a whole int4 decode step in one call
-  (csrc/decode_step.c, x86-64 CPUs with AVX512-BF16; see `firsttoken.ops.native_decode`).
+- On x86-64 CPUs with AVX512-BF16: int4 and int8 projections for decode-sized steps
+  (csrc/quantized_matmul_bf16.c; csrc/quantized_matmul.c holds their portable siblings), paged
+  decode attention in one exact softmax (csrc/paged_decode_attention.c) and a whole int4
+  decode step in one call over both (csrc/decode_step.c; see `firsttoken.ops.native_decode`).
 
 The library is built once per source, compiler flags and CPU (cached in the folder the
 caller names), with the limits and structs Python shares with it written from `native_abi`
@@ -40,12 +42,13 @@ logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).parent / "csrc"
 _SOURCES = [
-    _SOURCE_DIR / "cpu_kernels.c", _SOURCE_DIR / "prefill_attention.c", _SOURCE_DIR / "decode_step.c",
-    _SOURCE_DIR / "attention.c",
-    _SOURCE_DIR / "quantized_matmul.c",
-    _SOURCE_DIR / "matmul.c",
+    _SOURCE_DIR / name
+    for name in (
+        "cpu_kernels.c", "attention.c", "matmul.c", "quantized_matmul.c", "prefill_attention.c",
+        "paged_decode_attention.c", "quantized_matmul_bf16.c", "decode_step.c",
+    )
 ]
-_HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h"]
+_HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h", _SOURCE_DIR / "decode_kernels.h"]
 # Written into the build folder from `native_abi` (common.h includes it).
 _ABI_HEADER_NAME = "native_abi.h"
 # Reassociation lets sums vectorize. Not -ffast-math: a shared library built with it sets

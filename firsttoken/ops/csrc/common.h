@@ -130,6 +130,10 @@ static inline int tables_in_bounds(int64_t num_slots, const int64_t *block_table
     return 1;
 }
 
+static inline int64_t max_i64(int64_t a, int64_t b) {
+    return a > b ? a : b;
+}
+
 /* Steps of fewer elements stay on the calling thread: waking the others costs more. */
 #define PARALLEL_MIN_ELEMENTS 65536
 

@@ -15,6 +15,8 @@
  * row run here (ft_decode_attention_as_prefill: one query over its paged context) gets the bits
  * a prefill of the same tokens gives that position: a request recomputed after preemption, or a
  * later prompt hitting blocks a decode step wrote, reads the same K/V either way.
+ * (paged_decode_attention.c holds the other paged decode attention, one exact softmax
+ * without tiles: a little faster, without that guarantee.)
  *
  * Built at run time by firsttoken/ops/native.py with the machine's C compiler.
  */
@@ -709,7 +711,8 @@ FtStatus ft_decode_attention_as_prefill(const uint16_t *query, int64_t query_str
                                         const int64_t *seq_lens, int64_t block_size, int64_t rows, int64_t num_heads,
                                         int64_t num_kv_heads, int64_t head_dim, float scale, uint16_t *out,
                                         int num_threads, int use_amx) {
-    if (block_size % 16 != 0 || !tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
+    if (block_size % DECODE_AS_PREFILL_BLOCK_MULTIPLE != 0
+        || !tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
         return FT_OUT_OF_BOUNDS;
     }
     PagedDecodes decodes = {query, query_stride, kv_cache, num_slots, block_table, max_blocks, seq_lens, block_size,

@@ -24,9 +24,8 @@
 #include "common.h"
 #include "isa.h"
 
-#define INT4_GROUP 32
-/* float vectors in a group of 32 int4 weights: half of them from the low nibbles. */
-#define GROUP_VECTORS (INT4_GROUP / VEC_WIDTH)
+/* float vectors in a group of INT4_GROUP_SIZE int4 weights: half of them from the low nibbles. */
+#define GROUP_VECTORS (INT4_GROUP_SIZE / VEC_WIDTH)
 #define MAX_TILE 4
 _Static_assert(DECODE_MAX_ROWS == 8, "DISPATCH_QUANTIZED_ROWS has a case for each row count 1 to 8");
 
@@ -86,7 +85,7 @@ static inline void dequantize_group(const uint8_t *packed, float scale, float of
  * call site. */
 static inline __attribute__((always_inline)) void int4_tile(const Int4Weight *w, const float *x, const int64_t rows,
                                                              const int64_t tile, int64_t o, int dtype, void *out) {
-    int64_t in_features = w->in_features, groups = in_features / INT4_GROUP;
+    int64_t in_features = w->in_features, groups = in_features / INT4_GROUP_SIZE;
     vfloat totals[DECODE_MAX_ROWS * MAX_TILE];
     for (int64_t i = 0; i < rows * tile; i++) {
         totals[i] = vf_splat(0.0f);
@@ -97,9 +96,9 @@ static inline __attribute__((always_inline)) void int4_tile(const Int4Weight *w,
             float scale = bf16_to_float(scales_zeros[g]);
             float offset = bf16_to_float(scales_zeros[groups + g]) - 8.0f * scale;
             vfloat weights[GROUP_VECTORS];
-            dequantize_group(w->levels + (o + t) * (in_features / 2) + g * (INT4_GROUP / 2), scale, offset, weights);
+            dequantize_group(w->levels + (o + t) * (in_features / 2) + g * (INT4_GROUP_SIZE / 2), scale, offset, weights);
             for (int64_t r = 0; r < rows; r++) {
-                const float *inputs = x + r * in_features + g * INT4_GROUP;
+                const float *inputs = x + r * in_features + g * INT4_GROUP_SIZE;
                 for (int c = 0; c < GROUP_VECTORS; c++) {
                     totals[r * tile + t] += weights[c] * vf_load(inputs + c * VEC_WIDTH);
                 }
