@@ -609,12 +609,26 @@ def load_native_kernels(cache_dir: str, cpu_isa: str = "auto") -> NativeKernels 
         return None
 
 
+def check_sources(isa: CpuIsa, work_dir: Path) -> None:
+    """Compiles the kernel sources for `isa` without generating code, in `work_dir`: a check of
+    every ISA's branches against the ABI header that needs no CPU able to run them. Raises
+    subprocess.CalledProcessError, the compiler's errors in its stderr."""
+    (work_dir / _ABI_HEADER_NAME).write_text(native_abi.c_header())
+    subprocess.run(
+        [*_compiler_and_flags(isa), f"-I{work_dir}", *map(str, _SOURCES), "-fsyntax-only"],
+        check=True, capture_output=True, timeout=120,
+    )
+
+
+def _compiler_and_flags(isa: CpuIsa) -> list[str]:
+    return [os.environ.get("CC", "cc"), *_COMPILE_FLAGS, *isa.compiler_flags]
+
+
 def _built_library(cache_dir: Path, isa: CpuIsa) -> Path:
-    compiler = os.environ.get("CC", "cc")
     sources = [path.read_bytes() for path in _SOURCES + _HEADERS]
     abi_header = native_abi.c_header()
-    compile_flags = [*_COMPILE_FLAGS, *isa.compiler_flags]
-    build_command = " ".join([compiler, *compile_flags]).encode()
+    compiler_and_flags = _compiler_and_flags(isa)
+    build_command = " ".join(compiler_and_flags).encode()
     key = hashlib.sha256(b"\0".join([*sources, abi_header.encode(), build_command, _cpu_identity()]))
     library = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if library.exists():
@@ -625,7 +639,7 @@ def _built_library(cache_dir: Path, isa: CpuIsa) -> Path:
         (Path(build_dir) / _ABI_HEADER_NAME).write_text(abi_header)
         partial = Path(build_dir) / library.name
         subprocess.run(
-            [compiler, *compile_flags, f"-I{build_dir}", *map(str, _SOURCES), "-o", str(partial), "-lm"],
+            [*compiler_and_flags, f"-I{build_dir}", *map(str, _SOURCES), "-o", str(partial), "-lm"],
             check=True, capture_output=True, timeout=120,
         )
         os.replace(partial, library)
