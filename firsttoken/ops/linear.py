@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from firsttoken.ops import native, native_abi
+from firsttoken.ops.native_abi import INT4_GROUP_SIZE
 
 
 class Linear(nn.Module):
@@ -246,11 +247,6 @@ class Int8Linear(nn.Module):
             and flat.dtype == self.scales.dtype == torch.bfloat16
             and (self.bias is None or self.bias.dtype == torch.bfloat16)
         )
-
-
-# GGUF's Q4_0/Q4_1 block size: a Q4_1 tensor (w = d * q + m per 32 weights, q in 0..15)
-# requantizes to exactly its own levels, since each block's min is m and its max is m + 15 d.
-INT4_GROUP_SIZE = 32
 
 
 def quantize_int4(

@@ -34,7 +34,9 @@ DECODE_HEAD_DIM_MULTIPLE = 32
 PREFILL_HEAD_DIM_MULTIPLE = 32
 # Decode rows with the prefill kernel's arithmetic gather this many keys at a time from one block.
 DECODE_AS_PREFILL_BLOCK_MULTIPLE = 16
-# int4 weights share a scale and a zero per group of this many inputs (GGUF's Q4_1 block).
+# int4 weights share a scale and a zero per group of this many inputs: GGUF's Q4_0/Q4_1 block
+# size, so a Q4_1 tensor (w = d * q + m per 32 weights, q in 0..15) requantizes to exactly its
+# own levels, since each block's min is m and its max is m + 15 d.
 INT4_GROUP_SIZE = 32
 # The AVX512-BF16 int4 kernel reads its inputs two groups at a time; the portable one a group
 # at a time.
@@ -70,6 +72,7 @@ class Status(enum.IntEnum):
     OUT_OF_MEMORY = 0  # its scratch memory or its threads could not be had
     OUT_OF_BOUNDS = -1  # a slot, block id or length lies outside the cache or its table; nothing touched
     BAD_SHAPE = -2  # a head size or a grouping of heads it does not take
+
 
 # A field's C type: scalar text ("int64_t"), pointer text ("const uint16_t *": a c_void_p in
 # Python, which passes tensors' data_ptr()), or another struct of this module, held by value.
