@@ -44,7 +44,7 @@ _SOURCE_DIR = Path(__file__).parent / "csrc"
 _SOURCES = [
     _SOURCE_DIR / name
     for name in (
-        "cpu_kernels.c", "attention.c", "matmul.c", "quantized_matmul.c", "prefill_attention.c",
+        "row_kernels.c", "attention.c", "matmul.c", "quantized_matmul.c", "prefill_attention.c",
         "paged_decode_attention.c", "quantized_matmul_bf16.c", "decode_step.c",
     )
 ]

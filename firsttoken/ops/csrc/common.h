@@ -163,7 +163,7 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
-/* Row kernels of cpu_kernels.c that the decode step reuses; each returns 0 when out of memory. */
+/* Row kernels of row_kernels.c that the decode step reuses; each returns 0 when out of memory. */
 #define FT_INTERNAL __attribute__((visibility("hidden")))
 FT_INTERNAL void normalize_row(const float *x, const float *weight, int64_t cols, float eps, int dtype, float *out);
 FT_INTERNAL void silu_row(float *x, int64_t count);

@@ -1,4 +1,5 @@
-/* Fused CPU kernels for steps of few rows (decode, short prefill chunks).
+/* Fused row kernels for steps of few rows (decode, short prefill chunks): RMSNorm (after a
+ * residual add or not), SiLU-and-mul, rotary and the paged KV write; and the build's ISA name.
  *
  * At one to a few hundred rows the plain torch ops cost more in dispatch than in
  * arithmetic (RMSNorm alone is eight ops, rotary seven); each function here is one call,
