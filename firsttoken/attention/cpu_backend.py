@@ -187,7 +187,7 @@ class CPUAttentionBackend:
         if _takes_vector_bf16_attention(self.native, dtype, head_dim):
             return (
                 self.native.has_prefill_attention
-                and block_size % native.DECODE_AS_PREFILL_BLOCK_MULTIPLE == 0
+                and block_size % native_abi.DECODE_AS_PREFILL_BLOCK_MULTIPLE == 0
             )
         probe = torch.empty(1, 1, head_dim, dtype=dtype)
         return self.native.flash_attention_supports(probe, probe)

@@ -12,11 +12,14 @@ float weights too and serves prefill-sized steps from them (`DecodeQuantizedLine
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from firsttoken.ops import native, native_abi
+from firsttoken.ops.native_abi import INT4_GROUP_SIZE
 
 
 class Linear(nn.Module):
@@ -83,8 +86,8 @@ class PackedLinear(nn.Module):
 class WidenedLinear(nn.Module):
     """A bf16 projection on a CPU without bf16 matmul kernels: the weight widened to float32 once
     (exact), each step's input widened, the product summed in float32 and rounded to bf16, as a
-    bf16 matmul with float32 accumulation does (vLLM-CPU's way on such CPUs). torch's own bf16
-    matmul there is ~5.6x slower than float32 at 512 x 576 x 1536 (AVX2, 2 cores)."""
+    bf16 matmul with float32 accumulation does (vLLM-CPU's way on such CPUs), where torch's own
+    bf16 matmul is several times slower than its float32 one."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -199,7 +202,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.bias = bias
-        takes_native = kernels is not None and weight.shape[1] % native.INT8_INPUT_MULTIPLE == 0
+        takes_native = kernels is not None and weight.shape[1] % native_abi.INT8_INPUT_MULTIPLE == 0
         self.kernels = kernels if takes_native and weight.device.type == "cpu" else None
 
     @classmethod
@@ -246,11 +249,6 @@ class Int8Linear(nn.Module):
         )
 
 
-# GGUF's Q4_0/Q4_1 block size: a Q4_1 tensor (w = d * q + m per 32 weights, q in 0..15)
-# requantizes to exactly its own levels, since each block's min is m and its max is m + 15 d.
-INT4_GROUP_SIZE = 32
-
-
 def quantize_int4(
     weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,7 +287,7 @@ def int4_supported(in_features: int) -> bool:
 
 class Int4Linear(nn.Module):
     """Weight-only int4 projection (CPU); computes in bf16, the one activation dtype PyTorch's
-    int4 CPU kernel is fast in (float32 activations measured 25x slower)."""
+    int4 CPU kernel is fast in (it is far slower with float32 activations)."""
 
     def __init__(
         self, levels: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None
@@ -344,11 +342,9 @@ def unpack_int4(packed: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[torch
     return levels, torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
 
 
-class NativeInt4Linear(nn.Module):
-    """Weight-only int4 projection on the native kernel (bf16 activations, float32 sums);
-    the same weights and rounding as `Int4Linear`, in the layout the whole-step decode
-    kernel (`firsttoken.ops.native_decode`) reads too. Steps of more rows than the kernel
-    takes multiply by the dequantized weights."""
+class _PackedInt4Linear(nn.Module):
+    """A weight-only int4 projection on a native kernel: owns the weights in `pack_int4`'s
+    layout (levels, scales and zeros), the bias in the dtype its kernel adds, and the kernels."""
 
     def __init__(
         self,
@@ -361,14 +357,30 @@ class NativeInt4Linear(nn.Module):
         self.out_features = levels.shape[0]
         self.register_buffer("levels", levels)
         self.register_buffer("scales_zeros", scales_zeros)
-        self.bias = bias.to(torch.bfloat16).contiguous() if bias is not None else None
+        self.bias = self._kernel_bias(bias) if bias is not None else None
         self.kernels = kernels
+
+    @staticmethod
+    def _kernel_bias(bias: torch.Tensor) -> torch.Tensor:
+        return bias
 
     @classmethod
     def from_float(
         cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels
-    ) -> NativeInt4Linear:
+    ) -> Self:
         return cls(*pack_int4(*quantize_int4(weight)), bias, kernels)
+
+
+class NativeInt4Linear(_PackedInt4Linear):
+    """Weight-only int4 projection on the native kernel (bf16 activations, float32 sums);
+    the same weights and rounding as `Int4Linear`, in the layout the whole-step decode
+    kernel (`firsttoken.ops.native_decode`) reads too. Steps of more rows than the kernel
+    takes multiply by the dequantized weights."""
+
+    @staticmethod
+    def _kernel_bias(bias: torch.Tensor) -> torch.Tensor:
+        # The AVX512-BF16 kernel and the whole-step decode add a contiguous bf16 bias.
+        return bias.to(torch.bfloat16).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -385,31 +397,11 @@ class NativeInt4Linear(nn.Module):
         return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
 
 
-class PortableInt4Linear(nn.Module):
+class PortableInt4Linear(_PackedInt4Linear):
     """Weight-only int4 projection on the portable kernel (csrc/quantized_matmul.c, every ISA):
-    float32 or bf16 activations, float32 sums, weights in `pack_int4`'s layout. A step of more
-    rows than the kernel takes goes through it in pieces: each piece reads the weights again,
-    but a row's bits never depend on the step."""
-
-    def __init__(
-        self,
-        levels: torch.Tensor,
-        scales_zeros: torch.Tensor,
-        bias: torch.Tensor | None,
-        kernels: native.NativeKernels,
-    ) -> None:
-        super().__init__()
-        self.out_features = levels.shape[0]
-        self.register_buffer("levels", levels)
-        self.register_buffer("scales_zeros", scales_zeros)
-        self.bias = bias
-        self.kernels = kernels
-
-    @classmethod
-    def from_float(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels
-    ) -> PortableInt4Linear:
-        return cls(*pack_int4(*quantize_int4(weight)), bias, kernels)
+    float32 or bf16 activations, float32 sums, weights in `pack_int4`'s layout, the bias in the
+    activations' dtype. A step of more rows than the kernel takes goes through it in pieces:
+    each piece reads the weights again, but a row's bits never depend on the step."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()
@@ -465,7 +457,7 @@ class DecodeQuantizedLinear(nn.Module):
 def _native_int4_takes(weight: torch.Tensor, native_kernels: native.NativeKernels | None) -> bool:
     return (
         native_kernels is not None and native_kernels.has_decode_kernels and weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16 and weight.shape[1] % native.INT4_INPUT_MULTIPLE == 0
+        and weight.dtype == torch.bfloat16 and weight.shape[1] % native_abi.INT4_INPUT_MULTIPLE == 0
     )
 
 
@@ -473,11 +465,10 @@ def _portable_int4_takes(weight: torch.Tensor, native_kernels: native.NativeKern
     """float32 projections take the portable int4 kernel wherever native kernels are built:
     torch's int4 kernel with float32 activations is the slowest choice of all (see
     `PORTABLE_QUANTIZED_MAX_ROWS`). bf16 ones without AVX512-BF16 keep torch's int4 kernel,
-    which computes in bf16 and measured faster there than ours widening to float32 (AVX2,
-    120 projections, 1 row: 0.44 s against 1.24 s on a loaded machine; within noise at 4 and 8)."""
+    which computes in bf16 and is faster there than ours widening to float32."""
     return (
         native_kernels is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
-        and weight.shape[1] % native.PORTABLE_INT4_INPUT_MULTIPLE == 0
+        and weight.shape[1] % native_abi.PORTABLE_INT4_INPUT_MULTIPLE == 0
     )
 
 

@@ -1,19 +1,18 @@
 """Hand-written CPU kernels, compiled from csrc/ with the machine's C compiler.
 
 - Norms, rotary, SwiGLU and the KV write: a decode step spends more time dispatching torch's
-  small ops than computing them (RMSNorm is eight ops, rotary seven, at a few microseconds
-  each, in every layer); each kernel here is one ctypes call, one pass over memory, split
-  over torch's OpenMP threads once a step is large. bf16, interleaved medians, 2 cores:
-  add+RMSNorm 46 / 173 / 607 us at 64 / 512 / 2048 rows (inductor-compiled: 90 / 271 / 710,
-  eager torch: 79 / 324 / 1495); SwiGLU 78 / 374 / 1649 (229 / 571 / 2276; 114 / 498 / 2152);
-  rotary 37 / 149 / 525 (104 / 344 / 981; 73 / 342 / 1358).
-- Causal prefill attention, flash-style (csrc/prefill_attention.c): on AMX tiles (x86-64
-  CPUs with AMX-BF16), else on AVX512-BF16.
+  small ops than computing them (RMSNorm is eight ops, rotary seven, in every layer); each
+  kernel here is one ctypes call, one pass over memory, split over torch's OpenMP threads
+  once a step is large.
+- Causal prefill attention, flash-style, and decode rows with its arithmetic
+  (csrc/prefill_attention.c): on AMX tiles (x86-64 CPUs with AMX-BF16), else on AVX512-BF16.
 - Flash attention in float32 arithmetic for every CPU class, float32 or bf16 tensors
   (csrc/attention.c): prefills, chunks reading their cached context in place through block
   ids, and decode rows with a prefill's bits.
-- int4 and int8 projections for decode-sized steps and a whole int4 decode step in one call
-  (csrc/decode_step.c, x86-64 CPUs with AVX512-BF16; see `firsttoken.ops.native_decode`).
+- On x86-64 CPUs with AVX512-BF16: int4 and int8 projections for decode-sized steps
+  (csrc/quantized_matmul_bf16.c; csrc/quantized_matmul.c holds their portable siblings), paged
+  decode attention in one exact softmax (csrc/paged_decode_attention.c) and a whole int4
+  decode step in one call over both (csrc/decode_step.c; see `firsttoken.ops.native_decode`).
 
 The library is built once per source, compiler flags and CPU (cached in the folder the
 caller names), with the limits and structs Python shares with it written from `native_abi`
@@ -43,12 +42,13 @@ logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).parent / "csrc"
 _SOURCES = [
-    _SOURCE_DIR / "cpu_kernels.c", _SOURCE_DIR / "prefill_attention.c", _SOURCE_DIR / "decode_step.c",
-    _SOURCE_DIR / "attention.c",
-    _SOURCE_DIR / "quantized_matmul.c",
-    _SOURCE_DIR / "matmul.c",
+    _SOURCE_DIR / name
+    for name in (
+        "row_kernels.c", "attention.c", "matmul.c", "quantized_matmul.c", "prefill_attention.c",
+        "paged_decode_attention.c", "quantized_matmul_bf16.c", "decode_step.c",
+    )
 ]
-_HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h"]
+_HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h", _SOURCE_DIR / "decode_kernels.h"]
 # Written into the build folder from `native_abi` (common.h includes it).
 _ABI_HEADER_NAME = "native_abi.h"
 # Reassociation lets sums vectorize. Not -ffast-math: a shared library built with it sets
@@ -60,84 +60,6 @@ _COMPILE_FLAGS = [
     "-fopenmp", "-shared", "-fPIC", "-std=c11",
 ]
 _DTYPE_CODES = {torch.float32: native_abi.DTYPE_FLOAT32, torch.bfloat16: native_abi.DTYPE_BFLOAT16}
-
-_INT64 = ctypes.c_int64
-_POINTER = ctypes.c_void_p
-_SIGNATURES = {
-    "ft_rms_norm": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, ctypes.c_float, ctypes.c_int, ctypes.c_int],
-    "ft_add_rms_norm": [_POINTER] * 5 + [_INT64, _INT64, ctypes.c_float, ctypes.c_int, ctypes.c_int],
-    "ft_silu_and_mul": [_POINTER, _POINTER, _INT64, _INT64, ctypes.c_int, ctypes.c_int],
-    "ft_rotary": [_POINTER, _INT64, _INT64, _INT64, _INT64, _POINTER, _POINTER, ctypes.c_int, ctypes.c_int],
-    "ft_write_kv": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64, _INT64]
-    + [ctypes.c_int],
-    "ft_flash_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64, _POINTER]
-    + [_INT64] * 8
-    + [ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int],
-    "ft_flash_decode_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64, _POINTER]
-    + [_INT64] * 5
-    + [ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int],
-    "ft_flash_attention_head_dim_multiple": [],
-    "ft_portable_int4_matmul": [_POINTER] * 3
-    + [_INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int, ctypes.c_int],
-    "ft_portable_int8_matmul": [_POINTER] * 3
-    + [_INT64, _INT64, _POINTER, _INT64, _POINTER, ctypes.c_int, ctypes.c_int],
-    "ft_matmul_panel_width": [],
-    "ft_row_invariant_matmul": [_POINTER, _INT64, _INT64, _POINTER, ctypes.c_int, _POINTER, _INT64, _INT64]
-    + [_POINTER, ctypes.c_int],
-}
-# ft_flash_attention's and ft_flash_decode_attention's statuses besides 1 (done) and 0 (out of memory).
-_FLASH_OUT_OF_BOUNDS = -1
-_FLASH_BAD_SHAPE = -2
-# x86-64 with AMX only: the permission for the tile registers.
-_AMX_SIGNATURES = {"ft_amx_available": []}
-# x86-64 with AVX512-BF16 only: causal prefill attention (on AMX tiles where the CPU has
-# them), int4 and int8 projections and the whole decode step.
-_VECTOR_BF16_SIGNATURES = {
-    "ft_prefill_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64]
-    + [_INT64] * 5
-    + [ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int],
-    "ft_int4_matmul": [
-        _POINTER,
-        _POINTER,
-        _POINTER,
-        _INT64,
-        _INT64,
-        _POINTER,
-        _INT64,
-        _POINTER,
-        ctypes.c_int,
-    ],
-    "ft_int8_matmul": [
-        _POINTER,
-        _POINTER,
-        _POINTER,
-        _INT64,
-        _INT64,
-        _POINTER,
-        _INT64,
-        _POINTER,
-        ctypes.c_int,
-    ],
-    "ft_decode_step": [_POINTER, _POINTER, _POINTER, ctypes.c_int],
-    "ft_paged_decode_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64, _POINTER]
-    + [_INT64] * 5
-    + [ctypes.c_float, _POINTER, ctypes.c_int],
-    "ft_decode_attention_as_prefill": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _INT64, _POINTER]
-    + [_INT64] * 5
-    + [ctypes.c_float, _POINTER, ctypes.c_int, ctypes.c_int],
-}
-# The int4 kernel reads its inputs two groups of 32 at a time, the int8 one 16 at a time.
-INT4_INPUT_MULTIPLE = 64
-INT8_INPUT_MULTIPLE = 16
-# The portable int4 kernel (csrc/quantized_matmul.c) reads whole groups of 32 inputs; its int8
-# sibling takes INT8_INPUT_MULTIPLE like the AVX512-BF16 one.
-PORTABLE_INT4_INPUT_MULTIPLE = 32
-# The prefill attention kernel's head sizes: whole tiles of 32 dims (at most
-# `native_abi.PREFILL_MAX_HEAD_DIM`).
-PREFILL_HEAD_DIM_MULTIPLE = 32
-# Decode rows with the prefill kernel's arithmetic gather 16 keys at a time from one block.
-DECODE_AS_PREFILL_BLOCK_MULTIPLE = 16
-
 
 def supports(tensor: torch.Tensor) -> bool:
     """Whether the kernels take this tensor's device and dtype."""
@@ -154,42 +76,31 @@ class NativeKernels:
     """Typed entry points into the compiled library; every tensor argument must pass `supports`."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._library = library
-        signatures = dict(_SIGNATURES)
-        if hasattr(library, "ft_amx_available"):
-            signatures.update(_AMX_SIGNATURES)
-        if hasattr(library, "ft_decode_step"):
-            signatures.update(_VECTOR_BF16_SIGNATURES)
-        for name, argument_types in signatures.items():
-            function = getattr(library, name)
-            function.argtypes = argument_types
-            function.restype = ctypes.c_int
+        # Every kernel of `native_abi.KERNELS` this build holds, called with its parameters by name.
+        self._kernels = {
+            kernel.name: kernel.bind(library)
+            for kernel in native_abi.KERNELS
+            if kernel.requires is native_abi.Requires.ANY_ISA or hasattr(library, kernel.name)
+        }
         # Asks the OS for the tile registers once for the process, as oneDNN does.
-        self.has_amx = hasattr(library, "ft_amx_available") and bool(library.ft_amx_available())
-        library.ft_isa_name.restype = ctypes.c_char_p
+        self.has_amx = "ft_amx_available" in self._kernels and bool(self._kernels["ft_amx_available"]())
         # What the build targets: avx2, avx512, avx512_bf16 (+amx), neon or generic.
-        self.isa: str = library.ft_isa_name().decode()
-        self.has_decode_kernels = hasattr(library, "ft_decode_step")
-        self.has_prefill_attention = hasattr(library, "ft_prefill_attention")
+        self.isa: str = self._kernels["ft_isa_name"]().decode()
+        self.has_decode_kernels = "ft_decode_step" in self._kernels
+        self.has_prefill_attention = "ft_prefill_attention" in self._kernels
         # The portable flash attention takes head sizes in whole vectors of this build.
-        self.flash_head_dim_multiple: int = library.ft_flash_attention_head_dim_multiple()
+        self.flash_head_dim_multiple: int = self._kernels["ft_flash_attention_head_dim_multiple"]()
         # Output columns per panel of `pack_matmul_weight`'s layout: two vectors of this ISA.
-        self.matmul_panel_width: int = library.ft_matmul_panel_width()
+        self.matmul_panel_width: int = self._kernels["ft_matmul_panel_width"]()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x contiguous [rows, cols]."""
         out = torch.empty_like(x)
         rows, cols = x.shape
         _check(
-            self._library.ft_rms_norm(
-                x.data_ptr(),
-                weight.data_ptr(),
-                out.data_ptr(),
-                rows,
-                cols,
-                eps,
-                _code(x),
-                torch.get_num_threads(),
+            self._kernels["ft_rms_norm"](
+                x=x.data_ptr(), weight=weight.data_ptr(), out=out.data_ptr(), rows=rows, cols=cols, eps=eps,
+                dtype=_code(x), num_threads=torch.get_num_threads(),
             )
         )
         return out
@@ -202,9 +113,10 @@ class NativeKernels:
         summed = torch.empty_like(x)
         rows, cols = x.shape
         _check(
-            self._library.ft_add_rms_norm(
-                x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), summed.data_ptr(),
-                rows, cols, eps, _code(x), torch.get_num_threads(),
+            self._kernels["ft_add_rms_norm"](
+                x=x.data_ptr(), residual=residual.data_ptr(), weight=weight.data_ptr(), out=out.data_ptr(),
+                summed=summed.data_ptr(), rows=rows, cols=cols, eps=eps, dtype=_code(x),
+                num_threads=torch.get_num_threads(),
             )
         )
         return out, summed
@@ -214,8 +126,9 @@ class NativeKernels:
         rows, width = gate_up.shape
         out = gate_up.new_empty(rows, width // 2)
         _check(
-            self._library.ft_silu_and_mul(
-                gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _code(gate_up), torch.get_num_threads()
+            self._kernels["ft_silu_and_mul"](
+                gate_up=gate_up.data_ptr(), out=out.data_ptr(), rows=rows, half=width // 2,
+                dtype=_code(gate_up), num_threads=torch.get_num_threads(),
             )
         )
         return out
@@ -225,9 +138,9 @@ class NativeKernels:
         cos and sin contiguous [rows, 1, head_dim]."""
         rows, heads, head_dim = x.shape
         _check(
-            self._library.ft_rotary(
-                x.data_ptr(), x.stride(0), rows, heads, head_dim, cos.data_ptr(), sin.data_ptr(), _code(x),
-                torch.get_num_threads(),
+            self._kernels["ft_rotary"](
+                x=x.data_ptr(), row_stride=x.stride(0), rows=rows, heads=heads, head_dim=head_dim,
+                cos=cos.data_ptr(), sin=sin.data_ptr(), dtype=_code(x), num_threads=torch.get_num_threads(),
             )
         )
         return x
@@ -239,21 +152,13 @@ class NativeKernels:
         kv_cache contiguous [2, blocks, block_size, kv_heads, head_dim]; slot_mapping contiguous int64."""
         rows, kv_heads, head_dim = key.shape
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-        copied = self._library.ft_write_kv(
-            kv_cache.data_ptr(),
-            kv_cache.numel() // 2,
-            num_slots,
-            key.data_ptr(),
-            key.stride(0),
-            value.data_ptr(),
-            value.stride(0),
-            slot_mapping.data_ptr(),
-            rows,
-            kv_heads * head_dim,
-            _code(key),
+        status = self._kernels["ft_write_kv"](
+            cache=kv_cache.data_ptr(), values_offset=kv_cache.numel() // 2, num_slots=num_slots,
+            key=key.data_ptr(), key_row_stride=key.stride(0), value=value.data_ptr(),
+            value_row_stride=value.stride(0), slots=slot_mapping.data_ptr(), rows=rows,
+            row_elems=kv_heads * head_dim, dtype=_code(key),
         )
-        if not copied:
-            raise IndexError(f"slot_mapping: a slot lies outside the cache's {num_slots} slots")
+        _check(status, out_of_bounds=f"slot_mapping: a slot lies outside the cache's {num_slots} slots")
 
     def prefill_attention_supports(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         """Whether `prefill_attention` takes these: bf16 on the CPU, heads contiguous, a head
@@ -261,7 +166,7 @@ class NativeKernels:
         head_dim = query.shape[2]
         return (
             self.has_prefill_attention and query.dtype == key.dtype == value.dtype == torch.bfloat16
-            and query.device.type == "cpu" and head_dim % PREFILL_HEAD_DIM_MULTIPLE == 0
+            and query.device.type == "cpu" and head_dim % native_abi.PREFILL_HEAD_DIM_MULTIPLE == 0
             and head_dim <= native_abi.PREFILL_MAX_HEAD_DIM
             and all(heads_contiguous(x) for x in (query, key, value))
         )
@@ -290,22 +195,12 @@ class NativeKernels:
             )
         out = query.new_empty(num_queries, num_heads, head_dim)
         _check(
-            self._library.ft_prefill_attention(
-                query.data_ptr(),
-                query.stride(0),
-                key.data_ptr(),
-                key.stride(0),
-                value.data_ptr(),
-                value.stride(0),
-                num_queries,
-                num_keys,
-                num_heads,
-                num_kv_heads,
-                head_dim,
-                head_dim**-0.5,
-                out.data_ptr(),
-                max(1, num_threads),
-                int(use_amx),
+            self._kernels["ft_prefill_attention"](
+                query=query.data_ptr(), query_row_stride=query.stride(0), key=key.data_ptr(),
+                key_row_stride=key.stride(0), value=value.data_ptr(), value_row_stride=value.stride(0),
+                num_queries=num_queries, num_keys=num_keys, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                head_dim=head_dim, scale=head_dim**-0.5, out=out.data_ptr(), num_threads=max(1, num_threads),
+                use_amx=int(use_amx),
             )
         )
         return out
@@ -330,34 +225,17 @@ class NativeKernels:
         head_dim] (heads contiguous, rows strided), m >= n, the queries being the last n of the m
         positions; float32 arithmetic, the inputs' dtype out. Inputs must pass
         `flash_attention_supports` (key and value too)."""
-        num_queries, num_heads, head_dim = query.shape
         num_keys, num_kv_heads = key.shape[0], key.shape[1]
         if value.shape != key.shape or not (heads_contiguous(key) and heads_contiguous(value)):
             raise ValueError(f"flash_attention: keys {tuple(key.shape)} and values {tuple(value.shape)}")
-        out = query.new_empty(num_queries, num_heads, head_dim)
-        status = self._library.ft_flash_attention(
-            query.data_ptr(),
-            query.stride(0),
-            key.data_ptr(),
-            key.stride(0),
-            value.data_ptr(),
-            value.stride(0),
-            None,
-            0,
-            1,
-            num_keys,
-            num_queries,
-            num_keys,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            head_dim**-0.5,
-            out.data_ptr(),
-            _code(query),
-            max(1, num_threads),
+        key_values = {
+            "key": key.data_ptr(), "key_stride": key.stride(0), "value": value.data_ptr(),
+            "value_stride": value.stride(0), "block_ids": None, "num_block_ids": 0, "block_size": 1,
+            "num_slots": num_keys,
+        }
+        return self._flash_attention(
+            "flash_attention", query, key_values, num_keys, num_kv_heads, num_threads
         )
-        self._check_flash(status, "flash_attention", query, num_keys, num_kv_heads)
-        return out
 
     def flash_attention_paged(
         self,
@@ -371,35 +249,39 @@ class NativeKernels:
         kv_cache [2, blocks, block_size, kv_heads, head_dim] (contiguous) through its block ids
         (long [>= ceil(num_keys / block_size)]): a chunk on cached context with no gather, the
         bits `flash_attention` gives the same keys."""
-        num_queries, num_heads, head_dim = query.shape
-        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         if not kv_cache.is_contiguous() or block_ids.dtype != torch.long or block_ids.dim() != 1:
             raise ValueError(f"flash_attention_paged: block ids {tuple(block_ids.shape)} {block_ids.dtype}")
         block_ids = block_ids.contiguous()
         kv_width = num_kv_heads * head_dim
-        out = query.new_empty(num_queries, num_heads, head_dim)
-        status = self._library.ft_flash_attention(
-            query.data_ptr(),
-            query.stride(0),
-            kv_cache[0].data_ptr(),
-            kv_width,
-            kv_cache[1].data_ptr(),
-            kv_width,
-            block_ids.data_ptr(),
-            block_ids.shape[0],
-            block_size,
-            num_blocks * block_size,
-            num_queries,
-            num_keys,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            head_dim**-0.5,
-            out.data_ptr(),
-            _code(query),
-            max(1, num_threads),
+        key_values = {
+            "key": kv_cache[0].data_ptr(), "key_stride": kv_width, "value": kv_cache[1].data_ptr(),
+            "value_stride": kv_width, "block_ids": block_ids.data_ptr(), "num_block_ids": block_ids.shape[0],
+            "block_size": block_size, "num_slots": num_blocks * block_size,
+        }
+        return self._flash_attention(
+            "flash_attention_paged", query, key_values, num_keys, num_kv_heads, num_threads
         )
-        self._check_flash(status, "flash_attention_paged", query, num_keys, num_kv_heads)
+
+    def _flash_attention(
+        self,
+        name: str,
+        query: torch.Tensor,
+        key_values: dict[str, int | None],
+        num_keys: int,
+        num_kv_heads: int,
+        num_threads: int,
+    ) -> torch.Tensor:
+        """Runs ft_flash_attention over the K/V rows `key_values` locates (its parameters from
+        `key` to `num_slots`)."""
+        num_queries, num_heads, head_dim = query.shape
+        out = query.new_empty(num_queries, num_heads, head_dim)
+        status = self._kernels["ft_flash_attention"](
+            query=query.data_ptr(), query_stride=query.stride(0), **key_values, num_queries=num_queries,
+            num_keys=num_keys, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            scale=head_dim**-0.5, out=out.data_ptr(), dtype=_code(query), num_threads=max(1, num_threads),
+        )
+        self._check_flash(status, name, query, num_keys, num_kv_heads)
         return out
 
     def flash_decode_attention(
@@ -410,8 +292,7 @@ class NativeKernels:
         kv_cache [2, blocks, block_size, kv_heads, head_dim] (contiguous): for each row the bits
         `flash_attention` gives the last position of a prefill of those keys, whatever the other
         rows. Inputs must pass `flash_attention_supports`; seq_lens long [rows]."""
-        rows, num_heads, head_dim = query.shape
-        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        rows = query.shape[0]
         if (
             block_table.shape[0] != rows or seq_lens.shape != (rows,) or not kv_cache.is_contiguous()
             or block_table.dtype != torch.long or seq_lens.dtype != torch.long
@@ -422,36 +303,18 @@ class NativeKernels:
             )
         block_table = block_table.contiguous()
         seq_lens = seq_lens.contiguous()
-        out = query.new_empty(rows, num_heads, head_dim)
-        status = self._library.ft_flash_decode_attention(
-            query.data_ptr(),
-            query.stride(0),
-            kv_cache.data_ptr(),
-            num_blocks * block_size,
-            block_table.data_ptr(),
-            block_table.shape[1],
-            seq_lens.data_ptr(),
-            block_size,
-            rows,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            head_dim**-0.5,
-            out.data_ptr(),
-            _code(query),
-            torch.get_num_threads(),
+        out = query.new_empty(query.shape)
+        status = self._kernels["ft_flash_decode_attention"](
+            **_paged_decodes(query, kv_cache, block_table, seq_lens), out=out.data_ptr(), dtype=_code(query),
+            num_threads=torch.get_num_threads(),
         )
-        self._check_flash(status, "flash_decode_attention", query, int(seq_lens.max()), num_kv_heads)
+        self._check_flash(status, "flash_decode_attention", query, int(seq_lens.max()), kv_cache.shape[3])
         return out
 
     def _check_flash(
         self, status: int, name: str, query: torch.Tensor, num_keys: int, num_kv_heads: int
     ) -> None:
-        if status == _FLASH_OUT_OF_BOUNDS:
-            raise IndexError(
-                f"{name}: a block id or sequence length lies outside the KV cache or the block table"
-            )
-        if status == _FLASH_BAD_SHAPE:
+        if status == native_abi.Status.BAD_SHAPE:
             num_queries, num_heads, head_dim = query.shape
             raise ValueError(
                 f"{name}: {num_queries} queries of {num_heads} heads over {num_keys} keys of "
@@ -459,7 +322,12 @@ class NativeKernels:
                 f"head_dim {head_dim} (needs a "
                 f"multiple of {self.flash_head_dim_multiple} up to {native_abi.ATTENTION_MAX_HEAD_DIM})"
             )
-        _check(status)
+        _check(
+            status,
+            out_of_bounds=(
+                f"{name}: a block id or sequence length lies outside the KV cache or the block table"
+            ),
+        )
 
     def pack_matmul_weight(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [out, in] in `row_invariant_matmul`'s layout: panels of `matmul_panel_width` output
@@ -495,10 +363,11 @@ class NativeKernels:
             return out
         bias = bias.contiguous() if bias is not None else None
         _check(
-            self._library.ft_row_invariant_matmul(
-                x.data_ptr(), x.stride(0), rows, packed_weight.data_ptr(), _code(packed_weight),
-                None if bias is None else bias.data_ptr(), out_features, in_features, out.data_ptr(),
-                torch.get_num_threads(),
+            self._kernels["ft_row_invariant_matmul"](
+                x=x.data_ptr(), x_stride=x.stride(0), rows=rows, weight=packed_weight.data_ptr(),
+                weight_dtype=_code(packed_weight), bias=None if bias is None else bias.data_ptr(),
+                out_features=out_features, in_features=in_features, out=out.data_ptr(),
+                num_threads=torch.get_num_threads(),
             )
         )
         return out
@@ -510,7 +379,7 @@ class NativeKernels:
         bf16 and contiguous; W in the layout of `firsttoken.ops.linear.pack_int4`: levels uint8
         [out, in / 2], scales_zeros [out, 2 * in / 32]."""
         return self._quantized_matmul(
-            "int4_matmul", levels, scales_zeros, bias, x, 2 * levels.shape[1], INT4_INPUT_MULTIPLE
+            "int4", levels, scales_zeros, bias, x, 2 * levels.shape[1], native_abi.INT4_INPUT_MULTIPLE
         )
 
     def int8_matmul(
@@ -519,7 +388,7 @@ class NativeKernels:
         """x [rows, in] . (scales * W)^T for int8 W [out, in] (in a multiple of 16), rows <=
         `native_abi.DECODE_MAX_ROWS`; x, scales [out] and bias bf16; all contiguous."""
         return self._quantized_matmul(
-            "int8_matmul", weight, scales, bias, x, weight.shape[1], INT8_INPUT_MULTIPLE
+            "int8", weight, scales, bias, x, weight.shape[1], native_abi.INT8_INPUT_MULTIPLE
         )
 
     def portable_int4_matmul(
@@ -529,7 +398,8 @@ class NativeKernels:
         multiple of 32; x and bias float32 or bf16 (one dtype, the output's), all contiguous; W
         in the layout of `firsttoken.ops.linear.pack_int4` (scales_zeros bf16)."""
         return self._portable_matmul(
-            "int4", levels, scales_zeros, bias, x, 2 * levels.shape[1], PORTABLE_INT4_INPUT_MULTIPLE
+            "int4", levels, scales_zeros, bias, x, 2 * levels.shape[1],
+            native_abi.PORTABLE_INT4_INPUT_MULTIPLE,
         )
 
     def portable_int8_matmul(
@@ -540,7 +410,9 @@ class NativeKernels:
         dtype, the output's), all contiguous."""
         if scales.dtype != x.dtype:
             raise ValueError(f"portable_int8_matmul: scales in {scales.dtype}, inputs in {x.dtype}")
-        return self._portable_matmul("int8", weight, scales, bias, x, weight.shape[1], INT8_INPUT_MULTIPLE)
+        return self._portable_matmul(
+            "int8", weight, scales, bias, x, weight.shape[1], native_abi.INT8_INPUT_MULTIPLE
+        )
 
     def _portable_matmul(
         self,
@@ -568,18 +440,18 @@ class NativeKernels:
             raise ValueError(f"{name}: bias in {bias.dtype}, inputs in {x.dtype}")
         out_features = weight.shape[0]
         out = x.new_empty(rows, out_features)
-        kernel = getattr(self._library, f"ft_{name}")
         _check(
-            kernel(
-                weight.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
-                in_features, x.data_ptr(), rows, out.data_ptr(), _code(x), torch.get_num_threads(),
+            self._kernels[f"ft_{name}"](
+                **_quantized_weight(kind, weight, scales, bias), out_features=out_features,
+                in_features=in_features, x=x.data_ptr(), rows=rows, out=out.data_ptr(), dtype=_code(x),
+                num_threads=torch.get_num_threads(),
             )
         )
         return out
 
     def _quantized_matmul(
         self,
-        name: str,
+        kind: str,
         weight: torch.Tensor,
         scales: torch.Tensor,
         bias: torch.Tensor | None,
@@ -587,17 +459,18 @@ class NativeKernels:
         weight_inputs: int,
         input_multiple: int,
     ) -> torch.Tensor:
+        name = f"{kind}_matmul"
         rows, in_features = x.shape
         takes_rows = 1 <= rows <= native_abi.DECODE_MAX_ROWS
         if not takes_rows or weight_inputs != in_features or in_features % input_multiple:
             raise ValueError(f"{name}: {rows} rows of {in_features} inputs for weights {tuple(weight.shape)}")
         out_features = weight.shape[0]
         out = x.new_empty(rows, out_features)
-        kernel = getattr(self._library, f"ft_{name}")
         _check(
-            kernel(
-                weight.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr(), out_features,
-                in_features, x.data_ptr(), rows, out.data_ptr(), torch.get_num_threads(),
+            self._kernels[f"ft_{name}"](
+                **_quantized_weight(kind, weight, scales, bias), out_features=out_features,
+                in_features=in_features, x=x.data_ptr(), rows=rows, out=out.data_ptr(),
+                num_threads=torch.get_num_threads(),
             )
         )
         return out
@@ -610,7 +483,8 @@ class NativeKernels:
         return (
             self.has_decode_kernels and query.dtype == kv_cache.dtype == torch.bfloat16
             and query.device.type == "cpu" and kv_cache.is_contiguous() and heads_contiguous(query)
-            and head_dim % 32 == 0 and head_dim <= native_abi.DECODE_MAX_HEAD_DIM
+            and head_dim % native_abi.DECODE_HEAD_DIM_MULTIPLE == 0
+            and head_dim <= native_abi.DECODE_MAX_HEAD_DIM
         )
 
     def paged_decode_attention(
@@ -628,12 +502,12 @@ class NativeKernels:
         kernel's arithmetic (its 64-key tiles and online softmax; block_size a multiple of
         16), so a row gets the bits a prefill of the same tokens gives its position; else one
         exact softmax over all keys, a little faster."""
-        rows, num_heads, head_dim = query.shape
-        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        rows, num_heads, _ = query.shape
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
         if (
             block_table.shape[0] != rows or seq_lens.shape != (rows,) or num_heads % num_kv_heads
             or block_table.dtype != torch.long or seq_lens.dtype != torch.long
-            or (as_prefill and block_size % DECODE_AS_PREFILL_BLOCK_MULTIPLE)
+            or (as_prefill and block_size % native_abi.DECODE_AS_PREFILL_BLOCK_MULTIPLE)
         ):
             raise ValueError(
                 f"paged_decode_attention: {rows} queries of {num_heads} heads, block table "
@@ -643,56 +517,75 @@ class NativeKernels:
             )
         block_table = block_table.contiguous()
         seq_lens = seq_lens.contiguous()
-        out = query.new_empty(rows, num_heads, head_dim)
-        arguments = [
-            query.data_ptr(),
-            query.stride(0),
-            kv_cache.data_ptr(),
-            num_blocks * block_size,
-            block_table.data_ptr(),
-            block_table.shape[1],
-            seq_lens.data_ptr(),
-            block_size,
-            rows,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            head_dim**-0.5,
-            out.data_ptr(),
-            torch.get_num_threads(),
-        ]
+        out = query.new_empty(query.shape)
+        arguments = {
+            **_paged_decodes(query, kv_cache, block_table, seq_lens), "out": out.data_ptr(),
+            "num_threads": torch.get_num_threads(),
+        }
         if as_prefill:
-            status = self._library.ft_decode_attention_as_prefill(*arguments, int(self.has_amx))
+            status = self._kernels["ft_decode_attention_as_prefill"](**arguments, use_amx=int(self.has_amx))
         else:
-            status = self._library.ft_paged_decode_attention(*arguments)
-        if status < 0:
-            raise IndexError(
-                "paged_decode_attention: a block id or sequence length lies outside the KV cache"
-            )
-        _check(status)
+            status = self._kernels["ft_paged_decode_attention"](**arguments)
+        _check(
+            status,
+            out_of_bounds="paged_decode_attention: a block id or sequence length lies outside the KV cache",
+        )
         return out
 
     def decode_step(
         self, model: native_abi.DecodeModel, batch: native_abi.DecodeBatch, hidden: torch.Tensor
     ) -> None:
         """Runs `ft_decode_step` (see native_decode.NativeDecodeStep) on hidden in place."""
-        status = self._library.ft_decode_step(
-            ctypes.byref(model), ctypes.byref(batch), hidden.data_ptr(), torch.get_num_threads()
+        status = self._kernels["ft_decode_step"](
+            model=ctypes.byref(model), batch=ctypes.byref(batch), hidden=hidden.data_ptr(),
+            num_threads=torch.get_num_threads(),
         )
-        if status < 0:
-            raise IndexError(
-                f"decode step: more than {native_abi.DECODE_MAX_ROWS} sequences, or a slot, block id or "
-                "sequence length outside the KV cache"
-            )
-        _check(status)
+        _check(
+            status,
+            out_of_bounds=(
+                f"decode step: more than {native_abi.DECODE_MAX_ROWS} sequences, or a slot, block id "
+                "or sequence length outside the KV cache"
+            ),
+        )
 
 
 def _code(tensor: torch.Tensor) -> int:
     return _DTYPE_CODES[tensor.dtype]
 
 
-def _check(succeeded: int) -> None:
-    if not succeeded:
+def _paged_decodes(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+) -> dict[str, int | float]:
+    """The parameters every paged decode attention kernel shares: query [rows, heads, head_dim]
+    over kv_cache [2, blocks, block_size, kv_heads, head_dim] through block_table (contiguous
+    long [rows, max_blocks]) and seq_lens (contiguous long [rows])."""
+    rows, num_heads, head_dim = query.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    return {
+        "query": query.data_ptr(), "query_stride": query.stride(0), "kv_cache": kv_cache.data_ptr(),
+        "num_slots": num_blocks * block_size, "block_table": block_table.data_ptr(),
+        "max_blocks": block_table.shape[1], "seq_lens": seq_lens.data_ptr(), "block_size": block_size,
+        "rows": rows, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+        "scale": head_dim**-0.5,
+    }
+
+
+def _quantized_weight(
+    kind: str, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> dict[str, int | None]:
+    """The weight parameters of the `kind` ("int4" or "int8") projection kernels."""
+    bias_pointer = None if bias is None else bias.data_ptr()
+    if kind == "int4":
+        return {"levels": weight.data_ptr(), "scales_zeros": scales.data_ptr(), "bias": bias_pointer}
+    return {"weight": weight.data_ptr(), "scales": scales.data_ptr(), "bias": bias_pointer}
+
+
+def _check(status: int, out_of_bounds: str = "native kernel: an index lies outside its tensor") -> None:
+    """Raises for a kernel's failure status: IndexError (`out_of_bounds` says what lay outside)
+    or MemoryError."""
+    if status == native_abi.Status.OUT_OF_BOUNDS:
+        raise IndexError(out_of_bounds)
+    if status == native_abi.Status.OUT_OF_MEMORY:
         raise MemoryError("native kernel: could not allocate its scratch memory or start its threads")
 
 
@@ -716,12 +609,26 @@ def load_native_kernels(cache_dir: str, cpu_isa: str = "auto") -> NativeKernels 
         return None
 
 
+def check_sources(isa: CpuIsa, work_dir: Path) -> None:
+    """Compiles the kernel sources for `isa` without generating code, in `work_dir`: a check of
+    every ISA's branches against the ABI header that needs no CPU able to run them. Raises
+    subprocess.CalledProcessError, the compiler's errors in its stderr."""
+    (work_dir / _ABI_HEADER_NAME).write_text(native_abi.c_header())
+    subprocess.run(
+        [*_compiler_and_flags(isa), f"-I{work_dir}", *map(str, _SOURCES), "-fsyntax-only"],
+        check=True, capture_output=True, timeout=120,
+    )
+
+
+def _compiler_and_flags(isa: CpuIsa) -> list[str]:
+    return [os.environ.get("CC", "cc"), *_COMPILE_FLAGS, *isa.compiler_flags]
+
+
 def _built_library(cache_dir: Path, isa: CpuIsa) -> Path:
-    compiler = os.environ.get("CC", "cc")
     sources = [path.read_bytes() for path in _SOURCES + _HEADERS]
     abi_header = native_abi.c_header()
-    compile_flags = [*_COMPILE_FLAGS, *isa.compiler_flags]
-    build_command = " ".join([compiler, *compile_flags]).encode()
+    compiler_and_flags = _compiler_and_flags(isa)
+    build_command = " ".join(compiler_and_flags).encode()
     key = hashlib.sha256(b"\0".join([*sources, abi_header.encode(), build_command, _cpu_identity()]))
     library = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if library.exists():
@@ -732,7 +639,7 @@ def _built_library(cache_dir: Path, isa: CpuIsa) -> Path:
         (Path(build_dir) / _ABI_HEADER_NAME).write_text(abi_header)
         partial = Path(build_dir) / library.name
         subprocess.run(
-            [compiler, *compile_flags, f"-I{build_dir}", *map(str, _SOURCES), "-o", str(partial), "-lm"],
+            [*compiler_and_flags, f"-I{build_dir}", *map(str, _SOURCES), "-o", str(partial), "-lm"],
             check=True, capture_output=True, timeout=120,
         )
         os.replace(partial, library)

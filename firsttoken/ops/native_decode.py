@@ -63,9 +63,13 @@ def _int4_weight(linear: NativeInt4Linear) -> native_abi.Int4Weight:
 
 
 def supports_layers(shape: DecodeShape, layers: list[DecodeLayerWeights]) -> bool:
-    """Whether the native step takes these: bf16 norms and caches, a head size of 32 to
-    `native_abi.DECODE_MAX_HEAD_DIM` in whole 32-dim chunks."""
-    return shape.head_dim % 32 == 0 and shape.head_dim <= native_abi.DECODE_MAX_HEAD_DIM and all(
+    """Whether the native step takes these: bf16 norms and caches, a head size of whole
+    `native_abi.DECODE_HEAD_DIM_MULTIPLE`-dim chunks up to `native_abi.DECODE_MAX_HEAD_DIM`."""
+    head_dim_taken = (
+        shape.head_dim % native_abi.DECODE_HEAD_DIM_MULTIPLE == 0
+        and shape.head_dim <= native_abi.DECODE_MAX_HEAD_DIM
+    )
+    return head_dim_taken and all(
         layer.input_norm.dtype == layer.post_attention_norm.dtype == layer.kv_cache.dtype == torch.bfloat16
         and layer.kv_cache.is_contiguous() and layer.kv_cache.device.type == "cpu"
         and layer.input_norm.is_contiguous() and layer.post_attention_norm.is_contiguous()
@@ -81,8 +85,9 @@ class NativeDecodeStep:
     ) -> None:
         if not supports_layers(shape, layers):
             raise ValueError(
-                "native decode: needs bf16 norms and caches and a head size of 32 to "
-                f"{native_abi.DECODE_MAX_HEAD_DIM} in whole 32-dim chunks, got {shape.head_dim}"
+                "native decode: needs bf16 norms and caches and a head size of "
+                f"{native_abi.DECODE_HEAD_DIM_MULTIPLE} to {native_abi.DECODE_MAX_HEAD_DIM} in whole "
+                f"{native_abi.DECODE_HEAD_DIM_MULTIPLE}-dim chunks, got {shape.head_dim}"
             )
         self.kernels = kernels
         self.layers = layers

@@ -3,6 +3,9 @@ and reported by the library that was built."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 
 from firsttoken.config import CPU_ISAS, ModelConfig
@@ -43,3 +46,15 @@ def test_a_forced_build_reports_the_isa_it_targets(tmp_path, isa):
     if kernels is None:
         pytest.skip("no working C compiler on this machine")
     assert kernels.isa == isa
+
+
+@pytest.mark.parametrize("isa", [name for name in cpu_isa.ISAS if name != "auto"])
+def test_every_isa_compiles_here_even_one_this_cpu_cannot_run(tmp_path, monkeypatch, isa):
+    compiler = shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no GCC on this machine (the ISA flags are GCC's)")
+    monkeypatch.setenv("CC", compiler)
+    try:
+        native.check_sources(cpu_isa.ISAS[isa], tmp_path)
+    except subprocess.CalledProcessError as error:
+        pytest.fail(error.stderr.decode(errors="replace"))

@@ -27,9 +27,6 @@
 #define QUERY_BLOCK 16
 /* Output vectors one pass over a tile's values keeps in registers. */
 #define DIM_GROUP 8
-/* ft_flash_attention / ft_flash_decode_attention: a head size they do not take. */
-#define BAD_SHAPE (-2)
-#define OUT_OF_BOUNDS (-1)
 
 /* The K and V rows of one sequence at one KV head: consecutive rows, or slots of a paged cache. */
 typedef struct {
@@ -333,20 +330,20 @@ static int shape_supported(const Shape *shape) {
  * K/V rows: consecutive, key_stride / value_stride elements apart (block_ids NULL); or the
  * slots of a paged cache half (slot s at s * stride) through the sequence's block_ids
  * (num_block_ids of them, blocks of block_size, num_slots slots). float32 or bf16 (`dtype`)
- * throughout. Returns 1; 0 when out of memory; OUT_OF_BOUNDS (touching nothing) when a block
- * id or num_keys lies outside the cache or the table; BAD_SHAPE for a head size or grouping it
+ * throughout. Returns FT_OK; FT_OUT_OF_MEMORY; FT_OUT_OF_BOUNDS (touching nothing) when a block
+ * id or num_keys lies outside the cache or the table; FT_BAD_SHAPE for a head size or grouping it
  * does not take. */
-int ft_flash_attention(const void *query, int64_t query_stride, const void *key, int64_t key_stride,
-                       const void *value, int64_t value_stride, const int64_t *block_ids, int64_t num_block_ids,
-                       int64_t block_size, int64_t num_slots, int64_t num_queries, int64_t num_keys,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, void *out, int dtype,
-                       int num_threads) {
+FtStatus ft_flash_attention(const void *query, int64_t query_stride, const void *key, int64_t key_stride,
+                            const void *value, int64_t value_stride, const int64_t *block_ids, int64_t num_block_ids,
+                            int64_t block_size, int64_t num_slots, int64_t num_queries, int64_t num_keys,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, void *out,
+                            int dtype, int num_threads) {
     Shape shape = {num_heads, num_kv_heads, head_dim, scale, dtype};
     if (!shape_supported(&shape) || num_queries < 1 || num_queries > num_keys) {
-        return BAD_SHAPE;
+        return FT_BAD_SHAPE;
     }
     if (block_ids != NULL && !tables_in_bounds(num_slots, block_ids, num_block_ids, block_size, &num_keys, 1)) {
-        return OUT_OF_BOUNDS;
+        return FT_OUT_OF_BOUNDS;
     }
     Sequence sequence = {query, query_stride, out, num_heads * head_dim, num_keys - num_queries, num_queries,
                          {key, value, key_stride, value_stride, block_ids, block_size, num_keys}};
@@ -369,7 +366,7 @@ int ft_flash_attention(const void *query, int64_t query_stride, const void *key,
             free_scratch(&scratch);
         }
     }
-    return all_allocated;
+    return all_allocated ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
 /* out [rows, num_heads, head_dim] (contiguous) = each row's one query (rows query_stride
@@ -377,16 +374,16 @@ int ft_flash_attention(const void *query, int64_t query_stride, const void *key,
  * place through block_table [rows, max_blocks] from one layer's cache [2, num_slots, kv_heads
  * * head_dim] in `dtype`: the bits ft_flash_attention gives the last position of a prefill of
  * those keys. Returns as ft_flash_attention. */
-int ft_flash_decode_attention(const void *query, int64_t query_stride, const void *kv_cache, int64_t num_slots,
-                              const int64_t *block_table, int64_t max_blocks, const int64_t *seq_lens,
-                              int64_t block_size, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
-                              int64_t head_dim, float scale, void *out, int dtype, int num_threads) {
+FtStatus ft_flash_decode_attention(const void *query, int64_t query_stride, const void *kv_cache, int64_t num_slots,
+                                   const int64_t *block_table, int64_t max_blocks, const int64_t *seq_lens,
+                                   int64_t block_size, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
+                                   int64_t head_dim, float scale, void *out, int dtype, int num_threads) {
     Shape shape = {num_heads, num_kv_heads, head_dim, scale, dtype};
     if (!shape_supported(&shape)) {
-        return BAD_SHAPE;
+        return FT_BAD_SHAPE;
     }
     if (!tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
-        return OUT_OF_BOUNDS;
+        return FT_OUT_OF_BOUNDS;
     }
     int64_t group = num_heads / num_kv_heads, kv_width = num_kv_heads * head_dim, size = element_size(dtype);
     const void *values = (const char *)kv_cache + num_slots * kv_width * size;
@@ -415,7 +412,7 @@ int ft_flash_decode_attention(const void *query, int64_t query_stride, const voi
             free_scratch(&scratch);
         }
     }
-    return all_allocated;
+    return all_allocated ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
 /* Floats per vector in this build: head sizes must be a multiple of it. */

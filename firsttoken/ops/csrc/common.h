@@ -130,6 +130,10 @@ static inline int tables_in_bounds(int64_t num_slots, const int64_t *block_table
     return 1;
 }
 
+static inline int64_t max_i64(int64_t a, int64_t b) {
+    return a > b ? a : b;
+}
+
 /* Steps of fewer elements stay on the calling thread: waking the others costs more. */
 #define PARALLEL_MIN_ELEMENTS 65536
 
@@ -159,7 +163,7 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
-/* Row kernels of cpu_kernels.c that the decode step reuses; each returns 0 when out of memory. */
+/* Row kernels of row_kernels.c that the decode step reuses; each returns 0 when out of memory. */
 #define FT_INTERNAL __attribute__((visibility("hidden")))
 FT_INTERNAL void normalize_row(const float *x, const float *weight, int64_t cols, float eps, int dtype, float *out);
 FT_INTERNAL void silu_row(float *x, int64_t count);

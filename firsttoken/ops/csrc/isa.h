@@ -4,7 +4,7 @@
  * The vector is as wide as the widest float registers the build targets: 16 floats with
  * AVX-512F, 8 with AVX (AVX2 + FMA), 4 elsewhere (SSE2, NEON). The compiler maps each
  * operation to that ISA's instructions (a * b + c to an FMA where the target has one).
- * Loads and stores go through memcpy, which compiles to one unaligned vector move. Which variant a build holds is `ft_isa_name()` in cpu_kernels.c.
+ * Loads and stores go through memcpy, which compiles to one unaligned vector move. Which variant a build holds is `ft_isa_name()` in row_kernels.c.
  *
  * Every function here works lane by lane, except the two reductions, whose lane order is
  * fixed: a result never depends on anything but its own inputs.

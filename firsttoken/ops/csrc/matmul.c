@@ -182,10 +182,10 @@ static void multiply_block(const Matmul *m, int64_t row_begin, int64_t row_end, 
 
 /* out [rows, out_features] = x [rows, in_features] (rows `x_stride` floats apart) times the
  * packed W^T (float32, or bf16 when weight_dtype is DTYPE_BFLOAT16), plus bias if not NULL.
- * Returns 1. */
-int ft_row_invariant_matmul(const float *x, int64_t x_stride, int64_t rows, const void *weight,
-                            int weight_dtype, const float *bias, int64_t out_features, int64_t in_features,
-                            float *out, int num_threads) {
+ * Returns FT_OK. */
+FtStatus ft_row_invariant_matmul(const float *x, int64_t x_stride, int64_t rows, const void *weight,
+                                 int weight_dtype, const float *bias, int64_t out_features, int64_t in_features,
+                                 float *out, int num_threads) {
     int is_bf16 = weight_dtype == DTYPE_BFLOAT16;
     Matmul m = {x, x_stride, rows, weight, is_bf16, bias, out_features, in_features, out};
     int64_t panels = (out_features + PANEL_WIDTH - 1) / PANEL_WIDTH;
@@ -204,5 +204,5 @@ int ft_row_invariant_matmul(const float *x, int64_t x_stride, int64_t rows, cons
             multiply_block(&m, begin, end < rows ? end : rows, 0, panels);
         }
     }
-    return 1;
+    return FT_OK;
 }

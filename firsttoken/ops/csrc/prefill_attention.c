@@ -15,6 +15,8 @@
  * row run here (ft_decode_attention_as_prefill: one query over its paged context) gets the bits
  * a prefill of the same tokens gives that position: a request recomputed after preemption, or a
  * later prompt hitting blocks a decode step wrote, reads the same K/V either way.
+ * (paged_decode_attention.c holds the other paged decode attention, one exact softmax
+ * without tiles: a little faster, without that guarantee.)
  *
  * Built at run time by firsttoken/ops/native.py with the machine's C compiler.
  */
@@ -544,16 +546,16 @@ static void attend_share(const PrefillProblem *p, int thread_index, int num_thre
 /* query [num_queries, num_heads, head_dim], key and value [num_keys, num_kv_heads, head_dim]
  * (heads contiguous, rows strided), out contiguous [num_queries, num_heads, head_dim], all
  * bf16; head_dim a multiple of 32 up to PREFILL_MAX_HEAD_DIM; num_threads >= 1; use_amx only
- * where ft_amx_available said 1. Returns 0 when out of memory. */
-int ft_prefill_attention(const void *query, int64_t query_row_stride, const void *key, int64_t key_row_stride,
-                         const void *value, int64_t value_row_stride, int64_t num_queries, int64_t num_keys,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, void *out,
-                         int num_threads, int use_amx) {
+ * where ft_amx_available said 1. Returns FT_OUT_OF_MEMORY when out of memory. */
+FtStatus ft_prefill_attention(const void *query, int64_t query_row_stride, const void *key, int64_t key_row_stride,
+                              const void *value, int64_t value_row_stride, int64_t num_queries, int64_t num_keys,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, void *out,
+                              int num_threads, int use_amx) {
     int64_t padded_keys = (num_keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
     size_t packed_elements = (size_t)(num_kv_heads * padded_keys * head_dim);
     uint16_t *packed = aligned_alloc(64, (2 * packed_elements * sizeof(uint16_t) + 63) / 64 * 64);
     if (packed == NULL) {
-        return 0;
+        return FT_OUT_OF_MEMORY;
     }
     PrefillProblem problem = {query, query_row_stride, key, key_row_stride, value, value_row_stride,
                               num_queries, num_keys, num_heads, num_kv_heads, head_dim, scale, out,
@@ -568,7 +570,7 @@ int ft_prefill_attention(const void *query, int64_t query_row_stride, const void
         attend_share(&problem, thread_index, team);
     }
     free(packed);
-    return 1;
+    return FT_OK;
 }
 
 /* Decode rows attending through block tables: what ft_decode_attention_as_prefill's two ways
@@ -615,13 +617,13 @@ static void attend_paged_row(const PagedDecodes *d, int64_t row, int64_t head, c
 
 /* Every context packed first (work split by KV head and key block), then every (row, head)
  * attends: balanced over the threads even for one row, while the packed contexts fit the
- * cores' caches. Returns 0 when out of memory. */
-static int decode_in_two_phases(const PagedDecodes *d, int num_threads) {
+ * cores' caches. Returns FT_OUT_OF_MEMORY when out of memory. */
+static FtStatus decode_in_two_phases(const PagedDecodes *d, int num_threads) {
     int64_t rows = d->rows, head_dim = d->head_dim, group = d->num_heads / d->num_kv_heads;
     /* Row r's packed K (then V) of KV head h start at packed + offsets[r] + h * padded * head_dim. */
     int64_t *offsets = malloc((size_t)(2 * rows + 1) * sizeof(int64_t));
     if (offsets == NULL) {
-        return 0;
+        return FT_OUT_OF_MEMORY;
     }
     int64_t *first_items = offsets + rows + 1; /* row r's first packing item */
     offsets[0] = 0;
@@ -634,7 +636,7 @@ static int decode_in_two_phases(const PagedDecodes *d, int num_threads) {
     uint16_t *packed = aligned_alloc(64, ((size_t)offsets[rows] * sizeof(uint16_t) + 63) / 64 * 64);
     if (packed == NULL) {
         free(offsets);
-        return 0;
+        return FT_OUT_OF_MEMORY;
     }
 #pragma omp parallel num_threads(num_threads) if (num_items * KEY_BLOCK * head_dim * d->num_heads >= 4 * PARALLEL_MIN_ELEMENTS)
     {
@@ -662,12 +664,12 @@ static int decode_in_two_phases(const PagedDecodes *d, int num_threads) {
     }
     free(packed);
     free(offsets);
-    return 1;
+    return FT_OK;
 }
 
 /* Per (row, KV head): its context packed into this thread's scratch, then the query heads that
- * read it attend while it is still in this core's cache. Returns 0 when out of memory. */
-static int decode_per_kv_head(const PagedDecodes *d, int num_threads, int64_t max_padded) {
+ * read it attend while it is still in this core's cache. Returns FT_OUT_OF_MEMORY when out of memory. */
+static FtStatus decode_per_kv_head(const PagedDecodes *d, int num_threads, int64_t max_padded) {
     int64_t head_dim = d->head_dim, group = d->num_heads / d->num_kv_heads;
     int all_allocated = 1;
 #pragma omp parallel num_threads(num_threads) reduction(&& : all_allocated)
@@ -691,7 +693,7 @@ static int decode_per_kv_head(const PagedDecodes *d, int num_threads, int64_t ma
         }
         free(packed_keys);
     }
-    return all_allocated;
+    return all_allocated ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
 /* Packed contexts beyond this many bytes per thread no longer fit the cores' caches between
@@ -702,15 +704,16 @@ static int decode_per_kv_head(const PagedDecodes *d, int num_threads, int64_t ma
  * apart, heads contiguous) attending over its sequence's first seq_lens[r] keys, read through
  * block_table [rows, max_blocks] from one layer's bf16 cache [2, num_slots, kv_heads *
  * head_dim] (block_size a multiple of 16), with the prefill kernel's arithmetic: the bits a
- * prefill of the same tokens gives the query's position. Returns 1, 0 when out of memory, -1
- * (touching nothing) when a block id or length lies outside the cache. */
-int ft_decode_attention_as_prefill(const uint16_t *query, int64_t query_stride, const uint16_t *kv_cache,
-                                   int64_t num_slots, const int64_t *block_table, int64_t max_blocks,
-                                   const int64_t *seq_lens, int64_t block_size, int64_t rows, int64_t num_heads,
-                                   int64_t num_kv_heads, int64_t head_dim, float scale, uint16_t *out,
-                                   int num_threads, int use_amx) {
-    if (block_size % 16 != 0 || !tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
-        return -1;
+ * prefill of the same tokens gives the query's position. Returns FT_OK, FT_OUT_OF_MEMORY,
+ * or FT_OUT_OF_BOUNDS (touching nothing) when a block id or length lies outside the cache. */
+FtStatus ft_decode_attention_as_prefill(const uint16_t *query, int64_t query_stride, const uint16_t *kv_cache,
+                                        int64_t num_slots, const int64_t *block_table, int64_t max_blocks,
+                                        const int64_t *seq_lens, int64_t block_size, int64_t rows, int64_t num_heads,
+                                        int64_t num_kv_heads, int64_t head_dim, float scale, uint16_t *out,
+                                        int num_threads, int use_amx) {
+    if (block_size % DECODE_AS_PREFILL_BLOCK_MULTIPLE != 0
+        || !tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
+        return FT_OUT_OF_BOUNDS;
     }
     PagedDecodes decodes = {query, query_stride, kv_cache, num_slots, block_table, max_blocks, seq_lens, block_size,
                             rows, num_heads, num_kv_heads, head_dim, scale, out, use_amx};

@@ -24,9 +24,8 @@
 #include "common.h"
 #include "isa.h"
 
-#define INT4_GROUP 32
-/* float vectors in a group of 32 int4 weights: half of them from the low nibbles. */
-#define GROUP_VECTORS (INT4_GROUP / VEC_WIDTH)
+/* float vectors in a group of INT4_GROUP_SIZE int4 weights: half of them from the low nibbles. */
+#define GROUP_VECTORS (INT4_GROUP_SIZE / VEC_WIDTH)
 #define MAX_TILE 4
 _Static_assert(DECODE_MAX_ROWS == 8, "DISPATCH_QUANTIZED_ROWS has a case for each row count 1 to 8");
 
@@ -86,7 +85,7 @@ static inline void dequantize_group(const uint8_t *packed, float scale, float of
  * call site. */
 static inline __attribute__((always_inline)) void int4_tile(const Int4Weight *w, const float *x, const int64_t rows,
                                                              const int64_t tile, int64_t o, int dtype, void *out) {
-    int64_t in_features = w->in_features, groups = in_features / INT4_GROUP;
+    int64_t in_features = w->in_features, groups = in_features / INT4_GROUP_SIZE;
     vfloat totals[DECODE_MAX_ROWS * MAX_TILE];
     for (int64_t i = 0; i < rows * tile; i++) {
         totals[i] = vf_splat(0.0f);
@@ -97,9 +96,9 @@ static inline __attribute__((always_inline)) void int4_tile(const Int4Weight *w,
             float scale = bf16_to_float(scales_zeros[g]);
             float offset = bf16_to_float(scales_zeros[groups + g]) - 8.0f * scale;
             vfloat weights[GROUP_VECTORS];
-            dequantize_group(w->levels + (o + t) * (in_features / 2) + g * (INT4_GROUP / 2), scale, offset, weights);
+            dequantize_group(w->levels + (o + t) * (in_features / 2) + g * (INT4_GROUP_SIZE / 2), scale, offset, weights);
             for (int64_t r = 0; r < rows; r++) {
-                const float *inputs = x + r * in_features + g * INT4_GROUP;
+                const float *inputs = x + r * in_features + g * INT4_GROUP_SIZE;
                 for (int c = 0; c < GROUP_VECTORS; c++) {
                     totals[r * tile + t] += weights[c] * vf_load(inputs + c * VEC_WIDTH);
                 }
@@ -128,14 +127,14 @@ static inline __attribute__((always_inline)) void int4_outputs(const Int4Weight 
 
 /* out [rows, out_features] = x [rows, in_features] . W^T (+ bias) for 1 <= rows <=
  * DECODE_MAX_ROWS, in_features a multiple of 32; x, bias and out contiguous in `dtype`
- * (DTYPE_FLOAT32 or DTYPE_BFLOAT16). Returns 0 when out of memory. */
-int ft_portable_int4_matmul(const uint8_t *levels, const uint16_t *scales_zeros, const void *bias,
-                            int64_t out_features, int64_t in_features, const void *x, int64_t rows, void *out,
-                            int dtype, int num_threads) {
+ * (DTYPE_FLOAT32 or DTYPE_BFLOAT16). Returns FT_OUT_OF_MEMORY when out of memory. */
+FtStatus ft_portable_int4_matmul(const uint8_t *levels, const uint16_t *scales_zeros, const void *bias,
+                                 int64_t out_features, int64_t in_features, const void *x, int64_t rows, void *out,
+                                 int dtype, int num_threads) {
     Int4Weight weight = {levels, scales_zeros, bias, out_features, in_features};
     float *scratch = NULL;
     if (dtype == DTYPE_BFLOAT16 && (scratch = malloc((size_t)(rows * in_features) * sizeof(float))) == NULL) {
-        return 0;
+        return FT_OUT_OF_MEMORY;
     }
     const float *inputs = float_inputs(x, rows * in_features, dtype, scratch);
 #pragma omp parallel num_threads(num_threads) if (out_features * in_features >= 4 * PARALLEL_MIN_ELEMENTS)
@@ -147,7 +146,7 @@ int ft_portable_int4_matmul(const uint8_t *levels, const uint16_t *scales_zeros,
 #undef INT4_BLOCK
     }
     free(scratch);
-    return 1;
+    return FT_OK;
 }
 
 /* int8 outputs [o, o + tile): out[r, o] = scale[o] * (x[r] . W[o]), scales in `dtype`. */
@@ -192,12 +191,13 @@ static inline __attribute__((always_inline)) void int8_outputs(const int8_t *wei
 
 /* out [rows, out_features] = x . (scales * W)^T (+ bias) for int8 W [out, in], 1 <= rows <=
  * DECODE_MAX_ROWS, in_features a multiple of 16; x, scales [out], bias and out contiguous in
- * `dtype`. Returns 0 when out of memory. */
-int ft_portable_int8_matmul(const int8_t *weight, const void *scales, const void *bias, int64_t out_features,
-                            int64_t in_features, const void *x, int64_t rows, void *out, int dtype, int num_threads) {
+ * `dtype`. Returns FT_OUT_OF_MEMORY when out of memory. */
+FtStatus ft_portable_int8_matmul(const int8_t *weight, const void *scales, const void *bias, int64_t out_features,
+                                 int64_t in_features, const void *x, int64_t rows, void *out, int dtype,
+                                 int num_threads) {
     float *scratch = NULL;
     if (dtype == DTYPE_BFLOAT16 && (scratch = malloc((size_t)(rows * in_features) * sizeof(float))) == NULL) {
-        return 0;
+        return FT_OUT_OF_MEMORY;
     }
     const float *inputs = float_inputs(x, rows * in_features, dtype, scratch);
 #pragma omp parallel num_threads(num_threads) if (out_features * in_features >= 4 * PARALLEL_MIN_ELEMENTS)
@@ -210,5 +210,5 @@ int ft_portable_int8_matmul(const int8_t *weight, const void *scales, const void
 #undef INT8_BLOCK
     }
     free(scratch);
-    return 1;
+    return FT_OK;
 }

@@ -1,4 +1,5 @@
-/* Fused CPU kernels for steps of few rows (decode, short prefill chunks).
+/* Fused row kernels for steps of few rows (decode, short prefill chunks): RMSNorm (after a
+ * residual add or not), SiLU-and-mul, rotary and the paged KV write; and the build's ISA name.
  *
  * At one to a few hundred rows the plain torch ops cost more in dispatch than in
  * arithmetic (RMSNorm alone is eight ops, rotary seven); each function here is one call,
@@ -44,9 +45,9 @@ FT_INTERNAL int rms_norm_rows(const void *x, const void *weight, void *out, int6
     return 1;
 }
 
-/* out = rms_norm(x) for contiguous x, out [rows, cols]. Returns 0 when out of memory. */
-int ft_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t cols, float eps, int dtype,
-                int num_threads) {
+/* out = rms_norm(x) for contiguous x, out [rows, cols]. Returns FT_OUT_OF_MEMORY when out of memory. */
+FtStatus ft_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t cols, float eps, int dtype,
+                     int num_threads) {
     int succeeded = 1;
 #pragma omp parallel num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS) reduction(&& : succeeded)
     {
@@ -54,7 +55,7 @@ int ft_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int6
         thread_rows(rows, &begin, &end);
         succeeded = rms_norm_rows(x, weight, out, begin, end, cols, eps, dtype);
     }
-    return succeeded;
+    return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
 FT_INTERNAL int add_rms_norm_rows(const void *x, const void *residual, const void *weight, void *out, void *summed,
@@ -82,8 +83,8 @@ FT_INTERNAL int add_rms_norm_rows(const void *x, const void *residual, const voi
 }
 
 /* summed = x + residual; out = rms_norm(summed); all contiguous [rows, cols]. */
-int ft_add_rms_norm(const void *x, const void *residual, const void *weight, void *out, void *summed,
-                    int64_t rows, int64_t cols, float eps, int dtype, int num_threads) {
+FtStatus ft_add_rms_norm(const void *x, const void *residual, const void *weight, void *out, void *summed,
+                         int64_t rows, int64_t cols, float eps, int dtype, int num_threads) {
     int succeeded = 1;
 #pragma omp parallel num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS) reduction(&& : succeeded)
     {
@@ -91,7 +92,7 @@ int ft_add_rms_norm(const void *x, const void *residual, const void *weight, voi
         thread_rows(rows, &begin, &end);
         succeeded = add_rms_norm_rows(x, residual, weight, out, summed, begin, end, cols, eps, dtype);
     }
-    return succeeded;
+    return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
 /* x / (1 + e^-x), in place. */
@@ -133,7 +134,7 @@ FT_INTERNAL int silu_and_mul_rows(const void *gate_up, void *out, int64_t begin,
 }
 
 /* out [rows, half] = to_dtype(silu(gate)) * up, gate_up contiguous [rows, 2 * half]. */
-int ft_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t half, int dtype, int num_threads) {
+FtStatus ft_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t half, int dtype, int num_threads) {
     int succeeded = 1;
 #pragma omp parallel num_threads(num_threads) if (rows * half >= PARALLEL_MIN_ELEMENTS) reduction(&& : succeeded)
     {
@@ -141,7 +142,7 @@ int ft_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t half, 
         thread_rows(rows, &begin, &end);
         succeeded = silu_and_mul_rows(gate_up, out, begin, end, half, dtype);
     }
-    return succeeded;
+    return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
 FT_INTERNAL int rotary_rows(void *x, int64_t row_stride, int64_t begin, int64_t end, int64_t heads, int64_t head_dim,
@@ -176,8 +177,8 @@ FT_INTERNAL int rotary_rows(void *x, int64_t row_stride, int64_t begin, int64_t 
 /* Rotate-half rotary embedding, in place: x [rows, heads, head_dim] with rows `row_stride`
  * elements apart and heads contiguous; cos, sin contiguous [rows, head_dim] in x's dtype.
  * x * cos + rotate_half(x) * sin, each product rounded to the dtype as torch rounds it. */
-int ft_rotary(void *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim, const void *cos,
-              const void *sin, int dtype, int num_threads) {
+FtStatus ft_rotary(void *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim, const void *cos,
+                   const void *sin, int dtype, int num_threads) {
     int succeeded = 1;
 #pragma omp parallel num_threads(num_threads) if (rows * heads * head_dim >= PARALLEL_MIN_ELEMENTS) \
     reduction(&& : succeeded)
@@ -186,19 +187,19 @@ int ft_rotary(void *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t 
         thread_rows(rows, &begin, &end);
         succeeded = rotary_rows(x, row_stride, begin, end, heads, head_dim, cos, sin, dtype);
     }
-    return succeeded;
+    return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
 /* Copies each row's K and V (row_elems contiguous elements, rows `key_row_stride` and
  * `value_row_stride` apart) to its slot of the paged cache: keys at cache[slot], values at
  * cache[values_offset / row_elems + slot].
- * Returns 0, copying nothing, when a slot lies outside [0, num_slots). */
-int ft_write_kv(void *cache, int64_t values_offset, int64_t num_slots, const void *key, int64_t key_row_stride,
-                const void *value, int64_t value_row_stride, const int64_t *slots, int64_t rows, int64_t row_elems,
-                int dtype) {
+ * Returns FT_OUT_OF_BOUNDS, copying nothing, when a slot lies outside [0, num_slots). */
+FtStatus ft_write_kv(void *cache, int64_t values_offset, int64_t num_slots, const void *key, int64_t key_row_stride,
+                     const void *value, int64_t value_row_stride, const int64_t *slots, int64_t rows, int64_t row_elems,
+                     int dtype) {
     for (int64_t r = 0; r < rows; r++) {
         if (slots[r] < 0 || slots[r] >= num_slots) {
-            return 0;
+            return FT_OUT_OF_BOUNDS;
         }
     }
     size_t element_size = dtype == DTYPE_BFLOAT16 ? 2 : 4;
@@ -209,7 +210,7 @@ int ft_write_kv(void *cache, int64_t values_offset, int64_t num_slots, const voi
         memcpy(keys + destination, (const char *)key + (size_t)(r * key_row_stride) * element_size, row_bytes);
         memcpy(values + destination, (const char *)value + (size_t)(r * value_row_stride) * element_size, row_bytes);
     }
-    return 1;
+    return FT_OK;
 }
 
 /* The instruction set this build targets, as the compiler saw it. */
