@@ -112,7 +112,7 @@ def test_test_tier_lines_select_registered_markers():
 
 
 def test_no_shell_line_goes_unchecked():
-    checked = ("firsttoken ", "python bench/", "docker ", PYTEST_PREFIX, SET_UP_PREFIX)
+    checked = ("firsttoken ", "python benchmarks/", "docker ", PYTEST_PREFIX, SET_UP_PREFIX)
     unchecked = [line for line in _shell_lines() if not line.startswith(checked)]
     assert not unchecked, f"add a check for these README lines: {unchecked}"
 

@@ -1,7 +1,7 @@
 """Structured output: grammars compiled by llguidance over this model's vocabulary, a matcher per
 constrained request, and the token masks of a step's constrained rows.
 
-Engine. llguidance, chosen over xgrammar by bench/grammar_engines.py on this tokenizer: it
+Engine. llguidance, chosen over xgrammar by benchmarks/grammar_engines.py on this tokenizer: it
 compiles a JSON schema ~6-12x faster (~0.5 ms against ~4 ms, what a request with a new schema
 waits before its first token), its per-token masks cost ~10 us against ~1 us (both well under
 1% of a ~10 ms decode step), and it needs neither transformers nor torch at run time.

@@ -1,7 +1,7 @@
 """What structured output costs: TTFT of a short constrained chat request against the same
 request unconstrained, and the sampler's step with and without constrained rows.
 
-    python bench/structured_output.py [--repeats 30] [--dtype auto]
+    python benchmarks/structured_output.py [--repeats 30] [--dtype auto]
 
 TTFT (through AsyncEngine, as the server runs it: arrival to first delta, one request at a time,
 max_tokens 1, the same chat prompt, a fresh prompt-cache miss each time), in turns:

@@ -1,6 +1,6 @@
 """The portable flash attention (csrc/attention.c) against the torch paths it replaces, in turns.
 
-    python bench/cpu_attention.py [--isa avx2 avx512] [--dtype float32] [--threads 2]
+    python benchmarks/cpu_attention.py [--isa avx2 avx512] [--dtype float32] [--threads 2]
         [--lengths 128 512 2048] [--contexts 512 2048] [--repeats 20]
 
 SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head size 64), for each ISA asked

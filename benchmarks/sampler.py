@@ -1,6 +1,6 @@
 """Sampler benchmark: the old per-row loop against the batched sampler.
 
-    python bench/sampler.py [--rows 1 8 16 32] [--vocab 49152] [--repeats 30] [--threads N]
+    python benchmarks/sampler.py [--rows 1 8 16 32] [--vocab 49152] [--repeats 30] [--threads N]
 
 For each row count R, R rows of logits over the vocabulary with a serving mix (cycling through
 MIX: greedy, temperature with top-p 0.95 and top-k 40, the OpenAI defaults, seeded and unseeded,

@@ -1,6 +1,6 @@
 """Grammar engines on our tokenizer: xgrammar against llguidance.
 
-    python bench/grammar_engines.py [--repeats 20]
+    python benchmarks/grammar_engines.py [--repeats 20]
 
 Both engines get the embedded model's vocabulary as our tokenizer builds it from the GGUF
 (token byte strings, special tokens, end-of-sequence ids; no hub); llguidance exactly as the

@@ -1,6 +1,6 @@
 """CPU prefill and decode speed: firsttoken against this machine's matmul rate and its peers.
 
-    python bench/cpu_speed.py [--lengths 128 512 2048] [--repeats 5] [--skip-peers]
+    python benchmarks/cpu_speed.py [--lengths 128 512 2048] [--repeats 5] [--skip-peers]
 
 In one run and one process, every system loaded side by side and timed in turns (so drift in
 this machine's speed hits all of them alike):

@@ -7,7 +7,7 @@ heads, 3 KV heads, head size 64, bf16), in one process, in turns:
 - split: what it ran before, SDPA over the context with its log-sum-exp, SDPA over the chunk,
   then a merge of the two.
 
-    python bench/chunk_attention.py [--shapes 512:128 1024:256 2048:512] [--repeats 15]
+    python benchmarks/chunk_attention.py [--shapes 512:128 1024:256 2048:512] [--repeats 15]
 """
 
 from __future__ import annotations

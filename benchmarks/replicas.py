@@ -1,6 +1,6 @@
 """Replicas on Ray Serve: prefix-aware routing against Ray's default power-of-two router.
 
-    python bench/replicas.py [--replicas 2] [--prefix-len 1024] [--prompts-per-group 6]
+    python benchmarks/replicas.py [--replicas 2] [--prefix-len 1024] [--prompts-per-group 6]
                              [--request-rate 0.5] [--rounds 1] [--ray-address auto]
 
 Both routers serve the shared-prefix dataset of `firsttoken bench serve` (4 distinct system

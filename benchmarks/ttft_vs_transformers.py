@@ -1,6 +1,6 @@
 """TTFT of firsttoken and of transformers on the same weights, in one run, with ratios.
 
-    python bench/ttft_vs_transformers.py [--lengths 128 512 2048] [--repeats 5] [--dtype float32]
+    python benchmarks/ttft_vs_transformers.py [--lengths 128 512 2048] [--repeats 5] [--dtype float32]
 
 TTFT here is the wall time from handing over the prompt's token ids to holding the first
 generated token: firsttoken's `LLM.generate(max_tokens=1)` with the prompt cache off, and

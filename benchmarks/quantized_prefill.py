@@ -1,7 +1,7 @@
 """TTFT of quantized engines against bf16: prefill on the float weights (default) or on the
 quantized ones (`quantized_prefill=True`), one prompt length, all engines timed in turns.
 
-    python bench/quantized_prefill.py [--length 512] [--repeats 5]
+    python benchmarks/quantized_prefill.py [--length 512] [--repeats 5]
 
 The quantized CPU kernels are built for steps of a few rows; a prefill on them pays for it.
 """

@@ -1,7 +1,8 @@
 """TTFT and decode speed of firsttoken against transformers (and llama.cpp when installed),
 on the same prompts in the same run, with ratios.
 
-    python bench/compare_peers.py [--input-lens 128 512 2048] [--output-len 32] [--runs 3] [--dtype float32]
+    python benchmarks/compare_peers.py [--input-lens 128 512 2048] [--output-len 32] [--runs 3] \\
+        [--dtype float32]
 
 The same as `firsttoken bench compare`; every engine option of firsttoken is a flag too.
 --dtype defaults to float32 and applies to transformers too.

@@ -1,6 +1,6 @@
 """Prompt-cache benchmark: cold vs warm TTFT, and the first request after a restart.
 
-    python bench/prompt_cache.py [--prefix-len 512] [--suffix-len 32] [--repeats 7] [--dtype float32]
+    python benchmarks/prompt_cache.py [--prefix-len 512] [--suffix-len 32] [--repeats 7] [--dtype float32]
 
 1. Cold: a prompt of prefix + suffix tokens that no cache has seen.
    Warm: the same prefix already cached, a new suffix: only the suffix is prefilled.

@@ -1,6 +1,6 @@
 """Quantized decode on this CPU: the projections' kernels, then whole engines, in turns.
 
-    python bench/quantized_decode.py [--isa auto] [--repeats 7] [--threads N]
+    python benchmarks/quantized_decode.py [--isa auto] [--repeats 7] [--threads N]
                                      [--skip-kernels] [--skip-engines]
 
 1. Memory bandwidth: the median of summing a 1 GiB float32 tensor (reads only), GB/s.

@@ -1,6 +1,6 @@
 """Head-of-line benchmark: a long prompt arrives while streams decode and short prompts keep coming.
 
-    python bench/head_of_line.py [--long-len 4096] [--short-len 64] [--streams 8] [--dtype auto]
+    python benchmarks/head_of_line.py [--long-len 4096] [--short-len 64] [--streams 8] [--dtype auto]
 
 In one process, for chunking off, fixed 512, fixed 2048 and auto: 8 streams are decoding; at
 t=0 a long prompt arrives; a short prompt arrives every 100 ms for 5 s. Requests are stamped

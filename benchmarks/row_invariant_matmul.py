@@ -1,6 +1,6 @@
 """The row-invariant float32 matmul against torch's F.linear, in one process, in turns.
 
-    python bench/row_invariant_matmul.py [--isa avx2 ...] [--rows 1 8 128 512 2048] [--repeats 15]
+    python benchmarks/row_invariant_matmul.py [--isa avx2 ...] [--rows 1 8 128 512 2048] [--repeats 15]
                                          [--lengths 128 512] [--engine-repeats 5] [--decode-tokens 32]
                                          [--threads N] [--skip-engine]
 

@@ -1,6 +1,6 @@
 """What batch invariance costs: TTFT and decode speed with `batch_invariant` on and off.
 
-    python bench/batch_invariance.py [--device cpu|cuda] [--input-lens 128 512 2048] \\
+    python benchmarks/batch_invariance.py [--device cpu|cuda] [--input-lens 128 512 2048] \\
         [--decode-batches 1 8] [--repeats 7]
 
 Two engines on the same bf16 model, one with `batch_invariant=True` (the default; on the CPU

@@ -1,6 +1,6 @@
 """What n-gram speculative decoding buys: decode speed and TTFT with and without it.
 
-    python bench/speculative.py [--max-tokens 96] [--batches 1 4] [--repeats 5]
+    python benchmarks/speculative.py [--max-tokens 96] [--batches 1 4] [--repeats 5]
 
 Three bf16 engines on the same model, timed in turns in one process: n-gram speculation, a
 draft model (the embedded model drafting for itself: a correctness check, acceptance ~100%,

@@ -3,8 +3,8 @@ weights, the bf16 matmul rate, TTFT against the compute floor and against a tran
 forward, TTFT and decode tokens/s with and without CUDA graphs, what capturing them cost, and
 batch invariance: the same bits beside other requests, and what it costs.
 
-    python bench/gpu_check.py [--json results.json]          # on a CUDA machine, < 8 minutes on an H200
-    python bench/gpu_check.py --device cpu --tiny            # the same steps on tiny shapes, in seconds
+    python benchmarks/gpu_check.py [--json results.json]          # on a CUDA machine, < 8 minutes on an H200
+    python benchmarks/gpu_check.py --device cpu --tiny            # the same steps on tiny shapes, in seconds
 
 Nothing is downloaded and firsttoken need not be installed (the repository root goes on
 sys.path): models of the SmolLM2-135M and Llama-2-7B shapes get seeded random weights in

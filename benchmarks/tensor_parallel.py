@@ -1,7 +1,7 @@
 """What tensor parallelism does on this machine: TTFT and decode speed at TP=1 and TP=2, and
 the time rank 0 spends in all-reduces per step.
 
-    python bench/tensor_parallel.py [--input-lens 128 512] [--decode-batches 1 8] [--repeats 5]
+    python benchmarks/tensor_parallel.py [--input-lens 128 512] [--decode-batches 1 8] [--repeats 5]
 
 Two engines on the embedded model (default dtype), one process each rank: TP=1 on all the
 physical cores, TP=2 on half of them per rank (so both use the same cores), timed in turns in

@@ -1,6 +1,6 @@
 """The hand-written CPU kernels against the torch ops they replace, in one process, in turns.
 
-    python bench/native_kernels.py [--lengths 16 128 512 2048] [--repeats 5] [--decode-tokens 64]
+    python benchmarks/native_kernels.py [--lengths 16 128 512 2048] [--repeats 5] [--decode-tokens 64]
 
 1. Each kernel alone (bf16, SmolLM2-135M's shapes): add+RMSNorm, SwiGLU and rotary against
    the same op compiled by inductor and in eager torch; causal prefill attention (9 query

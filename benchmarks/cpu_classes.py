@@ -1,7 +1,7 @@
 """The engine on each CPU class this machine can run: native kernels built for that ISA against
 the plain torch ops, in the default dtype of the class, timed in turns in one process.
 
-    python bench/cpu_classes.py [--isa avx2 avx512 ...] [--dtype float32] [--repeats 5]
+    python benchmarks/cpu_classes.py [--isa avx2 avx512 ...] [--dtype float32] [--repeats 5]
 
 For each ISA given (default: every one this CPU runs, see `firsttoken.ops.cpu_isa`), and for
 a baseline engine without native kernels (torch's own ops: SDPA attention, torch's quantized
