@@ -12,8 +12,8 @@ prints, as medians over --repeats runs taken in turns (xgrammar, llguidance, xgr
 - per-token mask: filling the next token mask after each token of a valid output, the work a
   constrained request adds to each decode step;
 and the tokenizer set-up once. Ratios are xgrammar / llguidance (above 1: llguidance faster).
-This machine is shared with other work: timings are noisy; the ratios, measured in turns, hold
-better than the absolute times.
+On a machine shared with other work the ratios, timed in turns, hold better than the absolute
+times.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ Sampler (--rows rows of logits over the vocabulary, greedy): a step with no cons
 with one, and with every row constrained; medians in microseconds. A step without a constrained
 row runs no grammar code at all (the rows are checked for parameters that process logits first).
 
-This machine is shared with other work: absolute times drift; the ratios, measured in turns,
-hold better.
+On a machine shared with other work the ratios, timed in turns, hold better than the absolute
+times.
 """
 
 from __future__ import annotations
