@@ -14,8 +14,8 @@ import yaml
 from firsttoken.cli import build_parser
 
 ROOT = pathlib.Path(__file__).parents[1]
-DEPLOY = ROOT / "deploy"
-DOCKERFILES = [DEPLOY / "docker" / "Dockerfile", DEPLOY / "docker" / "Dockerfile.cuda"]
+DEPLOYMENT = ROOT / "deployment"
+DOCKERFILES = [DEPLOYMENT / "docker" / "Dockerfile", DEPLOYMENT / "docker" / "Dockerfile.cuda"]
 
 
 def _instructions(dockerfile: pathlib.Path) -> list[tuple[str, str]]:
@@ -68,10 +68,11 @@ def test_dockerfile_copies_files_that_exist_and_serves_with_valid_flags(dockerfi
 
 
 def test_compose_wires_server_prometheus_and_grafana():
-    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    compose = yaml.safe_load((DEPLOYMENT / "compose.yaml").read_text())
     services = compose["services"]
     server = services["firsttoken"]
-    assert (DEPLOY / server["build"]["context"] / server["build"]["dockerfile"]).resolve() == DOCKERFILES[0]
+    dockerfile = DEPLOYMENT / server["build"]["context"] / server["build"]["dockerfile"]
+    assert dockerfile.resolve() == DOCKERFILES[0]
     entrypoint = json.loads(next(a for i, a in _instructions(DOCKERFILES[0]) if i == "ENTRYPOINT"))
     build_parser().parse_args(entrypoint[1:] + server["command"])
     assert "8000:8000" in server["ports"]
@@ -79,16 +80,18 @@ def test_compose_wires_server_prometheus_and_grafana():
     for service in ("prometheus", "grafana"):
         for volume in services[service]["volumes"]:
             host_path = volume.split(":")[0]
-            assert (DEPLOY / host_path).exists(), f"{service} mounts {host_path}, which is not in deploy/"
+            assert (DEPLOYMENT / host_path).exists(), (
+                f"{service} mounts {host_path}, which is not in deployment/"
+            )
 
-    prometheus = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    prometheus = yaml.safe_load((DEPLOYMENT / "prometheus" / "prometheus.yml").read_text())
     targets = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
     assert targets == ["firsttoken:8000"]  # the service name and the port the server listens on
 
-    datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())
+    datasource = yaml.safe_load((DEPLOYMENT / "grafana/provisioning/datasources/prometheus.yaml").read_text())
     assert datasource["datasources"][0]["type"] == "prometheus"
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
-    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/firsttoken.yaml").read_text())
+    provider = yaml.safe_load((DEPLOYMENT / "grafana/provisioning/dashboards/firsttoken.yaml").read_text())
     dashboard_folder = provider["providers"][0]["options"]["path"]
     dashboard_mounts = [
         v for v in services["grafana"]["volumes"] if v.startswith("./grafana/firsttoken.json:")

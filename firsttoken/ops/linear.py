@@ -425,7 +425,7 @@ QUANTIZED_MAX_ROWS = {"int8": 4, "int4": 8}
 # int4/int8 kernels with float32 activations are slower still, and at 4 and 8 rows both
 # portable kernels beat float32 F.linear. Measured over SmolLM2-135M's 120 projections (weights
 # streamed from memory; AVX2 build; 2 cores shared with other work, so only ratios count;
-# bench/quantized_decode.py), ms ratios to float32 F.linear, 2 threads:
+# benchmarks/quantized_decode.py), ms ratios to float32 F.linear, 2 threads:
 # rows                     1      4      8
 # portable int4          6.6   0.70   0.73
 # portable int8          5.3   0.66   0.59

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py: its parity rule and FLOP count, and its CPU smoke run end to end as the GPU
+"""benchmarks/gpu_check.py: its parity rule and FLOP count, and its CPU smoke run end to end as the GPU
 image would run it (no gguf package, the repository on sys.path)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "bench"))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import gpu_check  # noqa: E402
 
@@ -85,7 +85,7 @@ def test_forward_flops_of_the_7b_shape():
 @pytest.mark.engine  # a subprocess that builds engines on tiny shapes
 def test_cpu_smoke_run_prints_the_tables_and_passes(tmp_path):
     results_file = tmp_path / "results.json"
-    script = os.path.join(REPO, "bench", "gpu_check.py")
+    script = os.path.join(REPO, "benchmarks", "gpu_check.py")
     completed = subprocess.run(
         [
             sys.executable,

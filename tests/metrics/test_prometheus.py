@@ -15,7 +15,7 @@ from firsttoken.outputs import RequestMetrics
 from firsttoken.metrics.ttft_stages import TTFTStages
 from firsttoken.outputs import RequestDelta
 
-DASHBOARD = pathlib.Path(__file__).parents[2] / "deploy" / "grafana" / "firsttoken.json"
+DASHBOARD = pathlib.Path(__file__).parents[2] / "deployment" / "grafana" / "firsttoken.json"
 STATS = EngineStats(
     num_running=3,
     num_waiting=2,

@@ -1,0 +1,192 @@
+"""The hand-written CPU kernels against the torch ops they replace, in one process, in turns.
+
+    python benchmarks/native_kernels.py [--lengths 16 128 512 2048] [--repeats 5] [--decode-tokens 64]
+
+1. Each kernel alone (bf16, SmolLM2-135M's shapes): add+RMSNorm, SwiGLU and rotary against
+   the same op compiled by inductor and in eager torch; causal prefill attention (9 query
+   heads, 3 KV heads, head size 64) against SDPA's flash kernel. Medians of 30 calls in turns.
+2. Two bf16 engines that differ only in `native_kernels`: on, norms, rotary, SwiGLU and the KV
+   write are C kernels and prefill attention is ours (AMX tiles or AVX512-BF16); off,
+   the same steps are torch ops (inductor-compiled from 512 tokens, SDPA's flash kernel).
+   TTFT per prompt length and decode tokens/s after a 512-token prompt (bf16 and int4
+   weights), as medians and ratios on / off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
+
+from firsttoken import LLM, SamplingParams  # noqa: E402
+from firsttoken.models.loaders.conversion_cache import default_cache_dir  # noqa: E402
+from firsttoken.models.registry import default_model_path  # noqa: E402
+from firsttoken.ops import kernels  # noqa: E402
+from firsttoken.ops.native import NativeKernels, load_native_kernels  # noqa: E402
+from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin  # noqa: E402
+
+GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
+DECODE_PROMPT_LEN = 512
+SETTINGS = {"native kernels": True, "torch ops": False}
+
+
+KERNEL_ROWS = [64, 512, 2048]
+ATTENTION_LENGTHS = [128, 512, 2048]
+
+
+def call_medians(calls: dict[str, object], repeats: int = 30) -> dict[str, float]:
+    """Median microseconds of each call, taking turns."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for index in range(-2, repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if index >= 0:
+                samples[name].append((time.perf_counter() - start) * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def kernel_rows(native: NativeKernels) -> list[list[object]]:
+    rows = []
+    table = cos_sin_table(inverse_frequencies(64, 10000.0, None, None), 4096)
+    for num_rows in KERNEL_ROWS:
+        x, residual = (torch.randn(num_rows, 576).to(torch.bfloat16) for _ in range(2))
+        weight = torch.randn(576).to(torch.bfloat16)
+        gate_up = torch.randn(num_rows, 2 * 1536).to(torch.bfloat16)
+        cos, sin = rotary_cos_sin(table, torch.randint(0, 4096, (num_rows,)), torch.bfloat16)
+        query_key = torch.randn(num_rows, 15 * 64).to(torch.bfloat16)[:, : 12 * 64].view(num_rows, 12, 64)
+        ops = {
+            "add+RMSNorm": (lambda: native.add_rms_norm(x, residual, weight, 1e-5),
+                            lambda: kernels._fused_add_rms_norm(x, residual, weight, 1e-5),
+                            lambda: kernels.add_rms_norm_reference(x, residual, weight, 1e-5)),
+            "SwiGLU": (lambda: native.silu_and_mul(gate_up), lambda: kernels._fused_silu_and_mul(gate_up),
+                       lambda: kernels.silu_and_mul_reference(gate_up)),
+            "rotary": (lambda: native.apply_rotary_(query_key, cos, sin),
+                       lambda: kernels._fused_apply_rotary(query_key, cos, sin),
+                       lambda: kernels.apply_rotary_reference(query_key, cos, sin)),
+        }
+        for op, (native_call, compiled_call, eager_call) in ops.items():
+            us = call_medians({"native": native_call, "compiled": compiled_call, "eager": eager_call})
+            rows.append(
+                [op, num_rows, us["native"], us["compiled"], us["eager"], us["native"] / us["compiled"]]
+            )
+    return rows
+
+
+def attention_rows(native: NativeKernels) -> list[list[object]]:
+    rows = []
+    for length in ATTENTION_LENGTHS:
+        query = torch.randn(length, 9, 64).to(torch.bfloat16)
+        key, value = (torch.randn(length, 3, 64).to(torch.bfloat16) for _ in range(2))
+        us = call_medians({
+            "native": lambda: native.prefill_attention(query, key, value, torch.get_num_threads()),
+            "sdpa": lambda: F.scaled_dot_product_attention(
+                query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
+                is_causal=True, enable_gqa=True,
+            ),
+        })
+        flops = 4 * 9 * 64 * length * (length + 1) / 2
+        rows.append([length, us["native"], us["sdpa"], flops / us["native"] / 1e3, flops / us["sdpa"] / 1e3,
+                     us["native"] / us["sdpa"]])
+    return rows
+
+
+def print_kernel_tables(native: NativeKernels) -> None:
+    print_table(
+        ["op (bf16)", "rows", "native us", "compiled us", "eager us", "native / compiled"],
+        kernel_rows(native),
+    )
+    if native.has_prefill_attention:
+        form = "AMX" if native.has_amx else "AVX512-BF16"
+        print()
+        print_table(
+            [
+                "causal prefill tokens",
+                f"native ({form}) us",
+                "SDPA us",
+                "native GFLOP/s",
+                "SDPA GFLOP/s",
+                "ratio",
+            ],
+            attention_rows(native),
+        )
+    print()
+
+
+def ttft_run(llm: LLM, length: int):
+    return lambda index: timed(
+        lambda: llm.generate(prompt_token_ids=[random_prompt(length, seed=9_000 + 10 * length + index)],
+                             sampling_params=GREEDY_ONE)
+    )
+
+
+def decode_run(llm: LLM, num_tokens: int):
+    """Seconds per generated token after the first (the decode steps only)."""
+    params = SamplingParams(temperature=0, max_tokens=num_tokens + 1, ignore_eos=True)
+
+    def run(index: int) -> float:
+        prompt = random_prompt(DECODE_PROMPT_LEN, seed=9_500 + index)
+        metrics = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].metrics
+        return (metrics.last_token_time - metrics.first_token_time) / num_tokens
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", default=[16, 128, 512, 2048])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    args = parser.parse_args()
+    native = load_native_kernels(os.path.join(default_cache_dir(), "native"))
+    if native is None:
+        sys.exit("no native kernels on this machine (no working C compiler): nothing to compare")
+    print_kernel_tables(native)
+    path = default_model_path()
+    max_len = max(max(args.lengths), DECODE_PROMPT_LEN + args.decode_tokens + 1)
+    options = dict(
+        dtype="bfloat16", enable_prompt_cache=False, chunk_size=max_len, max_num_batched_tokens=max_len
+    )
+    engines = {name: LLM(path, native_kernels=on, **options) for name, on in SETTINGS.items()}
+    int4_engines = {
+        name: LLM(path, native_kernels=on, quantization="int4", **options) for name, on in SETTINGS.items()
+    }
+    on, off = SETTINGS
+
+    rows, ttft_results = [], {}
+    for length in args.lengths:
+        ttft = interleaved_medians(
+            {name: ttft_run(llm, length) for name, llm in engines.items()}, args.repeats
+        )
+        ttft_results[length] = ttft
+        rows.append([length, ttft[on] * 1000, ttft[off] * 1000, ttft[on] / ttft[off]])
+    print_table(["prompt tokens", f"TTFT ms, {on}", f"TTFT ms, {off}", "ratio"], rows)
+
+    rows, decode_results = [], {}
+    for weights, group in (("bf16", engines), ("int4", int4_engines)):
+        per_token = interleaved_medians(
+            {name: decode_run(llm, args.decode_tokens) for name, llm in group.items()}, args.repeats
+        )
+        decode_results[weights] = per_token
+        rows.append([weights, 1 / per_token[on], 1 / per_token[off], per_token[off] / per_token[on]])
+    print()
+    print_table(
+        [f"decode after {DECODE_PROMPT_LEN} tokens", f"tokens/s, {on}", f"tokens/s, {off}", "speed-up"], rows
+    )
+    print(
+        "saved", save_result("native_kernels", {"ttft_s": ttft_results, "decode_s_per_token": decode_results})
+    )
+
+
+if __name__ == "__main__":
+    main()
