@@ -42,7 +42,7 @@ def decode_run(llm: LLM, batch: int):
     params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 1, ignore_eos=True)
 
     def run(index: int) -> float:
-        core = llm.engine
+        core = llm.core
         ids = [core.new_request_id() for _ in range(batch)]
         for offset, request_id in enumerate(ids):
             core.add_request(request_id, random_prompt(256, seed=1000 * index + offset), params)
@@ -70,7 +70,7 @@ def main() -> None:
         "invariant": LLM(**options, batch_invariant=True),
         "plain": LLM(**options, batch_invariant=False),
     }
-    print(f"batch invariance in effect: {engines['invariant'].engine.worker.batch_invariant}")
+    print(f"batch invariance in effect: {engines['invariant'].core.worker.batch_invariant}")
     rows, payload = [], {}
     for input_len in args.input_lens:
         medians = interleaved_medians(

@@ -47,7 +47,7 @@ def matmul_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> fl
 
 def forward_flops(llm: LLM, num_tokens: int) -> float:
     """2 x non-embedding params per token, plus causal attention (QK^T and PV)."""
-    arch = llm.engine.worker.checkpoint.arch
+    arch = llm.core.worker.checkpoint.arch
     attention = 4 * arch.num_layers * arch.num_heads * arch.head_dim * num_tokens * (num_tokens + 1) / 2
     return 2 * arch.num_non_embedding_params * num_tokens + attention
 
@@ -84,7 +84,7 @@ def firsttoken_decode_run(llm: LLM, num_tokens: int, native_step: bool = True):
     """Seconds per decoded token at batch 1 after a 512-token prompt; `native_step=False`
     sets the runner's whole-step native decode aside for the run (the per-op path)."""
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    runner = llm.engine.worker.runner
+    runner = llm.core.worker.runner
     whole_step = runner.whole_step_decode
 
     def run(index: int) -> float:
@@ -203,7 +203,7 @@ def main() -> None:
             for quantization, engine in quantized.items()
         },
     }
-    if quantized["int4"].engine.worker.runner.whole_step_decode is not None:
+    if quantized["int4"].core.worker.runner.whole_step_decode is not None:
         decode_runs["firsttoken int4, per-op decode"] = firsttoken_decode_run(
             quantized["int4"], args.decode_tokens, native_step=False
         )

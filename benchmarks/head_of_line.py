@@ -52,7 +52,7 @@ def run_scenario(options: dict, args: argparse.Namespace) -> ScenarioResult:
         dtype=args.dtype, enable_prompt_cache=False, max_num_batched_tokens=2048,
         kv_cache_memory_bytes=1 << 30, **options,
     )
-    engine = llm.engine
+    engine = llm.core
     result = ScenarioResult()
     stream_ids = [f"stream-{index}" for index in range(args.streams)]
     stream_params = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)

@@ -33,7 +33,7 @@ class AllReduceClock:
     """Per-step seconds and counts of rank 0's all-reduces over the timed sections of runs."""
 
     def __init__(self, llm: LLM) -> None:
-        self.group = llm.engine.worker.rank_group
+        self.group = llm.core.worker.rank_group
         self.seconds_per_step: list[float] = []
         self.calls_per_step: list[float] = []
         self.step_seconds: list[float] = []
@@ -62,7 +62,7 @@ def decode_run(llm: LLM, clock: AllReduceClock, batch: int):
     params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 1, ignore_eos=True)
 
     def run(index: int) -> float:
-        core = llm.engine
+        core = llm.core
         ids = [core.new_request_id() for _ in range(batch)]
         for offset, request_id in enumerate(ids):
             core.add_request(request_id, random_prompt(256, seed=1000 * index + offset), params)
@@ -96,10 +96,10 @@ def main() -> None:
     engines = {"tp1": LLM(**options), "tp2": LLM(**options, tensor_parallel_size=2)}
     clocks = {name: AllReduceClock(llm) for name, llm in engines.items()}
     print(
-        f"tp1: {engines['tp1'].engine.worker.describe()}, {engines['tp1'].engine.worker.num_threads} threads"
+        f"tp1: {engines['tp1'].core.worker.describe()}, {engines['tp1'].core.worker.num_threads} threads"
     )
     print(
-        f"tp2: {engines['tp2'].engine.worker.describe()}, {engines['tp2'].engine.worker.num_threads} threads "
+        f"tp2: {engines['tp2'].core.worker.describe()}, {engines['tp2'].core.worker.num_threads} threads "
         "per rank"
     )
     rows, reduce_rows, payload = [], [], {}

@@ -88,6 +88,9 @@ class Request:
     grammar: Any = None
     # Prompt tokens 1, 2, ... scored so far, when sampling_params.prompt_logprobs asks for them.
     prompt_logprobs: list[SampledToken] = field(default_factory=list)
+    # Proposed tokens to follow token_ids, set by the engine after a step's update for the next
+    # step to verify; the scheduler takes (and clears) them when it schedules that step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

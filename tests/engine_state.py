@@ -16,4 +16,4 @@ def all_blocks_free(llm: LLM) -> bool:
 def tracked_requests(llm: LLM) -> dict:
     """The requests whose tokens the sampler keeps (penalties, grammars, bad words), by id. The
     engine has no public view of these: this is the one place a test reaches for them."""
-    return llm.engine.worker.runner.sampler.tracked.requests
+    return llm.core.worker.runner.sampler.tracked.requests

@@ -30,7 +30,7 @@ LAYERS: list[set[str]] = [
     {"engine"},
     {"worker"},
     {"sample"},
-    {"models", "core", "metrics", "spec"},
+    {"models", "core", "metrics", "speculative"},
     {"attention"},
     {"ops"},
     {

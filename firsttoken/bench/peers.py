@@ -52,7 +52,7 @@ class FirsttokenPeer:
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
-        self.note = _dtype_name(llm.engine.worker.dtype)
+        self.note = _dtype_name(llm.core.worker.dtype)
 
     def time_prompt(self, prompt_ids: list[int], output_len: int) -> PeerTiming:
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)

@@ -127,7 +127,7 @@ def first_token(llm: LLM, prompt: str) -> FirstToken:
 
 def profile_ttft(llm: LLM, spec: ProfileSpec) -> ProfileResult:
     """Plain and instrumented runs, interleaved, on fresh prompts of `spec.input_len` tokens."""
-    parts = find_engine_parts(llm.engine)
+    parts = find_engine_parts(llm.core)
     source = TextSource(llm.tokenizer, spec.seed)
     for _ in range(spec.warmup_runs):
         first_token(llm, source.text(spec.input_len))
@@ -148,7 +148,7 @@ def profile_ttft(llm: LLM, spec: ProfileSpec) -> ProfileResult:
         instrumented_ttft=summarize(instrumented_ttfts),
         stage_runs=stage_runs,
         chunk_plans=auto_chunk_plans(llm, plain[0].metrics.num_prompt_tokens),
-        engine_description=llm.engine.worker.describe(),
+        engine_description=llm.core.worker.describe(),
     )
 
 
@@ -156,10 +156,10 @@ def auto_chunk_plans(llm: LLM, prompt_tokens: int) -> dict[int, PrefillPlan]:
     """By number of decoding streams (each with a prompt as long as this one), the chunks
     `chunk_size="auto"` cuts the prompt into, as the engine's cost model now predicts them;
     empty when chunk sizes are fixed."""
-    scheduler = llm.engine.scheduler
+    scheduler = llm.core.scheduler
     if scheduler.step_times is None:
         return {}
-    max_decodes = llm.engine.config.scheduler.max_num_seqs - 1
+    max_decodes = llm.core.config.scheduler.max_num_seqs - 1
     return {
         num_decodes: plan_prefill(
             prompt_tokens, num_decodes, prompt_tokens, scheduler.step_times.model, scheduler.latency_targets
@@ -172,7 +172,7 @@ def auto_chunk_plans(llm: LLM, prompt_tokens: int) -> dict[int, PrefillPlan]:
 def _instrumented_run(
     llm: LLM, parts: EngineParts, prompt: str, trace: bool = False
 ) -> tuple[float, dict[str, float]]:
-    with instrumented(parts, StageClock(llm.engine.worker.device, trace)) as clock:
+    with instrumented(parts, StageClock(llm.core.worker.device, trace)) as clock:
         result = first_token(llm, prompt)
     return result.ttft_s, stage_seconds(parts, clock, result.ttft_s, result.metrics)
 
@@ -180,7 +180,7 @@ def _instrumented_run(
 def write_trace(llm: LLM, parts: EngineParts, prompt: str, path: str) -> None:
     """A Chrome trace (chrome://tracing, Perfetto) of one instrumented request, with a scope per stage."""
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if llm.engine.worker.device.type == "cuda":
+    if llm.core.worker.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with (
         torch.profiler.profile(activities=activities, record_shapes=True) as profiler,

@@ -5,12 +5,13 @@ prefill chunks in policy order (priority, aging, fewest remaining tokens). When 
 out, the most recently admitted request is preempted: its blocks are freed and it is
 recomputed later from its tokens, so every request eventually finishes.
 
-Speculative decoding: with a proposer, a decode may carry proposed tokens the model verifies
-in the same step (every row samples). The scheduler keeps the longest prefix of proposals the
-model agrees with, plus the model's own next token: `num_computed_tokens` counts only accepted
-tokens, so a rejected proposal's KV is never hashed into the prefix cache nor read again, and
-blocks past the sequence's end go back to the pool. It speculates only in steps with no prefill
-waiting (a first token is never delayed by it) and at most `max_num_speculating_seqs` decodes.
+Speculative decoding: a decode may carry draft tokens (proposed by the engine after the
+previous step, `Request.draft_token_ids`) that the model verifies in the same step (every row
+samples). The scheduler keeps the longest prefix of drafts the model agrees with, plus the
+model's own next token: `num_computed_tokens` counts only accepted tokens, so a rejected draft's
+KV is never hashed into the prefix cache nor read again, and blocks past the sequence's end go
+back to the pool. It verifies drafts only in steps with no prefill waiting (a first token is
+never delayed by them) and of at most `max_num_speculating_seqs` decodes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Container, Protocol
+from typing import Container
 
 from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
 from firsttoken.core.batch import (
@@ -65,10 +66,12 @@ class RequestProgress:
     sampled: list[SampledToken]
 
 
-class DraftProposer(Protocol):
-    def propose_batch(self, token_ids: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-        """For each sequence, up to its `max_tokens` tokens likely to follow it (none is fine)."""
-        ...
+@dataclass(frozen=True)
+class DraftSlot:
+    """A decode the next step may verify drafts for, and how many draft tokens it has room for."""
+
+    request: Request
+    max_tokens: int
 
 
 class Scheduler:
@@ -82,12 +85,11 @@ class Scheduler:
         max_model_len: int,
         hash_root: BlockHash,
         step_times: StepTimeTracker | None = None,
-        proposer: DraftProposer | None = None,
         max_num_speculating_seqs: int = 0,
     ) -> None:
         """`step_times`: this device's measured step cost, which sizes prefill chunks when the
-        chunk size is auto (without it an auto step takes the whole token budget). `proposer`:
-        speculative decoding in steps of at most `max_num_speculating_seqs` decodes."""
+        chunk size is auto (without it an auto step takes the whole token budget). Drafts are
+        verified in steps of at most `max_num_speculating_seqs` decodes (0: never)."""
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise InvalidInputError(
                 "max_num_batched_tokens",
@@ -96,7 +98,7 @@ class Scheduler:
             )
         self.config = config
         self.chunked_prefill = chunked_prefill
-        self.kv = kv_manager
+        self.kv_manager = kv_manager
         self.block_size = kv_manager.block_size
         self.max_model_len = max_model_len
         self.hash_root = hash_root
@@ -106,9 +108,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_index = 0
         self.stats = SchedulerStats()
-        self.proposer = proposer
         self.max_num_speculating_seqs = max_num_speculating_seqs
-        self._drafts: dict[str, list[int]] = {}  # this step's proposals, by request
+        self._drafts: dict[str, list[int]] = {}  # this step's drafts, by request
         # Tracked requests (see TrackedRequest) admitted but not yet sent to the sampler, and
         # those sent whose end the sampler has not been told of.
         self._unsent_tracked: dict[str, TrackedRequest] = {}
@@ -147,11 +148,11 @@ class Scheduler:
                 f"longer than max_model_len ({self.max_model_len})",
             )
         needed = num_blocks_for(total, self.block_size)
-        if needed > self.kv.num_blocks:
+        if needed > self.kv_manager.num_blocks:
             raise InvalidInputError(
                 "max_tokens",
                 f"prompt plus max_tokens needs {needed} KV blocks, but the KV cache holds "
-                f"{self.kv.num_blocks}; raise kv_cache_memory_bytes or lower max_tokens",
+                f"{self.kv_manager.num_blocks}; raise kv_cache_memory_bytes or lower max_tokens",
             )
 
     def _check_fits_beside_pins(self, request: Request) -> None:
@@ -159,13 +160,14 @@ class Scheduler:
         (its own pinned prefix aside) could never be scheduled, so it is refused now rather
         than left waiting until someone unpins."""
         num_needed = num_blocks_for(request.max_total_tokens, self.block_size)
-        num_pinned = self.kv.num_pinned_blocks_apart_from(request.block_hashes)
-        num_available = self.kv.num_blocks - num_pinned
+        num_pinned = self.kv_manager.num_pinned_blocks_apart_from(request.block_hashes)
+        num_available = self.kv_manager.num_blocks - num_pinned
         if num_needed > num_available:
             raise InvalidInputError(
                 "max_tokens",
-                f"prompt plus max_tokens needs {num_needed} KV blocks, but pinned prefixes hold {num_pinned} "
-                f"of the {self.kv.num_blocks}, leaving {num_available}; lower max_tokens or unpin a prefix",
+                f"prompt plus max_tokens needs {num_needed} KV blocks, but pinned prefixes hold "
+                f"{num_pinned} of the {self.kv_manager.num_blocks}, leaving {num_available}; lower "
+                "max_tokens or unpin a prefix",
             )
 
     def expire_waiting(self, exempt: Container[str] = ()) -> list[Request]:
@@ -197,7 +199,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)
+        self.kv_manager.free(request)
         request.status = status
         request.timestamps.finished = time.perf_counter()
         if request.sampling_params.tracks_tokens:
@@ -240,50 +242,56 @@ class Scheduler:
         return SchedulerOutput(chunks, new_tracked)
 
     def _schedule_decodes(self, scheduled: dict[str, int], preempted: list[str]) -> None:
-        decoding = [
-            request for request in self.running
-            if request.status is RequestStatus.RUNNING and request.num_uncomputed_tokens == 1
-        ]
-        drafts = self._propose(decoding) if self._speculates(len(decoding)) else {}
+        decoding = self._decoding()
+        verifies_drafts = self._speculates(len(decoding))
         for request in decoding:
+            draft = request.draft_token_ids[: self._draft_room(request)] if verifies_drafts else []
+            request.draft_token_ids = []  # a draft is for the step after the one that proposed it
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted for an earlier decode's block
-            draft = drafts.get(request.req_id, [])
-            # Proposals take only free blocks: they never preempt another request.
-            if draft and self.kv.allocate_slots(request, 1 + len(draft)):
+            # Drafts take only free blocks: they never preempt another request.
+            if draft and self.kv_manager.allocate_slots(request, 1 + len(draft)):
                 self._drafts[request.req_id] = draft
             if self._allocate_or_preempt(request, 1, scheduled, preempted):
                 scheduled[request.req_id] = 1
             else:
                 self._drafts.pop(request.req_id, None)
 
+    def _decoding(self) -> list[Request]:
+        """The running requests whose next step computes one token: their latest sampled one."""
+        return [
+            request for request in self.running
+            if request.status is RequestStatus.RUNNING and request.num_uncomputed_tokens == 1
+        ]  # fmt: skip
+
     def _speculates(self, num_decoding: int) -> bool:
-        """Speculate this step: a proposer, few decodes, and no prompt waiting for its prefill."""
+        """Verify drafts this step: few decodes, and no prompt waiting for its prefill."""
         return (
-            self.proposer is not None
-            and 0 < num_decoding <= self.max_num_speculating_seqs
+            0 < num_decoding <= self.max_num_speculating_seqs
             and not self.waiting
             and all(request.num_uncomputed_tokens <= 1 for request in self.running)
         )
 
-    def _propose(self, decoding: list[Request]) -> dict[str, list[int]]:
-        """Proposals for the decodes that may speculate, from one call to the proposer."""
-        candidates, rooms = [], []
-        for request in decoding:
-            params = request.sampling_params
-            # Room for the proposals and the model's own token after them.
-            room = min(params.max_tokens - request.num_output_tokens,
-                       request.max_total_tokens - request.num_tokens) - 1
-            # The sampler counts a tracked request's tokens from its step inputs, proposals included.
-            if room > 0 and not params.tracks_tokens:
-                candidates.append(request)
-                rooms.append(room)
-        if not candidates:
-            return {}
-        proposals = self.proposer.propose_batch([request.token_ids for request in candidates], rooms)
-        return {
-            request.req_id: proposal[:room] for request, proposal, room in zip(candidates, proposals, rooms)
-        }
+    def draft_slots(self) -> list[DraftSlot]:
+        """The decodes the next step would verify drafts for, were it scheduled now: the engine
+        asks its proposer for these after a step's update."""
+        decoding = self._decoding()
+        if not self._speculates(len(decoding)):
+            return []
+        slots = [DraftSlot(request, self._draft_room(request)) for request in decoding]
+        return [slot for slot in slots if slot.max_tokens > 0]
+
+    @staticmethod
+    def _draft_room(request: Request) -> int:
+        """How many draft tokens a decode may verify: room for them and the model's own token
+        after them; none for a tracked request, whose sampler counts every input token."""
+        params = request.sampling_params
+        if params.tracks_tokens:
+            return 0
+        num_room = min(
+            params.max_tokens - request.num_output_tokens, request.max_total_tokens - request.num_tokens
+        )
+        return max(0, num_room - 1)
 
     @property
     def latency_targets(self) -> LatencyTargets:
@@ -364,12 +372,12 @@ class Scheduler:
         """Move a waiting request to running with its cached prefix; the tokens it computes this
         step, 0 if it does not fit the budget, None if the KV cache is out of blocks."""
         # Prompt logprobs come from the prefill's rows: a cached position would have none.
-        cached_prefix = [] if request.needs_prompt_logprobs else self.kv.find_cached_prefix(request)
+        cached_prefix = [] if request.needs_prompt_logprobs else self.kv_manager.find_cached_prefix(request)
         num_cached_tokens = len(cached_prefix) * self.block_size
         num_new = self._chunk_len(request.num_tokens - num_cached_tokens, budget, is_first_prefill)
         if num_new == 0:
             return 0
-        if not self.kv.admit(request, cached_prefix, num_new):
+        if not self.kv_manager.admit(request, cached_prefix, num_new):
             return None
         self.waiting.remove(request)
         self.running.append(request)
@@ -394,7 +402,7 @@ class Scheduler:
     ) -> bool:
         """Room for `num_new` tokens, preempting the newest running requests if needed;
         False if `request` itself had to be preempted."""
-        while not self.kv.allocate_slots(request, num_new):
+        while not self.kv_manager.allocate_slots(request, num_new):
             victim = self.running[-1]
             self._preempt(victim)
             scheduled.pop(victim.req_id, None)
@@ -405,7 +413,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv.free(request)
+        self.kv_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -429,7 +437,7 @@ class Scheduler:
                     req_id=req_id,
                     token_ids=request.token_ids[start:end] + draft,
                     start_position=start,
-                    block_table=self.kv.block_ids(req_id),
+                    block_table=self.kv_manager.block_ids(req_id),
                     sample=sample,
                     prefill=not is_decode,
                     num_draft_tokens=len(draft),
@@ -457,7 +465,7 @@ class Scheduler:
             request = self.requests.get(chunk.req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            self.kv.register_computed_blocks(request)
+            self.kv_manager.register_computed_blocks(request)
             if request.timestamps.first_token is None:
                 request.timestamps.prefill_chunk_ends.append(now)
             request.prompt_logprobs.extend(model_output.prompt_logprobs.get(chunk.req_id, ()))
@@ -485,8 +493,8 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING and chunk.num_draft_tokens:
                 # The accepted proposals' KV is the model's own: computed, and cacheable.
                 request.num_computed_tokens += len(tokens) - 1
-                self.kv.register_computed_blocks(request)
-                self.kv.release_blocks_past(request, request.num_tokens)
+                self.kv_manager.register_computed_blocks(request)
+                self.kv_manager.release_blocks_past(request, request.num_tokens)
             progress.append(RequestProgress(request, appended))
         return progress
 

@@ -18,10 +18,19 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence, Union
 
+from firsttoken.config import EngineConfig
 from firsttoken.core.hashing import BlockHash
+from firsttoken.engine.builder import build_engine_core
 from firsttoken.engine.engine_core import EngineCore
-from firsttoken.engine.llm import LLM, default_pin_id
-from firsttoken.engine.prompt_encoder import Messages, Prompt, PromptEncoder, TokenizedPrompt
+from firsttoken.engine.futures import settle_future
+from firsttoken.engine.pinned_prefixes import default_pin_id
+from firsttoken.engine.prompt_encoder import (
+    Messages,
+    Prompt,
+    PromptEncoder,
+    TokenizedPrompt,
+    render_system_prompt,
+)
 from firsttoken.errors import EngineDeadError, InvalidInputError
 from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.sampling_params import SamplingParams
@@ -84,61 +93,6 @@ class _CachedQuery:
 
 
 _Command = Union[_AddCommand, _AbortCommand, _PinCommand, _UnpinCommand, _CachedQuery]
-
-
-def _settle(
-    future: concurrent.futures.Future[Any], result: Any = None, error: BaseException | None = None
-) -> None:
-    """Give a result to a future the asyncio side may have cancelled meanwhile (nobody waits)."""
-    try:
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
-class _PendingPins:
-    """The loop thread's pins being computed: each one's internal request id and its waiters."""
-
-    def __init__(self) -> None:
-        self._request_ids: dict[str, str] = {}
-        self._waiters: dict[str, list[concurrent.futures.Future[PinnedPrefix]]] = {}
-
-    def start(self, core: EngineCore, command: _PinCommand) -> None:
-        """Resolve at once if the prefix is already pinned, join a pin under way, or queue one."""
-        existing = core.resident_pin(command.pin_id, command.token_ids)
-        if existing is not None:
-            _settle(command.done, existing)
-            return
-        if command.pin_id in self._waiters:
-            self._waiters[command.pin_id].append(command.done)
-            return
-        try:
-            self._request_ids[command.pin_id] = core.pin_prefix(command.token_ids, command.pin_id)
-        except Exception as error:  # ValueError, QueueFullError: the caller's to handle
-            _settle(command.done, error=error)
-            return
-        self._waiters[command.pin_id] = [command.done]
-
-    def settle_completed(self, core: EngineCore) -> None:
-        """Hand every pin the last step completed to its waiters."""
-        for pin_id in [pin_id for pin_id in self._waiters if pin_id in core.pinned]:
-            del self._request_ids[pin_id]
-            for done in self._waiters.pop(pin_id):
-                _settle(done, core.pinned[pin_id])
-
-    def request_ids(self) -> list[str]:
-        return list(self._request_ids.values())
-
-    def fail_all(self, error: BaseException) -> None:
-        """Fail the waiters of every pin under way with `error`, and forget those pins."""
-        for waiters in self._waiters.values():
-            for done in waiters:
-                _settle(done, error=error)
-        self._request_ids.clear()
-        self._waiters.clear()
 
 
 class _Inbox:
@@ -257,7 +211,6 @@ class AsyncEngine:
         self._inbox = _Inbox()
         self._streams: dict[str, RequestStream] = {}
         self._stats = core.stats()
-        self._pinned = tuple(core.pinned.values())
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: EngineDeadError | None = None
@@ -272,18 +225,19 @@ class AsyncEngine:
 
         The model loads on a thread that then exits, so that only the step loop's thread owns
         an OpenMP thread pool: libgomp keeps a pool per thread that ever ran a parallel region,
-        and with more pooled threads than cores it stops spinning between regions, which made
-        every matmul of a decode step ~40 us slower (decode step 12 -> 18 ms at batch 1).
+        and with more pooled threads than cores it stops spinning between regions, which slows
+        every matmul of a decode step.
         """
         loaded: list[EngineCore] = []
         failure: list[BaseException] = []
 
         def load() -> None:
             try:
-                llm = LLM(model, **engine_options)
+                core = build_engine_core(EngineConfig.from_kwargs(model=model, **engine_options))
                 if system_prompt is not None:  # pinned before the step loop thread takes over
-                    llm.pin_system_prompt(system_prompt, pin_id="system-prompt")
-                loaded.append(llm.engine)
+                    token_ids = core.tokenizer.encode(render_system_prompt(core.tokenizer, system_prompt))
+                    core.pin_prefix_now(token_ids, "system-prompt")
+                loaded.append(core)
             except BaseException as error:  # re-raised on the caller's thread
                 failure.append(error)
 
@@ -303,7 +257,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run_loop, name="firsttoken-engine", daemon=True)
         self._thread.start()
-        # The grammar engine's view of the vocabulary (~0.1 s), built now on a tokenizer thread
+        # The grammar engine's view of the vocabulary, built now on a tokenizer thread
         # rather than by the first structured-output request.
         self._encoder.submit(self.core.worker.grammar_compiler.engine_tokenizer)
 
@@ -459,7 +413,7 @@ class AsyncEngine:
 
     def pinned_prefixes(self) -> tuple[PinnedPrefix, ...]:
         """The pinned prefixes as of the latest pin or unpin."""
-        return self._pinned
+        return self.core.pinned_prefixes.snapshot
 
     def _check_pinnable(self, num_tokens: int) -> None:
         block_size = self.core.config.cache.block_size
@@ -496,20 +450,18 @@ class AsyncEngine:
 
     def _run_loop(self) -> None:
         core = self.core
+        pins = core.pinned_prefixes
         live: set[str] = set()  # requests this loop added to the core and that have not ended
-        pins = _PendingPins()
         try:
             while True:
                 commands = self._inbox.take_all(wait=not core.has_unfinished_requests())
                 if commands is None:
                     break
                 if commands:
-                    self._apply(commands, live, pins)
+                    self._apply(commands, live)
                 if core.has_unfinished_requests():
                     deltas = core.step()
                     live.difference_update(delta.request_id for delta in deltas if delta.finished)
-                    self._pinned = tuple(core.pinned.values())  # before a pin's waiters wake
-                    pins.settle_completed(core)
                     self._stats = core.stats()
                     if deltas:
                         self._post(self._deliver, deltas)
@@ -518,27 +470,27 @@ class AsyncEngine:
         except Exception as error:
             logger.exception("the engine loop stopped")
             dead = EngineDeadError(f"the engine loop stopped: {error!r}")
-            pins.fail_all(dead)
+            pins.fail_waiters(dead)
             self._post(self._fail_all, dead)
             return
         # Shut down: leave the core with no request and every block free.
-        for request_id in [*live, *pins.request_ids()]:
+        pins.fail_waiters(EngineDeadError("the engine was shut down"))
+        for request_id in [*live, *pins.computing_req_ids]:
             core.abort_request(request_id)
-        pins.fail_all(EngineDeadError("the engine was shut down"))
         self._stats = core.stats()
 
-    def _apply(self, commands: list[_Command], live: set[str], pins: _PendingPins) -> None:
+    def _apply(self, commands: list[_Command], live: set[str]) -> None:
         admissions: list[tuple[str, BaseException | None]] = []
         closing: list[RequestDelta] = []
         for command in commands:
             if isinstance(command, _PinCommand):
-                pins.start(self.core, command)
+                self._pin(command)
                 continue
             if isinstance(command, _UnpinCommand):
                 self._unpin(command)
                 continue
             if isinstance(command, _CachedQuery):
-                _settle(command.done, self.core.cached_block_hashes(command.block_hashes))
+                settle_future(command.done, self.core.cached_block_hashes(command.block_hashes))
                 continue
             if isinstance(command, _AbortCommand):
                 live.discard(command.request_id)
@@ -560,16 +512,32 @@ class AsyncEngine:
             except Exception as error:  # ValueError, QueueFullError: the caller's to handle
                 admissions.append((command.request_id, error))
         if admissions or closing:
-            self._post(self._settle, admissions, closing)
+            self._post(self._answer_admissions, admissions, closing)
+
+    def _pin(self, command: _PinCommand) -> None:
+        """Answer at once if the prefix is already pinned, join a pin under way, or start one;
+        the pin's waiters get it at the end of the step that computes it."""
+        pins = self.core.pinned_prefixes
+        existing = pins.resident_pin(command.pin_id, command.token_ids)
+        if existing is not None:
+            settle_future(command.done, existing)
+            return
+        if pins.wait_for(command.pin_id, command.done):
+            return
+        try:
+            self.core.pin_prefix(command.token_ids, command.pin_id)
+        except Exception as error:  # ValueError, QueueFullError: the caller's to handle
+            settle_future(command.done, error=error)
+            return
+        pins.wait_for(command.pin_id, command.done)
 
     def _unpin(self, command: _UnpinCommand) -> None:
         try:
-            self.core.unpin_prefix(command.pin_id)
+            self.core.pinned_prefixes.unpin(command.pin_id)
         except InvalidInputError as error:
-            _settle(command.done, error=error)
+            settle_future(command.done, error=error)
             return
-        self._pinned = tuple(self.core.pinned.values())
-        _settle(command.done)
+        settle_future(command.done)
 
     def _post(self, callback: Any, *args: Any) -> None:
         assert self._loop is not None
@@ -580,9 +548,11 @@ class AsyncEngine:
 
     # -- the asyncio thread --------------------------------------------------------------------
 
-    def _settle(
+    def _answer_admissions(
         self, admissions: list[tuple[str, BaseException | None]], closing: list[RequestDelta]
     ) -> None:
+        """Admit or refuse each request the loop thread tried to add; deliver the closing
+        deltas of those it aborted."""
         for request_id, error in admissions:
             stream = self._streams.get(request_id)
             if stream is None:

@@ -1,9 +1,10 @@
 """EngineCore: wires the scheduler, the worker and the output processor, and runs the step loop.
 
-step(): scheduler.schedule() -> worker.execute() -> scheduler.update() -> text deltas.
-No tensor lives here: the worker owns the device, the model and the KV tensors; this class
-owns the requests, the block bookkeeping and the pinned prefixes. It is single-threaded by
-design; front ends (LLM, AsyncEngine) own the thread it runs on.
+step(): scheduler.schedule() -> worker.execute() -> scheduler.update() -> text deltas, then
+the proposer drafts tokens for the next step to verify. No tensor lives here: the worker owns
+the device, the model and the KV tensors; this class owns the requests, the block bookkeeping
+and the pinned prefixes. It is single-threaded by design; front ends (LLM, AsyncEngine) own the
+thread it runs on.
 """
 
 from __future__ import annotations
@@ -14,28 +15,29 @@ import time
 from collections.abc import Sequence
 
 from firsttoken.config import EngineConfig
+from firsttoken.core.batch import ModelOutput, SchedulerOutput
 from firsttoken.core.cost_model import StepTimeTracker
-from firsttoken.core.hashing import BlockHash, extend_block_hashes, root_hash
+from firsttoken.core.hashing import BlockHash, root_hash
 from firsttoken.core.kv_cache_manager import KVCacheManager
-from firsttoken.core.scheduler import DraftProposer, Scheduler
-from firsttoken.engine.draft_model import DraftModelProposer
+from firsttoken.core.scheduler import Scheduler
 from firsttoken.engine.output_processor import OutputProcessor
+from firsttoken.engine.pinned_prefixes import PinnedPrefixes
 from firsttoken.errors import InvalidInputError
 from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.request import Request, RequestStatus, RequestTimestamps
 from firsttoken.sampling_params import SamplingParams, StructuredOutput
-from firsttoken.spec.ngram import NgramProposer
-from firsttoken.worker.pinned_prefix_store import validate_pin_id
+from firsttoken.speculative.proposer import DraftProposer
 from firsttoken.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Owns the worker, the KV block manager, the scheduler and the output processor of one
-    engine, and the pinned prefixes."""
+    """Owns the worker, the KV block manager, the scheduler, the output processor, the pinned
+    prefixes and the proposer of draft tokens of one engine."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, proposer: DraftProposer | None = None) -> None:
+        """`proposer`: drafts tokens for speculative decoding (engine/builder.py makes it)."""
         self.config = config
         self.worker = Worker(config)
         self.model_path = self.worker.model_path
@@ -56,14 +58,19 @@ class EngineCore:
             self.max_model_len,
             self.hash_root,
             step_times,
-            proposer=draft_proposer(config, self.worker.vocab_size),
             max_num_speculating_seqs=config.speculative_config.max_num_speculating_seqs,
         )
+        self.proposer = proposer
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
-        self.pinned: dict[str, PinnedPrefix] = {}
-        self._pending_pins: dict[str, str] = {}  # internal request id -> pin id
-        self._restore_pinned_prefixes()
+        self.pinned_prefixes = PinnedPrefixes(
+            self.kv_manager,
+            self.worker,
+            self.hash_root,
+            config.prompt_cache.enable,
+            config.prompt_cache.max_pinned_fraction,
+        )
+        self.pinned_prefixes.restore_stored()
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
             self.worker.describe(),
@@ -150,7 +157,7 @@ class EngineCore:
 
     def abort_request(self, req_id: str) -> RequestDelta | None:
         """End a request now; its KV blocks are freed before this returns."""
-        self._pending_pins.pop(req_id, None)
+        self.pinned_prefixes.abandon(req_id)
         request = self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
         if request is None:
             return None
@@ -169,27 +176,61 @@ class EngineCore:
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        expired_requests = self.scheduler.expire_waiting(self._pending_pins)
+        """schedule -> execute -> update -> propose (the next step's drafts), each phase timed."""
+        expired_requests = self.scheduler.expire_waiting(self.pinned_prefixes.computing_req_ids)
         expired = [self.output_processor.closing_delta(request) for request in expired_requests]
         if expired:
             self._release_finished()
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return expired
-        started = time.perf_counter()
+        scheduled = time.perf_counter()
         model_output = self.worker.execute(scheduler_output)
-        self.scheduler.observe_step_time(scheduler_output, time.perf_counter() - started)
+        executed = time.perf_counter()
+        deltas = self._update(scheduler_output, model_output)
+        updated = time.perf_counter()
+        self._propose_drafts()
+        proposed = time.perf_counter()
+        # The decodes wait for the proposal as they wait for the forward pass: the cost model
+        # behind chunk_size="auto" sees both.
+        self.scheduler.observe_step_time(scheduler_output, (executed - scheduled) + (proposed - updated))
+        logger.debug(
+            "step %d: schedule %.3f ms, execute %.3f ms, update %.3f ms, propose %.3f ms",
+            self.scheduler.step_index,
+            (scheduled - started) * 1e3,
+            (executed - scheduled) * 1e3,
+            (updated - executed) * 1e3,
+            (proposed - updated) * 1e3,
+        )
+        return expired + deltas
+
+    def _update(self, scheduler_output: SchedulerOutput, model_output: ModelOutput) -> list[RequestDelta]:
+        """Apply a step's tokens to its requests; the text deltas of the front ends' requests."""
         deltas = []
         for progress in self.scheduler.update(scheduler_output, model_output):
-            if progress.request.req_id in self._pending_pins:
-                self._complete_pin(progress.request)
+            if progress.request.req_id in self.pinned_prefixes.computing_req_ids:
+                self.pinned_prefixes.complete(progress.request)
                 continue
             stop_string = self.output_processor.detokenize(progress)
             if stop_string is not None:
                 self._finish_at_stop_string(progress.request, stop_string)
             deltas.append(self.output_processor.delta(progress))
         self._release_finished()
-        return expired + deltas
+        return deltas
+
+    def _propose_drafts(self) -> None:
+        """Ask the proposer for the next step's drafts; the scheduler verifies them then."""
+        if self.proposer is None:
+            return
+        slots = self.scheduler.draft_slots()
+        if not slots:
+            return
+        proposals = self.proposer.propose_batch(
+            [slot.request.token_ids for slot in slots], [slot.max_tokens for slot in slots]
+        )
+        for slot, proposal in zip(slots, proposals):
+            slot.request.draft_token_ids = proposal
 
     def _finish_at_stop_string(self, request: Request, stop_string: str) -> None:
         request.stop_reason = stop_string
@@ -208,60 +249,34 @@ class EngineCore:
 
     def pin_prefix(self, token_ids: list[int], pin_id: str) -> str:
         """Queue the computation of a prefix whose full blocks will then stay resident until
-        unpinned; returns the internal request id. The pin exists once `pin_id in self.pinned`."""
-        if not self.config.prompt_cache.enable:
-            raise InvalidInputError("pin_prefix", "the prompt cache is disabled (enable_prompt_cache=False)")
-        validate_pin_id(pin_id)
-        block_size = self.config.cache.block_size
-        if len(token_ids) < block_size:
-            raise InvalidInputError(
-                "prefix",
-                f"{len(token_ids)} tokens is shorter than one KV block ({block_size} tokens); nothing to pin",
-            )
-        if pin_id in self.pinned or pin_id in self._pending_pins.values():
-            raise InvalidInputError("pin_id", f"{pin_id!r} is already pinned")
-        self._check_pinned_blocks_limit(len(token_ids) // block_size)
+        unpinned; returns the internal request id. The pin exists once it is in
+        `pinned_prefixes.resident`."""
+        self.pinned_prefixes.check_can_pin(pin_id, token_ids)
         req_id = f"pin:{pin_id}"
         self.add_request(
             req_id, list(token_ids), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         )
         self.output_processor.remove(req_id)
-        self._pending_pins[req_id] = pin_id
+        self.pinned_prefixes.start(pin_id, req_id, len(token_ids))
         return req_id
 
-    def _check_pinned_blocks_limit(self, num_new_blocks: int) -> None:
-        """Pins never give up their blocks, so together they may hold only a share of the cache:
-        the rest serves requests."""
-        block_size = self.config.cache.block_size
-        num_pinned = sum(len(pinned.token_ids) // block_size for pinned in self.pinned.values())
-        num_pinned += sum(
-            self.scheduler.requests[req_id].num_prompt_tokens // block_size for req_id in self._pending_pins
-        )
-        fraction = self.config.prompt_cache.max_pinned_fraction
-        limit = int(fraction * self.kv_manager.num_blocks)
-        if num_pinned + num_new_blocks > limit:
-            raise InvalidInputError(
-                "prefix",
-                f"pinning {num_new_blocks} more KV blocks would make {num_pinned + num_new_blocks} pinned, "
-                f"over the limit of {limit} ({fraction:g} of {self.kv_manager.num_blocks}: "
-                "max_pinned_fraction); unpin a prefix first",
-            )
-
-    def resident_pin(self, pin_id: str, token_ids: list[int]) -> PinnedPrefix | None:
-        """The pin `pin_id` if it already holds the full blocks of `token_ids`, else None."""
-        existing = self.pinned.get(pin_id)
-        block_size = self.config.cache.block_size
-        num_full = len(token_ids) // block_size * block_size
-        if existing is None or existing.token_ids != token_ids[:num_full]:
-            return None
-        return existing
-
-    def unpin_prefix(self, pin_id: str) -> None:
-        if pin_id not in self.pinned:
-            raise InvalidInputError("pin_id", f"no pinned prefix {pin_id!r}")
-        self.kv_manager.unpin(pin_id)
-        del self.pinned[pin_id]
-        self.worker.delete_prefix(pin_id)
+    def pin_prefix_now(self, token_ids: list[int], pin_id: str) -> PinnedPrefix:
+        """Pin a prefix, stepping until it is resident (for a caller that owns the step loop and
+        runs no request meanwhile); an existing pin of other tokens under `pin_id` is replaced."""
+        pins = self.pinned_prefixes
+        existing = pins.resident_pin(pin_id, token_ids)
+        if existing is not None:
+            return existing  # already resident, e.g. restored from the persist folder
+        if pin_id in pins.resident:
+            pins.unpin(pin_id)
+        req_id = self.pin_prefix(token_ids, pin_id)
+        try:
+            while pin_id not in pins.resident:
+                self.step()
+        finally:
+            if pin_id not in pins.resident:
+                self.abort_request(req_id)
+        return pins.resident[pin_id]
 
     def cached_block_hashes(self, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
         """Those of `block_hashes` whose blocks the prefix cache holds now."""
@@ -271,38 +286,7 @@ class EngineCore:
     def reset_prefix_cache(self) -> None:
         """Forget every cached and pinned prefix (persisted pins stay on disk)."""
         self.kv_manager.reset_prefix_cache()
-        self.pinned.clear()
-
-    def _complete_pin(self, request: Request) -> None:
-        pin_id = self._pending_pins.pop(request.req_id)
-        num_blocks = request.num_prompt_tokens // self.config.cache.block_size
-        num_tokens = self.kv_manager.pin(pin_id, request.block_hashes[:num_blocks])
-        self.pinned[pin_id] = PinnedPrefix(pin_id, request.prompt_token_ids[:num_tokens])
-        self.worker.save_prefix(
-            pin_id,
-            self.pinned[pin_id].token_ids,
-            self.kv_manager.pinned_block_hashes(pin_id),
-            self.kv_manager.pinned_block_ids(pin_id),
-        )
-
-    def _restore_pinned_prefixes(self) -> None:
-        block_size = self.config.cache.block_size
-        for stored in self.worker.stored_prefixes():
-            token_ids = stored.token_ids[: len(stored.block_hashes) * block_size]
-            expected_hashes: list[bytes] = []
-            extend_block_hashes(expected_hashes, token_ids, block_size, self.hash_root)
-            if expected_hashes != stored.block_hashes or stored.pin_id in self.pinned:
-                logger.warning(
-                    "prompt cache: refusing %s: its hashes do not match this engine", stored.pin_id
-                )
-                continue
-            block_ids = self.kv_manager.adopt_pinned_blocks(stored.pin_id, stored.block_hashes)
-            if block_ids is None:
-                logger.warning("prompt cache: no room to restore %s", stored.pin_id)
-                continue
-            self.worker.restore_prefix(stored, block_ids)
-            self.pinned[stored.pin_id] = PinnedPrefix(stored.pin_id, token_ids)
-            logger.info("prompt cache: restored %s (%d tokens)", stored.pin_id, len(token_ids))
+        self.pinned_prefixes.forget_resident()
 
     # -- observability -------------------------------------------------------------------
 
@@ -322,19 +306,10 @@ class EngineCore:
             num_decode_tokens=scheduler_stats.num_decode_tokens,
             num_steps=scheduler_stats.num_steps,
             last_prefill_budget=scheduler_stats.last_prefill_budget,
-            num_pinned_tokens=sum(prefix.num_tokens for prefix in self.pinned.values()),
+            num_pinned_tokens=self.pinned_prefixes.num_pinned_tokens,
             spec_decode_num_drafts=scheduler_stats.num_drafts,
             spec_decode_num_draft_tokens=scheduler_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=scheduler_stats.num_accepted_tokens,
             spec_decode_accepted_per_position=tuple(scheduler_stats.accepted_per_position),
         )
 
-
-def draft_proposer(config: EngineConfig, vocab_size: int) -> DraftProposer | None:
-    speculative = config.speculative_config
-    if speculative.method == "ngram":
-        return NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_max,
-                             speculative.prompt_lookup_min)
-    if speculative.method == "draft":
-        return DraftModelProposer(config, speculative, vocab_size)
-    return None

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Any, Iterator, Sequence, Union
 
 from firsttoken.config import EngineConfig
-from firsttoken.engine.engine_core import EngineCore
+from firsttoken.engine.builder import build_engine_core
+from firsttoken.engine.pinned_prefixes import default_pin_id
+from firsttoken.engine.prompt_encoder import render_system_prompt
 from firsttoken.errors import InvalidInputError
 from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta, RequestOutput
 from firsttoken.sampling_params import SamplingParams
-from firsttoken.tokenizer import Tokenizer
 
 Messages = Sequence[dict[str, Any]]
 PromptInput = Union[str, Sequence[str], None]
 
 
 class LLM:
-    """Generate from prompts in this process, driving the engine's step loop until done.
+    """Owns one EngineCore (`core`) and generates from prompts in this process, driving its
+    step loop on the caller's thread until done.
 
     `LLM()` loads the embedded default model; `LLM(path)` a GGUF file or Hugging Face folder.
     Every engine option is a keyword (`LLM(dtype="float32", block_size=32)`), or pass whole
@@ -27,8 +28,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_options)
-        self.engine = EngineCore(self.config)
-        self.tokenizer = self.engine.tokenizer
+        self.core = build_engine_core(self.config)
+        self.tokenizer = self.core.tokenizer
 
     def generate(
         self,
@@ -67,13 +68,13 @@ class LLM:
         finished = False
         try:
             while not finished:
-                for delta in self.engine.step():
+                for delta in self.core.step():
                     if delta.request_id == request_id:
                         finished = delta.finished
                         yield delta
         finally:
             if not finished:
-                self.engine.abort_request(request_id)
+                self.core.abort_request(request_id)
 
     def pin_prefix(self, prefix: str | Sequence[int], pin_id: str | None = None) -> PinnedPrefix:
         """Compute a prefix (text or token ids) once and keep its KV resident until unpinned.
@@ -82,20 +83,7 @@ class LLM:
         `persist_dir` the KV is also saved and restored by the next engine start.
         """
         token_ids = self.tokenizer.encode(prefix) if isinstance(prefix, str) else list(prefix)
-        pin_id = pin_id or default_pin_id(token_ids)
-        existing = self.engine.resident_pin(pin_id, token_ids)
-        if existing is not None:
-            return existing  # already resident, e.g. restored from the persist folder
-        if pin_id in self.engine.pinned:
-            self.engine.unpin_prefix(pin_id)
-        request_id = self.engine.pin_prefix(token_ids, pin_id)
-        try:
-            while pin_id not in self.engine.pinned:
-                self.engine.step()
-        finally:
-            if pin_id not in self.engine.pinned:
-                self.engine.abort_request(request_id)
-        return self.engine.pinned[pin_id]
+        return self.core.pin_prefix_now(token_ids, pin_id or default_pin_id(token_ids))
 
     def pin_system_prompt(self, system_prompt: str, pin_id: str | None = None) -> PinnedPrefix:
         """Pin the chat-template rendering of a system message: the prefix of every
@@ -103,22 +91,22 @@ class LLM:
         return self.pin_prefix(render_system_prompt(self.tokenizer, system_prompt), pin_id)
 
     def unpin_prefix(self, pin_id: str) -> None:
-        self.engine.unpin_prefix(pin_id)
+        self.core.pinned_prefixes.unpin(pin_id)
 
     def pinned_prefixes(self) -> list[PinnedPrefix]:
-        return list(self.engine.pinned.values())
+        return list(self.core.pinned_prefixes.resident.values())
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached and pinned prefix."""
-        self.engine.reset_prefix_cache()
+        self.core.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        return self.core.stats()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks' processes now (they also stop when this LLM is
         garbage collected, or at exit); nothing to do with one rank."""
-        self.engine.shutdown()
+        self.core.shutdown()
 
     def _prepare(
         self,
@@ -138,14 +126,14 @@ class LLM:
                 arrival = time.perf_counter()
                 if token_ids is None:
                     token_ids = self.tokenizer.encode(text)
-                request_id = self.engine.new_request_id()
-                self.engine.add_request(
+                request_id = self.core.new_request_id()
+                self.core.add_request(
                     request_id, list(token_ids), params, arrival, time.perf_counter(), request_priority
                 )
                 queued.append((request_id, RequestOutput(request_id, text, list(token_ids))))
         except Exception:
             for request_id, _ in queued:
-                self.engine.abort_request(request_id)
+                self.core.abort_request(request_id)
             raise
         return queued
 
@@ -153,7 +141,7 @@ class LLM:
         remaining = set(outputs)
         try:
             while remaining:
-                for delta in self.engine.step():
+                for delta in self.core.step():
                     output = outputs.get(delta.request_id)
                     if output is None:
                         continue
@@ -162,20 +150,7 @@ class LLM:
                         remaining.discard(delta.request_id)
         finally:
             for request_id in remaining:
-                self.engine.abort_request(request_id)
-
-
-def default_pin_id(token_ids: Sequence[int]) -> str:
-    """A pin id named by its tokens, so that pinning the same prefix again names the same pin."""
-    return "prefix-" + hashlib.sha256(repr(list(token_ids)).encode()).hexdigest()[:16]
-
-
-def render_system_prompt(tokenizer: Tokenizer, system_prompt: str) -> str:
-    """The chat-template rendering of a system message alone: the prefix of every conversation
-    that starts with it."""
-    return tokenizer.apply_chat_template(
-        [{"role": "system", "content": system_prompt}], add_generation_prompt=False
-    )
+                self.core.abort_request(request_id)
 
 
 def _normalize_prompts(

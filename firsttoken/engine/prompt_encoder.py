@@ -15,7 +15,6 @@ from typing import Any, Callable, Sequence, TypeVar, Union
 
 import jinja2
 
-from firsttoken.engine.llm import render_system_prompt
 from firsttoken.errors import InvalidInputError
 from firsttoken.tokenizer import Tokenizer
 
@@ -118,3 +117,11 @@ class PromptEncoder:
         if not prompt:
             raise InvalidInputError("prompt", "must not be empty")
         return self.tokenizer.encode(prompt, add_special_tokens)
+
+
+def render_system_prompt(tokenizer: Tokenizer, system_prompt: str) -> str:
+    """The chat-template rendering of a system message alone: the prefix of every conversation
+    that starts with it."""
+    return tokenizer.apply_chat_template(
+        [{"role": "system", "content": system_prompt}], add_generation_prompt=False
+    )

@@ -75,7 +75,7 @@ def test_a_breakdown_that_misses_the_ttft_says_so():
 
 
 def test_profiling_leaves_no_hook_or_wrapper_behind(profiled_llm):
-    engine = profiled_llm.engine
+    engine = profiled_llm.core
     profile_ttft(profiled_llm, ProfileSpec(input_len=16, runs=1, warmup_runs=0))
     for module in engine.worker.model.modules():
         assert not module._forward_hooks and not module._forward_pre_hooks

@@ -165,7 +165,7 @@ def test_preemption_frees_the_newest_request_and_everything_finishes():
         scheduler.add_request(request)
     run_to_completion(scheduler)
     assert scheduler.stats.num_preemptions > 0
-    assert scheduler.kv.pool.num_free_blocks == 12
+    assert scheduler.kv_manager.pool.num_free_blocks == 12
     preempted = [request.req_id for request in requests if request.num_preemptions > 0]
     assert "r0" not in preempted  # the oldest request is never the victim
 
@@ -185,7 +185,7 @@ def test_eos_and_max_tokens_stop_and_free_blocks():
     assert finished["eos"].output_token_ids == [EOS]
     assert finished["length"].status is RequestStatus.FINISHED_LENGTH
     assert finished["length"].num_output_tokens == 3
-    assert scheduler.kv.pool.num_free_blocks == 64
+    assert scheduler.kv_manager.pool.num_free_blocks == 64
 
 
 def test_without_chunking_a_prompt_runs_whole_even_past_the_budget():
@@ -206,7 +206,7 @@ def test_abort_frees_blocks_of_waiting_and_running_requests():
     assert scheduler.finish_request("running", RequestStatus.FINISHED_ABORTED) is not None
     assert scheduler.finish_request("waiting", RequestStatus.FINISHED_ABORTED) is not None
     assert not scheduler.has_unfinished_requests()
-    assert scheduler.kv.pool.num_free_blocks == 64
+    assert scheduler.kv_manager.pool.num_free_blocks == 64
 
 
 def test_impossible_requests_are_refused_up_front():

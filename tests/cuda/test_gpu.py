@@ -43,8 +43,8 @@ def test_cuda_engine_gives_the_cpu_engines_greedy_tokens_with_and_without_graphs
             cuda_graph_max_tokens=max_graph_tokens,
             **OPTIONS,
         )
-        assert llm.engine.worker.kv_caches[0].device.type == "cuda"
-        assert (llm.engine.worker.runner.step_graphs is not None) == (cuda_graphs and max_graph_tokens > 0)
+        assert llm.core.worker.kv_caches[0].device.type == "cuda"
+        assert (llm.core.worker.runner.step_graphs is not None) == (cuda_graphs and max_graph_tokens > 0)
         outputs = llm.generate(prompt_token_ids=_prompts(), sampling_params=GREEDY)
         assert [o.token_ids for o in outputs] == [o.token_ids for o in expected], (
             cuda_graphs,
@@ -54,8 +54,8 @@ def test_cuda_engine_gives_the_cpu_engines_greedy_tokens_with_and_without_graphs
 
 def test_cuda_defaults_to_bfloat16_and_sizes_the_cache_from_free_memory(tiny_folder):
     llm = LLM(tiny_folder, device="cuda", gpu_memory_utilization=0.05, chunk_size=32)
-    assert llm.engine.worker.dtype == torch.bfloat16
-    cache_bytes = sum(cache.numel() * cache.element_size() for cache in llm.engine.worker.kv_caches)
+    assert llm.core.worker.dtype == torch.bfloat16
+    cache_bytes = sum(cache.numel() * cache.element_size() for cache in llm.core.worker.kv_caches)
     assert 0 < cache_bytes <= 0.05 * torch.cuda.get_device_properties(0).total_memory
 
 
@@ -63,7 +63,7 @@ def test_cuda_defaults_to_bfloat16_and_sizes_the_cache_from_free_memory(tiny_fol
 def test_a_step_does_not_synchronise_before_sampling(tiny_folder, max_graph_tokens):
     """The mixed step replays a step graph, or (0) runs eagerly: Triton chunks, SDPA fresh prompt."""
     llm = LLM(tiny_folder, device="cuda", cuda_graph_max_tokens=max_graph_tokens, **OPTIONS)
-    runner = llm.engine.worker.runner
+    runner = llm.core.worker.runner
 
     def chunk(req_id: str, token_ids: list[int], start: int, block_table: list[int]) -> ScheduledChunk:
         return ScheduledChunk(req_id, token_ids, start, block_table, SampleSpec(GREEDY, 0, req_id))
@@ -77,7 +77,7 @@ def test_a_step_does_not_synchronise_before_sampling(tiny_folder, max_graph_toke
         ],
     ]
     for chunks in steps:
-        step = build_host_step(chunks, llm.engine.config.cache.block_size)
+        step = build_host_step(chunks, llm.core.config.cache.block_size)
         runner.forward_sampled_rows(step)  # first runs may compile kernels
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")

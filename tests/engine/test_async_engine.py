@@ -300,7 +300,7 @@ def test_shutdown_during_a_pin_fails_it_and_frees_its_blocks(core):
         await engine.shutdown()
         with pytest.raises(EngineDeadError):
             await pin
-        assert core.pinned == {}
+        assert core.pinned_prefixes.resident == {}
 
     run(core, test)
 
@@ -312,15 +312,24 @@ def test_from_options_loads_the_model_off_the_callers_thread(monkeypatch):
 
     loading_threads = []
 
-    class RecordingLLM:
-        def __init__(self, model, **options):
-            loading_threads.append(threading.current_thread())
-            self.engine = object.__new__(EngineCore)
+    class RecordingTokenizer:
+        def apply_chat_template(self, messages, add_generation_prompt):
+            return messages[0]["content"]
 
-        def pin_system_prompt(self, system_prompt, pin_id):
+        def encode(self, text):
+            return [1, 2, 3]
+
+    class RecordingCore:
+        tokenizer = RecordingTokenizer()
+
+        def pin_prefix_now(self, token_ids, pin_id):
             loading_threads.append(threading.current_thread())
 
-    monkeypatch.setattr(async_engine, "LLM", RecordingLLM)
+    def build(config):
+        loading_threads.append(threading.current_thread())
+        return RecordingCore()
+
+    monkeypatch.setattr(async_engine, "build_engine_core", build)
     monkeypatch.setattr(async_engine.AsyncEngine, "__init__", lambda self, core: None)
     async_engine.AsyncEngine.from_options("model.gguf", system_prompt="Be brief.")
     assert len(loading_threads) == 2
@@ -331,9 +340,9 @@ def test_from_options_raises_the_loaders_error_on_the_callers_thread(monkeypatch
     from firsttoken.engine import async_engine
     from firsttoken.errors import InvalidInputError
 
-    def refuse(model, **options):
+    def refuse(config):
         raise InvalidInputError("model", "no such file")
 
-    monkeypatch.setattr(async_engine, "LLM", refuse)
+    monkeypatch.setattr(async_engine, "build_engine_core", refuse)
     with pytest.raises(InvalidInputError, match="no such file"):
         async_engine.AsyncEngine.from_options("missing.gguf")

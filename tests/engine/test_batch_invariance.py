@@ -50,7 +50,7 @@ def engine_options(request, model_path):
 @pytest.fixture(scope="module")
 def invariant_llm(engine_options):
     llm = LLM(**engine_options, enable_prompt_cache=False)
-    if not llm.engine.worker.batch_invariant:
+    if not llm.core.worker.batch_invariant:
         dtype = engine_options["dtype"]
         pytest.skip(f"no {dtype} batch invariance on this machine (needs {_NEEDS[dtype]})")
     return llm
@@ -77,7 +77,7 @@ def test_in_chunks_of_any_size_every_bit_is_the_same(engine_options, alone, chun
 
 def test_after_a_prefix_cache_hit_every_bit_is_the_same(engine_options, alone):
     llm = LLM(**engine_options, enable_prompt_cache=True)
-    block_size = llm.engine.config.cache.block_size
+    block_size = llm.core.config.cache.block_size
     for prompt, expected in zip(PROMPTS, alone):
         llm.generate([prompt + " Answer briefly."], GREEDY)  # caches the prompt's full blocks
         hit = llm.generate([prompt], GREEDY)[0]
@@ -91,7 +91,7 @@ def test_a_hit_on_whole_blocks_recomputes_the_last_token_as_a_prefill(
 ):
     """A prompt of whole cached blocks recomputes only its last token (to sample from it), and
     one block and a token leaves one new token: either way a one-token prefill chunk."""
-    block_size = invariant_llm.engine.config.cache.block_size
+    block_size = invariant_llm.core.config.cache.block_size
     token_ids = invariant_llm.tokenizer.encode(" ".join(PROMPTS))[: 2 * block_size + extra_tokens]
     expected = _bits(invariant_llm.generate(prompt_token_ids=[token_ids], sampling_params=GREEDY)[0])
     llm = LLM(**engine_options, enable_prompt_cache=True)
@@ -103,8 +103,8 @@ def test_a_hit_on_whole_blocks_recomputes_the_last_token_as_a_prefill(
 
 def test_without_it_one_row_steps_take_onednn_one_row_kernel(engine_options):
     llm = LLM(**engine_options, enable_prompt_cache=False, batch_invariant=False)
-    assert not llm.engine.worker.batch_invariant
-    modules = list(llm.engine.worker.model.modules())
+    assert not llm.core.worker.batch_invariant
+    modules = list(llm.core.worker.model.modules())
     assert not any(getattr(module, "pad_single_rows", False) for module in modules)
     assert not any(isinstance(module, NativeRowInvariantLinear) for module in modules)
 
@@ -113,7 +113,7 @@ def test_quantized_weights_claim_no_invariance(engine_options):
     """Decode steps read the quantized weights and prefills the float ones: a position's bits
     depend on which computed it."""
     llm = LLM(**engine_options, enable_prompt_cache=False, quantization="int8", chunk_size=64)
-    assert not llm.engine.worker.batch_invariant
+    assert not llm.core.worker.batch_invariant
 
 
 def test_seeded_sampling_draws_the_same_tokens_beside_other_requests(invariant_llm):
@@ -153,7 +153,7 @@ def test_a_prompt_on_blocks_a_decode_step_wrote_gets_every_bit_of_a_cold_prefill
     answer = llm.generate(prompt_token_ids=[prompt_ids], sampling_params=GREEDY)[0]
     follow_up = prompt_ids + answer.token_ids + llm.tokenizer.encode(" Say it again.")
     hit = llm.generate(prompt_token_ids=[follow_up], sampling_params=GREEDY)[0]
-    block_size = llm.engine.config.cache.block_size
+    block_size = llm.core.config.cache.block_size
     assert hit.num_cached_tokens > len(prompt_ids) // block_size * block_size  # decode-written blocks too
     cold = invariant_llm.generate(prompt_token_ids=[follow_up], sampling_params=GREEDY)[0]
     assert _bits(hit) == _bits(cold)
@@ -164,7 +164,7 @@ def float32_llm(model_path):
     """A float32 engine with its projections on the row-invariant native matmul, whether or not
     its decode rows attend invariantly (the whole claim)."""
     llm = LLM(model=model_path, dtype="float32", kv_cache_memory_bytes=256 << 20, enable_prompt_cache=False)
-    if llm.engine.worker.kernels.native is None:
+    if llm.core.worker.kernels.native is None:
         pytest.skip("no native kernels on this machine (no working C compiler)")
     return llm
 
@@ -172,14 +172,14 @@ def float32_llm(model_path):
 def test_float32_projections_run_on_the_row_invariant_matmul(float32_llm):
     """Every projection and the LM head; with native kernels decode rows attend with the prefill
     arithmetic on every ISA too, so the engine claims the whole guarantee."""
-    worker = float32_llm.engine.worker
+    worker = float32_llm.core.worker
     model = worker.model
     projections = [model.lm_head]
     for layer in model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         projections += [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
     assert all(isinstance(module, NativeRowInvariantLinear) for module in projections)
-    block_size, head_dim = float32_llm.engine.config.cache.block_size, worker.checkpoint.arch.head_dim
+    block_size, head_dim = float32_llm.core.config.cache.block_size, worker.checkpoint.arch.head_dim
     assert worker.runner.backend.decodes_as_prefill(block_size, torch.float32, head_dim)
     assert worker.batch_invariant
 

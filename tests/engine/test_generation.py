@@ -191,10 +191,10 @@ def test_chat_uses_the_template(llm):
 def test_fused_ops_give_the_plain_ops_tokens(llm, model_path):
     """The fused path (compiled ops from 512 rows, native kernels below) against the plain
     torch ops in float32: prompts short and long, chunked, batched and decoding."""
-    if llm.engine.worker.kernels.native is None:
+    if llm.core.worker.kernels.native is None:
         pytest.skip("no native kernels on this machine")
     plain = LLM(model_path, dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=512, fuse_ops=False)
-    assert plain.engine.worker.kernels.native is None
+    assert plain.core.worker.kernels.native is None
     prompts = _mixed_prompts(llm, 6) + [llm.tokenizer.encode(long_prompt())]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
     fused_outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -211,7 +211,7 @@ def test_native_int4_decode_gives_the_per_op_tokens(model_path):
     llm = LLM(
         model_path, dtype="bfloat16", quantization="int4", kv_cache_memory_bytes=256 << 20, chunk_size=512
     )
-    runner = llm.engine.worker.runner
+    runner = llm.core.worker.runner
     if runner.whole_step_decode is None:
         pytest.skip("no native int4 decode on this machine (needs a C compiler and AVX512-BF16)")
     prompts = _mixed_prompts(llm, 4) + [llm.tokenizer.encode(long_prompt())]
@@ -271,7 +271,7 @@ def test_float32_int4_decode_gives_the_dequantized_weights_tokens(model_path):
         model_path, dtype="float32", quantization="int4", kv_cache_memory_bytes=256 << 20, chunk_size=512
     )
     dispatches = [
-        module for module in llm.engine.worker.model.modules() if isinstance(module, DecodeQuantizedLinear)
+        module for module in llm.core.worker.model.modules() if isinstance(module, DecodeQuantizedLinear)
     ]
     if not any(isinstance(dispatch.quantized, PortableInt4Linear) for dispatch in dispatches):
         pytest.skip("no native kernels on this machine (needs a C compiler)")

@@ -89,14 +89,14 @@ def test_chunking_and_preemption_give_the_same_processed_tokens(llm, model_path)
     expected = [output.token_ids for output in llm.generate(PROMPTS, MIXED)]
     # Chunks of 8 tokens and a KV cache of 7 blocks of 16 tokens: the four requests (3 blocks
     # each at the end) cannot all hold their blocks, so the newest are preempted and recomputed.
-    worker = llm.engine.worker
+    worker = llm.core.worker
     block_bytes = (
         sum(cache.numel() * cache.element_size() for cache in worker.kv_caches) // worker.num_kv_blocks
     )
     small = LLM(
         model_path, dtype="float32", chunk_size=8, block_size=16, kv_cache_memory_bytes=7 * block_bytes
     )
-    assert small.engine.worker.num_kv_blocks == 7
+    assert small.core.worker.num_kv_blocks == 7
     assert [output.token_ids for output in small.generate(PROMPTS, MIXED)] == expected
     assert small.stats().num_preemptions > 0
     # Again, now on the prefixes the first run cached.

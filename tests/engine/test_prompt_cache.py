@@ -118,7 +118,7 @@ def test_pins_hold_at_most_their_share_of_the_cache(model_path):
         ValueError, match=r"^prefix: pinning 6 more KV blocks would make 12 pinned, over the limit of 10"
     ):
         llm.pin_prefix(list(range(300, 300 + 6 * 16)), pin_id="six-more")
-    assert "six-more" not in llm.engine.pinned
+    assert "six-more" not in llm.core.pinned_prefixes.resident
     llm.pin_prefix(list(range(300, 300 + 4 * 16)), pin_id="four-more")  # 10 of 10: at the limit
     llm.unpin_prefix(first.pin_id)
     llm.pin_prefix(list(range(300, 300 + 6 * 16)), pin_id="six-more")

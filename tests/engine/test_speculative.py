@@ -40,7 +40,7 @@ def engines(model_path):
         "chunk_size": 256,
     }
     plain = LLM(**options)
-    if not plain.engine.worker.batch_invariant:
+    if not plain.core.worker.batch_invariant:
         pytest.skip("no batch invariance on this machine: verify rows may round otherwise than decode rows")
     return plain, LLM(**options, speculative_config=NGRAM)
 
@@ -193,7 +193,7 @@ def test_a_draft_model_drafting_for_itself_is_always_right_and_changes_nothing(e
         _bits(output) for output in plain.generate(PROMPTS, seeded)
     ]
     assert all_blocks_free(drafted)
-    draft_core = drafted.engine.scheduler.proposer.core
+    draft_core = drafted.core.proposer.core
     assert draft_core.kv_manager.pool.num_free_blocks == draft_core.kv_manager.num_blocks
 
 

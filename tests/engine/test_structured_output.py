@@ -126,7 +126,7 @@ def test_bad_constraints_are_refused_with_nothing_queued(llm, structured):
     with pytest.raises(InvalidInputError) as raised:
         llm.generate(["one", "two"], [good, bad])
     assert raised.value.field == structured.field
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.core.has_unfinished_requests()
     assert tracked_requests(llm) == {}
 
 

@@ -89,7 +89,7 @@ def test_speculation_on_two_ranks_verifies_proposals_into_one_ranks_tokens(tp2, 
 
 
 def test_one_rank_starts_no_process_group(llm):
-    worker = llm.engine.worker
+    worker = llm.core.worker
     assert worker.rank_group is None and worker.rank_processes is None and worker.runner.send_step is None
 
 

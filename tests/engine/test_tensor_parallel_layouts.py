@@ -30,7 +30,7 @@ def test_three_ranks_on_two_kv_heads_replicate_one_and_give_one_ranks_tokens(tin
     three = LLM(tiny_model, tensor_parallel_size=3, **OPTIONS)
     try:
         # Ranks 0 and 1 hold KV head 0 and one query head each; rank 2 holds KV head 1 and two.
-        shard = three.engine.worker.model.tensor_shard
+        shard = three.core.worker.model.tensor_shard
         assert (shard.head_range, shard.kv_head_range) == ((0, 1), (0, 1))
         assert_same_outputs(three.generate(SHORT_PROMPTS, GREEDY), one_rank.generate(SHORT_PROMPTS, GREEDY))
     finally:
@@ -41,7 +41,7 @@ def test_three_ranks_in_bf16_do_not_claim_batch_invariance(tiny_model, caplog):
     """Three partial sums may be added in a size-dependent order: the engine warns, not claims."""
     three = LLM(tiny_model, tensor_parallel_size=3, **(OPTIONS | {"dtype": "bfloat16"}))
     try:
-        assert not three.engine.worker.batch_invariant
+        assert not three.core.worker.batch_invariant
         assert "tensor_parallel_size > 2" in caplog.text
     finally:
         three.shutdown()
@@ -68,7 +68,7 @@ def test_two_ranks_in_bf16_stay_batch_invariant(model_path):
     )
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     try:
-        if not two.engine.worker.batch_invariant:
+        if not two.core.worker.batch_invariant:
             pytest.skip("batch invariance is not in effect on this CPU")
         batched = two.generate(SHORT_PROMPTS, params)
         for prompt, output in zip(SHORT_PROMPTS, batched, strict=True):

@@ -1,5 +1,5 @@
 """The draft-model proposer: a second, smaller model sharing the target's tokenizer, run by
-this engine's own code (its own worker, scheduler and paged KV cache), proposes tokens greedily.
+an engine of its own (its own worker, scheduler and paged KV cache), proposes tokens greedily.
 
 Each step it is asked to continue every speculating sequence by up to k tokens: it runs them as
 one batch of greedy requests. Its prompt cache keeps each sequence's full blocks from the
@@ -10,37 +10,33 @@ while the target's own draw equals the proposal is exact speculative sampling fo
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Protocol
 
-from firsttoken.config import EngineConfig, SpeculativeConfig
 from firsttoken.errors import InvalidInputError
+from firsttoken.outputs import RequestDelta
 from firsttoken.sampling_params import SamplingParams
 
 
-class DraftModelProposer:
-    def __init__(
-        self, target_config: EngineConfig, speculative: SpeculativeConfig, target_vocab_size: int
-    ) -> None:
-        # Imported here: the engine core imports this module to build its proposer.
-        from firsttoken.engine.engine_core import EngineCore
+class DraftEngine(Protocol):
+    """The step loop of the draft model, as the proposer drives it (an EngineCore)."""
 
-        config = EngineConfig.from_kwargs(
-            model_config=dataclasses.replace(target_config.model_config, model=speculative.model),
-            kv_cache_memory_bytes=speculative.draft_kv_cache_memory_bytes,
-            block_size=target_config.cache.block_size,
-            chunk_size=target_config.scheduler.max_num_batched_tokens,
-            enable_prompt_cache=True,
-            # Its steps run between the target's, on the threads the target's governor chose.
-            adaptive_threads=False,
-        )
-        self.num_speculative_tokens = speculative.num_speculative_tokens
-        self.core = EngineCore(config)
-        if self.core.worker.vocab_size != target_vocab_size:
-            raise InvalidInputError(
-                "speculative_config.model",
-                f"the draft model's vocabulary has {self.core.worker.vocab_size} tokens, the target's "
-                f"{target_vocab_size}: a draft model must share the target's tokenizer",
-            )
+    def new_request_id(self) -> str: ...
+
+    def add_request(
+        self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+    ) -> object: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[RequestDelta]: ...
+
+
+class DraftModelProposer:
+    """Owns the draft model's engine, which it steps to propose greedy continuations."""
+
+    def __init__(self, core: DraftEngine, num_speculative_tokens: int) -> None:
+        self.core = core
+        self.num_speculative_tokens = num_speculative_tokens
 
     def propose_batch(self, token_ids: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
         proposals: dict[str, list[int]] = {}

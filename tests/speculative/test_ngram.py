@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from firsttoken.spec.ngram import NgramProposer
+from firsttoken.speculative.ngram import NgramProposer
 
 
 def reference_proposal(tokens: list[int], k: int, longest: int, shortest: int) -> list[int]:

@@ -13,6 +13,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class NgramProposer:
+    """Proposes by prompt lookup; it owns nothing but its three settings."""
+
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
