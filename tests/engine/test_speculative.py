@@ -32,17 +32,25 @@ def _tokens(output) -> tuple:
 
 @pytest.fixture(scope="module")
 def engines(model_path):
-    """bf16 with batch invariance: verify rows give the bits decode rows give."""
-    options = {
-        "model": model_path,
-        "dtype": "bfloat16",
-        "kv_cache_memory_bytes": 128 << 20,
-        "chunk_size": 256,
-    }
-    plain = LLM(**options)
-    if not plain.core.worker.batch_invariant:
-        pytest.skip("no batch invariance on this machine: verify rows may round otherwise than decode rows")
-    return plain, LLM(**options, speculative_config=NGRAM)
+    """Engines with batch invariance (bf16 where the CPU has bf16 kernels, else float32 on the
+    native kernels): verify rows give the bits decode rows give."""
+    for dtype in ("bfloat16", "float32"):
+        options = {"model": model_path, "dtype": dtype, "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
+        plain = LLM(**options)
+        if plain.core.worker.batch_invariant:
+            return plain, LLM(**options, speculative_config=NGRAM)
+    pytest.skip("no batch invariance on this machine: verify rows may round otherwise than decode rows")
+
+
+def _options_of(engine: LLM) -> dict:
+    """The options the module's engines share, for engines of a test's own."""
+    return {"model": engine.config.model_config.model, "dtype": engine.config.model_config.dtype,
+            "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
+
+
+def _block_bytes(engine: LLM) -> int:
+    element_bytes = 2 if engine.config.model_config.dtype == "bfloat16" else 4
+    return 2 * 30 * 16 * 3 * 64 * element_bytes  # K and V x layers x block tokens x KV heads x head size
 
 
 @pytest.mark.parametrize(
@@ -135,9 +143,8 @@ def test_beside_non_speculating_requests_in_chunks_and_across_preemption(engines
     prompts = PROMPTS + [PROMPTS[1]]
     params = [greedy] * len(PROMPTS) + [penalized]
     expected = [_bits(output) for output in plain.generate(prompts, params)]
-    block_bytes = 2 * 30 * 16 * 3 * 64 * 2  # layers x block tokens x KV heads x head size, bf16
-    small = LLM(model=model_path, dtype="bfloat16", kv_cache_memory_bytes=14 * block_bytes, chunk_size=16,
-                speculative_config=NGRAM)
+    options = {**_options_of(plain), "kv_cache_memory_bytes": 14 * _block_bytes(plain), "chunk_size": 16}
+    small = LLM(**options, speculative_config=NGRAM)
     outputs = small.generate(prompts, params)
     assert [_bits(output) for output in outputs] == expected
     stats = small.stats()
@@ -170,12 +177,7 @@ def test_a_draft_model_drafting_for_itself_is_always_right_and_changes_nothing(e
     """The embedded model as its own draft: every proposal accepted, the same bits as without,
     and both engines' blocks all back in their pools."""
     plain, _ = engines
-    options = {
-        "model": model_path,
-        "dtype": "bfloat16",
-        "kv_cache_memory_bytes": 128 << 20,
-        "chunk_size": 256,
-    }
+    options = _options_of(plain)
     drafted = LLM(
         **options, speculative_config={"method": "draft", "model": model_path, "num_speculative_tokens": 3}
     )
@@ -199,15 +201,9 @@ def test_a_draft_model_drafting_for_itself_is_always_right_and_changes_nothing(e
 
 def test_a_sequence_longer_than_the_drafts_cache_decodes_without_proposals(engines, model_path):
     plain, _ = engines
-    options = {
-        "model": model_path,
-        "dtype": "bfloat16",
-        "kv_cache_memory_bytes": 128 << 20,
-        "chunk_size": 256,
-    }
-    block_bytes = 2 * 30 * 16 * 3 * 64 * 2  # layers x block tokens x KV heads x head size, bf16
+    options = _options_of(plain)
     drafted = LLM(**options, speculative_config={"method": "draft", "model": model_path,
-                                                 "draft_kv_cache_memory_bytes": 2 * block_bytes})
+                                                 "draft_kv_cache_memory_bytes": 2 * _block_bytes(plain)})
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = drafted.generate(PROMPTS, params)
     assert [output.token_ids for output in outputs] == [
