@@ -23,6 +23,7 @@ from firsttoken.engine.output_processor import OutputProcessor
 from firsttoken.errors import InvalidInputError
 from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.request import Request, RequestStatus, RequestTimestamps
+from firsttoken.sample.grammar import GrammarCompiler
 from firsttoken.sampling_params import SamplingParams, StructuredOutput
 from firsttoken.spec.ngram import NgramProposer
 from firsttoken.worker.pinned_prefix_store import validate_pin_id
@@ -32,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Owns the worker, the KV block manager, the scheduler and the output processor of one
-    engine, and the pinned prefixes."""
+    """Owns the worker, the KV block manager, the scheduler, the output processor and the
+    grammar compiler of one engine, and the pinned prefixes."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -60,6 +61,7 @@ class EngineCore:
             max_num_speculating_seqs=config.speculative_config.max_num_speculating_seqs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.worker.vocab_size)
         self._request_counter = itertools.count()
         self.pinned: dict[str, PinnedPrefix] = {}
         self._pending_pins: dict[str, str] = {}  # internal request id -> pin id
@@ -95,7 +97,7 @@ class EngineCore:
         self.validate_request(prompt_token_ids, sampling_params)
         structured = sampling_params.structured_output
         # A cache hit when the front end compiled it on arrival (AsyncEngine.add_request).
-        grammar = None if structured is None else self.worker.compile_grammar(structured)
+        grammar = None if structured is None else self.grammar_compiler.compile(structured)
         now = time.perf_counter()
         arrival = arrival_time if arrival_time is not None else now
         request = Request(
@@ -146,7 +148,7 @@ class EngineCore:
     def compile_grammar(self, structured: StructuredOutput) -> None:
         """Compile a constraint ahead of add_request, from any thread (add_request then finds it
         cached); raises InvalidInputError naming its field when it is not valid."""
-        self.worker.compile_grammar(structured)
+        self.grammar_compiler.compile(structured)
 
     def abort_request(self, req_id: str) -> RequestDelta | None:
         """End a request now; its KV blocks are freed before this returns."""

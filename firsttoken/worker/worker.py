@@ -38,9 +38,7 @@ from firsttoken.ops.linear import (
     rows_invariant,
 )
 from firsttoken.ops.native import load_native_kernels
-from firsttoken.sample.grammar import CompiledGrammar, GrammarCompiler
 from firsttoken.sample.sampler import Sampler
-from firsttoken.sampling_params import StructuredOutput
 from firsttoken.sampling_params import SamplingParams
 from firsttoken.tokenizer import Tokenizer
 from firsttoken.worker.cost_calibration import CalibrationLimits, load_or_calibrate
@@ -60,8 +58,7 @@ logger = logging.getLogger(__name__)
 
 class Worker:
     """Owns the device and its threads, the kernels, the model, the paged KV tensors and block
-    copies, the runner, the warm-up and the step-cost calibration, the pinned-prefix files and
-    the compiled grammars of structured output.
+    copies, the runner, the warm-up and the step-cost calibration, the pinned-prefix files.
 
     With `tensor_parallel_size` N > 1 it is one rank of N, holding a slice of the model and of
     the KV cache: rank 0 (the engine's worker) starts ranks 1..N-1 in their own processes and
@@ -149,7 +146,6 @@ class Worker:
                 self.graph_capture.device_memory_bytes / 2**20,
             )
         self.prefix_store = self._open_prefix_store()
-        self.grammar_compiler = GrammarCompiler(self.tokenizer, arch.vocab_size)
 
     def _start_ranks(self, rank: int) -> ModelShard:
         """This rank's slice; rank 0 first starts the others. The process group forms later,
@@ -367,11 +363,6 @@ class Worker:
             finished = time.perf_counter()
             governor.observe(threads, finished - started, self._predicted_seconds(scheduler_output), finished)
         return output
-
-    def compile_grammar(self, structured: StructuredOutput) -> CompiledGrammar:
-        """A structured-output constraint compiled for this vocabulary (cached; thread-safe);
-        raises InvalidInputError naming its field when it is not valid."""
-        return self.grammar_compiler.compile(structured)
 
     def release_requests(self, req_ids: list[str]) -> None:
         """Free the sampler's token state of finished tracked requests."""
