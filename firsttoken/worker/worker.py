@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from firsttoken.attention.backend import AttentionBackend
-from firsttoken.attention.sdpa import SDPABackend
 from firsttoken.attention.selector import select_attention_backend
 from firsttoken.config import EngineConfig
 from firsttoken.core.batch import ModelOutput, SampleSpec, ScheduledChunk, SchedulerOutput
@@ -30,23 +29,19 @@ from firsttoken.models.registry import build_model, open_checkpoint, resolve_mod
 from firsttoken.models.sharding import ModelShard, shard_for_rank
 from firsttoken.ops.cpu_info import physical_core_count
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
-from firsttoken.ops.linear import (
-    Linear,
-    NativeRowInvariantLinear,
-    PackedLinear,
-    onednn_packing_available,
-    rows_invariant,
-)
+from firsttoken.ops.linear import onednn_packing_available
 from firsttoken.ops.native import load_native_kernels
 from firsttoken.sample.sampler import Sampler
 from firsttoken.sampling_params import SamplingParams
 from firsttoken.tokenizer import Tokenizer
+from firsttoken.worker.batch_invariance import claims_batch_invariance
 from firsttoken.worker.cost_calibration import CalibrationLimits, load_or_calibrate
 from firsttoken.worker.device import resolve_device, resolve_dtype
 from firsttoken.worker.host_memory import keep_freed_host_memory
 from firsttoken.worker.kv_cache import allocate_kv_caches, available_memory_bytes, num_kv_blocks
 from firsttoken.worker.model_runner import ModelRunner
-from firsttoken.worker.pinned_prefix_store import KVIdentity, PinnedPrefixStore, StoredPrefix
+from firsttoken.worker.pinned_prefix_kv import PinnedPrefixKV, open_prefix_store
+from firsttoken.worker.pinned_prefix_store import StoredPrefix
 from firsttoken.worker.tensor_parallel import RankGroup, RankProcesses, RankStart, rank_device
 from firsttoken.worker.thread_governor import ThreadGovernor
 
@@ -107,7 +102,9 @@ class Worker:
             fused=model_config.fuse_ops, native_kernels=native_kernels, triton_ops=_triton_ops(self.device)
         )
         self.model = self._load_model(backend, shard)
-        self.batch_invariant = self._claims_batch_invariance(backend)
+        self.batch_invariant = claims_batch_invariance(
+            config, self.model, backend, self.kernels, self.dtype, self.device
+        )
         # Graphs pad their steps with tokens that write one scratch block past the manager's.
         use_graphs = self.device.type == "cuda" and model_config.cuda_graphs
         self.num_kv_blocks = self._num_kv_blocks(attention_arch, shard)
@@ -145,7 +142,9 @@ class Worker:
                 self.graph_capture.seconds,
                 self.graph_capture.device_memory_bytes / 2**20,
             )
-        self.prefix_store = self._open_prefix_store()
+        self.pinned_kv = PinnedPrefixKV(
+            open_prefix_store(config, self.checkpoint, self.dtype), self.kv_caches, self.device
+        )
 
     def _start_ranks(self, rank: int) -> ModelShard:
         """This rank's slice; rank 0 first starts the others. The process group forms later,
@@ -241,75 +240,6 @@ class Worker:
             triton_matmuls=self.device.type == "cuda",
         )
         return model
-
-    def _claims_batch_invariance(self, backend: AttentionBackend) -> bool:
-        """Whether a row's logits are the same bits whatever else runs in its steps.
-
-        What the invariance rests on: decode rows attending with the prefill kernel's
-        arithmetic, each alone; row-invariant matmuls and per-row elementwise ops. Quantized
-        weights are out: decode steps read them, prefills the float ones."""
-        model_config = self.config.model_config
-        if not model_config.batch_invariant or model_config.quantization is not None:
-            return False
-        if self.device.type == "cuda":
-            return self._cuda_rows_invariant(backend)
-        if self.tensor_parallel_size > 2:
-            # Two partial sums are the same bits in either order; three or more are not.
-            logger.warning(
-                "batch_invariant: gloo's all-reduce may add three or more ranks' partial sums in an "
-                "order that depends on the step's size; with tensor_parallel_size > 2 greedy outputs "
-                "may depend on what else runs"
-            )
-            return False
-        return (
-            isinstance(backend, SDPABackend)
-            and backend.decodes_as_prefill(
-                self.config.cache.block_size, self.dtype, self.checkpoint.arch.head_dim
-            )
-            and self._matmuls_rows_invariant(self.model)
-        )
-
-    def _cuda_rows_invariant(self, backend: AttentionBackend) -> bool:
-        """Every row on the attention chunk kernel's tiles, every projection on the row-invariant
-        Triton matmul, the norms on their one-row-per-program Triton kernels (torch's own
-        reductions pick their split by the tensor's size); not across ranks."""
-        if self.tensor_parallel_size > 1:
-            logger.warning(
-                "batch_invariant: NCCL's all-reduce may sum the ranks' partial products in an order "
-                "that depends on the step's size; with tensor_parallel_size > 1 greedy outputs may "
-                "depend on what else runs"
-            )
-            return False
-        # Imported here: triton is needed on CUDA only.
-        from firsttoken.attention.cuda_backend import CudaAttentionBackend
-        from firsttoken.ops.triton_matmul import RowInvariantLinear
-
-        on_cublas = [module for module in self.model.modules() if isinstance(module, Linear)]
-        return (
-            isinstance(backend, CudaAttentionBackend)
-            and backend.rows_invariant
-            and self.kernels.triton is not None
-            and not on_cublas
-            and isinstance(self.model.lm_head, RowInvariantLinear)
-        )
-
-    def _matmuls_rows_invariant(self, model: LlamaForCausalLM) -> bool:
-        """Whether every projection gives a row the same bits at any row count: all on the native
-        row-invariant matmul (float32), or all oneDNN-packed (bf16) with this CPU's kernels
-        passing the probe; warn where they do not."""
-        kinds = (Linear, PackedLinear, NativeRowInvariantLinear)
-        projections = [module for module in model.modules() if isinstance(module, kinds)]
-        if not projections or any(isinstance(module, Linear) for module in projections):
-            return False  # torch's plain matmuls pick their kernel by the row count
-        packed = [module for module in projections if isinstance(module, PackedLinear)]
-        shapes = {tuple(module.packed_weight.shape): module for module in packed}
-        if all(rows_invariant(module) for module in shapes.values()):
-            return True
-        logger.warning(
-            "batch_invariant: this CPU's oneDNN kernels give a row other bits at other batch sizes; "
-            "greedy outputs may depend on what else runs"
-        )
-        return False
 
     def _max_model_len(self) -> int:
         arch = self.checkpoint.arch
@@ -440,46 +370,19 @@ class Worker:
 
     # -- pinned prefixes on disk ---------------------------------------------------------
 
-    def _open_prefix_store(self) -> PinnedPrefixStore | None:
-        folder = self.config.prompt_cache.persist_dir
-        if folder is None or not self.config.prompt_cache.enable:
-            return None
-        arch = self.checkpoint.arch
-        identity = KVIdentity(
-            model_fingerprint=self.checkpoint.fingerprint,
-            dtype=str(self.dtype).removeprefix("torch."),
-            block_size=self.config.cache.block_size,
-            num_layers=arch.num_layers,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-        )
-        return PinnedPrefixStore(folder, identity)
-
     def stored_prefixes(self) -> list[StoredPrefix]:
-        """The pinned prefixes saved by earlier engines of the same KV identity."""
-        return self.prefix_store.load_all() if self.prefix_store is not None else []
+        return self.pinned_kv.stored()
 
     def save_prefix(
         self, pin_id: str, token_ids: list[int], block_hashes: list[bytes], block_ids: list[int]
     ) -> None:
-        """Write a pinned prefix's KV blocks to its file (when pinned prefixes persist)."""
-        if self.prefix_store is not None:
-            self.prefix_store.save(pin_id, token_ids, block_hashes, self._read_blocks(block_ids))
+        self.pinned_kv.save(pin_id, token_ids, block_hashes, block_ids)
 
     def delete_prefix(self, pin_id: str) -> None:
-        if self.prefix_store is not None:
-            self.prefix_store.delete(pin_id)
+        self.pinned_kv.delete(pin_id)
 
     def restore_prefix(self, stored: StoredPrefix, block_ids: list[int]) -> None:
-        """Copy a stored prefix's KV into the blocks given to it."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for layer, kv_cache in enumerate(self.kv_caches):
-            kv_cache.index_copy_(1, index, stored.kv[layer].to(device=self.device, dtype=kv_cache.dtype))
-
-    def _read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[layers, 2, blocks, block_size, kv_heads, head_dim] copy of those blocks' KV."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return torch.stack([kv_cache.index_select(1, index) for kv_cache in self.kv_caches])
+        self.pinned_kv.restore(stored, block_ids)
 
 
 def _triton_ops(device: torch.device) -> ModuleType | None:
