@@ -27,7 +27,7 @@ from firsttoken.sample.grammar import GrammarCompiler
 from firsttoken.sampling_params import SamplingParams, StructuredOutput
 from firsttoken.spec.ngram import NgramProposer
 from firsttoken.worker.pinned_prefix_store import validate_pin_id
-from firsttoken.worker.worker import Worker
+from firsttoken.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -38,15 +38,17 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.worker = Worker(config)
+        self.executor = Executor(config)
+        # This process's worker (the driver's): the vocabulary, the KV blocks' count, pinned KV.
+        self.worker = self.executor.worker
         self.model_path = self.worker.model_path
         self.tokenizer = self.worker.tokenizer
         self.max_model_len = self.worker.max_model_len
         block_size = config.cache.block_size
         # Warm-up and calibration run on scratch blocks, before any request can hold one.
-        self.worker.warm_up()
+        self.executor.warm_up()
         auto_chunks = config.chunked_prefill.enable and config.chunked_prefill.chunk_size == "auto"
-        step_cost = self.worker.step_cost_model() if auto_chunks or self.worker.adapts_threads else None
+        step_cost = self.executor.step_cost_model() if auto_chunks or self.worker.adapts_threads else None
         step_times = StepTimeTracker(step_cost) if auto_chunks else None
         self.kv_manager = KVCacheManager(self.worker.num_kv_blocks, block_size, config.prompt_cache.enable)
         self.hash_root = root_hash(self.worker.kv_identity)
@@ -179,7 +181,7 @@ class EngineCore:
         if scheduler_output.is_empty:
             return expired
         started = time.perf_counter()
-        model_output = self.worker.execute(scheduler_output)
+        model_output = self.executor.execute(scheduler_output)
         self.scheduler.observe_step_time(scheduler_output, time.perf_counter() - started)
         deltas = []
         for progress in self.scheduler.update(scheduler_output, model_output):
@@ -203,8 +205,8 @@ class EngineCore:
             self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
 
     def shutdown(self) -> None:
-        """Stop the worker's other tensor-parallel ranks; the engine cannot step afterwards."""
-        self.worker.shutdown()
+        """Stop the other tensor-parallel ranks; the engine cannot step afterwards."""
+        self.executor.shutdown()
 
     # -- pinned prefixes -----------------------------------------------------------------
 
