@@ -1,6 +1,6 @@
 """EngineCore: wires the scheduler, the worker and the output processor, and runs the step loop.
 
-step(): scheduler.schedule() -> worker.execute() -> scheduler.update() -> text deltas.
+step(): scheduler.schedule() -> executor.execute() -> scheduler.update() -> text deltas.
 No tensor lives here: the worker owns the device, the model and the KV tensors; this class
 owns the requests, the block bookkeeping and the pinned prefixes. It is single-threaded by
 design; front ends (LLM, AsyncEngine) own the thread it runs on.
@@ -26,15 +26,15 @@ from firsttoken.request import Request, RequestStatus, RequestTimestamps
 from firsttoken.sample.grammar import GrammarCompiler
 from firsttoken.sampling_params import SamplingParams, StructuredOutput
 from firsttoken.spec.ngram import NgramProposer
-from firsttoken.worker.pinned_prefix_store import validate_pin_id
 from firsttoken.worker.executor import Executor
+from firsttoken.worker.pinned_prefix_store import validate_pin_id
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Owns the worker, the KV block manager, the scheduler, the output processor and the
-    grammar compiler of one engine, and the pinned prefixes."""
+    """Owns the executor (and through it the workers), the KV block manager, the scheduler, the
+    output processor and the grammar compiler of one engine, and the pinned prefixes."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

@@ -37,12 +37,17 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_kv_blocks(config: CacheConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> int:
-    """Blocks that fit the memory budget."""
+def num_kv_blocks(
+    config: CacheConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device, kv_share: float = 1.0
+) -> int:
+    """Blocks that fit the memory budget. On the CPU the tensor-parallel ranks share one budget:
+    each takes its `kv_share` of it (its KV heads' part); an accelerator's is its own."""
     budget = config.kv_cache_memory_bytes
     if budget is None:
         fraction = config.kv_cache_memory_fraction if device.type == "cpu" else config.gpu_memory_utilization
         budget = int(available_memory_bytes(device) * fraction)
+    if device.type == "cpu" and kv_share < 1.0:
+        budget = max(1, int(budget * kv_share))
     per_block = bytes_per_block(arch, config.block_size, dtype)
     num_blocks = budget // per_block
     if num_blocks < 1:

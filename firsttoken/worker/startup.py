@@ -19,11 +19,23 @@ from firsttoken.worker.worker import Worker
 def warm_up(steps: StepRunner, worker: Worker) -> None:
     """Compile the fused ops and run a prefill and a decode on scratch blocks, so the first
     request pays no one-time cost."""
-    limits = worker.scratch_limits()
+    limits = scratch_limits(worker)
     worker.kernels.warm_up(lambda num_tokens: _run_scratch_step(steps, limits, 0, num_tokens))
     num_tokens = min(FUSED_MIN_TOKENS, limits.max_model_len - 1)
     _run_scratch_step(steps, limits, 0, num_tokens)
     _run_scratch_step(steps, limits, num_tokens, 1)
+
+
+def scratch_limits(worker: Worker) -> CalibrationLimits:
+    """What bounds the start-up steps: the worker's KV blocks, step and sequence sizes, vocabulary."""
+    config = worker.config
+    return CalibrationLimits(
+        block_size=config.cache.block_size,
+        num_blocks=worker.num_kv_blocks,
+        max_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_model_len=worker.max_model_len,
+        vocab_size=worker.vocab_size,
+    )
 
 
 def _run_scratch_step(steps: StepRunner, limits: CalibrationLimits, start: int, num_tokens: int) -> None:
@@ -51,4 +63,4 @@ def measure_step_cost(steps: StepRunner, worker: Worker) -> StepCostModel:
         f"-t{threads}-b{worker.config.cache.block_size}{ranks}.json"
     )
     cache_file = os.path.join(worker.cache_dir, "step_costs", name)
-    return load_or_calibrate(steps, worker.scratch_limits(), cache_file)
+    return load_or_calibrate(steps, scratch_limits(worker), cache_file)

@@ -8,7 +8,6 @@ the block count every rank holds and builds the runner. Then the executor hands 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -24,15 +23,9 @@ from firsttoken.ops.cpu_info import physical_core_count
 from firsttoken.sample.sampler import Sampler
 from firsttoken.tokenizer import Tokenizer
 from firsttoken.worker.batch_invariance import claims_batch_invariance
-from firsttoken.worker.cost_calibration import CalibrationLimits
 from firsttoken.worker.device import resolve_device, resolve_dtype
 from firsttoken.worker.host_memory import keep_freed_host_memory
-from firsttoken.worker.kv_cache import (
-    allocate_kv_caches,
-    available_memory_bytes,
-    num_kv_blocks,
-    prefault_kv_caches,
-)
+from firsttoken.worker.kv_cache import allocate_kv_caches, num_kv_blocks, prefault_kv_caches
 from firsttoken.worker.model_loading import ModelPlacement, attention_arch_of, load_model, max_model_len
 from firsttoken.worker.model_runner import ModelRunner
 from firsttoken.worker.pinned_prefix_kv import PinnedPrefixKV, open_prefix_store
@@ -79,6 +72,7 @@ class Worker:
         self.thread_governor: ThreadGovernor | None = None
 
     def load_model(self) -> None:
+        """Load the model (this rank's slice of it) in its fastest form here."""
         loaded = load_model(self.config, self.checkpoint, self.placement)
         self.model, self.backend, self.kernels = loaded.model, loaded.backend, loaded.kernels
         self.batch_invariant = claims_batch_invariance(
@@ -86,16 +80,11 @@ class Worker:
         )
 
     def num_kv_blocks_that_fit(self) -> int:
-        """Blocks this rank's KV cache can hold. On the CPU the ranks share one memory budget:
-        each takes its KV heads' part of it."""
-        cache = self.config.cache
+        """Blocks this rank's KV cache can hold."""
         shard = self.placement.shard
-        if shard is not None and self.device.type == "cpu":
-            budget = cache.kv_cache_memory_bytes
-            if budget is None:
-                budget = int(available_memory_bytes(self.device) * cache.kv_cache_memory_fraction)
-            cache = dataclasses.replace(cache, kv_cache_memory_bytes=max(1, int(budget * shard.kv_share)))
-        return num_kv_blocks(cache, attention_arch_of(self.checkpoint.arch, shard), self.dtype, self.device)
+        attention_arch = attention_arch_of(self.checkpoint.arch, shard)
+        kv_share = shard.kv_share if shard is not None else 1.0
+        return num_kv_blocks(self.config.cache, attention_arch, self.dtype, self.device, kv_share)
 
     def allocate_kv_cache(self, num_kv_blocks: int) -> None:
         """The paged KV tensors of `num_kv_blocks` blocks (every rank holds the same block ids),
@@ -172,16 +161,6 @@ class Worker:
             return ""
         native_kernels = self.kernels.native
         return f", native kernels for {native_kernels.isa}" if native_kernels is not None else ", torch ops"
-
-    def scratch_limits(self) -> CalibrationLimits:
-        """What bounds the start-up steps on scratch blocks."""
-        return CalibrationLimits(
-            block_size=self.config.cache.block_size,
-            num_blocks=self.num_kv_blocks,
-            max_batched_tokens=self.config.scheduler.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size,
-        )
 
     # -- steps ---------------------------------------------------------------------------
 
