@@ -33,7 +33,7 @@ class AllReduceClock:
     """Per-step seconds and counts of rank 0's all-reduces over the timed sections of runs."""
 
     def __init__(self, llm: LLM) -> None:
-        self.group = llm.core.worker.rank_group
+        self.group = llm.core.executor.rank_group
         self.seconds_per_step: list[float] = []
         self.calls_per_step: list[float] = []
         self.step_seconds: list[float] = []

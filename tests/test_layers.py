@@ -5,9 +5,10 @@ serving the server's app in front of engine replicas); the server and the benchm
 API (`firsttoken/__init__.py`); the engine; the worker; the sampler; models, core, metrics and the
 speculative proposers; attention; ops; then the plain modules everything may use (arithmetic,
 config, errors, logprobs, outputs, request, sampling parameters, the tokenizer). A module may
-import its own part of the package and any part on a lower layer; every import counts, those inside functions and
-under TYPE_CHECKING too. So each layer can be read and tested without the ones above it: the
-scheduler with fake requests, a model without an engine, the server on a fake engine.
+import its own part of the package and any part on a lower layer; every import counts, those
+inside functions and under TYPE_CHECKING too. So each layer can be read and tested without the
+ones above it: the scheduler with fake requests, a model without an engine, the server on a fake
+engine.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from firsttoken.arithmetic import ceil_div
 from firsttoken.attention.backend import BatchLayout, decode_tables
 from firsttoken.attention.reference import write_kv_reference
-from firsttoken.ops import native
+from firsttoken.ops import native, native_abi
 from firsttoken.ops.native_decode import DecodeTables
 
 

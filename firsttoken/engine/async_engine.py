@@ -259,7 +259,7 @@ class AsyncEngine:
         self._thread.start()
         # The grammar engine's view of the vocabulary, built now on a tokenizer thread
         # rather than by the first structured-output request.
-        self._encoder.submit(self.core.worker.grammar_compiler.engine_tokenizer)
+        self._encoder.submit(self.core.grammar_compiler.engine_tokenizer)
 
     async def shutdown(self) -> None:
         """Stop the loop thread; live requests end with EngineDeadError at once, not after the

@@ -1,7 +1,7 @@
 """EngineCore: wires the scheduler, the worker and the output processor, and runs the step loop.
 
-step(): scheduler.schedule() -> worker.execute() -> scheduler.update() -> text deltas, then
-the proposer drafts tokens for the next step to verify. No tensor lives here: the worker owns
+step(): scheduler.schedule() -> executor.execute() -> scheduler.update() -> text deltas, then
+the proposer drafts tokens for the next step to verify. No tensor lives here: the workers own
 the device, the model and the KV tensors; this class owns the requests, the block bookkeeping
 and the pinned prefixes. It is single-threaded by design; front ends (LLM, AsyncEngine) own the
 thread it runs on.
@@ -25,29 +25,33 @@ from firsttoken.engine.pinned_prefixes import PinnedPrefixes
 from firsttoken.errors import InvalidInputError
 from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.request import Request, RequestStatus, RequestTimestamps
+from firsttoken.sample.grammar import GrammarCompiler
 from firsttoken.sampling_params import SamplingParams, StructuredOutput
 from firsttoken.speculative.proposer import DraftProposer
-from firsttoken.worker.worker import Worker
+from firsttoken.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Owns the worker, the KV block manager, the scheduler, the output processor, the pinned
-    prefixes and the proposer of draft tokens of one engine."""
+    """Owns the executor (and through it the workers), the KV block manager, the scheduler, the
+    output processor, the grammar compiler, the pinned prefixes and the proposer of draft tokens
+    of one engine."""
 
     def __init__(self, config: EngineConfig, proposer: DraftProposer | None = None) -> None:
         """`proposer`: drafts tokens for speculative decoding (engine/builder.py makes it)."""
         self.config = config
-        self.worker = Worker(config)
+        self.executor = Executor(config)
+        # This process's worker (the driver's): the vocabulary, the KV blocks' count, pinned KV.
+        self.worker = self.executor.worker
         self.model_path = self.worker.model_path
         self.tokenizer = self.worker.tokenizer
         self.max_model_len = self.worker.max_model_len
         block_size = config.cache.block_size
         # Warm-up and calibration run on scratch blocks, before any request can hold one.
-        self.worker.warm_up()
+        self.executor.warm_up()
         auto_chunks = config.chunked_prefill.enable and config.chunked_prefill.chunk_size == "auto"
-        step_cost = self.worker.step_cost_model() if auto_chunks or self.worker.adapts_threads else None
+        step_cost = self.executor.step_cost_model() if auto_chunks or self.worker.adapts_threads else None
         step_times = StepTimeTracker(step_cost) if auto_chunks else None
         self.kv_manager = KVCacheManager(self.worker.num_kv_blocks, block_size, config.prompt_cache.enable)
         self.hash_root = root_hash(self.worker.kv_identity)
@@ -62,6 +66,7 @@ class EngineCore:
         )
         self.proposer = proposer
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.worker.vocab_size)
         self._request_counter = itertools.count()
         self.pinned_prefixes = PinnedPrefixes(
             self.kv_manager,
@@ -102,7 +107,7 @@ class EngineCore:
         self.validate_request(prompt_token_ids, sampling_params)
         structured = sampling_params.structured_output
         # A cache hit when the front end compiled it on arrival (AsyncEngine.add_request).
-        grammar = None if structured is None else self.worker.compile_grammar(structured)
+        grammar = None if structured is None else self.grammar_compiler.compile(structured)
         now = time.perf_counter()
         arrival = arrival_time if arrival_time is not None else now
         request = Request(
@@ -153,7 +158,7 @@ class EngineCore:
     def compile_grammar(self, structured: StructuredOutput) -> None:
         """Compile a constraint ahead of add_request, from any thread (add_request then finds it
         cached); raises InvalidInputError naming its field when it is not valid."""
-        self.worker.compile_grammar(structured)
+        self.grammar_compiler.compile(structured)
 
     def abort_request(self, req_id: str) -> RequestDelta | None:
         """End a request now; its KV blocks are freed before this returns."""
@@ -186,7 +191,7 @@ class EngineCore:
         if scheduler_output.is_empty:
             return expired
         scheduled = time.perf_counter()
-        model_output = self.worker.execute(scheduler_output)
+        model_output = self.executor.execute(scheduler_output)
         executed = time.perf_counter()
         deltas = self._update(scheduler_output, model_output)
         updated = time.perf_counter()
@@ -242,8 +247,8 @@ class EngineCore:
             self.scheduler.finish_request(request.req_id, RequestStatus.FINISHED_STOPPED)
 
     def shutdown(self) -> None:
-        """Stop the worker's other tensor-parallel ranks; the engine cannot step afterwards."""
-        self.worker.shutdown()
+        """Stop the other tensor-parallel ranks; the engine cannot step afterwards."""
+        self.executor.shutdown()
 
     # -- pinned prefixes -----------------------------------------------------------------
 

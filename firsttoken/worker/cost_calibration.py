@@ -14,14 +14,14 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import numpy as np
 
 from firsttoken.arithmetic import ceil_div
-from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput
+from firsttoken.core.batch import ModelOutput, SampleSpec, ScheduledChunk, SchedulerOutput
 from firsttoken.core.cost_model import StepCostModel, attention_pairs
 from firsttoken.sampling_params import SamplingParams
-from firsttoken.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,12 @@ CALIBRATION_VERSION = 1
 # A cached model whose prediction of the probe step is off by more than this factor is refitted.
 PROBE_TOLERANCE = 2.0
 _GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
+
+
+class StepRunner(Protocol):
+    """What runs a step on every rank of the engine (the executor)."""
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput: ...
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,7 @@ def _scheduler_output(shape: StepShape, limits: CalibrationLimits) -> SchedulerO
     return SchedulerOutput(chunks=chunks)
 
 
-def measure(runner: ModelRunner, shape: StepShape, limits: CalibrationLimits, repeats: int = 2) -> float:
+def measure(runner: StepRunner, shape: StepShape, limits: CalibrationLimits, repeats: int = 2) -> float:
     """Fastest of `repeats` timed runs of the step. Only a first run pays one-time costs (a new
     shape's kernel set-up), and the fastest run is never it, so no untimed run is needed: each
     engine start saves a probe step."""
@@ -127,7 +133,7 @@ def fit(shapes: list[StepShape], seconds: list[float]) -> StepCostModel:
     )
 
 
-def calibrate(runner: ModelRunner, limits: CalibrationLimits) -> StepCostModel:
+def calibrate(runner: StepRunner, limits: CalibrationLimits) -> StepCostModel:
     shapes = calibration_shapes(limits)
     seconds = [measure(runner, shape, limits) for shape in shapes]
     model = fit(shapes, seconds)
@@ -153,7 +159,7 @@ def predicts_probe(model: StepCostModel, measured_seconds: float, shape: StepSha
     return 1 / PROBE_TOLERANCE <= measured_seconds / predicted <= PROBE_TOLERANCE
 
 
-def load_or_calibrate(runner: ModelRunner, limits: CalibrationLimits, cache_file: str) -> StepCostModel:
+def load_or_calibrate(runner: StepRunner, limits: CalibrationLimits, cache_file: str) -> StepCostModel:
     """The cached model for this engine's identity if it still predicts a probe step, or a fresh
     measurement (then cached)."""
     cached = _load(cache_file)

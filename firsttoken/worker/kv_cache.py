@@ -1,8 +1,11 @@
-"""Sizes the paged KV cache from a memory budget and allocates its tensors."""
+"""Sizes the paged KV cache from a memory budget, allocates its tensors and, on request,
+writes them once at start."""
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import numpy as np
 import torch
@@ -10,6 +13,8 @@ import torch
 from firsttoken.config import CacheConfig
 from firsttoken.errors import InvalidInputError
 from firsttoken.models.arch import ModelArch
+
+logger = logging.getLogger(__name__)
 
 
 def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -32,12 +37,17 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_kv_blocks(config: CacheConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> int:
-    """Blocks that fit the memory budget."""
+def num_kv_blocks(
+    config: CacheConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device, kv_share: float = 1.0
+) -> int:
+    """Blocks that fit the memory budget. On the CPU the tensor-parallel ranks share one budget:
+    each takes its `kv_share` of it (its KV heads' part); an accelerator's is its own."""
     budget = config.kv_cache_memory_bytes
     if budget is None:
         fraction = config.kv_cache_memory_fraction if device.type == "cpu" else config.gpu_memory_utilization
         budget = int(available_memory_bytes(device) * fraction)
+    if device.type == "cpu" and kv_share < 1.0:
+        budget = max(1, int(budget * kv_share))
     per_block = bytes_per_block(arch, config.block_size, dtype)
     num_blocks = budget // per_block
     if num_blocks < 1:
@@ -65,3 +75,18 @@ def allocate_kv_caches(
         torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
         for _ in range(arch.num_layers)
     ]
+
+
+def prefault_kv_caches(kv_caches: list[torch.Tensor]) -> None:
+    """Write the whole KV cache once, so its pages are mapped before requests arrive.
+
+    On the CPU the cache starts as lazily mapped zero pages (see `allocate_kv_caches`). With
+    the prompt cache on, finished requests keep their blocks cached and new ones take
+    never-written blocks, so every prompt would pay the page faults of its KV until the whole
+    cache had been written once. A server pays that once at start instead, on torch's threads."""
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for cache in kv_caches:
+            cache.zero_()
+    num_blocks = kv_caches[0].shape[1]  # [2, num_blocks, block_size, kv_heads, head_dim]
+    logger.info("wrote the %d-block KV cache in %.2f s", num_blocks, time.perf_counter() - started)

@@ -12,7 +12,6 @@ Nothing synchronises the host with the device before the sampler hands back the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import time
 from typing import TYPE_CHECKING
 
@@ -39,20 +38,18 @@ class ModelRunner:
     attention backend and sampler, the staging buffer of step inputs, the whole-step native
     decode where the model has one, and the graphs once captured.
 
-    Tensor-parallel: rank 0's runner hands each step to `send_step` (the other ranks, which run
-    it with `run_shard`) before running its own slice; only rank 0 samples."""
+    Without a sampler (a tensor-parallel rank whose logits go to the driver's sampler) it runs
+    its slice of each step and returns no tokens."""
 
     def __init__(
         self,
         model: LlamaForCausalLM,
         backend: AttentionBackend,
-        sampler: Sampler,
+        sampler: Sampler | None,
         block_size: int,
         device: torch.device,
-        send_step: Callable[[SchedulerOutput], None] | None = None,
     ) -> None:
         self.model = model
-        self.send_step = send_step
         self.backend = backend
         self.sampler = sampler
         self.block_size = block_size
@@ -126,29 +123,22 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         if scheduler_output.is_empty:
             return ModelOutput(sampled={})
-        if self.send_step is not None:
-            self.send_step(scheduler_output)
-        self.sampler.begin_step(scheduler_output)
+        if self.sampler is not None:
+            self.sampler.begin_step(scheduler_output)
         step = build_host_step(scheduler_output.chunks, self.block_size, self.index_dtype)
         sampling_chunks = [chunk for chunk in step.chunks if chunk.sample is not None]
         hidden, prompt_logprobs = self.forward_and_score_prompts(step)
         if not sampling_chunks:
             return ModelOutput(sampled={}, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden)
-        assert logits is not None  # rank 0 holds the gathered logits
+        if self.sampler is None:  # its slice of the logits went to the driver's
+            return ModelOutput(sampled={})
+        assert logits is not None  # the driver holds the gathered logits
         # The step's one synchronisation: the sampler hands the ids to Python.
         sampled = self.sampler.sample(
             logits, [spec for chunk in sampling_chunks for spec in chunk.sample_specs()]
         )
         return _model_output(sampling_chunks, sampled, prompt_logprobs)
-
-    @torch.inference_mode()
-    def run_shard(self, scheduler_output: SchedulerOutput) -> None:
-        """A rank other than 0: run this rank's slice of the step and send its logits to rank 0."""
-        step = build_host_step(scheduler_output.chunks, self.block_size, self.index_dtype)
-        hidden, _ = self.forward_and_score_prompts(step)
-        if any(chunk.sample is not None for chunk in step.chunks):
-            self.model.compute_logits(hidden)
 
     def forward_and_score_prompts(self, step: HostStep) -> tuple[torch.Tensor, dict[str, list[SampledToken]]]:
         """Hidden states [R, hidden] of the rows that sample, and the prompt logprobs of the

@@ -1,5 +1,5 @@
 """Tensor-parallel ranks: the process group of one engine's ranks, the processes of ranks 1..N-1,
-and the pipes that carry each step to them.
+and the pipes that carry each step to them (the executor, executor.py, puts them together).
 
 The engine's own process is rank 0, the driver: it schedules, runs its slice of the model and
 samples. Ranks 1..N-1 are processes started with torch.multiprocessing (spawn); each builds the
@@ -24,6 +24,7 @@ import signal
 import socket
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
@@ -34,6 +35,8 @@ import torch.multiprocessing as mp
 from firsttoken.config import DEFAULT_DISTRIBUTED_BACKENDS, EngineConfig, ParallelConfig
 from firsttoken.core.batch import SchedulerOutput
 from firsttoken.errors import InvalidInputError, TensorParallelError
+from firsttoken.models.arch import ModelArch
+from firsttoken.models.sharding import ModelShard, shard_for_rank
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,16 @@ class RankGroup:
         # included), and how many.
         self.all_reduce_seconds = 0.0
         self.num_all_reduces = 0
+
+    def shard_of(self, arch: ModelArch) -> ModelShard:
+        """This rank's slice of a model of `arch`; raises InvalidInputError for a split that
+        cannot be."""
+        return shard_for_rank(arch, self.rank, self.world_size)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this rank samples: the driver gathers every rank's logits and alone samples."""
+        return self.rank == 0
 
     def connect(self, init_method: str) -> None:
         """Form the process group with the other ranks (each calls this once it is loaded)."""
@@ -128,7 +141,8 @@ def local_init_method() -> str:
 class RankProcesses:
     """The driver's handles on ranks 1..N-1: their processes and the pipes their steps go down."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, run_rank: Callable[[EngineConfig, RankStart], None]) -> None:
+        """Start ranks 1..N-1, each running `run_rank` (a module-level function: spawn pickles it)."""
         context = mp.get_context("spawn")
         self.init_method = local_init_method()
         self.processes: list[BaseProcess] = []
@@ -230,19 +244,15 @@ def _stop_ranks(
         dist.destroy_process_group()
 
 
-def run_rank(config: EngineConfig, start: RankStart) -> None:
-    """A spawned rank's life: build its slice of the worker, then run the driver's steps until
-    told to stop or the driver is gone (its pipe closes)."""
-    # Imported here: the worker imports this module to start the ranks.
-    from firsttoken.worker.worker import Worker
-
-    worker = Worker(config, start)
+def serve_steps(start: RankStart, execute: Callable[[SchedulerOutput], object]) -> None:
+    """A spawned rank's steps: run each the driver sends until told to stop or the driver is gone
+    (its pipe closes); then leave the process group."""
     try:
         while True:
             payload = start.connection.recv_bytes()
             if payload == _STOP:
                 break
-            worker.runner.run_shard(pickle.loads(payload))
+            execute(pickle.loads(payload))
     except EOFError:
         logger.warning("rank %d: the driver is gone; stopping", start.rank)
     finally:

@@ -235,7 +235,7 @@ def test_a_prefaulted_kv_cache_gives_the_same_tokens(model_path, caplog):
     prompts = ["The capital of France is", "List three colors:"]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     lazy = LLM(model_path, dtype="float32", kv_cache_memory_bytes=32 << 20)
-    with caplog.at_level("INFO", logger="firsttoken.worker.worker"):
+    with caplog.at_level("INFO", logger="firsttoken.worker.kv_cache"):
         written = LLM(model_path, dtype="float32", kv_cache_memory_bytes=32 << 20, prefault_kv_cache=True)
     assert any("KV cache in" in record.getMessage() for record in caplog.records)
     for expected, actual in zip(lazy.generate(prompts, params), written.generate(prompts, params)):

@@ -89,8 +89,9 @@ def test_speculation_on_two_ranks_verifies_proposals_into_one_ranks_tokens(tp2, 
 
 
 def test_one_rank_starts_no_process_group(llm):
-    worker = llm.core.worker
-    assert worker.rank_group is None and worker.rank_processes is None and worker.runner.send_step is None
+    executor = llm.core.executor
+    assert executor.rank_group is None and executor.rank_processes is None
+    assert executor.worker.model.collectives is None and executor.worker.runner.sampler is not None
 
 
 def test_tensor_parallel_size_is_an_engine_option_and_a_flag():

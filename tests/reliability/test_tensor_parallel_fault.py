@@ -35,7 +35,7 @@ def _assert_stays_failed_with_every_block_free(llm: LLM) -> None:
 
 def test_a_killed_rank_ends_the_engine_with_an_error_within_seconds(tiny_model):
     llm = _two_ranks(tiny_model)
-    rank = llm.core.worker.rank_processes.processes[0]
+    rank = llm.core.executor.rank_processes.processes[0]
     stream = llm.stream("Tell me a long story.", LONG)
     next(stream)
     os.kill(rank.pid, signal.SIGKILL)
@@ -49,7 +49,7 @@ def test_a_killed_rank_ends_the_engine_with_an_error_within_seconds(tiny_model):
 
 def test_a_hung_rank_ends_the_engine_once_a_collective_times_out(tiny_model):
     llm = _two_ranks(tiny_model, distributed_timeout_s=3)
-    rank = llm.core.worker.rank_processes.processes[0]
+    rank = llm.core.executor.rank_processes.processes[0]
     stream = llm.stream("Tell me a long story.", LONG)
     next(stream)
     os.kill(rank.pid, signal.SIGSTOP)

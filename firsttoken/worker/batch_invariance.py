@@ -1,0 +1,99 @@
+"""Whether a loaded worker may claim batch invariance: a row's logits the same bits whatever
+else runs in its steps. The probes read the model, its attention backend and its kernels as
+the worker built them; they never change them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from firsttoken.attention.backend import AttentionBackend
+from firsttoken.attention.cpu_backend import CPUAttentionBackend
+from firsttoken.config import EngineConfig
+from firsttoken.models.llama import LlamaForCausalLM
+from firsttoken.ops.kernels import Kernels
+from firsttoken.ops.linear import Linear, NativeRowInvariantLinear, PackedLinear, rows_invariant
+
+logger = logging.getLogger(__name__)
+
+
+def claims_batch_invariance(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    backend: AttentionBackend,
+    kernels: Kernels,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> bool:
+    """Whether a row's logits are the same bits whatever else runs in its steps.
+
+    What the invariance rests on: decode rows attending with the prefill kernel's
+    arithmetic, each alone; row-invariant matmuls and per-row elementwise ops. Quantized
+    weights are out: decode steps read them, prefills the float ones."""
+    model_config = config.model_config
+    if not model_config.batch_invariant or model_config.quantization is not None:
+        return False
+    tensor_parallel_size = config.parallel.tensor_parallel_size
+    if device.type == "cuda":
+        return cuda_rows_invariant(model, backend, kernels, tensor_parallel_size)
+    if tensor_parallel_size > 2:
+        # Two partial sums are the same bits in either order; three or more are not.
+        logger.warning(
+            "batch_invariant: gloo's all-reduce may add three or more ranks' partial sums in an "
+            "order that depends on the step's size; with tensor_parallel_size > 2 greedy outputs "
+            "may depend on what else runs"
+        )
+        return False
+    return (
+        isinstance(backend, CPUAttentionBackend)
+        and backend.decodes_as_prefill(config.cache.block_size, dtype, model.arch.head_dim)
+        and matmuls_rows_invariant(model)
+    )
+
+
+def cuda_rows_invariant(
+    model: LlamaForCausalLM, backend: AttentionBackend, kernels: Kernels, tensor_parallel_size: int
+) -> bool:
+    """Every row on the attention chunk kernel's tiles, every projection on the row-invariant
+    Triton matmul, the norms on their one-row-per-program Triton kernels (torch's own
+    reductions pick their split by the tensor's size); not across ranks."""
+    if tensor_parallel_size > 1:
+        logger.warning(
+            "batch_invariant: NCCL's all-reduce may sum the ranks' partial products in an order "
+            "that depends on the step's size; with tensor_parallel_size > 1 greedy outputs may "
+            "depend on what else runs"
+        )
+        return False
+    # Imported here: triton is needed on CUDA only.
+    from firsttoken.attention.cuda_backend import CudaAttentionBackend
+    from firsttoken.ops.triton_matmul import RowInvariantLinear
+
+    on_cublas = [module for module in model.modules() if isinstance(module, Linear)]
+    return (
+        isinstance(backend, CudaAttentionBackend)
+        and backend.rows_invariant
+        and kernels.triton is not None
+        and not on_cublas
+        and isinstance(model.lm_head, RowInvariantLinear)
+    )
+
+
+def matmuls_rows_invariant(model: LlamaForCausalLM) -> bool:
+    """Whether every projection gives a row the same bits at any row count: all on the native
+    row-invariant matmul (float32), or all oneDNN-packed (bf16) with this CPU's kernels
+    passing the probe; warn where they do not."""
+    kinds = (Linear, PackedLinear, NativeRowInvariantLinear)
+    projections = [module for module in model.modules() if isinstance(module, kinds)]
+    if not projections or any(isinstance(module, Linear) for module in projections):
+        return False  # torch's plain matmuls pick their kernel by the row count
+    packed = [module for module in projections if isinstance(module, PackedLinear)]
+    shapes = {tuple(module.packed_weight.shape): module for module in packed}
+    if all(rows_invariant(module) for module in shapes.values()):
+        return True
+    logger.warning(
+        "batch_invariant: this CPU's oneDNN kernels give a row other bits at other batch sizes; "
+        "greedy outputs may depend on what else runs"
+    )
+    return False

@@ -1,0 +1,113 @@
+"""Loads a worker's model in its fastest form here: the kernels (native CPU, Triton on CUDA, or
+fused torch ops), the attention backend, the weights in the engine's dtype, this rank's slice
+of them, and the projections in their fastest layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from firsttoken.attention.backend import AttentionBackend
+from firsttoken.attention.selector import select_attention_backend
+from firsttoken.config import EngineConfig
+from firsttoken.errors import InvalidInputError
+from firsttoken.models.arch import ModelArch
+from firsttoken.models.llama import LlamaForCausalLM
+from firsttoken.models.loaders.checkpoint import Checkpoint
+from firsttoken.models.registry import build_model
+from firsttoken.models.sharding import Collectives, ModelShard
+from firsttoken.ops.kernels import Kernels
+from firsttoken.ops.linear import onednn_packing_available
+from firsttoken.ops.native import load_native_kernels
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelPlacement:
+    """Where and how a worker's model runs: its device, dtype, longest sequence and cache
+    folder, and the slice of the model it holds with the collectives joining the slices (None
+    with one rank)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    cache_dir: str
+    shard: ModelShard | None
+    collectives: Collectives | None
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """The model a worker runs, with its attention backend and kernels."""
+
+    model: LlamaForCausalLM
+    backend: AttentionBackend
+    kernels: Kernels
+
+
+def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPlacement) -> LoadedModel:
+    """The model's weights in the placement's dtype and slice, then in their fastest layout here."""
+    model_config = config.model_config
+    device = placement.device
+    native_kernels = None
+    if model_config.fuse_ops and model_config.native_kernels and device.type == "cpu":
+        native_folder = os.path.join(placement.cache_dir, "native")
+        native_kernels = load_native_kernels(native_folder, model_config.cpu_isa)
+        if native_kernels is not None:
+            logger.info("native CPU kernels built for %s", native_kernels.isa)
+    attention_arch = attention_arch_of(checkpoint.arch, placement.shard)
+    backend = select_attention_backend(
+        config.attention,
+        device,
+        attention_arch.num_heads,
+        attention_arch.num_kv_heads,
+        native_kernels,
+        batch_invariant=model_config.batch_invariant,
+    )
+    kernels = Kernels(
+        fused=model_config.fuse_ops, native_kernels=native_kernels, triton_ops=_triton_ops(device)
+    )
+    model = build_model(
+        checkpoint, backend, kernels, placement.dtype, device, placement.max_model_len, placement.cache_dir
+    )
+    if placement.shard is not None and placement.collectives is not None:
+        model.shard(placement.shard, placement.collectives)
+    model.prepare_projections(
+        model_config.quantization,
+        model_config.quantized_prefill,
+        onednn_packing_available(placement.dtype, device),
+        batch_invariant=model_config.batch_invariant,
+        triton_matmuls=device.type == "cuda",
+    )
+    return LoadedModel(model, backend, kernels)
+
+
+def attention_arch_of(arch: ModelArch, shard: ModelShard | None) -> ModelArch:
+    """The head counts one rank's attention and KV cache are sized by."""
+    return shard.attention_arch(arch) if shard is not None else arch
+
+
+def max_model_len(arch: ModelArch, requested: int | None) -> int:
+    """The longest sequence the engine serves: the model's limit, or less when asked."""
+    limit = arch.max_position_embeddings
+    if arch.sliding_window:
+        limit = min(limit, arch.sliding_window)  # full attention is exact up to the window
+    if requested is not None and requested > limit:
+        raise InvalidInputError("max_model_len", f"{requested} exceeds the model's limit of {limit} tokens")
+    return requested or limit
+
+
+def _triton_ops(device: torch.device) -> ModuleType | None:
+    """The Triton kernels of the elementwise ops on CUDA; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    # Imported here: triton is needed on CUDA only (where the attention backend needs it too).
+    from firsttoken.ops import triton_ops
+
+    return triton_ops
