@@ -10,6 +10,7 @@ import pytest
 from firsttoken import LLM, SamplingParams
 from firsttoken.engine_args import add_engine_args, engine_kwargs
 from firsttoken.errors import InvalidInputError
+from tests.conftest import FIXED_THREADS
 from tests.engine_state import all_blocks_free
 
 # Prompts whose answers repeat what came before (the second's does), so that proposals get accepted.
@@ -38,6 +39,7 @@ def engines(model_path):
         "dtype": "bfloat16",
         "kv_cache_memory_bytes": 128 << 20,
         "chunk_size": 256,
+        **FIXED_THREADS,
     }
     plain = LLM(**options)
     if not plain.engine.worker.batch_invariant:
@@ -66,7 +68,8 @@ def test_outputs_equal_those_without_speculation_alone_and_batched(engines, para
 def test_float32_greedy_tokens_equal_those_without_speculation(model_path):
     """Without batch invariance a verify row may round otherwise than a decode row: the tokens
     stay the greedy ones, the logprobs within float32 noise."""
-    options = {"model": model_path, "dtype": "float32", "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
+    options = {"model": model_path, "dtype": "float32", "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256,
+               **FIXED_THREADS}
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
     expected = LLM(**options).generate(PROMPTS, params)
     outputs = LLM(**options, speculative_config=NGRAM).generate(PROMPTS, params)
@@ -137,7 +140,7 @@ def test_beside_non_speculating_requests_in_chunks_and_across_preemption(engines
     expected = [_bits(output) for output in plain.generate(prompts, params)]
     block_bytes = 2 * 30 * 16 * 3 * 64 * 2  # layers x block tokens x KV heads x head size, bf16
     small = LLM(model=model_path, dtype="bfloat16", kv_cache_memory_bytes=14 * block_bytes, chunk_size=16,
-                speculative_config=NGRAM)
+                speculative_config=NGRAM, **FIXED_THREADS)
     outputs = small.generate(prompts, params)
     assert [_bits(output) for output in outputs] == expected
     stats = small.stats()
@@ -175,6 +178,7 @@ def test_a_draft_model_drafting_for_itself_is_always_right_and_changes_nothing(e
         "dtype": "bfloat16",
         "kv_cache_memory_bytes": 128 << 20,
         "chunk_size": 256,
+        **FIXED_THREADS,
     }
     drafted = LLM(
         **options, speculative_config={"method": "draft", "model": model_path, "num_speculative_tokens": 3}
@@ -204,6 +208,7 @@ def test_a_sequence_longer_than_the_drafts_cache_decodes_without_proposals(engin
         "dtype": "bfloat16",
         "kv_cache_memory_bytes": 128 << 20,
         "chunk_size": 256,
+        **FIXED_THREADS,
     }
     block_bytes = 2 * 30 * 16 * 3 * 64 * 2  # layers x block tokens x KV heads x head size, bf16
     drafted = LLM(**options, speculative_config={"method": "draft", "model": model_path,
