@@ -7,6 +7,7 @@ import importlib.util
 import os
 import pathlib
 import tempfile
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -23,14 +24,22 @@ if importlib.util.find_spec("triton") is not None and not torch.cuda.is_availabl
 
 from firsttoken.models.registry import default_model_path  # noqa: E402
 
+if TYPE_CHECKING:
+    from firsttoken import LLM
+
 TEST_KV_CACHE_BYTES = 512 * 1024 * 1024
+# Test engines with a fixed chunk size keep a fixed thread count: adapting it needs the step-cost
+# model, measured at start (minutes on a busy 2-core machine), which nothing else there reads.
+FIXED_THREADS = {"adaptive_threads": False}
+# How many engines `engine_for` keeps alive at once (each holds its weights and KV cache).
+MAX_SHARED_ENGINES = 4
 
 TESTS_ROOT = pathlib.Path(__file__).resolve().parent
 TIERS = ("fast", "engine", "server", "browser", "triton", "ray")
 # A test using one of these fixtures (directly or through another fixture) is in that tier.
 TIER_OF_FIXTURE = {"chromium": "browser", "ray_cluster": "ray"}
 # Fixtures that load the embedded model: a test using one runs a real engine.
-MODEL_FIXTURES = frozenset({"model_path", "llm", "hf_model", "hf_tokenizer"})
+MODEL_FIXTURES = frozenset({"model_path", "llm", "engine_for", "hf_model", "hf_tokenizer"})
 # Folders whose tests start servers or engines, or build kernels, even without the embedded model.
 SERVER_FOLDERS = frozenset({"server", "reliability", "deploy"})
 ENGINE_FOLDERS = frozenset({"engine", "models", "ops", "worker", "reliability"})
@@ -81,7 +90,43 @@ def llm(model_path):
     """A float32 engine with a fixed chunk size (no start-up calibration)."""
     from firsttoken import LLM
 
-    return LLM(model_path, dtype="float32", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, chunk_size=512)
+    return LLM(
+        model_path,
+        dtype="float32",
+        kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
+        chunk_size=512,
+        **FIXED_THREADS,
+    )
+
+
+class SharedEngines:
+    """Owns the engines on the embedded model that tests share by their options: one per distinct
+    option set, the least recently asked for dropped beyond MAX_SHARED_ENGINES.
+
+    For tests that only generate and read what came back: a test that pins, resets the prefix
+    cache, injects a fault, counts prefix-cache hits or shuts its engine down builds its own."""
+
+    def __init__(self, model_path: str) -> None:
+        self.model_path = model_path
+        self.engines: dict[str, LLM] = {}
+
+    def __call__(self, **options) -> LLM:
+        from firsttoken import LLM
+
+        options = {**FIXED_THREADS, **options}
+        key = repr(sorted(options.items()))
+        engine = self.engines.pop(key, None) or LLM(self.model_path, **options)
+        self.engines[key] = engine  # now the most recently asked for
+        while len(self.engines) > MAX_SHARED_ENGINES:
+            del self.engines[next(iter(self.engines))]
+        return engine
+
+
+@pytest.fixture(scope="session")
+def engine_for(model_path) -> SharedEngines:
+    """`engine_for(**options)`: the session's LLM on the embedded model with these options (and
+    a fixed thread count unless `adaptive_threads` is given), started on first use."""
+    return SharedEngines(model_path)
 
 
 @pytest.fixture(scope="session")

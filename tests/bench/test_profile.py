@@ -21,6 +21,7 @@ from firsttoken.bench.stage_hooks import (
 )
 from firsttoken.bench.stats import summarize
 from firsttoken.outputs import RequestMetrics
+from tests.conftest import FIXED_THREADS
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,7 @@ def profiled_llm(model_path):
         kv_cache_memory_bytes=256 << 20,
         chunk_size=512,
         enable_prompt_cache=False,
+        **FIXED_THREADS,
     )
 
 

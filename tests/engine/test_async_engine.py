@@ -14,6 +14,7 @@ from firsttoken.config import EngineConfig
 from firsttoken.engine.async_engine import AsyncEngine
 from firsttoken.errors import EngineDeadError, InvalidInputError, QueueFullError
 from firsttoken.engine.engine_core import EngineCore
+from tests.conftest import FIXED_THREADS
 from tests.prompts import SHORT_PROMPTS, long_prompt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -29,6 +30,7 @@ def core(model_path):
         chunk_size=64,
         max_num_seqs=1,
         max_waiting_requests=3,
+        **FIXED_THREADS,
     )
     return EngineCore(config)
 

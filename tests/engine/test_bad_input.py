@@ -10,6 +10,7 @@ import pytest
 from firsttoken import LLM, SamplingParams
 from firsttoken.config import CacheConfig, ChunkedPrefillConfig, EngineConfig, SchedulerConfig
 from firsttoken.engine import InvalidInputError
+from tests.conftest import FIXED_THREADS
 from tests.engine_state import all_blocks_free
 
 BAD_SAMPLING_PARAMS = [
@@ -80,14 +81,16 @@ def test_empty_prompts_are_refused(llm):
 
 
 def test_prompt_plus_max_tokens_over_max_model_len(model_path):
-    llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=64 << 20, chunk_size=64, max_model_len=64)
+    llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=64 << 20, chunk_size=64, max_model_len=64,
+              **FIXED_THREADS)
     with pytest.raises(ValueError, match=r"max_tokens: .*longer than max_model_len \(64\)"):
         llm.generate(["word " * 40], SamplingParams(max_tokens=30))
     assert all_blocks_free(llm)
 
 
 def test_a_bad_request_in_a_batch_leaves_nothing_queued(model_path):
-    llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=64 << 20, chunk_size=64, max_model_len=64)
+    llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=64 << 20, chunk_size=64, max_model_len=64,
+              **FIXED_THREADS)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(["hello", "hi", "word " * 80], SamplingParams(max_tokens=4))
     assert all_blocks_free(llm)

@@ -13,6 +13,7 @@ import torch
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.ops.linear import NativeRowInvariantLinear
+from tests.conftest import FIXED_THREADS
 
 PROMPTS = [
     "Explain why the sky is blue, and why sunsets over the sea turn red and orange in the evening.",
@@ -71,7 +72,7 @@ def test_beside_other_requests_every_bit_is_the_same(invariant_llm, alone, num_o
 def test_in_chunks_of_any_size_every_bit_is_the_same(engine_options, alone, chunk_size):
     """Chunk size 1 prefills every prompt token alone on its context: a one-token prompt chunk
     runs on the prefill kernel, not as a decode."""
-    llm = LLM(**engine_options, enable_prompt_cache=False, chunk_size=chunk_size)
+    llm = LLM(**engine_options, enable_prompt_cache=False, chunk_size=chunk_size, **FIXED_THREADS)
     assert [_bits(llm.generate([prompt], GREEDY)[0]) for prompt in PROMPTS] == alone
 
 
@@ -112,7 +113,9 @@ def test_without_it_one_row_steps_take_onednn_one_row_kernel(engine_options):
 def test_quantized_weights_claim_no_invariance(engine_options):
     """Decode steps read the quantized weights and prefills the float ones: a position's bits
     depend on which computed it."""
-    llm = LLM(**engine_options, enable_prompt_cache=False, quantization="int8", chunk_size=64)
+    llm = LLM(
+        **engine_options, enable_prompt_cache=False, quantization="int8", chunk_size=64, **FIXED_THREADS
+    )
     assert not llm.core.worker.batch_invariant
 
 

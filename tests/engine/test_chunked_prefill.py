@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from firsttoken import LLM, SamplingParams
+from tests.conftest import FIXED_THREADS
 from tests.prompts import long_prompt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -16,7 +17,9 @@ def _prompts(llm: LLM) -> list[list[int]]:
 
 
 def _run(model_path, **options) -> list[list[int]]:
-    llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=64 << 20, **options)
+    # Auto chunks measure the step cost at start anyway: there the threads adapt as by default.
+    threads = {} if options.get("chunk_size") == "auto" else FIXED_THREADS
+    llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=64 << 20, **threads, **options)
     outputs = []
     for prompt in _prompts(llm):  # one at a time: later prompts hit the earlier ones' blocks
         (output,) = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)

@@ -16,6 +16,7 @@ from firsttoken.ops.linear import (
     dequantize_int4,
     unpack_int4,
 )
+from tests.conftest import FIXED_THREADS
 from tests.engine_state import all_blocks_free
 from tests.prompts import CHAT_CONVERSATION, SHORT_PROMPTS, long_prompt
 
@@ -31,9 +32,9 @@ def _mixed_prompts(llm: LLM, count: int) -> list[list[int]]:
     return prompts
 
 
-def test_batch_of_16_equals_each_prompt_alone(model_path):
-    llm = LLM(
-        model_path, dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=64, enable_prompt_cache=False
+def test_batch_of_16_equals_each_prompt_alone(engine_for):
+    llm = engine_for(
+        dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=64, enable_prompt_cache=False
     )
     prompts = _mixed_prompts(llm, 16)
     batched = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
@@ -43,15 +44,20 @@ def test_batch_of_16_equals_each_prompt_alone(model_path):
     assert all_blocks_free(llm)
 
 
-def test_tiny_kv_budget_preempts_yet_gives_the_same_tokens(model_path):
-    prompts_llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=64)
+def test_tiny_kv_budget_preempts_yet_gives_the_same_tokens(model_path, engine_for):
+    prompts_llm = engine_for(dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=64)
     prompts = _mixed_prompts(prompts_llm, 8)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = [o.token_ids for o in prompts_llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     # 40 blocks of 16 tokens: far less than the 8 requests need together.
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4
     small = LLM(
-        model_path, dtype="float32", kv_cache_memory_bytes=40 * block_bytes, chunk_size=64, max_num_seqs=8
+        model_path,
+        dtype="float32",
+        kv_cache_memory_bytes=40 * block_bytes,
+        chunk_size=64,
+        max_num_seqs=8,
+        **FIXED_THREADS,
     )
     outputs = small.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outputs] == expected
@@ -188,12 +194,12 @@ def test_chat_uses_the_template(llm):
     assert "Paris" in output.text
 
 
-def test_fused_ops_give_the_plain_ops_tokens(llm, model_path):
+def test_fused_ops_give_the_plain_ops_tokens(llm, engine_for):
     """The fused path (compiled ops from 512 rows, native kernels below) against the plain
     torch ops in float32: prompts short and long, chunked, batched and decoding."""
     if llm.core.worker.kernels.native is None:
         pytest.skip("no native kernels on this machine")
-    plain = LLM(model_path, dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=512, fuse_ops=False)
+    plain = engine_for(dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=512, fuse_ops=False)
     assert plain.core.worker.kernels.native is None
     prompts = _mixed_prompts(llm, 6) + [llm.tokenizer.encode(long_prompt())]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
@@ -209,7 +215,12 @@ def test_native_int4_decode_gives_the_per_op_tokens(model_path):
     """The whole-step native decode against the same int4 engine stepping op by op (the same
     int4 kernel; torch's SDPA instead of the native attention), batched and alone."""
     llm = LLM(
-        model_path, dtype="bfloat16", quantization="int4", kv_cache_memory_bytes=256 << 20, chunk_size=512
+        model_path,
+        dtype="bfloat16",
+        quantization="int4",
+        kv_cache_memory_bytes=256 << 20,
+        chunk_size=512,
+        **FIXED_THREADS,
     )
     runner = llm.core.worker.runner
     if runner.whole_step_decode is None:
@@ -268,7 +279,12 @@ def test_float32_int4_decode_gives_the_dequantized_weights_tokens(model_path):
     quantized projection replaced by F.linear on its dequantized weights; the short parity
     prompts in one batch (decode steps of 7 rows) and one of them alone (steps of 1 row)."""
     llm = LLM(
-        model_path, dtype="float32", quantization="int4", kv_cache_memory_bytes=256 << 20, chunk_size=512
+        model_path,
+        dtype="float32",
+        quantization="int4",
+        kv_cache_memory_bytes=256 << 20,
+        chunk_size=512,
+        **FIXED_THREADS,
     )
     dispatches = [
         module for module in llm.core.worker.model.modules() if isinstance(module, DecodeQuantizedLinear)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from firsttoken import LLM, SamplingParams
+from tests.conftest import FIXED_THREADS
 from tests.engine_state import tracked_requests
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -94,7 +95,12 @@ def test_chunking_and_preemption_give_the_same_processed_tokens(llm, model_path)
         sum(cache.numel() * cache.element_size() for cache in worker.kv_caches) // worker.num_kv_blocks
     )
     small = LLM(
-        model_path, dtype="float32", chunk_size=8, block_size=16, kv_cache_memory_bytes=7 * block_bytes
+        model_path,
+        dtype="float32",
+        chunk_size=8,
+        block_size=16,
+        kv_cache_memory_bytes=7 * block_bytes,
+        **FIXED_THREADS,
     )
     assert small.core.worker.num_kv_blocks == 7
     assert [output.token_ids for output in small.generate(PROMPTS, MIXED)] == expected

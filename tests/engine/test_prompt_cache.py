@@ -7,6 +7,7 @@ import os
 import pytest
 
 from firsttoken import LLM, SamplingParams
+from tests.conftest import FIXED_THREADS
 from tests.engine_state import all_blocks_free
 from tests.prompts import long_prompt
 
@@ -20,7 +21,7 @@ QUESTIONS = ["What is 2+2?", "Name a color.", "Why is the sky blue?", "Tell me a
 
 
 def _engine(model_path, **options) -> LLM:
-    settings = dict(dtype="float32", kv_cache_memory_bytes=128 << 20, chunk_size=256)
+    settings = dict(dtype="float32", kv_cache_memory_bytes=128 << 20, chunk_size=256, **FIXED_THREADS)
     settings.update(options)
     return LLM(model_path, **settings)
 

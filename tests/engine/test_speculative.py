@@ -10,6 +10,7 @@ import pytest
 from firsttoken import LLM, SamplingParams
 from firsttoken.engine_args import add_engine_args, engine_kwargs
 from firsttoken.errors import InvalidInputError
+from tests.conftest import FIXED_THREADS
 from tests.engine_state import all_blocks_free
 
 # Prompts whose answers repeat what came before (the second's does), so that proposals get accepted.
@@ -35,7 +36,8 @@ def engines(model_path):
     """Engines with batch invariance (bf16 where the CPU has bf16 kernels, else float32 on the
     native kernels): verify rows give the bits decode rows give."""
     for dtype in ("bfloat16", "float32"):
-        options = {"model": model_path, "dtype": dtype, "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
+        options = {"model": model_path, "dtype": dtype, "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256,
+                   **FIXED_THREADS}
         plain = LLM(**options)
         if plain.core.worker.batch_invariant:
             return plain, LLM(**options, speculative_config=NGRAM)
@@ -45,7 +47,7 @@ def engines(model_path):
 def _options_of(engine: LLM) -> dict:
     """The options the module's engines share, for engines of a test's own."""
     return {"model": engine.config.model_config.model, "dtype": engine.config.model_config.dtype,
-            "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
+            "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256, **FIXED_THREADS}
 
 
 def _block_bytes(engine: LLM) -> int:
@@ -74,7 +76,8 @@ def test_outputs_equal_those_without_speculation_alone_and_batched(engines, para
 def test_float32_greedy_tokens_equal_those_without_speculation(model_path):
     """Without batch invariance a verify row may round otherwise than a decode row: the tokens
     stay the greedy ones, the logprobs within float32 noise."""
-    options = {"model": model_path, "dtype": "float32", "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256}
+    options = {"model": model_path, "dtype": "float32", "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256,
+               **FIXED_THREADS}
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
     expected = LLM(**options).generate(PROMPTS, params)
     outputs = LLM(**options, speculative_config=NGRAM).generate(PROMPTS, params)

@@ -8,11 +8,12 @@ import pytest
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
+from tests.conftest import FIXED_THREADS
 from tests.engine.test_tensor_parallel import GREEDY, assert_same_outputs
 from tests.models.tiny_models import save_hf_folder, tiny_hf_model
 from tests.prompts import SHORT_PROMPTS
 
-OPTIONS = {"dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "chunk_size": 32}
+OPTIONS = {"dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "chunk_size": 32, **FIXED_THREADS}
 
 
 @pytest.fixture(scope="module")

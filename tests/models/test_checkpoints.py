@@ -9,6 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from firsttoken import LLM, SamplingParams
+from tests.conftest import FIXED_THREADS
 from tests.models.reference import assert_logprobs_close, hf_greedy
 from tests.models.tiny_models import save_hf_folder, tiny_hf_model, write_gguf
 
@@ -44,7 +45,9 @@ def isolated_conversion_cache(tmp_path, monkeypatch):
 
 
 def _firsttoken_run(path: str):
-    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=16 << 20, chunk_size=32, block_size=8)
+    llm = LLM(
+        path, dtype="float32", kv_cache_memory_bytes=16 << 20, chunk_size=32, block_size=8, **FIXED_THREADS
+    )
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=8)
     (output,) = llm.generate(prompt_token_ids=[PROMPT_IDS], sampling_params=params)
     return output

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from firsttoken import SamplingParams
+from tests.conftest import FIXED_THREADS
 from tests.models.reference import assert_logprobs_close, hf_greedy
 from tests.prompts import CHAT_CONVERSATION, SHORT_PROMPTS, long_prompt
 
@@ -58,7 +59,7 @@ def hf_model_bf16(hf_model):
 def llm_bf16(model_path):
     from firsttoken import LLM
 
-    return LLM(model_path, dtype="bfloat16", kv_cache_memory_bytes=256 << 20, chunk_size=512)
+    return LLM(model_path, dtype="bfloat16", kv_cache_memory_bytes=256 << 20, chunk_size=512, **FIXED_THREADS)
 
 
 def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(llm_bf16, hf_model_bf16, parity_prompts):
@@ -123,6 +124,7 @@ def test_quantized_decode_stays_close_to_float32_transformers(
         quantization=quantization,
         kv_cache_memory_bytes=256 << 20,
         chunk_size=512,
+        **FIXED_THREADS,
     )
     params = SamplingParams(
         temperature=0, max_tokens=QUANTIZED_DECODE_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS

@@ -10,6 +10,7 @@ import pytest
 
 from firsttoken.engine import AsyncEngine, InvalidInputError
 from firsttoken.sampling_params import SamplingParams
+from tests.conftest import FIXED_THREADS
 
 MAX_MODEL_LEN = 256
 
@@ -22,6 +23,7 @@ def engine(model_path):
         max_model_len=MAX_MODEL_LEN,
         chunk_size=32,
         kv_cache_memory_bytes=32 << 20,
+        **FIXED_THREADS,
     )
 
 

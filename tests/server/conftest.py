@@ -17,8 +17,11 @@ from firsttoken.outputs import EngineStats
 from firsttoken.server.app import create_app
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.http_server import build_server
+from tests.conftest import FIXED_THREADS
 
-SERVER_ENGINE_OPTIONS: dict[str, Any] = dict(dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=256)
+SERVER_ENGINE_OPTIONS: dict[str, Any] = dict(
+    dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=256, **FIXED_THREADS
+)
 MODEL_NAME = "smollm2"
 
 
