@@ -74,6 +74,7 @@ class EngineCore:
             self.hash_root,
             config.prompt_cache.enable,
             config.prompt_cache.max_pinned_fraction,
+            self.max_model_len,
         )
         self.pinned_prefixes.restore_stored()
         logger.info(

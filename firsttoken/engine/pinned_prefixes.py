@@ -10,6 +10,7 @@ from collections.abc import KeysView, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from firsttoken.arithmetic import ceil_div
 from firsttoken.core.hashing import BlockHash, extend_block_hashes
 from firsttoken.core.kv_cache_manager import KVCacheManager
 from firsttoken.engine.futures import settle_future
@@ -56,15 +57,18 @@ class PinnedPrefixes:
         hash_root: BlockHash,
         enabled: bool,
         max_pinned_fraction: float,
+        max_model_len: int,
     ) -> None:
         """`enabled`: whether the prompt cache, where pins live, is on; `max_pinned_fraction`:
-        the share of the KV blocks pins may hold together."""
+        the share of the KV blocks pins may hold together; `max_model_len`: the longest request,
+        which must always fit beside them."""
         self.kv_manager = kv_manager
         self.storage = storage
         self.hash_root = hash_root
         self.block_size = kv_manager.block_size
         self.enabled = enabled
         self.max_pinned_fraction = max_pinned_fraction
+        self.max_model_len = max_model_len
         self.resident: dict[str, PinnedPrefix] = {}
         # The resident pins as one immutable value, replaced on every change, so that another
         # thread (the asyncio side of AsyncEngine) reads a consistent view without a lock.
@@ -108,19 +112,29 @@ class PinnedPrefixes:
         self._check_pinned_blocks_limit(len(token_ids) // self.block_size)
 
     def _check_pinned_blocks_limit(self, num_new_blocks: int) -> None:
-        """Pins never give up their blocks, so together they may hold only a share of the cache:
-        the rest serves requests."""
+        """Pins never give up their blocks, so together they may hold only a share of the cache,
+        and never so much that a request of max_model_len tokens could not fit beside them."""
         num_pinned = sum(len(pinned.token_ids) // self.block_size for pinned in self.resident.values())
         num_pinned += sum(pin.num_blocks for pin in self._under_way.values())
         num_blocks = self.kv_manager.num_blocks
-        limit = int(self.max_pinned_fraction * num_blocks)
-        if num_pinned + num_new_blocks > limit:
+        share_limit = int(self.max_pinned_fraction * num_blocks)
+        num_request_blocks = ceil_div(self.max_model_len, self.block_size)
+        room_limit = max(0, num_blocks - num_request_blocks)
+        if num_pinned + num_new_blocks <= min(share_limit, room_limit):
+            return
+        would_pin = f"pinning {num_new_blocks} more KV blocks would make {num_pinned + num_new_blocks} pinned"
+        if room_limit < share_limit:
             raise InvalidInputError(
                 "prefix",
-                f"pinning {num_new_blocks} more KV blocks would make {num_pinned + num_new_blocks} pinned, "
-                f"over the limit of {limit} ({self.max_pinned_fraction:g} of {num_blocks}: "
-                "max_pinned_fraction); unpin a prefix first",
+                f"{would_pin}, leaving fewer than the {num_request_blocks} blocks a request of max_model_len "
+                f"({self.max_model_len} tokens) needs of the cache's {num_blocks}; unpin a prefix, lower "
+                "max_model_len or give the KV cache more memory",
             )
+        raise InvalidInputError(
+            "prefix",
+            f"{would_pin}, over the limit of {share_limit} ({self.max_pinned_fraction:g} of {num_blocks}: "
+            "max_pinned_fraction); unpin a prefix first",
+        )
 
     def start(self, pin_id: str, req_id: str, num_tokens: int) -> None:
         """Record that request `req_id` computes the `num_tokens` tokens of pin `pin_id`."""

@@ -218,6 +218,23 @@ def test_impossible_requests_are_refused_up_front():
     assert not scheduler.has_unfinished_requests()
 
 
+def test_a_request_that_cannot_fit_beside_pinned_blocks_is_refused_up_front():
+    """Pinned blocks are never evicted: a request needing more than the rest is refused at once,
+    holding nothing, instead of waiting until someone unpins."""
+    scheduler = make_scheduler(num_blocks=16, chunk_size=64)
+    to_pin = make_request("to-pin", 32, max_tokens=1)
+    scheduler.add_request(to_pin)
+    run_to_completion(scheduler)
+    assert scheduler.kv_manager.pin("pin", to_pin.block_hashes[:8]) == 32
+    too_big = make_request("too-big", 30, max_tokens=6, first_token=500)  # 9 blocks of the 8 left
+    with pytest.raises(ValueError, match="^max_tokens: .*pinned prefixes hold 8 of the 16, leaving 8"):
+        scheduler.add_request(too_big)
+    assert not scheduler.has_unfinished_requests() and too_big.block_hashes == []
+    scheduler.add_request(make_request("fits", 28, max_tokens=4, first_token=500))  # 8 blocks
+    run_to_completion(scheduler)
+    assert scheduler.kv_manager.pool.num_free_blocks == 8
+
+
 def test_full_waiting_queue_raises_queue_full():
     scheduler = make_scheduler(max_waiting=2)
     scheduler.add_request(make_request("a", 4))

@@ -19,7 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from firsttoken.server.config import ServerConfig
 
 MODEL_NAME = "smollm2"
-ENGINE_OPTIONS = dict(dtype="float32", kv_cache_memory_bytes=48 << 20, chunk_size=256, num_threads=1)
+ENGINE_OPTIONS = dict(
+    dtype="float32", kv_cache_memory_bytes=48 << 20, chunk_size=256, max_model_len=512, num_threads=1
+)
 SYSTEM_PROMPT = "You are a patient tutor who explains each step of a calculation and checks the result twice."
 # How long the replicas may take to settle: it bounds a hang, it measures nothing (busy machines are slow).
 SETTLE_LIMIT_S = 60

@@ -28,6 +28,7 @@ def core(model_path):
         dtype="float32",
         kv_cache_memory_bytes=64 << 20,
         chunk_size=64,
+        max_model_len=1024,
         max_num_seqs=1,
         max_waiting_requests=3,
         **FIXED_THREADS,

@@ -21,7 +21,10 @@ QUESTIONS = ["What is 2+2?", "Name a color.", "Why is the sky blue?", "Tell me a
 
 
 def _engine(model_path, **options) -> LLM:
-    settings = dict(dtype="float32", kv_cache_memory_bytes=128 << 20, chunk_size=256, **FIXED_THREADS)
+    # max_model_len: pins must leave a request of that length room beside them.
+    settings = dict(
+        dtype="float32", kv_cache_memory_bytes=128 << 20, chunk_size=256, max_model_len=1024, **FIXED_THREADS
+    )
     settings.update(options)
     return LLM(model_path, **settings)
 
@@ -91,7 +94,7 @@ def test_exact_duplicate_recomputes_only_its_last_block(model_path):
 
 def test_pinned_prefix_survives_eviction_pressure(model_path):
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4
-    llm = _engine(model_path, kv_cache_memory_bytes=48 * block_bytes)
+    llm = _engine(model_path, kv_cache_memory_bytes=48 * block_bytes, max_model_len=512)
     pinned = llm.pin_system_prompt(SYSTEM_PROMPTS[1])
     assert pinned.num_tokens >= 16
     for index in range(6):  # each ~400 tokens: the whole free pool is cycled
@@ -113,7 +116,9 @@ def test_pin_needs_a_full_block_and_the_cache(model_path, llm):
 
 def test_pins_hold_at_most_their_share_of_the_cache(model_path):
     block_bytes = 2 * 30 * 16 * 3 * 64 * 4
-    llm = _engine(model_path, kv_cache_memory_bytes=40 * block_bytes, max_pinned_fraction=0.25)
+    llm = _engine(
+        model_path, kv_cache_memory_bytes=40 * block_bytes, max_pinned_fraction=0.25, max_model_len=256
+    )
     first = llm.pin_prefix(list(range(100, 100 + 6 * 16)), pin_id="six-blocks")
     with pytest.raises(
         ValueError, match=r"^prefix: pinning 6 more KV blocks would make 12 pinned, over the limit of 10"
@@ -125,6 +130,24 @@ def test_pins_hold_at_most_their_share_of_the_cache(model_path):
     llm.pin_prefix(list(range(300, 300 + 6 * 16)), pin_id="six-more")
     with pytest.raises(ValueError, match="max_pinned_fraction: must be in"):
         _engine(model_path, max_pinned_fraction=1.5)
+
+
+def test_pins_leave_a_request_of_max_model_len_room(model_path):
+    """40 blocks, a request of max_model_len needing 32: pins may hold 8, whatever their share."""
+    block_bytes = 2 * 30 * 16 * 3 * 64 * 4
+    llm = _engine(
+        model_path, kv_cache_memory_bytes=40 * block_bytes, max_pinned_fraction=0.5, max_model_len=512
+    )
+    llm.pin_prefix(list(range(100, 100 + 6 * 16)), pin_id="six-blocks")
+    refusal = r"^prefix: .*fewer than the 32 blocks a request of max_model_len \(512"
+    with pytest.raises(ValueError, match=refusal):
+        llm.pin_prefix(list(range(300, 300 + 3 * 16)), pin_id="three-more")
+    llm.pin_prefix(list(range(300, 300 + 2 * 16)), pin_id="two-more")  # 8 pinned: 32 left
+    longest = list(range(1000, 1000 + 500))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (output,) = llm.generate(prompt_token_ids=[longest], sampling_params=params)
+    assert len(output.token_ids) == 12
+    assert llm.stats().num_pinned_tokens == 8 * 16
 
 
 def test_reset_frees_every_block(model_path):

@@ -1,6 +1,7 @@
-"""Admission knows what a request needs and what it can ever get: a request that cannot fit
-beside the pinned prefixes is refused at once (not left waiting until someone unpins), and a
-request that waits past max_queue_wait_s ends with a clear error, holding nothing."""
+"""Admission knows what a request needs and what it can ever get: pins always leave room for a
+request of max_model_len (so none waits for someone to unpin; the scheduler's own refusal of a
+request that cannot fit beside pinned blocks is in tests/core), and a request that waits past
+max_queue_wait_s ends with a clear error, holding nothing."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from firsttoken.server.config import ServerConfig
 from tests.server.conftest import MODEL_NAME, running_server
 
-# SmolLM2-135M in float32 takes 720 KiB a 16-token block: 54 blocks, of which pins may hold 27.
+# SmolLM2-135M in float32 takes 720 KiB a 16-token block: 54 blocks, of which pins may hold 27 by
+# their share; a request of max_model_len needs ceil(max_model_len / 16) beside them.
 KV_BYTES = 40_000_000
 BIG_REQUEST = {"prompt": "x " * 500, "max_tokens": 40, "ignore_eos": True}
 
@@ -20,42 +22,54 @@ def _system_prompt(index: int) -> str:
     return f"Pin number {index}. " + "alpha beta gamma " * 40
 
 
-@pytest.fixture(scope="module")
-def pinning_server(model_path):
+def _pin(base_url: str, index: int) -> httpx.Response:
+    return httpx.post(base_url + "/v1/pins", json={"system_prompt": _system_prompt(index)}, timeout=60)
+
+
+def _unpin_all(base_url: str) -> None:
+    for pin in httpx.get(base_url + "/v1/pins").json()["data"]:
+        httpx.delete(base_url + f"/v1/pins/{pin['id']}")
+
+
+def test_no_pin_when_the_cache_cannot_hold_a_request_of_max_model_len(model_path):
+    """max_model_len 2048 (128 blocks) beside a 54-block cache: no pin may start, so a request
+    that fits the cache is never left waiting behind pins."""
     config = ServerConfig(port=0, served_model_names=(MODEL_NAME,))
     with running_server(model_path, config, kv_cache_memory_bytes=KV_BYTES, max_model_len=2048) as running:
+        refused = _pin(running.base_url, 0)
+        assert refused.status_code == 400, refused.text
+        assert "a request of max_model_len (2048 tokens)" in refused.json()["error"]["message"]
+        served = httpx.post(running.base_url + "/v1/completions", json=BIG_REQUEST, timeout=120)
+        assert served.status_code == 200, served.text
+
+
+@pytest.fixture(scope="module")
+def pinning_server(model_path):
+    """max_model_len 576 (36 blocks) beside 54: pins may hold 18 blocks."""
+    config = ServerConfig(port=0, served_model_names=(MODEL_NAME,))
+    with running_server(model_path, config, kv_cache_memory_bytes=KV_BYTES, max_model_len=576) as running:
         yield running
 
 
-def test_a_request_that_cannot_fit_beside_the_pins_is_refused_at_once(pinning_server):
+def test_pins_stop_where_a_request_of_max_model_len_would_no_longer_fit(pinning_server):
     base_url = pinning_server.base_url
-    pins = [
-        httpx.post(base_url + "/v1/pins", json={"system_prompt": _system_prompt(i)}, timeout=60)
-        for i in range(3)
-    ]
-    assert [pin.status_code for pin in pins] == [200, 200, 200], pins[-1].text
     try:
+        pins = [_pin(base_url, index) for index in range(3)]
+        statuses = [pin.status_code for pin in pins]
+        assert statuses[0] == 200 and 400 in statuses, [pin.text for pin in pins]
+        refused = pins[statuses.index(400)].json()["error"]
+        assert "a request of max_model_len (576 tokens)" in refused["message"], refused
         stats = pinning_server.engine.stats()
         num_pinned_blocks = stats.num_kv_blocks - stats.num_free_kv_blocks
-        # A client timeout, not a duration claim: before the fix this request waited forever.
-        refused = httpx.post(base_url + "/v1/completions", json=BIG_REQUEST, timeout=30)
-        assert refused.status_code == 400, refused.text
-        error = refused.json()["error"]
-        assert error["param"] == "max_tokens"
-        assert f"pinned prefixes hold {num_pinned_blocks} of the {stats.num_kv_blocks}" in error["message"]
-        fits = httpx.post(
-            base_url + "/v1/completions", json={**BIG_REQUEST, "prompt": "x " * 100}, timeout=60
-        )
-        assert fits.status_code == 200, fits.text
+        assert num_pinned_blocks + 576 // 16 <= stats.num_kv_blocks
+        longest = {"prompt": list(range(1000, 1000 + 576 - 40)), "max_tokens": 40, "ignore_eos": True}
+        served = httpx.post(base_url + "/v1/completions", json=longest, timeout=120)
+        assert served.status_code == 200, served.text
         after = pinning_server.engine.stats()
         assert after.num_kv_blocks - after.num_free_kv_blocks == num_pinned_blocks
         assert after.num_waiting == 0 and after.num_running == 0
     finally:
-        for pin in pins:
-            if pin.status_code == 200:
-                httpx.delete(base_url + f"/v1/pins/{pin.json()['id']}")
-    served = httpx.post(base_url + "/v1/completions", json=BIG_REQUEST, timeout=120)
-    assert served.status_code == 200, served.text
+        _unpin_all(base_url)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from firsttoken.server.http_server import build_server
 from tests.conftest import FIXED_THREADS
 
 SERVER_ENGINE_OPTIONS: dict[str, Any] = dict(
-    dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=256, **FIXED_THREADS
+    dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=256, max_model_len=2048, **FIXED_THREADS
 )
 MODEL_NAME = "smollm2"
 
