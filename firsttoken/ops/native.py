@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from firsttoken.arithmetic import ceil_div
 from firsttoken.ops import native_abi
 from firsttoken.ops.cpu_info import cpu_flags
 from firsttoken.ops.cpu_isa import CpuIsa, resolve_cpu_isa
@@ -334,7 +335,7 @@ class NativeKernels:
         columns, [panels, in, panel_width] in `dtype` (float32 or bf16), the last panel zero-padded."""
         out_features, in_features = weight.shape
         width = self.matmul_panel_width
-        panels = -(-out_features // width)
+        panels = ceil_div(out_features, width)
         padded = weight.new_zeros(panels * width, in_features)
         padded[:out_features] = weight
         return padded.view(panels, width, in_features).transpose(1, 2).to(dtype).contiguous()

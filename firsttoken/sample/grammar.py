@@ -38,6 +38,7 @@ from typing import Sequence
 import llguidance
 import torch
 
+from firsttoken.arithmetic import ceil_div
 from firsttoken.errors import InvalidInputError
 from firsttoken.sample.ascii_classes import ascii_classes, ascii_schema_patterns
 from firsttoken.sampling_params import StructuredOutput
@@ -224,7 +225,7 @@ def _first_line(message: str) -> str:
 def fill_bitmask(states: Sequence[GrammarState], vocab_size: int) -> torch.Tensor:
     """Token masks [n, ceil(V / 32)] int32 on the host, bit t of a row set where token t may come
     next in its request's grammar."""
-    bitmask = torch.zeros(len(states), -(-vocab_size // _BITS), dtype=torch.int32)
+    bitmask = torch.zeros(len(states), ceil_div(vocab_size, _BITS), dtype=torch.int32)
     for row, state in enumerate(states):
         state.fill(bitmask[row])
     return bitmask

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from firsttoken.arithmetic import ceil_div
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput
 from firsttoken.core.cost_model import StepCostModel
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS
@@ -39,7 +40,7 @@ def scratch_limits(worker: Worker) -> CalibrationLimits:
 
 
 def _run_scratch_step(steps: StepRunner, limits: CalibrationLimits, start: int, num_tokens: int) -> None:
-    num_blocks = -(-(start + num_tokens) // limits.block_size)
+    num_blocks = ceil_div(start + num_tokens, limits.block_size)
     if num_blocks > limits.num_blocks or start + num_tokens > limits.max_model_len:
         return
     chunk = ScheduledChunk(
