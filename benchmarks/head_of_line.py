@@ -64,11 +64,11 @@ def run_scenario(options: dict, args: argparse.Namespace) -> ScenarioResult:
         deltas = engine.step()
         now = time.perf_counter()
         for delta in deltas:
-            if delta.request_id in last_token_at and delta.token_ids:
-                gap = now - last_token_at[delta.request_id]
+            if delta.req_id in last_token_at and delta.token_ids:
+                gap = now - last_token_at[delta.req_id]
                 (result.stream_itl_s if window_open else result.unloaded_itl_s).append(gap)
-            if delta.request_id.startswith("stream"):
-                last_token_at[delta.request_id] = now
+            if delta.req_id.startswith("stream"):
+                last_token_at[delta.req_id] = now
         return deltas
 
     while len(last_token_at) < len(stream_ids):
@@ -94,13 +94,13 @@ def run_scenario(options: dict, args: argparse.Namespace) -> ScenarioResult:
             at, req_id, prompt = pending.pop(0)
             engine.add_request(req_id, prompt, one_token, arrival_time=at)
         for delta in step_and_record(window_open=True):
-            if delta.request_id in outstanding and delta.token_ids:
-                ttft = time.perf_counter() - arrival_of[delta.request_id]
-                if delta.request_id == "long":
+            if delta.req_id in outstanding and delta.token_ids:
+                ttft = time.perf_counter() - arrival_of[delta.req_id]
+                if delta.req_id == "long":
                     result.long_ttft_s = ttft
                 else:
                     result.short_ttft_s.append(ttft)
-                outstanding.discard(delta.request_id)
+                outstanding.discard(delta.req_id)
     result.elapsed_s = time.perf_counter() - start
     result.tokens_computed = (
         engine.stats().num_prefill_tokens + engine.stats().num_decode_tokens - computed_before

@@ -63,10 +63,10 @@ def decode_run(llm: LLM, clock: AllReduceClock, batch: int):
 
     def run(index: int) -> float:
         core = llm.core
-        ids = [core.new_request_id() for _ in range(batch)]
-        for offset, request_id in enumerate(ids):
-            core.add_request(request_id, random_prompt(256, seed=1000 * index + offset), params)
-        while any(core.scheduler.requests[request_id].num_output_tokens == 0 for request_id in ids):
+        ids = [core.new_req_id() for _ in range(batch)]
+        for offset, req_id in enumerate(ids):
+            core.add_request(req_id, random_prompt(256, seed=1000 * index + offset), params)
+        while any(core.scheduler.requests[req_id].num_output_tokens == 0 for req_id in ids):
             core.step()
         seconds = clock.measure(lambda: [core.step() for _ in range(DECODE_STEPS)], DECODE_STEPS)
         while core.has_unfinished_requests():

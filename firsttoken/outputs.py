@@ -102,7 +102,7 @@ class RequestMetrics:
 class RequestDelta:
     """New tokens and text of one request since its previous delta."""
 
-    request_id: str
+    req_id: str
     token_ids: list[int]
     text: str
     logprobs: list[SampledToken] | None
@@ -121,7 +121,7 @@ class RequestDelta:
 class RequestOutput:
     """A request's whole result (`LLM.generate`)."""
 
-    request_id: str
+    req_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)

@@ -122,7 +122,7 @@ class Scheduler:
             request.num_prompt_tokens, request.max_total_tokens - request.num_prompt_tokens
         )
         if request.req_id in self.requests:
-            raise InvalidInputError("request_id", f"{request.req_id!r} is already in use")
+            raise InvalidInputError("req_id", f"{request.req_id!r} is already in use")
         limit = self.config.max_waiting_requests
         if limit is not None and len(self.waiting) >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests)")

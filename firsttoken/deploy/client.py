@@ -93,12 +93,12 @@ class ReplicaStream:
 
     def __init__(
         self,
-        request_id: str,
+        req_id: str,
         arrival_time: float,
         response: DeploymentResponseGenerator,
         client: ReplicaEngineClient,
     ) -> None:
-        self.request_id = request_id
+        self.req_id = req_id
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -204,7 +204,7 @@ class ReplicaEngineClient:
         self._encoder = PromptEncoder(info.tokenizer, info.vocab_size)
         self._max_routing_blocks = max_routing_blocks
         self._sync_interval_s = sync_interval_s
-        self._request_ids = (f"{uuid.uuid4().hex[:8]}-{number}" for number in itertools.count())
+        self._req_ids = (f"{uuid.uuid4().hex[:8]}-{number}" for number in itertools.count())
         self._pins = {pinned.pin_id: pinned for pinned in info.pinned}
         self._pinned_prompts: dict[str, str] = {}  # pinned at run time: replacements need them too
         self._snapshots: dict[str, ReplicaSnapshot] = {}
@@ -277,7 +277,7 @@ class ReplicaEngineClient:
         sampling_params: SamplingParams,
         *,
         priority: int = 0,
-        request_id: str | None = None,
+        req_id: str | None = None,
     ) -> ReplicaStream:
         """Send the request to the replica the router picks; returns once that replica's engine
         took it. Raises what the engine raised, or EngineDeadError when the replica failed."""
@@ -287,9 +287,9 @@ class ReplicaEngineClient:
         block_hashes = prompt_block_hashes(
             prompt.token_ids, info.block_size, info.hash_root, self._max_routing_blocks
         )
-        request_id = request_id or next(self._request_ids)
+        req_id = req_id or next(self._req_ids)
         call = GenerateCall(
-            request_id=request_id,
+            req_id=req_id,
             token_ids=prompt.token_ids,
             sampling_params=sampling_params,
             priority=priority,
@@ -297,7 +297,7 @@ class ReplicaEngineClient:
             tokenize_s=prompt.tokenized_time - prompt.arrival_time,
             block_hashes=tuple(block_hashes),
         )
-        stream = ReplicaStream(request_id, prompt.arrival_time, self._generate.remote(call), self)
+        stream = ReplicaStream(req_id, prompt.arrival_time, self._generate.remote(call), self)
         self.live_streams.add(stream)
         try:
             await stream.admitted()

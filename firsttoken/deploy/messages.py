@@ -38,7 +38,7 @@ class GenerateCall:
     """One tokenized request for a replica. The times are durations, not timestamps: each
     process has its own clock, so the replica dates arrival back by `waited_s` on its own."""
 
-    request_id: str
+    req_id: str
     token_ids: list[int]
     sampling_params: SamplingParams
     priority: int

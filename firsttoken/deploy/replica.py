@@ -81,7 +81,7 @@ class EngineReplica:
         prompt = TokenizedPrompt(call.token_ids, arrival_time, arrival_time + call.tokenize_s)
         try:
             stream = await self._engine.add_request(
-                prompt, call.sampling_params, priority=call.priority, request_id=call.request_id
+                prompt, call.sampling_params, priority=call.priority, req_id=call.req_id
             )
         except ENGINE_ERRORS as error:
             yield Refusal.of(error)

@@ -52,7 +52,7 @@ class RequestObserver(Protocol):
 class _AddCommand:
     """A tokenized request for the loop thread to add to the core."""
 
-    request_id: str
+    req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
@@ -64,7 +64,7 @@ class _AddCommand:
 class _AbortCommand:
     """A request for the loop thread to end now."""
 
-    request_id: str
+    req_id: str
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,8 @@ class RequestStream:
     """One request on the asyncio side: its admission, its queue of deltas, and when its
     tokens reached this thread (perf_counter seconds)."""
 
-    def __init__(self, request_id: str, arrival_time: float, engine: AsyncEngine) -> None:
-        self.request_id = request_id
+    def __init__(self, req_id: str, arrival_time: float, engine: AsyncEngine) -> None:
+        self.req_id = req_id
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
@@ -162,7 +162,7 @@ class RequestStream:
         """Abort the request unless it already finished (closing the stream early cancels it)."""
         self._ended = True
         if not self.finished:
-            self._engine.abort(self.request_id)
+            self._engine.abort(self.req_id)
 
     # -- called by AsyncEngine on the asyncio thread ------------------------------------------
 
@@ -315,7 +315,7 @@ class AsyncEngine:
         sampling_params: SamplingParams,
         *,
         priority: int = 0,
-        request_id: str | None = None,
+        req_id: str | None = None,
     ) -> RequestStream:
         """Queue a tokenized request; returns once the engine accepted it.
 
@@ -334,14 +334,14 @@ class AsyncEngine:
             # Compiled here, on a tokenizer thread, not on the loop thread that steps the other
             # requests; the core's add_request then finds it cached. A bad schema raises here.
             await self._encoder.run(self.core.compile_grammar, sampling_params.structured_output)
-        request_id = request_id or self.core.new_request_id()
-        if request_id in self._streams:
-            raise InvalidInputError("request_id", f"{request_id!r} is already in use")
-        stream = RequestStream(request_id, prompt.arrival_time, self)
-        self._streams[request_id] = stream
+        req_id = req_id or self.core.new_req_id()
+        if req_id in self._streams:
+            raise InvalidInputError("req_id", f"{req_id!r} is already in use")
+        stream = RequestStream(req_id, prompt.arrival_time, self)
+        self._streams[req_id] = stream
         self._inbox.put(
             _AddCommand(
-                request_id,
+                req_id,
                 prompt.token_ids,
                 sampling_params,
                 prompt.arrival_time,
@@ -352,7 +352,7 @@ class AsyncEngine:
         try:
             await stream.admitted()
         except asyncio.CancelledError:
-            self.abort(request_id)
+            self.abort(req_id)
             raise
         return stream
 
@@ -363,7 +363,7 @@ class AsyncEngine:
         *,
         messages: Messages | None = None,
         priority: int = 0,
-        request_id: str | None = None,
+        req_id: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """The request's deltas as they are produced; closing or cancelling the iterator aborts it.
 
@@ -371,7 +371,7 @@ class AsyncEngine:
         """
         tokenized = await self.tokenize(prompt, messages=messages)
         stream = await self.add_request(
-            tokenized, sampling_params or SamplingParams(), priority=priority, request_id=request_id
+            tokenized, sampling_params or SamplingParams(), priority=priority, req_id=req_id
         )
         try:
             async for delta in stream:
@@ -379,10 +379,10 @@ class AsyncEngine:
         finally:
             await stream.aclose()
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, req_id: str) -> None:
         """End a request; its blocks are freed at the top of the next engine step."""
-        if request_id in self._streams:
-            self._inbox.put(_AbortCommand(request_id))
+        if req_id in self._streams:
+            self._inbox.put(_AbortCommand(req_id))
 
     # -- pinned prefixes -----------------------------------------------------------------------
 
@@ -461,7 +461,7 @@ class AsyncEngine:
                     self._apply(commands, live)
                 if core.has_unfinished_requests():
                     deltas = core.step()
-                    live.difference_update(delta.request_id for delta in deltas if delta.finished)
+                    live.difference_update(delta.req_id for delta in deltas if delta.finished)
                     self._stats = core.stats()
                     if deltas:
                         self._post(self._deliver, deltas)
@@ -475,8 +475,8 @@ class AsyncEngine:
             return
         # Shut down: leave the core with no request and every block free.
         pins.fail_waiters(EngineDeadError("the engine was shut down"))
-        for request_id in [*live, *pins.computing_req_ids]:
-            core.abort_request(request_id)
+        for req_id in [*live, *pins.computing_req_ids]:
+            core.abort_request(req_id)
         self._stats = core.stats()
 
     def _apply(self, commands: list[_Command], live: set[str]) -> None:
@@ -493,24 +493,24 @@ class AsyncEngine:
                 settle_future(command.done, self.core.cached_block_hashes(command.block_hashes))
                 continue
             if isinstance(command, _AbortCommand):
-                live.discard(command.request_id)
-                delta = self.core.abort_request(command.request_id)
+                live.discard(command.req_id)
+                delta = self.core.abort_request(command.req_id)
                 if delta is not None:
                     closing.append(delta)
                 continue
             try:
                 self.core.add_request(
-                    command.request_id,
+                    command.req_id,
                     command.prompt_token_ids,
                     command.sampling_params,
                     command.arrival_time,
                     command.tokenized_time,
                     command.priority,
                 )
-                live.add(command.request_id)
-                admissions.append((command.request_id, None))
+                live.add(command.req_id)
+                admissions.append((command.req_id, None))
             except Exception as error:  # ValueError, QueueFullError: the caller's to handle
-                admissions.append((command.request_id, error))
+                admissions.append((command.req_id, error))
         if admissions or closing:
             self._post(self._answer_admissions, admissions, closing)
 
@@ -553,26 +553,26 @@ class AsyncEngine:
     ) -> None:
         """Admit or refuse each request the loop thread tried to add; deliver the closing
         deltas of those it aborted."""
-        for request_id, error in admissions:
-            stream = self._streams.get(request_id)
+        for req_id, error in admissions:
+            stream = self._streams.get(req_id)
             if stream is None:
                 continue
             if error is not None:
-                del self._streams[request_id]
+                del self._streams[req_id]
             stream._admit(error)
         self._deliver(closing)
 
     def _deliver(self, deltas: list[RequestDelta]) -> None:
         now = time.perf_counter()
         for delta in deltas:
-            stream = self._streams.get(delta.request_id)
+            stream = self._streams.get(delta.req_id)
             if stream is None:
                 continue
             previous_token_time = stream._deliver(delta, now)
             for observer in self._observers:
                 observer.on_delta(delta, now, previous_token_time)
             if delta.finished:
-                del self._streams[delta.request_id]
+                del self._streams[delta.req_id]
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self._dead = error

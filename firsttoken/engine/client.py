@@ -15,7 +15,7 @@ from firsttoken.tokenizer import Tokenizer
 class DeltaStream(Protocol):
     """One admitted request's deltas; closing it before the end aborts the request."""
 
-    request_id: str
+    req_id: str
     first_token_time: float | None  # when its first token reached the front end (perf_counter s)
 
     def __aiter__(self) -> AsyncIterator[RequestDelta]: ...
@@ -65,7 +65,7 @@ class EngineClient(Protocol):
         sampling_params: SamplingParams,
         *,
         priority: int = 0,
-        request_id: str | None = None,
+        req_id: str | None = None,
     ) -> DeltaStream:
         """Returns once admitted; raises InvalidInputError, QueueFullError or EngineDeadError."""
 

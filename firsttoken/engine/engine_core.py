@@ -92,7 +92,7 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------------------
 
-    def new_request_id(self) -> str:
+    def new_req_id(self) -> str:
         return f"req-{next(self._request_counter)}"
 
     def add_request(

@@ -41,7 +41,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order."""
         requests = self._prepare(prompts, prompt_token_ids, sampling_params, priority)
-        outputs = {request_id: output for request_id, output in requests}
+        outputs = {req_id: output for req_id, output in requests}
         self._run_until_done(outputs)
         return list(outputs.values())
 
@@ -62,19 +62,19 @@ class LLM:
     ) -> Iterator[RequestDelta]:
         """Deltas of one request as they are produced; closing the iterator aborts it."""
         is_text = isinstance(prompt, str)
-        (request_id, _), = self._prepare(
+        (req_id, _), = self._prepare(
             [prompt] if is_text else None, None if is_text else [prompt], sampling_params, None
         )
         finished = False
         try:
             while not finished:
                 for delta in self.core.step():
-                    if delta.request_id == request_id:
+                    if delta.req_id == req_id:
                         finished = delta.finished
                         yield delta
         finally:
             if not finished:
-                self.core.abort_request(request_id)
+                self.core.abort_request(req_id)
 
     def pin_prefix(self, prefix: str | Sequence[int], pin_id: str | None = None) -> PinnedPrefix:
         """Compute a prefix (text or token ids) once and keep its KV resident until unpinned.
@@ -126,14 +126,14 @@ class LLM:
                 arrival = time.perf_counter()
                 if token_ids is None:
                     token_ids = self.tokenizer.encode(text)
-                request_id = self.core.new_request_id()
+                req_id = self.core.new_req_id()
                 self.core.add_request(
-                    request_id, list(token_ids), params, arrival, time.perf_counter(), request_priority
+                    req_id, list(token_ids), params, arrival, time.perf_counter(), request_priority
                 )
-                queued.append((request_id, RequestOutput(request_id, text, list(token_ids))))
+                queued.append((req_id, RequestOutput(req_id, text, list(token_ids))))
         except Exception:
-            for request_id, _ in queued:
-                self.core.abort_request(request_id)
+            for req_id, _ in queued:
+                self.core.abort_request(req_id)
             raise
         return queued
 
@@ -142,15 +142,15 @@ class LLM:
         try:
             while remaining:
                 for delta in self.core.step():
-                    output = outputs.get(delta.request_id)
+                    output = outputs.get(delta.req_id)
                     if output is None:
                         continue
                     output.add(delta)
                     if delta.finished:
-                        remaining.discard(delta.request_id)
+                        remaining.discard(delta.req_id)
         finally:
-            for request_id in remaining:
-                self.core.abort_request(request_id)
+            for req_id in remaining:
+                self.core.abort_request(req_id)
 
 
 def _normalize_prompts(

@@ -75,7 +75,7 @@ class OutputProcessor:
             self.remove(request.req_id)
         wants_logprobs = request.sampling_params.logprobs is not None
         return RequestDelta(
-            request_id=request.req_id,
+            req_id=request.req_id,
             token_ids=new_tokens,
             text=new_text,
             logprobs=list(progress.sampled) if wants_logprobs else None,
@@ -100,7 +100,7 @@ class OutputProcessor:
         """The token-less last delta of a request ended outside a step (aborted)."""
         self._streams.pop(request.req_id, None)
         return RequestDelta(
-            request_id=request.req_id,
+            req_id=request.req_id,
             token_ids=[],
             text="",
             logprobs=None,

@@ -132,7 +132,7 @@ async def start_choices(
         await close_streams(streams)
         raise error
     return [
-        Choice(index, prompt, stream, RequestOutput(stream.request_id, None, prompt.token_ids))
+        Choice(index, prompt, stream, RequestOutput(stream.req_id, None, prompt.token_ids))
         for index, ((prompt, _), stream) in enumerate(zip(requests, results, strict=True))
     ]
 

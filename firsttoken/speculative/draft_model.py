@@ -20,7 +20,7 @@ from firsttoken.sampling_params import SamplingParams
 class DraftEngine(Protocol):
     """The step loop of the draft model, as the proposer drives it (an EngineCore)."""
 
-    def new_request_id(self) -> str: ...
+    def new_req_id(self) -> str: ...
 
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
@@ -42,7 +42,7 @@ class DraftModelProposer:
         proposals: dict[str, list[int]] = {}
         order = []
         for sequence, limit in zip(token_ids, max_tokens):
-            req_id = self.core.new_request_id()
+            req_id = self.core.new_req_id()
             order.append(req_id)
             proposals[req_id] = []
             greedy = SamplingParams(
@@ -54,5 +54,5 @@ class DraftModelProposer:
                 continue  # longer than the draft's cache or context holds: this one goes without
         while self.core.has_unfinished_requests():
             for delta in self.core.step():
-                proposals[delta.request_id].extend(delta.token_ids)
+                proposals[delta.req_id].extend(delta.token_ids)
         return [proposals[req_id] for req_id in order]

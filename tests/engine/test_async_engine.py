@@ -192,7 +192,7 @@ def test_a_failing_step_ends_requests_with_engine_dead(core):
                 await engine.add_request(await engine.tokenize("Hello"), GREEDY)
         finally:
             del core.step
-            core.abort_request(stream.request_id)  # the dead loop left it queued
+            core.abort_request(stream.req_id)  # the dead loop left it queued
 
     run(core, test)
 

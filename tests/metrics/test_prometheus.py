@@ -57,7 +57,7 @@ def metrics_at(
 
 def delta(token_ids: list[int], metrics: RequestMetrics, finish_reason: str | None = None) -> RequestDelta:
     return RequestDelta(
-        request_id="r",
+        req_id="r",
         token_ids=token_ids,
         text="x" * len(token_ids),
         logprobs=None,
