@@ -30,7 +30,12 @@ if TYPE_CHECKING:
 TEST_KV_CACHE_BYTES = 512 * 1024 * 1024
 # Test engines with a fixed chunk size keep a fixed thread count: adapting it needs the step-cost
 # model, measured at start (minutes on a busy 2-core machine), which nothing else there reads.
-FIXED_THREADS = {"adaptive_threads": False}
+# FIRSTTOKEN_TEST_THREADS sets that count (default: the physical cores), e.g. 1 when several
+# pytest processes share the cores: threads beyond a free core wait on each other.
+FIXED_THREADS = {
+    "adaptive_threads": False,
+    "num_threads": int(os.environ.get("FIRSTTOKEN_TEST_THREADS", 0)) or None,
+}
 # How many engines `engine_for` keeps alive at once (each holds its weights and KV cache).
 MAX_SHARED_ENGINES = 4
 
