@@ -118,7 +118,8 @@ class SharedEngines:
     def __call__(self, **options) -> LLM:
         from firsttoken import LLM
 
-        options = {**FIXED_THREADS, **options}
+        if "adaptive_threads" not in options:
+            options = {**FIXED_THREADS, **options}
         key = repr(sorted(options.items()))
         engine = self.engines.pop(key, None) or LLM(self.model_path, **options)
         self.engines[key] = engine  # now the most recently asked for
