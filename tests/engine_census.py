@@ -28,11 +28,11 @@ class EngineCensus:
 
     def install(self) -> None:
         from firsttoken.engine import engine_core
-        from firsttoken.worker import cost_calibration, worker
+        from firsttoken.worker import cost_calibration, executor
 
         self._count(engine_core.EngineCore, "__init__", "engine starts")
-        self._count(worker.Worker, "warm_up", "warm-ups")
-        # worker.py calls load_or_calibrate by its own name; the probe and the fit are looked up
+        self._count(executor.Executor, "warm_up", "warm-ups")
+        # startup.py calls load_or_calibrate by its own name; the probe and the fit are looked up
         # in cost_calibration's namespace when it runs.
         self._count(cost_calibration, "calibrate", "calibrations")
         self._count(cost_calibration, "probe_shape", "calibration probes")

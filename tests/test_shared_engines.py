@@ -42,3 +42,20 @@ def test_beyond_the_bound_the_least_recently_asked_for_is_started_again(shared):
     shared(chunk_size=MAX_SHARED_ENGINES + 1)  # drops chunk_size=2, the least recent
     assert shared(chunk_size=1) is first
     assert shared(chunk_size=2) is not others[0]
+
+
+def test_the_engine_census_patches_what_exists_and_puts_it_back():
+    from firsttoken.engine.engine_core import EngineCore
+    from firsttoken.worker import cost_calibration
+    from firsttoken.worker.executor import Executor
+    from tests.engine_census import EngineCensus
+
+    originals = (EngineCore.__init__, Executor.warm_up, cost_calibration.calibrate, cost_calibration.probe_shape)
+    census = EngineCensus()
+    census.install()
+    try:
+        patched = (EngineCore.__init__, Executor.warm_up, cost_calibration.calibrate, cost_calibration.probe_shape)
+        assert [function.__wrapped__ for function in patched] == list(originals)
+    finally:
+        census.uninstall()
+    assert (EngineCore.__init__, Executor.warm_up, cost_calibration.calibrate, cost_calibration.probe_shape) == originals
