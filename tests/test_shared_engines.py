@@ -44,18 +44,22 @@ def test_beyond_the_bound_the_least_recently_asked_for_is_started_again(shared):
     assert shared(chunk_size=2) is not others[0]
 
 
-def test_the_engine_census_patches_what_exists_and_puts_it_back():
+def _census_patch_points() -> tuple:
     from firsttoken.engine.engine_core import EngineCore
     from firsttoken.worker import cost_calibration
     from firsttoken.worker.executor import Executor
+
+    return EngineCore.__init__, Executor.warm_up, cost_calibration.calibrate, cost_calibration.probe_shape
+
+
+def test_the_engine_census_patches_what_exists_and_puts_it_back():
     from tests.engine_census import EngineCensus
 
-    originals = (EngineCore.__init__, Executor.warm_up, cost_calibration.calibrate, cost_calibration.probe_shape)
+    originals = _census_patch_points()
     census = EngineCensus()
     census.install()
     try:
-        patched = (EngineCore.__init__, Executor.warm_up, cost_calibration.calibrate, cost_calibration.probe_shape)
-        assert [function.__wrapped__ for function in patched] == list(originals)
+        assert [function.__wrapped__ for function in _census_patch_points()] == list(originals)
     finally:
         census.uninstall()
-    assert (EngineCore.__init__, Executor.warm_up, cost_calibration.calibrate, cost_calibration.probe_shape) == originals
+    assert _census_patch_points() == originals
