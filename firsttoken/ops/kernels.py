@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from types import ModuleType
 
@@ -35,7 +36,18 @@ _COMPILE_OPTIONS = {"emulate_precision_casts": True}
 
 
 def _compiled(function):
-    return torch.compile(function, dynamic=True, fullgraph=True, options=_COMPILE_OPTIONS)
+    """`function` compiled by inductor on its first call: `torch.compile` imports torch._dynamo
+    (seconds of every process's start), which only engines without native or Triton kernels use."""
+    compiled = None
+
+    @functools.wraps(function)
+    def call(*args):
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(function, dynamic=True, fullgraph=True, options=_COMPILE_OPTIONS)
+        return compiled(*args)
+
+    return call
 
 
 _fused_rms_norm = _compiled(rms_norm_reference)
