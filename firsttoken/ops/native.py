@@ -22,6 +22,7 @@ callers keep the torch ops.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -335,10 +336,15 @@ class NativeKernels:
         columns, [panels, in, panel_width] in `dtype` (float32 or bf16), the last panel zero-padded."""
         out_features, in_features = weight.shape
         width = self.matmul_panel_width
-        panels = ceil_div(out_features, width)
-        padded = weight.new_zeros(panels * width, in_features)
-        padded[:out_features] = weight
-        return padded.view(panels, width, in_features).transpose(1, 2).to(dtype).contiguous()
+        full_panels, rest = divmod(out_features, width)
+        # Written once in place (no zeroed, padded copy first): packing is a share of every start.
+        packed = torch.empty(ceil_div(out_features, width), in_features, width, dtype=dtype)
+        whole_panels = weight[: full_panels * width].view(full_panels, width, in_features)
+        packed[:full_panels].copy_(whole_panels.transpose(1, 2))
+        if rest:
+            packed[full_panels].zero_()
+            packed[full_panels, :, :rest].copy_(weight[full_panels * width :].t())
+        return packed
 
     def row_invariant_matmul(
         self, x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
@@ -639,12 +645,29 @@ def _built_library(cache_dir: Path, isa: CpuIsa) -> Path:
     with tempfile.TemporaryDirectory(dir=cache_dir) as build_dir:
         (Path(build_dir) / _ABI_HEADER_NAME).write_text(abi_header)
         partial = Path(build_dir) / library.name
+        objects = _compile_objects(compiler_and_flags, Path(build_dir))
         subprocess.run(
-            [*compiler_and_flags, f"-I{build_dir}", *map(str, _SOURCES), "-o", str(partial), "-lm"],
+            [*compiler_and_flags, *map(str, objects), "-o", str(partial), "-lm"],
             check=True, capture_output=True, timeout=120,
         )
         os.replace(partial, library)
     return library
+
+
+def _compile_objects(compiler_and_flags: list[str], build_dir: Path) -> list[Path]:
+    """Each source compiled to an object file in `build_dir`, one compiler per core: a user's
+    first start waits for this build."""
+
+    def compile_source(source: Path) -> Path:
+        target = build_dir / f"{source.stem}.o"
+        subprocess.run(
+            [*compiler_and_flags, f"-I{build_dir}", "-c", str(source), "-o", str(target)],
+            check=True, capture_output=True, timeout=120,
+        )
+        return target
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return list(pool.map(compile_source, _SOURCES))
 
 
 def _cpu_identity() -> bytes:
