@@ -11,10 +11,15 @@ import os
 from firsttoken.arithmetic import ceil_div
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput
 from firsttoken.core.cost_model import StepCostModel
-from firsttoken.ops.kernels import FUSED_MIN_TOKENS
 from firsttoken.sampling_params import SamplingParams
 from firsttoken.worker.cost_calibration import CalibrationLimits, StepRunner, load_or_calibrate
 from firsttoken.worker.worker import Worker
+
+
+# The warm-up prefill's length: every prefill kernel runs at any length (the compiled fused ops,
+# which start at FUSED_MIN_TOKENS rows, compile in Kernels.warm_up), and a longer one only makes
+# every start slower (a 512-token warm-up was two thirds of a CPU engine's start).
+WARM_UP_PREFILL_TOKENS = 32
 
 
 def warm_up(steps: StepRunner, worker: Worker) -> None:
@@ -22,7 +27,7 @@ def warm_up(steps: StepRunner, worker: Worker) -> None:
     request pays no one-time cost."""
     limits = scratch_limits(worker)
     worker.kernels.warm_up(lambda num_tokens: _run_scratch_step(steps, limits, 0, num_tokens))
-    num_tokens = min(FUSED_MIN_TOKENS, limits.max_model_len - 1)
+    num_tokens = min(WARM_UP_PREFILL_TOKENS, limits.max_model_len - 1)
     _run_scratch_step(steps, limits, 0, num_tokens)
     _run_scratch_step(steps, limits, num_tokens, 1)
 

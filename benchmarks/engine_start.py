@@ -1,0 +1,91 @@
+"""Engine start-up benchmark: how long an engine takes to start, and whether its first request
+is as fast as the ones after it, for warm-up prefills of several lengths in the same run.
+
+    python benchmarks/engine_start.py [--warm-up-tokens 32 512] [--prompt-len 512] [--repeats 3]
+
+Per warm-up length, taking turns: the engine's start (model already converted and kernels
+already built: what every start but a machine's first pays), the TTFT of its first request and
+the median TTFT of three later ones (fresh prompts each, prompt cache off). A warm-up that pays
+every one-time cost shows a first/later ratio near 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import print_table, random_prompt, save_result, timed  # noqa: E402
+
+from firsttoken import LLM, SamplingParams  # noqa: E402
+from firsttoken.models.registry import default_model_path  # noqa: E402
+from firsttoken.worker import startup  # noqa: E402
+
+GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
+LATER_REQUESTS = 3
+
+
+def one_start(model: str, warm_up_tokens: int, prompt_len: int, seed: int, dtype: str) -> dict[str, float]:
+    """Start an engine whose warm-up prefill has `warm_up_tokens` tokens; its start and TTFTs."""
+    startup.WARM_UP_PREFILL_TOKENS = warm_up_tokens
+    holder: list[LLM] = []
+    start_s = timed(
+        lambda: holder.append(
+            LLM(model, dtype=dtype, chunk_size=prompt_len, enable_prompt_cache=False, adaptive_threads=False)
+        )
+    )
+    (llm,) = holder
+
+    def ttft(offset: int) -> float:
+        prompt = random_prompt(prompt_len, seed=seed * 100 + offset)
+        return timed(lambda: llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY_ONE))
+
+    first_s = ttft(0)
+    later_s = statistics.median(ttft(offset) for offset in range(1, LATER_REQUESTS + 1))
+    del llm, holder
+    gc.collect()
+    return {"start_s": start_s, "first_ttft_s": first_s, "later_ttft_s": later_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warm-up-tokens", type=int, nargs="+", default=[32, 512])
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    model = default_model_path()
+    LLM(model, dtype=args.dtype, adaptive_threads=False)  # converts and builds once, outside the timings
+    samples: dict[int, list[dict[str, float]]] = {tokens: [] for tokens in args.warm_up_tokens}
+    for repeat in range(args.repeats):
+        for tokens in args.warm_up_tokens:
+            samples[tokens].append(one_start(model, tokens, args.prompt_len, repeat, args.dtype))
+    baseline = args.warm_up_tokens[-1]
+    medians = {
+        tokens: {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        for tokens, runs in samples.items()
+    }
+    rows = [
+        [
+            tokens,
+            median["start_s"],
+            median["start_s"] / medians[baseline]["start_s"],
+            median["first_ttft_s"],
+            median["later_ttft_s"],
+            median["first_ttft_s"] / median["later_ttft_s"],
+        ]
+        for tokens, median in medians.items()
+    ]
+    print(f"prompt {args.prompt_len} tokens, {args.dtype}, medians of {args.repeats} starts each")
+    print_table(
+        ["warm-up tokens", "start s", f"start / {baseline}", "first TTFT s", "later TTFT s", "first / later"],
+        rows,
+    )
+    save_result("engine_start", {"args": vars(args), "medians": medians})
+
+
+if __name__ == "__main__":
+    main()
