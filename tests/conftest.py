@@ -36,6 +36,18 @@ FIXED_THREADS = {
     "adaptive_threads": False,
     "num_threads": int(os.environ.get("FIRSTTOKEN_TEST_THREADS", 0)) or None,
 }
+# The CPU flag without which an engine never claims bf16 batch invariance (its AVX512-BF16 kernels).
+_BF16_INVARIANCE_FLAG = "avx512_bf16"
+
+
+def may_claim_batch_invariance(dtype: str) -> bool:
+    """False where an engine of `dtype` surely claims no batch invariance here, known without
+    starting one; True where it may (the engine's own claim still decides)."""
+    from firsttoken.ops.cpu_info import cpu_flags
+
+    return dtype != "bfloat16" or _BF16_INVARIANCE_FLAG in cpu_flags()
+
+
 # How many engines `engine_for` keeps alive at once (each holds its weights and KV cache).
 MAX_SHARED_ENGINES = 4
 

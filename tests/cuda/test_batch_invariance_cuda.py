@@ -119,7 +119,12 @@ def _other_prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(TINY_ARCH.vocab_size) for _ in range(rng.randrange(1, 30))] for _ in range(count)]
 
 
-@pytest.fixture(scope="module", params=["eager", "graphs"])
+# Under the interpreter (no GPU) every case takes seconds: there the graph runs (their capture
+# replays eager steps anyway) are in the slow tier; on a GPU both run by default.
+_SLOW_ON_CPU = [] if torch.cuda.is_available() else [pytest.mark.slow]
+
+
+@pytest.fixture(scope="module", params=["eager", pytest.param("graphs", marks=_SLOW_ON_CPU)])
 def invariant(request, device) -> InvariantRunner:
     return InvariantRunner(device, graphs=request.param == "graphs")
 
@@ -135,10 +140,7 @@ def test_alone_the_logits_are_the_same_bits(invariant, alone):
     assert (invariant.capture.num_replays > 0) == (invariant.runner.step_graphs is not None)
 
 
-# 7 and 15 others take the interpreter ~10 s each: slow on the CPU, in the default run on a GPU.
-_SLOW_ON_CPU = [] if torch.cuda.is_available() else [pytest.mark.slow]
-
-
+# 7 and 15 others take the interpreter ~10 s each.
 @pytest.mark.parametrize(
     "num_others", [1, 3, pytest.param(7, marks=_SLOW_ON_CPU), pytest.param(15, marks=_SLOW_ON_CPU)]
 )

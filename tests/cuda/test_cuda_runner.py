@@ -66,7 +66,15 @@ def _runners(device, dtype):
     return reference, reference_caches, runner, caches
 
 
-@pytest.mark.parametrize("max_graph_tokens", [None, 0, 16, 64])
+# Each case takes the interpreter (no GPU) ~15-25 s: there the default run keeps no graphs and
+# mixed graphs, the slow tier the rest; on a GPU all run by default.
+_SLOW_ON_CPU = [] if torch.cuda.is_available() else [pytest.mark.slow]
+
+
+@pytest.mark.parametrize(
+    "max_graph_tokens",
+    [None, pytest.param(0, marks=_SLOW_ON_CPU), 16, pytest.param(64, marks=_SLOW_ON_CPU)],
+)
 def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(max_graph_tokens, device):
     """None: no graphs; 0: decode graphs only; 16: steps up to 16 tokens replayed, longer ones
     eager; 64: every step replayed (the scheduler's steps hold at most 64 tokens)."""

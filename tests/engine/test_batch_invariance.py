@@ -13,7 +13,7 @@ import torch
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.ops.linear import NativeRowInvariantLinear
-from tests.conftest import FIXED_THREADS
+from tests.conftest import FIXED_THREADS, may_claim_batch_invariance
 
 PROMPTS = [
     "Explain why the sky is blue, and why sunsets over the sea turn red and orange in the evening.",
@@ -45,12 +45,21 @@ _NEEDS = {
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def engine_options(request, model_path):
-    return dict(model=model_path, dtype=request.param, kv_cache_memory_bytes=256 << 20)
+    """A fixed chunk size and thread count: the claim holds for any, and these start without
+    measuring the step cost. A CPU without bf16 instructions never claims bf16 invariance:
+    skipped before an engine starts to say so."""
+    if not may_claim_batch_invariance(request.param):
+        pytest.skip(f"no bfloat16 batch invariance on this machine (needs {_NEEDS['bfloat16']})")
+    return dict(
+        model=model_path, dtype=request.param, kv_cache_memory_bytes=256 << 20, chunk_size=512,
+        **FIXED_THREADS,
+    )
 
 
 @pytest.fixture(scope="module")
-def invariant_llm(engine_options):
-    llm = LLM(**engine_options, enable_prompt_cache=False)
+def invariant_llm(engine_options, engine_for):
+    options = {name: value for name, value in engine_options.items() if name != "model"}
+    llm = engine_for(**options, enable_prompt_cache=False)
     if not llm.core.worker.batch_invariant:
         dtype = engine_options["dtype"]
         pytest.skip(f"no {dtype} batch invariance on this machine (needs {_NEEDS[dtype]})")
@@ -62,17 +71,22 @@ def alone(invariant_llm):
     return [_bits(invariant_llm.generate([prompt], GREEDY)[0]) for prompt in PROMPTS]
 
 
-@pytest.mark.parametrize("num_others", [1, 3, 7, 15])
+# Every case generates on a 135M model (up to ~20 s on a 2-core CPU): the default run keeps the
+# smallest and a large variant of each sweep, the slow tier the others.
+_SLOW = [pytest.mark.slow]
+
+
+@pytest.mark.parametrize("num_others", [1, pytest.param(3, marks=_SLOW), 7, pytest.param(15, marks=_SLOW)])
 def test_beside_other_requests_every_bit_is_the_same(invariant_llm, alone, num_others):
     outputs = invariant_llm.generate(PROMPTS + _other_prompts(num_others, seed=num_others), GREEDY)
     assert [_bits(output) for output in outputs[: len(PROMPTS)]] == alone
 
 
-@pytest.mark.parametrize("chunk_size", [1, 7, 16, 64])
+@pytest.mark.parametrize("chunk_size", [1, pytest.param(7, marks=_SLOW), pytest.param(16, marks=_SLOW), 64])
 def test_in_chunks_of_any_size_every_bit_is_the_same(engine_options, alone, chunk_size):
     """Chunk size 1 prefills every prompt token alone on its context: a one-token prompt chunk
     runs on the prefill kernel, not as a decode."""
-    llm = LLM(**engine_options, enable_prompt_cache=False, chunk_size=chunk_size, **FIXED_THREADS)
+    llm = LLM(**{**engine_options, "chunk_size": chunk_size}, enable_prompt_cache=False)
     assert [_bits(llm.generate([prompt], GREEDY)[0]) for prompt in PROMPTS] == alone
 
 
@@ -113,9 +127,7 @@ def test_without_it_one_row_steps_take_onednn_one_row_kernel(engine_options):
 def test_quantized_weights_claim_no_invariance(engine_options):
     """Decode steps read the quantized weights and prefills the float ones: a position's bits
     depend on which computed it."""
-    llm = LLM(
-        **engine_options, enable_prompt_cache=False, quantization="int8", chunk_size=64, **FIXED_THREADS
-    )
+    llm = LLM(**{**engine_options, "chunk_size": 64}, enable_prompt_cache=False, quantization="int8")
     assert not llm.core.worker.batch_invariant
 
 
@@ -163,10 +175,12 @@ def test_a_prompt_on_blocks_a_decode_step_wrote_gets_every_bit_of_a_cold_prefill
 
 
 @pytest.fixture(scope="module")
-def float32_llm(model_path):
+def float32_llm(engine_for):
     """A float32 engine with its projections on the row-invariant native matmul, whether or not
     its decode rows attend invariantly (the whole claim)."""
-    llm = LLM(model=model_path, dtype="float32", kv_cache_memory_bytes=256 << 20, enable_prompt_cache=False)
+    llm = engine_for(
+        dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=512, enable_prompt_cache=False
+    )
     if llm.core.worker.kernels.native is None:
         pytest.skip("no native kernels on this machine (no working C compiler)")
     return llm
@@ -187,7 +201,7 @@ def test_float32_projections_run_on_the_row_invariant_matmul(float32_llm):
     assert worker.batch_invariant
 
 
-@pytest.mark.parametrize("num_others", [1, 3, 7, 15])
+@pytest.mark.parametrize("num_others", [1, pytest.param(3, marks=_SLOW), 7, pytest.param(15, marks=_SLOW)])
 def test_float32_first_tokens_beside_other_requests_keep_every_bit(float32_llm, num_others):
     """A prompt's prefill beside others' (torch's float32 matmul gave 0 of 16 the same bits)."""
     first = SamplingParams(temperature=0, max_tokens=1, logprobs=2)

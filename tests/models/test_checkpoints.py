@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
 from firsttoken import LLM, SamplingParams
+from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from tests.conftest import FIXED_THREADS
 from tests.models.reference import assert_logprobs_close, hf_greedy
 from tests.models.tiny_models import save_hf_folder, tiny_hf_model, write_gguf
@@ -41,7 +43,14 @@ TOLERANCE = 1e-3
 
 @pytest.fixture(autouse=True)
 def isolated_conversion_cache(tmp_path, monkeypatch):
+    """A cache of this test's own for converted weights; the run's built kernels (a C build of
+    seconds, the same for every test) are linked into it."""
+    run_cache = pathlib.Path(default_cache_dir())
+    (run_cache / "native").mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    own_cache = pathlib.Path(default_cache_dir())
+    own_cache.mkdir(parents=True)
+    (own_cache / "native").symlink_to(run_cache / "native", target_is_directory=True)
 
 
 def _firsttoken_run(path: str):

@@ -1,4 +1,4 @@
-"""Batch invariance as a client sees it: 16 concurrent copies of one greedy bf16 request,
+"""Batch invariance as a client sees it: 16 concurrent copies of one greedy request,
 mixed with random other traffic, all answer what the request answers alone."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from firsttoken.server.config import ServerConfig
+from tests.conftest import may_claim_batch_invariance
 from tests.server.conftest import MODEL_NAME, running_server
 
 QUESTION = "Explain in two sentences why the sky is blue and sunsets are red."
@@ -33,20 +34,23 @@ def _answer(reply: dict) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def bf16_server(model_path):
+def invariant_server(model_path):
+    """bf16 where this CPU may claim invariance in it (AVX512-BF16 kernels), else float32 (the
+    native kernels' claim on every ISA)."""
+    dtype = "bfloat16" if may_claim_batch_invariance("bfloat16") else "float32"
     with running_server(
         model_path,
         ServerConfig(port=0, served_model_names=(MODEL_NAME,)),
-        dtype="bfloat16",
+        dtype=dtype,
         chunk_size="auto",
     ) as running:
         if not running.engine.core.worker.batch_invariant:
-            pytest.skip("no batch invariance on this machine (needs AVX512-BF16 native kernels)")
+            pytest.skip(f"no {dtype} batch invariance on this machine (no native kernels built)")
         yield running
 
 
-def test_concurrent_copies_and_random_traffic_all_get_the_alone_answer(bf16_server):
-    url = bf16_server.base_url + "/v1/completions"
+def test_concurrent_copies_and_random_traffic_all_get_the_alone_answer(invariant_server):
+    url = invariant_server.base_url + "/v1/completions"
     rng = random.Random(5)
     words = ["cat", "river", "moon", "quantum", "bread", "system", "galaxy", "tea"]
     traffic = [
@@ -66,4 +70,4 @@ def test_concurrent_copies_and_random_traffic_all_get_the_alone_answer(bf16_serv
     copies = asyncio.run(send_all())
     assert len(copies) == NUM_COPIES
     assert all(_answer(reply) == alone for reply in copies)
-    assert bf16_server.engine.stats().num_preemptions == 0  # a recompute is not covered yet
+    assert invariant_server.engine.stats().num_preemptions == 0  # a recompute is not covered yet
