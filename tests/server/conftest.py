@@ -95,3 +95,15 @@ def running_server(model_path: str, config: ServerConfig, **engine_options: Any)
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+        _clear_fastapi_callable_caches()
+
+
+def _clear_fastapi_callable_caches() -> None:
+    """FastAPI keeps every endpoint it has classified in process-wide caches (thousands of
+    entries), and an app's endpoints close over its engine: without this a test process keeps
+    every stopped server's weights and KV cache (a GB each), as one serving process never does."""
+    from fastapi.dependencies import models
+
+    for value in vars(models).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
