@@ -14,8 +14,12 @@ import torch
 
 # Converted weights, built kernels and step costs go to a cache of this run, never the user's
 # (engines started by tests, and the servers they spawn, read XDG_CACHE_HOME).
-_RUN_CACHE = tempfile.TemporaryDirectory(prefix="firsttoken-tests-")
-os.environ["XDG_CACHE_HOME"] = _RUN_CACHE.name
+# pytest-xdist workers inherit the controller's (_RUN_CACHE_ENV): one build of the kernels per run.
+_RUN_CACHE_ENV = "FIRSTTOKEN_TEST_RUN_CACHE"
+if _RUN_CACHE_ENV not in os.environ:
+    _RUN_CACHE = tempfile.TemporaryDirectory(prefix="firsttoken-tests-")
+    os.environ[_RUN_CACHE_ENV] = _RUN_CACHE.name
+os.environ["XDG_CACHE_HOME"] = os.environ[_RUN_CACHE_ENV]
 
 # Importing firsttoken compiles kernels, which imports triton; without a GPU, tests/cuda needs
 # triton's interpreter, and triton reads that choice once, when it is first imported.
@@ -23,19 +27,40 @@ if importlib.util.find_spec("triton") is not None and not torch.cuda.is_availabl
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from firsttoken.models.registry import default_model_path  # noqa: E402
+from firsttoken.ops.cpu_info import physical_core_count  # noqa: E402
 
 if TYPE_CHECKING:
     from firsttoken import LLM
 
 TEST_KV_CACHE_BYTES = 512 * 1024 * 1024
+# pytest-xdist (`-n auto` in pyproject.toml's addopts) runs test files in parallel processes: one
+# per physical core, at most MAX_TEST_WORKERS, and one per TEST_WORKER_MEMORY_BYTES of memory
+# (a worker holds engines of its own, up to MAX_SHARED_ENGINES shared ones besides a module's).
+MAX_TEST_WORKERS = 4
+TEST_WORKER_MEMORY_BYTES = 8 << 30
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(physical_core_count(), MAX_TEST_WORKERS, memory_bytes // TEST_WORKER_MEMORY_BYTES))
+
+
+def _test_threads() -> int | None:
+    """The threads of a test engine: FIRSTTOKEN_TEST_THREADS if set; else, in one of several
+    pytest-xdist workers, its share of the physical cores (threads beyond a free core wait on
+    each other); else None, the engine's own default."""
+    if os.environ.get("FIRSTTOKEN_TEST_THREADS"):
+        return int(os.environ["FIRSTTOKEN_TEST_THREADS"])
+    num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, physical_core_count() // num_workers) if num_workers > 1 else None
+
+
+TEST_THREADS = _test_threads()
+if TEST_THREADS is not None:
+    torch.set_num_threads(TEST_THREADS)  # the tests' own torch ops keep to the share too
 # Test engines with a fixed chunk size keep a fixed thread count: adapting it needs the step-cost
 # model, measured at start (minutes on a busy 2-core machine), which nothing else there reads.
-# FIRSTTOKEN_TEST_THREADS sets that count (default: the physical cores), e.g. 1 when several
-# pytest processes share the cores: threads beyond a free core wait on each other.
-FIXED_THREADS = {
-    "adaptive_threads": False,
-    "num_threads": int(os.environ.get("FIRSTTOKEN_TEST_THREADS", 0)) or None,
-}
+FIXED_THREADS = {"adaptive_threads": False, "num_threads": TEST_THREADS}
 # The CPU flag without which an engine never claims bf16 batch invariance (its AVX512-BF16 kernels).
 _BF16_INVARIANCE_FLAG = "avx512_bf16"
 

@@ -3,7 +3,8 @@
 step-cost measurements (full calibrations and cached-model probes).
 
 Counts, not timings, so a run on a busy machine says as much as one on a quiet machine:
-`python -m pytest -q -p tests.engine_census tests/engine/test_generation.py`.
+`python -m pytest -q -n 0 -p tests.engine_census tests/engine/test_generation.py` (-n 0: in one
+process, since pytest-xdist workers would keep their counts to themselves).
 """
 
 from __future__ import annotations
