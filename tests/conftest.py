@@ -61,16 +61,18 @@ if TEST_THREADS is not None:
 # Test engines with a fixed chunk size keep a fixed thread count: adapting it needs the step-cost
 # model, measured at start (minutes on a busy 2-core machine), which nothing else there reads.
 FIXED_THREADS = {"adaptive_threads": False, "num_threads": TEST_THREADS}
-# The CPU flag without which an engine never claims bf16 batch invariance (its AVX512-BF16 kernels).
-_BF16_INVARIANCE_FLAG = "avx512_bf16"
+def cpu_has_bf16_instructions() -> bool:
+    """Whether this CPU computes bf16 in hardware (AVX512-BF16). Elsewhere bf16 runs emulated,
+    slower than float32 (for transformers too), and no bf16 engine claims batch invariance."""
+    from firsttoken.ops.cpu_info import cpu_flags
+
+    return "avx512_bf16" in cpu_flags()
 
 
 def may_claim_batch_invariance(dtype: str) -> bool:
     """False where an engine of `dtype` surely claims no batch invariance here, known without
     starting one; True where it may (the engine's own claim still decides)."""
-    from firsttoken.ops.cpu_info import cpu_flags
-
-    return dtype != "bfloat16" or _BF16_INVARIANCE_FLAG in cpu_flags()
+    return dtype != "bfloat16" or cpu_has_bf16_instructions()
 
 
 # How many engines `engine_for` keeps alive at once (each holds its weights and KV cache).

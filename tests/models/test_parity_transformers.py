@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from firsttoken import SamplingParams
-from tests.conftest import FIXED_THREADS
+from tests.conftest import FIXED_THREADS, cpu_has_bf16_instructions
 from tests.models.reference import assert_logprobs_close, hf_greedy
 from tests.prompts import CHAT_CONVERSATION, SHORT_PROMPTS, long_prompt
 
@@ -62,6 +62,13 @@ def llm_bf16(model_path):
     return LLM(model_path, dtype="bfloat16", kv_cache_memory_bytes=256 << 20, chunk_size=512, **FIXED_THREADS)
 
 
+def _slow_without_bf16_instructions(test):
+    """Both implementations emulate bf16 on a CPU without bf16 instructions (three minutes on
+    a 2-core AVX2 machine): there the slow tier runs the test."""
+    return test if cpu_has_bf16_instructions() else pytest.mark.slow(test)
+
+
+@_slow_without_bf16_instructions
 def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(llm_bf16, hf_model_bf16, parity_prompts):
     """Every greedy token of ours is transformers' bf16 argmax given the same context, except
     at near ties: where the two differ, transformers' top two logits are within bf16 rounding.
