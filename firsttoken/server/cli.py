@@ -139,7 +139,7 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
 def run_serve(args: argparse.Namespace) -> int:
     from firsttoken.engine import AsyncEngine
     from firsttoken.server.app import create_app
-    from firsttoken.server.http_server import ExitDeadline, build_server
+    from firsttoken.server.http_server import ExitDeadline, build_server, end_process
 
     system_prompt = read_system_prompt(args)
     engine = AsyncEngine.from_options(args.model, system_prompt=system_prompt, **engine_options(args))
@@ -150,4 +150,4 @@ def run_serve(args: argparse.Namespace) -> int:
     chat_page = f"; chat page at {address}/" if config.web_ui else ""
     print(f"firsttoken: serving {config.model_name} on {address}{chat_page}", file=sys.stderr, flush=True)
     server.run()
-    return 1 if server.aborted_in_flight else 0
+    end_process(1 if server.aborted_in_flight else 0)

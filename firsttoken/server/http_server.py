@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Awaitable, Callable, Iterator
@@ -62,8 +63,18 @@ class ExitDeadline:
 
 def _exit_now(seconds: float, exit_status: int) -> None:
     logger.error("shutdown: still running %.1f s after the signal; exiting now", seconds)
+    end_process(exit_status)
+
+
+def end_process(exit_status: int) -> None:
+    """Flush the logs and standard streams and end the process at once, without the
+    interpreter's teardown (freeing a model's memory, library finalizers): a served process
+    whose engine and connections are closed has nothing left to clean, and that teardown,
+    which no deadline bounds once it begins, could outlast the shutdown's."""
     for handler in logging.getLogger().handlers:
         handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(exit_status)
 
 
@@ -136,6 +147,11 @@ class DrainingServer(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             watcher.cancel()
+        if self.force_exit:
+            # uvicorn skips the app's shutdown when forced; left pending, the lifespan task would
+            # be cancelled at the loop's close and logged as a traceback. The engine's requests
+            # are already ended, so this is short; the exit deadline bounds it all the same.
+            await self.lifespan.shutdown()
 
     async def _abort_when_due(self, deadline: float) -> None:
         while time.monotonic() < deadline and not self.abort_requested:
