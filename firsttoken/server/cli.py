@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from firsttoken.engine_args import (
     add_engine_args,
@@ -136,7 +136,8 @@ def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
     )
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run_serve(args: argparse.Namespace) -> NoReturn:
+    """Serve until a signal ends the server; the process ends with it (`end_process`)."""
     from firsttoken.engine import AsyncEngine
     from firsttoken.server.app import create_app
     from firsttoken.server.http_server import ExitDeadline, build_server, end_process

@@ -12,7 +12,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Awaitable, Callable, Iterator
+from typing import Awaitable, Callable, Iterator, NoReturn
 
 import uvicorn
 from fastapi import FastAPI
@@ -66,7 +66,7 @@ def _exit_now(seconds: float, exit_status: int) -> None:
     end_process(exit_status)
 
 
-def end_process(exit_status: int) -> None:
+def end_process(exit_status: int) -> NoReturn:
     """Flush the logs and standard streams and end the process at once, without the
     interpreter's teardown (freeing a model's memory, library finalizers): a served process
     whose engine and connections are closed has nothing left to clean, and that teardown,
