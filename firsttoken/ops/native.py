@@ -47,7 +47,7 @@ _SOURCES = [
     _SOURCE_DIR / name
     for name in (
         "row_kernels.c", "attention.c", "matmul.c", "quantized_matmul.c", "prefill_attention.c",
-        "paged_decode_attention.c", "quantized_matmul_bf16.c", "decode_step.c",
+        "paged_decode_attention.c", "quantized_matmul_bf16.c", "decode_step.c", "portable_decode_step.c",
     )
 ]
 _HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h", _SOURCE_DIR / "decode_kernels.h"]
@@ -542,8 +542,11 @@ class NativeKernels:
     def decode_step(
         self, model: native_abi.DecodeModel, batch: native_abi.DecodeBatch, hidden: torch.Tensor
     ) -> None:
-        """Runs `ft_decode_step` (see native_decode.NativeDecodeStep) on hidden in place."""
-        status = self._kernels["ft_decode_step"](
+        """Runs the whole-step decode for hidden's dtype (see native_decode.NativeDecodeStep) on
+        hidden in place: `ft_decode_step` (bf16, AVX512-BF16 builds) or `ft_portable_decode_step`
+        (float32, every build)."""
+        name = "ft_decode_step" if hidden.dtype == torch.bfloat16 else "ft_portable_decode_step"
+        status = self._kernels[name](
             model=ctypes.byref(model), batch=ctypes.byref(batch), hidden=hidden.data_ptr(),
             num_threads=torch.get_num_threads(),
         )
@@ -553,6 +556,7 @@ class NativeKernels:
                 f"decode step: more than {native_abi.DECODE_MAX_ROWS} sequences, or a slot, block id "
                 "or sequence length outside the KV cache"
             ),
+            bad_shape="decode step: a head size or grouping of heads the attention does not take",
         )
 
 
@@ -587,11 +591,17 @@ def _quantized_weight(
     return {"weight": weight.data_ptr(), "scales": scales.data_ptr(), "bias": bias_pointer}
 
 
-def _check(status: int, out_of_bounds: str = "native kernel: an index lies outside its tensor") -> None:
-    """Raises for a kernel's failure status: IndexError (`out_of_bounds` says what lay outside)
-    or MemoryError."""
+def _check(
+    status: int,
+    out_of_bounds: str = "native kernel: an index lies outside its tensor",
+    bad_shape: str = "native kernel: a shape it does not take",
+) -> None:
+    """Raises for a kernel's failure status: IndexError (`out_of_bounds` says what lay outside),
+    ValueError (`bad_shape`) or MemoryError."""
     if status == native_abi.Status.OUT_OF_BOUNDS:
         raise IndexError(out_of_bounds)
+    if status == native_abi.Status.BAD_SHAPE:
+        raise ValueError(bad_shape)
     if status == native_abi.Status.OUT_OF_MEMORY:
         raise MemoryError("native kernel: could not allocate its scratch memory or start its threads")
 

@@ -101,7 +101,7 @@ class Int4Weight(ctypes.Structure):
     c_fields: tuple[tuple[str, CType], ...] = (
         ("levels", "const uint8_t *"),  # [out, in / 2]
         ("scales_zeros", "const uint16_t *"),  # bf16 [out, 2 * in / 32]: a row's group scales, then its zeros
-        ("bias", "const uint16_t *"),  # bf16 [out], or NULL
+        ("bias", "const void *"),  # [out] in the activations' dtype (the AVX512-BF16 kernels': bf16), or NULL
         ("out_features", "int64_t"),
         ("in_features", "int64_t"),
     )
@@ -112,13 +112,13 @@ class DecodeLayer(ctypes.Structure):
     """One decoder layer's weights and KV cache."""
 
     c_fields: tuple[tuple[str, CType], ...] = (
-        ("input_norm", "const uint16_t *"),  # bf16 [hidden]
-        ("post_attention_norm", "const uint16_t *"),  # bf16 [hidden]
+        ("input_norm", "const void *"),  # [hidden] in the model's dtype, as are the others
+        ("post_attention_norm", "const void *"),  # [hidden]
         ("qkv", Int4Weight),
         ("o", Int4Weight),
         ("gate_up", Int4Weight),
         ("down", Int4Weight),
-        ("kv_cache", "uint16_t *"),  # bf16 [2, num_slots, kv_heads * head_dim]
+        ("kv_cache", "void *"),  # [2, num_slots, kv_heads * head_dim]
     )
 
 
@@ -151,8 +151,8 @@ class DecodeBatch(ctypes.Structure):
         ("slot_mapping", "const int64_t *"),  # [num_sequences]
         ("block_table", "const int64_t *"),  # [num_sequences, max_blocks]
         ("seq_lens", "const int64_t *"),  # [num_sequences]: keys each attends over, its new one included
-        ("cos", "const uint16_t *"),  # bf16 [num_sequences, head_dim]
-        ("sin", "const uint16_t *"),  # bf16 [num_sequences, head_dim]
+        ("cos", "const void *"),  # [num_sequences, head_dim] in the model's dtype
+        ("sin", "const void *"),  # [num_sequences, head_dim]
     )
 
 
@@ -275,6 +275,10 @@ KERNELS = (
             f"const int8_t *weight, const void *scales, const void *bias, {_PROJECTION}, const void *x, "
             f"int64_t rows, void *out, {_DTYPE_THREADS}"
         ),
+    ),
+    Kernel(
+        "ft_portable_decode_step",
+        _parameters("const DecodeModel *model, const DecodeBatch *batch, float *hidden, int num_threads"),
     ),
     Kernel("ft_matmul_panel_width", (), result="int"),
     Kernel(

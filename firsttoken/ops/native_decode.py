@@ -1,12 +1,14 @@
-"""A whole int4 decode step of a Llama-family model in one native call (csrc/decode_step.c).
+"""A whole int4 decode step of a Llama-family model in one native call.
 
-Decode on a CPU is bound by reading the weights and, in torch, by dispatch: some 40 small
-ops per layer at a few microseconds each, more than the layer's int4 matmuls take. Here
-every layer (norms, int4 projections, rotary, the KV write, attention over the paged cache,
-SwiGLU) runs in one call on torch's OpenMP threads, rounding its bf16 activations where the
-per-op path does. It serves steps of only decodes, at most `native_abi.DECODE_MAX_ROWS` of
-them, on models whose projections are all `NativeInt4Linear`; every other step takes the
-per-op path.
+Decode on a CPU is bound by reading the weights and, in torch, by dispatch: some 15 small
+ops per layer, each a few tens of microseconds of Python, torch and ctypes, together more
+than the layer's int4 matmuls take. Here every layer (norms, int4 projections, rotary, the KV
+write, attention over the paged cache, SwiGLU) runs in one call on torch's OpenMP threads:
+in bf16 on AVX512-BF16 builds (csrc/decode_step.c, projections all `NativeInt4Linear`,
+rounding its bf16 activations where the per-op path does), and in float32 on every build
+(csrc/portable_decode_step.c, projections all `PortableInt4Linear`, on the per-op path's own
+kernels: the same bits). It serves steps of only decodes, at most
+`native_abi.DECODE_MAX_ROWS` of them; every other step takes the per-op path.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from firsttoken.ops import native, native_abi
-from firsttoken.ops.linear import NativeInt4Linear
+from firsttoken.ops.linear import NativeInt4Linear, PortableInt4Linear
 
 
 @dataclass(frozen=True)
@@ -29,17 +31,25 @@ class DecodeTables:
     seq_lens: torch.Tensor  # long [B]: keys each sequence attends over, its new one included
 
 
+# The int4 projection each dtype's step runs on.
+STEP_PROJECTIONS: dict[torch.dtype, type] = {
+    torch.bfloat16: NativeInt4Linear,
+    torch.float32: PortableInt4Linear,
+}
+
+
 @dataclass
 class DecodeLayerWeights:
-    """One decoder layer as the native step reads it: bf16 norms, int4 projections, its cache."""
+    """One decoder layer as the native step reads it: norms and cache in the model's dtype
+    (bf16 or float32), int4 projections."""
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
-    qkv: NativeInt4Linear
-    o: NativeInt4Linear
-    gate_up: NativeInt4Linear
-    down: NativeInt4Linear
-    kv_cache: torch.Tensor  # bf16 [2, blocks, block_size, kv_heads, head_dim], contiguous
+    qkv: NativeInt4Linear | PortableInt4Linear
+    o: NativeInt4Linear | PortableInt4Linear
+    gate_up: NativeInt4Linear | PortableInt4Linear
+    down: NativeInt4Linear | PortableInt4Linear
+    kv_cache: torch.Tensor  # [2, blocks, block_size, kv_heads, head_dim], contiguous
 
 
 @dataclass(frozen=True)
@@ -54,7 +64,7 @@ class DecodeShape:
     rms_norm_eps: float
 
 
-def _int4_weight(linear: NativeInt4Linear) -> native_abi.Int4Weight:
+def _int4_weight(linear: NativeInt4Linear | PortableInt4Linear) -> native_abi.Int4Weight:
     bias = linear.bias.data_ptr() if linear.bias is not None else None
     out_features, packed_inputs = linear.levels.shape
     return native_abi.Int4Weight(
@@ -62,17 +72,37 @@ def _int4_weight(linear: NativeInt4Linear) -> native_abi.Int4Weight:
     )
 
 
-def supports_layers(shape: DecodeShape, layers: list[DecodeLayerWeights]) -> bool:
-    """Whether the native step takes these: bf16 norms and caches, a head size of whole
-    `native_abi.DECODE_HEAD_DIM_MULTIPLE`-dim chunks up to `native_abi.DECODE_MAX_HEAD_DIM`."""
-    head_dim_taken = (
-        shape.head_dim % native_abi.DECODE_HEAD_DIM_MULTIPLE == 0
-        and shape.head_dim <= native_abi.DECODE_MAX_HEAD_DIM
-    )
-    return head_dim_taken and all(
-        layer.input_norm.dtype == layer.post_attention_norm.dtype == layer.kv_cache.dtype == torch.bfloat16
+def _head_shape_taken(kernels: native.NativeKernels, shape: DecodeShape, dtype: torch.dtype) -> bool:
+    """The bf16 step's attention takes whole `DECODE_HEAD_DIM_MULTIPLE`-dim chunks up to
+    `DECODE_MAX_HEAD_DIM`; the float32 step's (the flash decode attention) whole vectors of the
+    build up to `ATTENTION_MAX_HEAD_DIM`."""
+    if shape.num_heads % shape.num_kv_heads != 0:
+        return False
+    if dtype == torch.bfloat16:
+        multiple, largest = native_abi.DECODE_HEAD_DIM_MULTIPLE, native_abi.DECODE_MAX_HEAD_DIM
+    else:
+        multiple, largest = kernels.flash_head_dim_multiple, native_abi.ATTENTION_MAX_HEAD_DIM
+    return shape.head_dim % multiple == 0 and shape.head_dim <= largest
+
+
+def supports_layers(
+    kernels: native.NativeKernels, shape: DecodeShape, layers: list[DecodeLayerWeights]
+) -> bool:
+    """Whether a native step of this build takes these layers: norms and caches all bf16 (on
+    AVX512-BF16 builds) or all float32, contiguous CPU tensors, every projection the int4 kind
+    that dtype's step runs, and a head shape its attention takes."""
+    dtype = layers[0].kv_cache.dtype
+    if dtype not in STEP_PROJECTIONS or (dtype == torch.bfloat16 and not kernels.has_decode_kernels):
+        return False
+    projection_kind = STEP_PROJECTIONS[dtype]
+    return _head_shape_taken(kernels, shape, dtype) and all(
+        layer.input_norm.dtype == layer.post_attention_norm.dtype == layer.kv_cache.dtype == dtype
         and layer.kv_cache.is_contiguous() and layer.kv_cache.device.type == "cpu"
         and layer.input_norm.is_contiguous() and layer.post_attention_norm.is_contiguous()
+        and all(
+            isinstance(projection, projection_kind)
+            for projection in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
         for layer in layers
     )
 
@@ -83,11 +113,12 @@ class NativeDecodeStep:
     def __init__(
         self, kernels: native.NativeKernels, shape: DecodeShape, layers: list[DecodeLayerWeights]
     ) -> None:
-        if not supports_layers(shape, layers):
+        if not supports_layers(kernels, shape, layers):
             raise ValueError(
-                "native decode: needs bf16 norms and caches and a head size of "
-                f"{native_abi.DECODE_HEAD_DIM_MULTIPLE} to {native_abi.DECODE_MAX_HEAD_DIM} in whole "
-                f"{native_abi.DECODE_HEAD_DIM_MULTIPLE}-dim chunks, got {shape.head_dim}"
+                "native decode: needs norms and caches all bf16 (AVX512-BF16 builds, NativeInt4Linear "
+                "projections) or all float32 (PortableInt4Linear projections), and a head size its "
+                f"attention takes, got {shape.num_heads} heads of {shape.head_dim} over "
+                f"{shape.num_kv_heads} KV heads"
             )
         self.kernels = kernels
         self.layers = layers
@@ -124,8 +155,8 @@ class NativeDecodeStep:
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, tables: DecodeTables
     ) -> torch.Tensor:
         """tables: of at most `native_abi.DECODE_MAX_ROWS` sequences. hidden: the step's
-        embeddings, bf16 contiguous [rows, hidden_size], replaced by the last layer's output
-        plus its residual; cos and sin contiguous bf16 [rows, 1, head_dim]."""
+        embeddings, contiguous [rows, hidden_size] in the layers' dtype, replaced by the last
+        layer's output plus its residual; cos and sin contiguous [rows, 1, head_dim], likewise."""
         num_sequences, max_blocks = tables.block_table.shape
         batch = native_abi.DecodeBatch(
             num_sequences,

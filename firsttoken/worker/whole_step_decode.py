@@ -1,5 +1,6 @@
 """The native whole-step decode: every layer of a decode-only step in one native call
-(ops/native_decode.py), for a model whose projections are all int4 on the native kernels.
+(ops/native_decode.py), for a model whose projections are all int4 on the native kernels:
+bf16 on AVX512-BF16 builds, float32 on every build.
 
 The runner takes it for the steps it serves and runs the model's forward for every other one;
 the model itself knows nothing of it.
@@ -13,8 +14,14 @@ from torch import nn
 from firsttoken.attention.backend import BatchLayout, decode_tables
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.ops import native_abi
-from firsttoken.ops.linear import DecodeQuantizedLinear, NativeInt4Linear
-from firsttoken.ops.native_decode import DecodeLayerWeights, DecodeShape, NativeDecodeStep, supports_layers
+from firsttoken.ops.linear import DecodeQuantizedLinear
+from firsttoken.ops.native_decode import (
+    STEP_PROJECTIONS,
+    DecodeLayerWeights,
+    DecodeShape,
+    NativeDecodeStep,
+    supports_layers,
+)
 
 
 class WholeStepDecode:
@@ -46,14 +53,11 @@ class WholeStepDecode:
 
 def build_whole_step_decode(model: LlamaForCausalLM) -> WholeStepDecode | None:
     """The whole-step decode of a model with its KV caches bound, where the native kernels run
-    it and every projection is a `NativeInt4Linear` for decode; None elsewhere. A sharded model
-    has none: its row-parallel projections sum over the ranks between layers."""
+    it and every projection's decode form is the int4 kind of the model's dtype's step
+    (`native_decode.STEP_PROJECTIONS`); None elsewhere. A sharded model has none: its
+    row-parallel projections sum over the ranks between layers."""
     native_kernels = model.kernels.native
-    if (
-        native_kernels is None
-        or not native_kernels.has_decode_kernels
-        or model.embed_weight.dtype != torch.bfloat16
-    ):
+    if native_kernels is None or model.embed_weight.dtype not in STEP_PROJECTIONS:
         return None
     layers = []
     for layer in model.layers:
@@ -62,8 +66,6 @@ def build_whole_step_decode(model: LlamaForCausalLM) -> WholeStepDecode | None:
             _decode_form(module)
             for module in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         ]
-        if not all(isinstance(projection, NativeInt4Linear) for projection in projections):
-            return None
         layers.append(
             DecodeLayerWeights(
                 layer.input_norm_weight,
@@ -81,7 +83,7 @@ def build_whole_step_decode(model: LlamaForCausalLM) -> WholeStepDecode | None:
         arch.intermediate_size,
         arch.rms_norm_eps,
     )
-    if not supports_layers(shape, layers):
+    if not supports_layers(native_kernels, shape, layers):
         return None
     return WholeStepDecode(model, NativeDecodeStep(native_kernels, shape, layers))
 

@@ -244,6 +244,38 @@ def test_native_int4_decode_gives_the_per_op_tokens(model_path):
             assert abs(ours.top_logprobs[0].logprob - theirs.top_logprobs[0].logprob) < 0.25
 
 
+def test_float32_int4_whole_step_decode_gives_the_per_op_bits(model_path):
+    """On every CPU with native kernels, a float32 int4 engine runs decode-only steps in one
+    native call on the per-op path's own kernels: the same tokens and logprob bits as stepping
+    op by op, batched and alone (no prompt cache, so each pass prefills alike)."""
+    llm = LLM(
+        model_path,
+        dtype="float32",
+        quantization="int4",
+        enable_prompt_cache=False,
+        kv_cache_memory_bytes=256 << 20,
+        chunk_size=512,
+        **FIXED_THREADS,
+    )
+    runner = llm.core.worker.runner
+    if runner.whole_step_decode is None:
+        pytest.skip("no native kernels on this machine (needs a C compiler)")
+    prompts = _mixed_prompts(llm, 3)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    passes = []
+    for whole_step in (runner.whole_step_decode, None):
+        runner.whole_step_decode = whole_step
+        passes.append(
+            llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            + llm.generate(prompt_token_ids=prompts[:1], sampling_params=params)
+        )
+    for whole, per_op in zip(*passes):
+        assert whole.token_ids == per_op.token_ids
+        assert [entry.top_logprobs for entry in whole.logprobs] == [
+            entry.top_logprobs for entry in per_op.logprobs
+        ]
+
+
 def test_a_prefaulted_kv_cache_gives_the_same_tokens(model_path, caplog):
     """prefault_kv_cache writes the cache's zeros at start; nothing a request sees changes."""
     prompts = ["The capital of France is", "List three colors:"]

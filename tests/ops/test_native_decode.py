@@ -1,4 +1,5 @@
-"""The native int4/int8 projections and the whole-step native decode against the per-op path."""
+"""The native int4/int8 projections and the whole-step native decodes (bf16 on AVX512-BF16
+builds, float32 on every build) against the per-op path."""
 
 from __future__ import annotations
 
@@ -113,16 +114,18 @@ BLOCK_SIZE = 4
 NUM_BLOCKS = 16
 
 
-def _int4_model(arch: ModelArch, kernels, quantization: str | None = "int4") -> LlamaForCausalLM:
+def _int4_model(
+    arch: ModelArch, kernels, quantization: str | None = "int4", dtype: torch.dtype = torch.bfloat16
+) -> LlamaForCausalLM:
     backend = CPUAttentionBackend(torch.device("cpu"), kernels)
-    model = LlamaForCausalLM(arch, backend, Kernels(fused=True, native_kernels=kernels), torch.bfloat16, 256)
+    model = LlamaForCausalLM(arch, backend, Kernels(fused=True, native_kernels=kernels), dtype, 256)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             noise = torch.randn(parameter.shape, generator=generator)
             parameter.copy_(1 + 0.1 * noise if "norm" in name else 0.2 * noise)
     model.prepare_projections(quantization, quantized_prefill=False, pack_onednn=False)
-    caches = allocate_kv_caches(arch, NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16, torch.device("cpu"))
+    caches = allocate_kv_caches(arch, NUM_BLOCKS, BLOCK_SIZE, dtype, torch.device("cpu"))
     for cache in caches:
         cache.copy_(torch.randn(cache.shape, generator=generator))
     model.bind_kv_caches(caches)
@@ -203,3 +206,70 @@ def test_native_decode_step_rejects_a_block_outside_the_cache(int4_kernels):
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_native_decode_needs_int4_projections(int4_kernels, quantization):
     assert build_whole_step_decode(_int4_model(_arch(32, 4, 2, False), int4_kernels, quantization)) is None
+
+
+@pytest.fixture
+def portable_kernels(native_kernels):
+    if native_kernels is None:
+        pytest.skip("no native kernels on this machine (needs a C compiler)")
+    return native_kernels
+
+
+def _per_op_step(model: LlamaForCausalLM, sequences) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The step's hidden states through the model's own forward, and the caches it leaves; the
+    caches are put back as they were."""
+    caches = [layer.self_attn.kv_cache for layer in model.layers]
+    before = [cache.clone() for cache in caches]
+    input_ids, positions, slot_mapping, layout = _decode_inputs(sequences)
+    metadata = model.layers[0].self_attn.backend.build_metadata(layout, slot_mapping)
+    hidden = model(input_ids, positions, metadata)
+    written = [cache.clone() for cache in caches]
+    for cache, saved in zip(caches, before):
+        cache.copy_(saved)
+    return hidden, written
+
+
+@pytest.mark.parametrize(
+    "head_dim, num_heads, num_kv_heads, attention_bias",
+    [(32, 4, 2, False), (64, 6, 2, True), (128, 2, 1, False)],
+    ids=["d32-gqa2", "d64-gqa3-bias", "d128"],
+)
+@pytest.mark.parametrize("sequences", SEQUENCES.values(), ids=SEQUENCES.keys())
+@torch.inference_mode()
+def test_float32_decode_step_gives_the_per_op_bits(
+    portable_kernels, head_dim, num_heads, num_kv_heads, attention_bias, sequences
+):
+    """The portable step runs the per-op path's kernels in one call: the same hidden states
+    and the same new K/V, bit for bit, and nothing else written."""
+    model = _int4_model(
+        _arch(head_dim, num_heads, num_kv_heads, attention_bias), portable_kernels, dtype=torch.float32
+    )
+    whole_step = build_whole_step_decode(model)
+    assert whole_step is not None
+    per_op_hidden, per_op_caches = _per_op_step(model, sequences)
+    input_ids, positions, slot_mapping, layout = _decode_inputs(sequences)
+    assert whole_step.takes(layout)
+    native_hidden = whole_step.run(input_ids, positions, slot_mapping, layout)
+    assert torch.equal(native_hidden, per_op_hidden)
+    for layer, per_op_cache in zip(model.layers, per_op_caches):
+        assert torch.equal(layer.self_attn.kv_cache, per_op_cache)
+
+
+@torch.inference_mode()
+def test_float32_decode_step_rejects_a_block_outside_the_cache(portable_kernels):
+    model = _int4_model(_arch(32, 4, 2, False), portable_kernels, dtype=torch.float32)
+    whole_step = build_whole_step_decode(model)
+    caches = [layer.self_attn.kv_cache.clone() for layer in model.layers]
+    input_ids, positions, slot_mapping, layout = _decode_inputs(SEQUENCES["lone"])
+    (sequence,) = layout.sequences
+    outside = SequenceLayout(1, sequence.num_context_tokens, sequence.block_table[:-1] + [NUM_BLOCKS])
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        whole_step.run(input_ids, positions, slot_mapping, BatchLayout([outside], 1, BLOCK_SIZE))
+    for layer, cache in zip(model.layers, caches):
+        assert torch.equal(layer.self_attn.kv_cache, cache)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_float32_decode_step_needs_int4_projections(portable_kernels, quantization):
+    model = _int4_model(_arch(32, 4, 2, False), portable_kernels, quantization, dtype=torch.float32)
+    assert build_whole_step_decode(model) is None

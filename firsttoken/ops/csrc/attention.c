@@ -20,7 +20,7 @@
  * Built at run time by firsttoken/ops/native.py with the machine's C compiler.
  */
 #pragma GCC optimize("fp-contract=fast") /* before the includes: see isa.h */
-#include "common.h"
+#include "decode_kernels.h"
 #include "isa.h"
 
 #define KEY_TILE 64
@@ -369,6 +369,49 @@ FtStatus ft_flash_attention(const void *query, int64_t query_stride, const void 
     return all_allocated ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
+FT_INTERNAL int64_t decode_heads_per_item(int64_t rows, int64_t num_heads, int64_t num_kv_heads, int num_threads) {
+    /* Few rows: one item per query head, so every thread has work; else per KV head, which
+     * widens (bf16) and reads each tile once for the whole group. */
+    return rows * num_kv_heads < 4 * num_threads ? 1 : num_heads / num_kv_heads;
+}
+
+FT_INTERNAL void *decode_attention_scratch(int64_t heads_per_item, int64_t head_dim) {
+    Scratch *scratch = malloc(sizeof(Scratch));
+    if (scratch != NULL && !allocate_scratch(scratch, heads_per_item, head_dim)) {
+        free(scratch);
+        return NULL;
+    }
+    return scratch;
+}
+
+FT_INTERNAL void free_decode_attention_scratch(void *scratch) {
+    if (scratch != NULL) {
+        free_scratch(scratch);
+        free(scratch);
+    }
+}
+
+FT_INTERNAL void decode_attention_share(const DecodeAttention *a, int64_t heads_per_item, void *scratch) {
+    int64_t num_heads = a->num_heads, head_dim = a->head_dim, kv_width = a->num_kv_heads * head_dim;
+    int64_t size = element_size(a->dtype), items_per_row = num_heads / heads_per_item;
+    Shape shape = {num_heads, a->num_kv_heads, head_dim, a->scale, a->dtype};
+    const void *values = (const char *)a->kv_cache + a->num_slots * kv_width * size;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t item = 0; item < a->rows * items_per_row; item++) {
+        int64_t r = item / items_per_row, first_head = (item % items_per_row) * heads_per_item;
+        Sequence sequence = {(const char *)a->query + r * a->query_stride * size, 0,
+                             (char *)a->out + r * num_heads * head_dim * size, 0, a->seq_lens[r] - 1, 1,
+                             {a->kv_cache, values, kv_width, kv_width, a->block_table + r * a->max_blocks,
+                              a->block_size, a->seq_lens[r]}};
+        attend_block(&sequence, &shape, 0, 1, first_head, heads_per_item, scratch);
+    }
+}
+
+FT_INTERNAL int decode_attention_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+    Shape shape = {num_heads, num_kv_heads, head_dim, 1.0f, DTYPE_FLOAT32};
+    return shape_supported(&shape);
+}
+
 /* out [rows, num_heads, head_dim] (contiguous) = each row's one query (rows query_stride
  * apart, heads contiguous) attending over the first seq_lens[r] keys of its sequence, read in
  * place through block_table [rows, max_blocks] from one layer's cache [2, num_slots, kv_heads
@@ -378,38 +421,27 @@ FtStatus ft_flash_decode_attention(const void *query, int64_t query_stride, cons
                                    const int64_t *block_table, int64_t max_blocks, const int64_t *seq_lens,
                                    int64_t block_size, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
                                    int64_t head_dim, float scale, void *out, int dtype, int num_threads) {
-    Shape shape = {num_heads, num_kv_heads, head_dim, scale, dtype};
-    if (!shape_supported(&shape)) {
+    if (!decode_attention_supported(num_heads, num_kv_heads, head_dim)) {
         return FT_BAD_SHAPE;
     }
     if (!tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
         return FT_OUT_OF_BOUNDS;
     }
-    int64_t group = num_heads / num_kv_heads, kv_width = num_kv_heads * head_dim, size = element_size(dtype);
-    const void *values = (const char *)kv_cache + num_slots * kv_width * size;
-    /* Few rows: one item per query head, so every thread has work; else per KV head, which
-     * widens (bf16) and reads each tile once for the whole group. */
-    int64_t heads_per_item = rows * num_kv_heads < 4 * num_threads ? 1 : group;
-    int64_t items_per_row = num_heads / heads_per_item, work = 0;
+    DecodeAttention attention = {query,   query_stride, kv_cache,  num_slots,    block_table, max_blocks, seq_lens,
+                                 block_size, rows,      num_heads, num_kv_heads, head_dim,    scale,      out,
+                                 dtype};
+    int64_t heads_per_item = decode_heads_per_item(rows, num_heads, num_kv_heads, num_threads), work = 0;
     for (int64_t r = 0; r < rows; r++) {
         work += seq_lens[r] * num_heads * head_dim;
     }
     int all_allocated = 1;
 #pragma omp parallel num_threads(num_threads) if (work >= PARALLEL_MIN_ELEMENTS) reduction(&& : all_allocated)
     {
-        Scratch scratch;
-        all_allocated = allocate_scratch(&scratch, heads_per_item, head_dim);
+        void *scratch = decode_attention_scratch(heads_per_item, head_dim);
+        all_allocated = scratch != NULL;
         if (all_allocated) {
-#pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t item = 0; item < rows * items_per_row; item++) {
-                int64_t r = item / items_per_row, first_head = (item % items_per_row) * heads_per_item;
-                Sequence sequence = {(const char *)query + r * query_stride * size, 0,
-                                     (char *)out + r * num_heads * head_dim * size, 0, seq_lens[r] - 1, 1,
-                                     {kv_cache, values, kv_width, kv_width, block_table + r * max_blocks, block_size,
-                                      seq_lens[r]}};
-                attend_block(&sequence, &shape, 0, 1, first_head, heads_per_item, &scratch);
-            }
-            free_scratch(&scratch);
+            decode_attention_share(&attention, heads_per_item, scratch);
+            free_decode_attention_scratch(scratch);
         }
     }
     return all_allocated ? FT_OK : FT_OUT_OF_MEMORY;

@@ -1,10 +1,48 @@
-/* What the decode step (decode_step.c) shares with the AVX512-BF16 int4 projection
- * (quantized_matmul_bf16.c) and the paged decode attention (paged_decode_attention.c): it
- * runs their code inside its own parallel region. */
+/* What the whole-step decodes share with the kernels they run inside their own parallel
+ * region: the portable step (portable_decode_step.c) with the portable int4 projection
+ * (quantized_matmul.c) and flash decode attention (attention.c); the AVX512-BF16 step
+ * (decode_step.c) with that build's int4 projection (quantized_matmul_bf16.c) and paged decode
+ * attention (paged_decode_attention.c). */
 #ifndef FIRSTTOKEN_DECODE_KERNELS_H
 #define FIRSTTOKEN_DECODE_KERNELS_H
 
 #include "common.h"
+
+/* Per row of float32 x [rows, in_features] (in_features a multiple of INT4_GROUP_SIZE), the sum
+ * of each group's inputs into `sums` [rows, in_features / INT4_GROUP_SIZE]. */
+FT_INTERNAL void portable_int4_input_sums(const float *x, int64_t rows, int64_t in_features, float *sums);
+
+/* This OpenMP thread's share of out [rows, out_features] = x . W^T (+ bias) in `dtype`, x float32
+ * with its group sums from portable_int4_input_sums, 1 <= rows <= DECODE_MAX_ROWS. */
+FT_INTERNAL void portable_int4_share(const Int4Weight *w, const float *x, const float *input_sums, int64_t rows,
+                                     int dtype, void *out);
+
+/* One query per sequence over its paged cache: ft_flash_decode_attention's parameters. */
+typedef struct {
+    const void *query;
+    int64_t query_stride;
+    const void *kv_cache; /* [2, num_slots, num_kv_heads * head_dim] */
+    int64_t num_slots;
+    const int64_t *block_table; /* [rows, max_blocks] */
+    int64_t max_blocks;
+    const int64_t *seq_lens; /* [rows] */
+    int64_t block_size, rows, num_heads, num_kv_heads, head_dim;
+    float scale;
+    void *out; /* [rows, num_heads, head_dim] */
+    int dtype;
+} DecodeAttention;
+
+/* Whether the flash decode attention takes this head shape. */
+FT_INTERNAL int decode_attention_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+/* Query heads a work item takes for this many rows on this many threads (a row's bits do not
+ * depend on it). */
+FT_INTERNAL int64_t decode_heads_per_item(int64_t rows, int64_t num_heads, int64_t num_kv_heads, int num_threads);
+/* A thread's scratch for decode_attention_share, NULL when out of memory; freed by
+ * free_decode_attention_scratch (which takes NULL). */
+FT_INTERNAL void *decode_attention_scratch(int64_t heads_per_item, int64_t head_dim);
+FT_INTERNAL void free_decode_attention_scratch(void *scratch);
+/* This thread's items of the attention (no barrier at the end). */
+FT_INTERNAL void decode_attention_share(const DecodeAttention *attention, int64_t heads_per_item, void *scratch);
 
 #if VECTOR_BF16
 /* Per row of x [rows, in_features] (in_features a multiple of INT4_INPUT_MULTIPLE): x with

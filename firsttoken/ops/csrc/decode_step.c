@@ -85,9 +85,10 @@ static void rotate_and_store(const DecodeModel *m, const DecodeLayer *layer, con
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *qkv_row = a->qkv + r * qkv_width;
-        rotary_rows(qkv_row, 0, 0, 1, m->num_heads + m->num_kv_heads, head_dim, b->cos + r * head_dim,
-                    b->sin + r * head_dim, DTYPE_BFLOAT16);
-        uint16_t *keys = layer->kv_cache, *values = layer->kv_cache + m->num_slots * kv_width;
+        rotary_rows(qkv_row, 0, 0, 1, m->num_heads + m->num_kv_heads, head_dim,
+                    (const uint16_t *)b->cos + r * head_dim, (const uint16_t *)b->sin + r * head_dim, DTYPE_BFLOAT16);
+        uint16_t *keys = layer->kv_cache;
+        uint16_t *values = keys + m->num_slots * kv_width;
         int64_t slot = b->slot_mapping[r];
         memcpy(keys + slot * kv_width, qkv_row + m->num_heads * head_dim, (size_t)kv_width * 2);
         memcpy(values + slot * kv_width, qkv_row + (m->num_heads + m->num_kv_heads) * head_dim, (size_t)kv_width * 2);

@@ -106,7 +106,7 @@ static inline __attribute__((always_inline)) void int4_block(const Int4Weight *w
             }
             float value = bf16_to_float(float_to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(totals[r], offset_terms))));
             if (w->bias != NULL) {
-                value += bf16_to_float(w->bias[o]);
+                value += bf16_to_float(((const uint16_t *)w->bias)[o]);
             }
             out[r * w->out_features + o] = float_to_bf16(value);
         }
