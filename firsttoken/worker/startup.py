@@ -61,12 +61,22 @@ def _run_scratch_step(steps: StepRunner, limits: CalibrationLimits, start: int, 
 def measure_step_cost(steps: StepRunner, worker: Worker) -> StepCostModel:
     """This device's step cost, measured on scratch blocks (or cached from an earlier
     measurement that still holds)."""
+    cache_file = os.path.join(worker.cache_dir, "step_costs", step_cost_cache_name(worker))
+    return load_or_calibrate(steps, scratch_limits(worker), cache_file)
+
+
+def step_cost_cache_name(worker: Worker) -> str:
+    """The cached step cost's file name: the model, dtype, device, weights' form, kernels,
+    threads, block size and ranks the steps run with."""
     threads = worker.num_threads if worker.device.type == "cpu" else 0
     tensor_parallel_size = worker.tensor_parallel_size
     ranks = f"-tp{tensor_parallel_size}" if tensor_parallel_size > 1 else ""
-    name = (
+    # An int4 engine's decodes cost a fraction of a float one's, and the probe step (a
+    # prefill, on float weights either way) would not tell the two apart.
+    quantization = worker.config.model_config.quantization or "float"
+    native_kernels = worker.kernels.native
+    kernels = native_kernels.isa if native_kernels is not None else "torch"
+    return (
         f"{worker.checkpoint.fingerprint}-{str(worker.dtype).removeprefix('torch.')}-{worker.device.type}"
-        f"-t{threads}-b{worker.config.cache.block_size}{ranks}.json"
+        f"-{quantization}-{kernels}-t{threads}-b{worker.config.cache.block_size}{ranks}.json"
     )
-    cache_file = os.path.join(worker.cache_dir, "step_costs", name)
-    return load_or_calibrate(steps, scratch_limits(worker), cache_file)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from firsttoken.core.cost_model import StepCostModel
 from firsttoken.worker import cost_calibration
@@ -15,6 +17,7 @@ from firsttoken.worker.cost_calibration import (
     load_or_calibrate,
     probe_shape,
 )
+from firsttoken.worker.startup import step_cost_cache_name
 
 MACHINE_NOW = StepCostModel(seconds_fixed=0.02, seconds_per_token=2e-4, seconds_per_attention_pair=1e-7)
 REFITTED = StepCostModel(seconds_fixed=0.03, seconds_per_token=3e-4, seconds_per_attention_pair=2e-7)
@@ -86,3 +89,29 @@ def test_calibration_token_ids_are_in_a_small_vocabulary():
     for shape in calibration_shapes(limits):
         output = cost_calibration._scheduler_output(shape, limits)
         assert all(0 <= token < 300 for chunk in output.chunks for token in chunk.token_ids)
+
+
+def _worker(quantization: str | None, native_isa: str | None) -> SimpleNamespace:
+    """What the cache name reads of a worker."""
+    return SimpleNamespace(
+        num_threads=2,
+        device=torch.device("cpu"),
+        tensor_parallel_size=1,
+        dtype=torch.float32,
+        checkpoint=SimpleNamespace(fingerprint="model"),
+        config=SimpleNamespace(
+            model_config=SimpleNamespace(quantization=quantization), cache=SimpleNamespace(block_size=16)
+        ),
+        kernels=SimpleNamespace(native=SimpleNamespace(isa=native_isa) if native_isa else None),
+    )
+
+
+def test_engines_whose_steps_differ_keep_their_own_step_costs():
+    """int4 and float engines of one model (their probe prefills cost the same) and builds of
+    different kernels each measure their own model."""
+    names = {
+        step_cost_cache_name(_worker(quantization, isa))
+        for quantization in (None, "int4", "int8")
+        for isa in ("avx2", "avx512", None)
+    }
+    assert len(names) == 9
