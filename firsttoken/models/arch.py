@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 from firsttoken.ops.rotary import RopeScaling
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
 class ModelArch:
-    """Shapes and constants of one Llama-family model (Llama 2/3, SmolLM, Mistral, Qwen2)."""
+    """Shapes and constants of one Llama-family model (Llama 2/3, SmolLM, Mistral, Phi-3, Qwen2,
+    Qwen3): one decoder, and the few ways these differ from Llama as fields."""
 
     architecture: str
     vocab_size: int
@@ -28,6 +29,8 @@ class ModelArch:
     attention_bias: bool
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
+    # Qwen3: each query and key head RMS-normalized (its own weight over head_dim) before rotary.
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

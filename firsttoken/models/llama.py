@@ -57,6 +57,12 @@ class LlamaAttention(nn.Module):
         self.kv_size = arch.kv_size
         self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.attention_bias, dtype)
         self.o_proj = Linear(arch.q_size, arch.hidden_size, False, dtype)
+        self.eps = arch.rms_norm_eps
+        if arch.qk_norm:
+            self.q_norm_weight = _empty(arch.head_dim, dtype=dtype)
+            self.k_norm_weight = _empty(arch.head_dim, dtype=dtype)
+        else:
+            self.q_norm_weight = self.k_norm_weight = None
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None  # [2, blocks, block_size, kv_heads, D], bound later
 
@@ -76,14 +82,38 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q + 2 kv]
         # Queries and keys are rotated together: one pass over their heads.
-        query_key = qkv[:, : self.q_size + self.kv_size].view(
-            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
-        )
+        if self.q_norm_weight is None:
+            query_key = qkv[:, : self.q_size + self.kv_size].view(
+                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+        else:
+            query_key = self._normed_query_key(qkv)
         query_key = self.kernels.apply_rotary(query_key, *rotary)
         query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
         value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         attended = self.backend.forward(query, key, value, self.kv_cache, attn_metadata)
         return self.o_proj(attended.reshape(num_tokens, self.q_size))
+
+
+    def _normed_query_key(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[T, heads + kv_heads, head_dim]: each query head and key head RMS-normalized with its
+        own weight (Qwen3), as one row per head."""
+        num_tokens = qkv.shape[0]
+        queries = self.kernels.rms_norm(
+            qkv[:, : self.q_size].reshape(-1, self.head_dim), self.q_norm_weight, self.eps
+        )
+        keys = self.kernels.rms_norm(
+            qkv[:, self.q_size : self.q_size + self.kv_size].reshape(-1, self.head_dim),
+            self.k_norm_weight,
+            self.eps,
+        )
+        return torch.cat(
+            [
+                queries.view(num_tokens, self.num_heads, self.head_dim),
+                keys.view(num_tokens, self.num_kv_heads, self.head_dim),
+            ],
+            dim=1,
+        )
 
 
 class LlamaMLP(nn.Module):
@@ -321,7 +351,8 @@ class WeightLoader:
                 f"model: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
             )
         destination.copy_(tensor)
-        self.missing_parts[target] -= 1
+        # A tensor for the whole of a fused parameter fills every part of it at once.
+        self.missing_parts[target] = self.missing_parts[target] - 1 if rows is not None else 0
 
     def _target(self, name: str) -> tuple[str | None, tuple[int, int] | None]:
         q, kv, inter = self.q_size, self.kv_size, self.intermediate
@@ -350,6 +381,12 @@ class WeightLoader:
             "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
             "input_layernorm.weight": ("input_norm_weight", None),
             "post_attention_layernorm.weight": ("post_attention_norm_weight", None),
+            # Qwen3
+            "self_attn.q_norm.weight": ("self_attn.q_norm_weight", None),
+            "self_attn.k_norm.weight": ("self_attn.k_norm_weight", None),
+            # Phi-3 checkpoints hold the fused projections, in the same q|k|v and gate|up order.
+            "self_attn.qkv_proj.weight": ("self_attn.qkv_proj.weight", None),
+            "mlp.gate_up_proj.weight": ("mlp.gate_up_proj.weight", None),
         }
         if local not in fused:
             return None, None

@@ -57,7 +57,8 @@ def build_whole_step_decode(model: LlamaForCausalLM) -> WholeStepDecode | None:
     (`native_decode.STEP_PROJECTIONS`); None elsewhere. A sharded model has none: its
     row-parallel projections sum over the ranks between layers."""
     native_kernels = model.kernels.native
-    if native_kernels is None or model.embed_weight.dtype not in STEP_PROJECTIONS:
+    # The native steps have no per-head query/key norm (Qwen3).
+    if native_kernels is None or model.embed_weight.dtype not in STEP_PROJECTIONS or model.arch.qk_norm:
         return None
     layers = []
     for layer in model.layers:

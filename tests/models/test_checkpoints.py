@@ -80,6 +80,8 @@ HF_VARIANTS = {
     "llama-tied": ("llama", dict(tie_word_embeddings=True)),
     "mistral": ("mistral", dict(tie_word_embeddings=False, sliding_window=None)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen3-qk-norm": ("qwen3", dict(tie_word_embeddings=True, head_dim=32)),
+    "phi3-fused": ("phi3", dict(tie_word_embeddings=False)),
 }
 
 
@@ -118,6 +120,23 @@ def test_gguf_file_matches_transformers_gguf_loader(variant, tmp_path):
     )
     output = _firsttoken_run(path)
     expected_ids, expected_logprobs = hf_greedy(hf_model.eval(), PROMPT_IDS, NUM_TOKENS)
+    assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
+    assert output.token_ids == expected_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [("qwen3", dict(tie_word_embeddings=True, head_dim=32)), ("phi3", dict(tie_word_embeddings=False))],
+    ids=["qwen3-qk-norm", "phi3-fused"],
+)
+def test_gguf_of_qk_norm_and_fused_layouts_matches_transformers(model_type, overrides, tmp_path):
+    """llama.cpp's names for Qwen3's q/k norms and Phi-3's fused qkv and gate|up tensors, in
+    float32 so the file holds the transformers model's own weights."""
+    hf_model = tiny_hf_model(model_type, **overrides)
+    path = write_gguf(hf_model, str(tmp_path / f"{model_type}.gguf"), model_type, {})
+    output = _firsttoken_run(path)
+    expected_ids, expected_logprobs = hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)
     assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
     assert output.token_ids == expected_ids
 

@@ -42,7 +42,7 @@ def smollm_tokenizer_json() -> dict:
 
 
 def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
-    """A seeded random transformers model of `model_type` (llama, mistral, qwen2)."""
+    """A seeded random transformers model of `model_type` (llama, mistral, phi3, qwen2, qwen3)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     vocab_size = len(smollm_tokenizer_json()["model"]["vocab"])
@@ -81,6 +81,10 @@ _LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
 }
 
 
@@ -121,7 +125,10 @@ def write_gguf(model, path: str, gguf_arch: str, qtypes: dict[str, GGMLQuantizat
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)

@@ -92,7 +92,9 @@ def test_native_int8_linear_matches_torch_kernel(int4_kernels, rows, with_bias):
     assert ((linear(x).float() - torch_kernel.float()).abs() <= torch_kernel.float().abs() / 128 + 1e-6).all()
 
 
-def _arch(head_dim: int, num_heads: int, num_kv_heads: int, attention_bias: bool) -> ModelArch:
+def _arch(
+    head_dim: int, num_heads: int, num_kv_heads: int, attention_bias: bool, qk_norm: bool = False
+) -> ModelArch:
     return ModelArch(
         architecture="llama",
         vocab_size=256,
@@ -107,6 +109,7 @@ def _arch(head_dim: int, num_heads: int, num_kv_heads: int, attention_bias: bool
         max_position_embeddings=256,
         tie_word_embeddings=False,
         attention_bias=attention_bias,
+        qk_norm=qk_norm,
     )
 
 
@@ -272,4 +275,10 @@ def test_float32_decode_step_rejects_a_block_outside_the_cache(portable_kernels)
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_float32_decode_step_needs_int4_projections(portable_kernels, quantization):
     model = _int4_model(_arch(32, 4, 2, False), portable_kernels, quantization, dtype=torch.float32)
+    assert build_whole_step_decode(model) is None
+
+
+def test_float32_decode_step_leaves_query_key_norms_to_the_per_op_path(portable_kernels):
+    """Qwen3 normalizes each query and key head before rotary; the native steps do not."""
+    model = _int4_model(_arch(32, 4, 2, False, qk_norm=True), portable_kernels, dtype=torch.float32)
     assert build_whole_step_decode(model) is None

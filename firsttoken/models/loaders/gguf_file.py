@@ -33,7 +33,7 @@ SUPPORTED_TENSOR_TYPES = {
     GGMLQuantizationType.Q6_K,
 }
 # GGUF's own architecture names; Mistral files say "llama".
-_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "phi3": "phi3", "qwen2": "qwen2", "qwen3": "qwen3"}
 # llama.cpp's converter interleaves the rope halves of q/k rows for these architectures.
 _PERMUTED_QK = {"llama", "mistral"}
 
@@ -48,7 +48,12 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
 }
+# Phi-3 files hold gate and up fused in ffn_up (and no ffn_gate).
+_FUSED_GATE_UP = {"phi3"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -166,6 +171,8 @@ def _arch_from_fields(fields: dict[str, Any], gguf_arch: str, tensors: dict[str,
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         rope_scaling=_rope_scaling(fields, gguf_arch),
+        sliding_window=fields.get(f"{gguf_arch}.attention.sliding_window"),
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
     )
 
 
@@ -234,7 +241,7 @@ def _iter_weights(tensors: dict[str, Any], arch: ModelArch, gguf_arch: str) -> N
     for name, tensor in tensors.items():
         if name == "rope_freqs.weight":
             continue
-        hf_name = _hf_name(name)
+        hf_name = _hf_name(name, gguf_arch)
         if hf_name is None:
             raise ValueError(f"model: unexpected GGUF tensor {name}")
         weight = torch.from_numpy(_dequantized(tensor))
@@ -245,11 +252,12 @@ def _iter_weights(tensors: dict[str, Any], arch: ModelArch, gguf_arch: str) -> N
         yield hf_name, weight
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, gguf_arch: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in _LAYER_NAMES:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    local = "mlp.gate_up_proj" if part == "ffn_up" and gguf_arch in _FUSED_GATE_UP else _LAYER_NAMES[part]
+    return f"model.layers.{layer}.{local}.{kind}"

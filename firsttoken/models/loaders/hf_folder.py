@@ -63,7 +63,14 @@ def _arch_from_config(config: dict[str, Any], path: str) -> ModelArch:
     rope = config.get("rope_parameters") or {}
     rope_theta = float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
     scaling_source = config.get("rope_scaling") or rope
-    use_sliding_window = config.get("use_sliding_window", model_type == "mistral")
+    partial_rotary_factor = float(config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
+    if partial_rotary_factor != 1.0:
+        raise ValueError(
+            f"model: partial_rotary_factor {partial_rotary_factor} of {path} is not supported (only 1.0: "
+            "rotary over every dim of a head)"
+        )
+    # Qwen2/3 configs say whether their window applies; Mistral's and Phi-3's always does.
+    use_sliding_window = config.get("use_sliding_window", model_type in ("mistral", "phi3"))
     return ModelArch(
         architecture=model_type,
         vocab_size=int(config["vocab_size"]),
@@ -80,6 +87,7 @@ def _arch_from_config(config: dict[str, Any], path: str) -> ModelArch:
         attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
         rope_scaling=_rope_scaling(scaling_source),
         sliding_window=config.get("sliding_window") if use_sliding_window else None,
+        qk_norm=model_type == "qwen3",
     )
 
 
