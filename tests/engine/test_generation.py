@@ -16,7 +16,7 @@ from firsttoken.ops.linear import (
     dequantize_int4,
     unpack_int4,
 )
-from tests.conftest import FIXED_THREADS
+from tests.conftest import FIXED_THREADS, cpu_has_bf16_instructions
 from tests.engine_state import all_blocks_free
 from tests.prompts import CHAT_CONVERSATION, SHORT_PROMPTS, long_prompt
 
@@ -217,6 +217,8 @@ def test_fused_ops_give_the_plain_ops_tokens(llm, engine_for):
 def test_native_int4_decode_gives_the_per_op_tokens(model_path):
     """The whole-step native decode against the same int4 engine stepping op by op (the same
     int4 kernel; torch's SDPA instead of the native attention), batched and alone."""
+    if not cpu_has_bf16_instructions():
+        pytest.skip("no native bf16 int4 decode on this CPU (needs AVX512-BF16)")
     llm = LLM(
         model_path,
         dtype="bfloat16",
