@@ -53,12 +53,17 @@ def isolated_conversion_cache(tmp_path, monkeypatch):
     (own_cache / "native").symlink_to(run_cache / "native", target_is_directory=True)
 
 
-def _firsttoken_run(path: str):
-    llm = LLM(
+def _engine(path: str) -> LLM:
+    return LLM(
         path, dtype="float32", kv_cache_memory_bytes=16 << 20, chunk_size=32, block_size=8, **FIXED_THREADS
     )
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=8)
-    (output,) = llm.generate(prompt_token_ids=[PROMPT_IDS], sampling_params=params)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=8)
+
+
+def _firsttoken_run(path: str):
+    (output,) = _engine(path).generate(prompt_token_ids=[PROMPT_IDS], sampling_params=GREEDY)
     return output
 
 
@@ -87,13 +92,20 @@ HF_VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(HF_VARIANTS))
 def test_hf_folder_matches_transformers(variant, tmp_path):
+    """Alone and prefilled in chunks of 32, then again beside another prompt: its whole blocks
+    now a prefix-cache hit, the rest prefilled in the same steps as the other prompt's."""
     model_type, overrides = HF_VARIANTS[variant]
     hf_model = tiny_hf_model(model_type, **overrides)
-    folder = save_hf_folder(hf_model, str(tmp_path / variant))
-    output = _firsttoken_run(folder)
+    llm = _engine(save_hf_folder(hf_model, str(tmp_path / variant)))
+    (alone,) = llm.generate(prompt_token_ids=[PROMPT_IDS], sampling_params=GREEDY)
+    other_prompt = PROMPT_IDS[7:30]
+    cached, beside = llm.generate(prompt_token_ids=[PROMPT_IDS, other_prompt], sampling_params=GREEDY)
+    assert cached.num_cached_tokens > 0
     expected_ids, expected_logprobs = hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)
-    assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
-    assert output.token_ids == expected_ids
+    for output in (alone, cached):
+        assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
+        assert output.token_ids == expected_ids
+    assert beside.token_ids == hf_greedy(hf_model, other_prompt, NUM_TOKENS)[0]
 
 
 GGUF_VARIANTS = {
