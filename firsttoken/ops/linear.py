@@ -503,12 +503,15 @@ def convert_linears(
     quantized_prefill: bool,
     pack_onednn: bool,
     native_kernels: native.NativeKernels | None = None,
+    row_invariant_float: bool = False,
 ) -> None:
     """Replace every Linear below `module` (in place) with the form that serves it fastest:
     oneDNN-packed where available, and with quantized weights for decode when asked."""
     replace_linears(
         module,
-        lambda linear: fastest_linear(linear, quantization, quantized_prefill, pack_onednn, native_kernels),
+        lambda linear: fastest_linear(
+            linear, quantization, quantized_prefill, pack_onednn, native_kernels, row_invariant_float
+        ),
     )
 
 
@@ -518,13 +521,20 @@ def fastest_linear(
     quantized_prefill: bool,
     pack_onednn: bool,
     native_kernels: native.NativeKernels | None = None,
+    row_invariant_float: bool = False,
 ) -> nn.Module:
-    full_precision = _float_linear(linear, pack_onednn)
+    """`row_invariant_float`: the float weights (of a quantized projection's larger steps too)
+    on the native row-invariant matmul, as an unquantized engine with batch invariance runs
+    them; else oneDNN-packed or torch's."""
+    if quantization is not None and quantized_prefill:
+        return quantized_linear(linear, quantization, native_kernels)
+    if row_invariant_float and native_kernels is not None:
+        full_precision = row_invariant_linear(linear, native_kernels)
+    else:
+        full_precision = _float_linear(linear, pack_onednn)
     if quantization is None:
         return full_precision
     quantized = quantized_linear(linear, quantization, native_kernels)
-    if quantized_prefill:
-        return quantized
     return DecodeQuantizedLinear(quantized, full_precision, max_quantized_rows(quantized, quantization))
 
 

@@ -18,6 +18,7 @@ from firsttoken.ops.linear import (
     Int8Linear,
     Linear,
     PackedLinear,
+    NativeRowInvariantLinear,
     PortableInt4Linear,
     WidenedLinear,
     cpu_computes_bf16,
@@ -27,6 +28,7 @@ from firsttoken.ops.linear import (
     int8_linear_reference,
     quantize_int4,
     quantize_int8,
+    row_invariant_linear,
 )
 
 ROW_COUNTS = [1, 4, 8, 33]
@@ -171,6 +173,22 @@ def test_quantized_prefill_drops_the_float_weights():
     linear.weight.data = _weight().bfloat16()
     dropped = fastest_linear(linear, "int4", quantized_prefill=True, pack_onednn=cpu_computes_bf16())
     assert isinstance(dropped, Int4Linear)
+
+
+def test_a_float32_quantized_projection_takes_larger_steps_on_the_row_invariant_matmul(native_kernels):
+    """Past the quantized kernels' rows the float weights run where an unquantized engine's would:
+    the native row-invariant matmul, the same bits."""
+    kernels = _portable_kernels(native_kernels)
+    linear = Linear(128, 96, bias=True, dtype=torch.float32)
+    linear.weight.data, linear.bias.data = _weight(), torch.randn(96)
+    dispatch = fastest_linear(
+        linear, "int4", quantized_prefill=False, pack_onednn=False, native_kernels=kernels,
+        row_invariant_float=True,
+    )
+    assert isinstance(dispatch, DecodeQuantizedLinear)
+    assert isinstance(dispatch.full_precision, NativeRowInvariantLinear)
+    x = torch.randn(PORTABLE_QUANTIZED_MAX_ROWS + 4, 128)
+    assert torch.equal(dispatch(x), row_invariant_linear(linear, kernels)(x))
 
 
 def test_int4_falls_back_to_int8_without_whole_groups():
