@@ -191,9 +191,8 @@ def test_native_decode_step_matches_the_per_op_layers(
     assert (native_hidden.float() - per_op_hidden.float()).abs().max() <= 0.02 * scale
 
 
-@torch.inference_mode()
-def test_native_decode_step_rejects_a_block_outside_the_cache(int4_kernels):
-    model = _int4_model(_arch(32, 4, 2, False), int4_kernels)
+def _assert_a_block_outside_the_cache_is_refused(model: LlamaForCausalLM) -> None:
+    """The whole step raises naming the cache and writes no cache."""
     whole_step = build_whole_step_decode(model)
     caches = [layer.self_attn.kv_cache.clone() for layer in model.layers]
     input_ids, positions, slot_mapping, layout = _decode_inputs(SEQUENCES["lone"])
@@ -204,6 +203,11 @@ def test_native_decode_step_rejects_a_block_outside_the_cache(int4_kernels):
         whole_step.run(input_ids, positions, slot_mapping, BatchLayout([outside], 1, BLOCK_SIZE))
     for layer, cache in zip(model.layers, caches):
         assert torch.equal(layer.self_attn.kv_cache, cache)
+
+
+@torch.inference_mode()
+def test_native_decode_step_rejects_a_block_outside_the_cache(int4_kernels):
+    _assert_a_block_outside_the_cache_is_refused(_int4_model(_arch(32, 4, 2, False), int4_kernels))
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
@@ -261,15 +265,7 @@ def test_float32_decode_step_gives_the_per_op_bits(
 @torch.inference_mode()
 def test_float32_decode_step_rejects_a_block_outside_the_cache(portable_kernels):
     model = _int4_model(_arch(32, 4, 2, False), portable_kernels, dtype=torch.float32)
-    whole_step = build_whole_step_decode(model)
-    caches = [layer.self_attn.kv_cache.clone() for layer in model.layers]
-    input_ids, positions, slot_mapping, layout = _decode_inputs(SEQUENCES["lone"])
-    (sequence,) = layout.sequences
-    outside = SequenceLayout(1, sequence.num_context_tokens, sequence.block_table[:-1] + [NUM_BLOCKS])
-    with pytest.raises(IndexError, match="outside the KV cache"):
-        whole_step.run(input_ids, positions, slot_mapping, BatchLayout([outside], 1, BLOCK_SIZE))
-    for layer, cache in zip(model.layers, caches):
-        assert torch.equal(layer.self_attn.kv_cache, cache)
+    _assert_a_block_outside_the_cache_is_refused(model)
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])

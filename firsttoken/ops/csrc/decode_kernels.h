@@ -8,6 +8,11 @@
 
 #include "common.h"
 
+/* Both steps (portable_decode_step.c): whether every slot, block id and length of the batch lies
+ * inside the cache (1, else 0), and the widest input a projection of the step reads. */
+FT_INTERNAL int decode_batch_in_bounds(const DecodeModel *m, const DecodeBatch *b);
+FT_INTERNAL int64_t decode_widest_input(const DecodeModel *m);
+
 /* Per row of float32 x [rows, in_features] (in_features a multiple of INT4_GROUP_SIZE), the sum
  * of each group's inputs into `sums` [rows, in_features / INT4_GROUP_SIZE]. */
 FT_INTERNAL void portable_int4_input_sums(const float *x, int64_t rows, int64_t in_features, float *sums);

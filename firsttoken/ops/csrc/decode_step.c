@@ -34,16 +34,6 @@ typedef struct {
     float *scores;     /* [max seq_len] */
 } ThreadScratch;
 
-/* Every slot, block id and length lies inside the cache: 1, else 0. */
-static int batch_in_bounds(const DecodeModel *m, const DecodeBatch *b) {
-    for (int64_t s = 0; s < b->num_sequences; s++) {
-        if (b->slot_mapping[s] < 0 || b->slot_mapping[s] >= m->num_slots) {
-            return 0;
-        }
-    }
-    return tables_in_bounds(m->num_slots, b->block_table, b->max_blocks, b->block_size, b->seq_lens, b->num_sequences);
-}
-
 static void note_failure(Activations *a) {
 #pragma omp atomic write
     a->failed = 1;
@@ -145,13 +135,8 @@ static void add_residual(const DecodeModel *m, Activations *a, int64_t rows, Thr
     }
 }
 
-/* The widest input a projection of the step reads. */
-static int64_t widest_input(const DecodeModel *m) {
-    return max_i64(max_i64(m->hidden_size, m->intermediate_size), m->num_heads * m->head_dim);
-}
-
 static int thread_scratch(const DecodeModel *m, const DecodeBatch *b, ThreadScratch *t) {
-    int64_t widest = widest_input(m), max_groups = widest / INT4_GROUP_SIZE;
+    int64_t widest = decode_widest_input(m), max_groups = widest / INT4_GROUP_SIZE;
     int64_t max_seq_len = 1;
     for (int64_t s = 0; s < b->num_sequences; s++) {
         max_seq_len = max_i64(max_seq_len, b->seq_lens[s]);
@@ -182,10 +167,10 @@ static int thread_scratch(const DecodeModel *m, const DecodeBatch *b, ThreadScra
  * or FT_OUT_OF_BOUNDS (touching nothing) when a slot, block id or length lies outside the cache. */
 FtStatus ft_decode_step(const DecodeModel *m, const DecodeBatch *b, uint16_t *hidden, int num_threads) {
     int64_t rows = b->num_sequences;
-    if (rows < 1 || rows > DECODE_MAX_ROWS || !batch_in_bounds(m, b)) {
+    if (rows < 1 || rows > DECODE_MAX_ROWS || !decode_batch_in_bounds(m, b)) {
         return FT_OUT_OF_BOUNDS;
     }
-    int64_t widest = widest_input(m);
+    int64_t widest = decode_widest_input(m);
     int64_t qkv_width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
     int64_t widths[5] = {m->hidden_size, widest, qkv_width, m->num_heads * m->head_dim, 2 * m->intermediate_size};
     int64_t total = 0;

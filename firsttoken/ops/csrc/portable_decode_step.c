@@ -29,13 +29,17 @@ typedef struct {
     int64_t heads_per_item;
 } ThreadScratch;
 
-static int batch_in_bounds(const DecodeModel *m, const DecodeBatch *b) {
+FT_INTERNAL int decode_batch_in_bounds(const DecodeModel *m, const DecodeBatch *b) {
     for (int64_t s = 0; s < b->num_sequences; s++) {
         if (b->slot_mapping[s] < 0 || b->slot_mapping[s] >= m->num_slots) {
             return 0;
         }
     }
     return tables_in_bounds(m->num_slots, b->block_table, b->max_blocks, b->block_size, b->seq_lens, b->num_sequences);
+}
+
+FT_INTERNAL int64_t decode_widest_input(const DecodeModel *m) {
+    return max_i64(max_i64(m->hidden_size, m->intermediate_size), m->num_heads * m->head_dim);
 }
 
 static void note_failure(Activations *a) {
@@ -132,14 +136,9 @@ static void add_residual(const DecodeModel *m, Activations *a, int64_t rows) {
     }
 }
 
-/* The widest input a projection of the step reads. */
-static int64_t widest_input(const DecodeModel *m) {
-    return max_i64(max_i64(m->hidden_size, m->intermediate_size), m->num_heads * m->head_dim);
-}
-
 static int thread_scratch(const DecodeModel *m, int64_t rows, int num_threads, ThreadScratch *t) {
     t->heads_per_item = decode_heads_per_item(rows, m->num_heads, m->num_kv_heads, num_threads);
-    t->input_sums = malloc((size_t)(rows * (widest_input(m) / INT4_GROUP_SIZE)) * sizeof(float));
+    t->input_sums = malloc((size_t)(rows * (decode_widest_input(m) / INT4_GROUP_SIZE)) * sizeof(float));
     t->attention = decode_attention_scratch(t->heads_per_item, m->head_dim);
     return t->input_sums != NULL && t->attention != NULL;
 }
@@ -160,11 +159,11 @@ FtStatus ft_portable_decode_step(const DecodeModel *m, const DecodeBatch *b, flo
     if (!decode_attention_supported(m->num_heads, m->num_kv_heads, m->head_dim)) {
         return FT_BAD_SHAPE;
     }
-    if (rows < 1 || rows > DECODE_MAX_ROWS || !batch_in_bounds(m, b)) {
+    if (rows < 1 || rows > DECODE_MAX_ROWS || !decode_batch_in_bounds(m, b)) {
         return FT_OUT_OF_BOUNDS;
     }
     int64_t qkv_width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
-    int64_t widths[5] = {m->hidden_size, widest_input(m), qkv_width, m->num_heads * m->head_dim,
+    int64_t widths[5] = {m->hidden_size, decode_widest_input(m), qkv_width, m->num_heads * m->head_dim,
                          2 * m->intermediate_size};
     int64_t total = 0;
     for (int i = 0; i < 5; i++) {
