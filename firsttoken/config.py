@@ -221,6 +221,17 @@ class SchedulerConfig:
         metadata=_help("seconds a request may wait for its first step; then it ends with an error; "
                        "default: no limit"),
     )
+    ttft_slo_ms: float | None = field(
+        default=None,
+        metadata=_help("TTFT objective in ms (a request's ttft_slo_ms overrides it): prefills are "
+                       "served earliest-deadline first and at-risk ones cap the decodes beside them; "
+                       "default: none"),
+    )
+    slo_policy: Literal["best_effort", "refuse"] = field(
+        default="best_effort",
+        metadata=_help("a request predicted to miss its TTFT objective on arrival: best_effort serves "
+                       "it after those that can still make theirs; refuse rejects it at once (429)"),
+    )
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
@@ -238,6 +249,16 @@ class SchedulerConfig:
             self.max_queue_wait_s is None or self.max_queue_wait_s > 0,
             "max_queue_wait_s",
             f"must be > 0, got {self.max_queue_wait_s}",
+        )
+        _require(
+            self.ttft_slo_ms is None or self.ttft_slo_ms > 0,
+            "ttft_slo_ms",
+            f"must be > 0, got {self.ttft_slo_ms}",
+        )
+        _require(
+            self.slo_policy in ("best_effort", "refuse"),
+            "slo_policy",
+            f"must be 'best_effort' or 'refuse', got {self.slo_policy!r}",
         )
 
 

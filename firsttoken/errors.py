@@ -16,6 +16,15 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at `max_waiting_requests`; the caller should retry later."""
 
 
+class SloUnattainableError(QueueFullError):
+    """The request's TTFT objective cannot be met with the work queued ahead of it (the engine's
+    slo_policy is "refuse"); `retry_after_s` is when a request like it could be."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (an unexpected error, or shutdown); no request can run."""
 

@@ -28,6 +28,9 @@ class RequestMetrics:
     num_cached_tokens: int
     num_prefill_chunks: int
     num_preemptions: int
+    # Its TTFT objective and the TTFT the scheduler predicted on arrival, in seconds (None: none).
+    ttft_slo_s: float | None = None
+    predicted_ttft_s: float | None = None
 
     @property
     def tokenize_s(self) -> float:
@@ -82,6 +85,8 @@ class RequestMetrics:
         num_generation_tokens: int,
         num_cached_tokens: int,
         num_preemptions: int,
+        ttft_slo_s: float | None = None,
+        predicted_ttft_s: float | None = None,
     ) -> RequestMetrics:
         return cls(
             arrival_time=timestamps.arrival,
@@ -95,6 +100,8 @@ class RequestMetrics:
             num_cached_tokens=num_cached_tokens,
             num_prefill_chunks=len(timestamps.prefill_chunk_ends),
             num_preemptions=num_preemptions,
+            ttft_slo_s=ttft_slo_s,
+            predicted_ttft_s=predicted_ttft_s,
         )
 
 
@@ -177,6 +184,10 @@ class EngineStats:
     num_steps: int
     last_prefill_budget: int
     num_pinned_tokens: int
+    # Requests refused on arrival as predicted to miss their TTFT objective, and decodes that sat
+    # out a step so that a prefill at risk of missing its objective could make it.
+    num_slo_refusals: int = 0
+    num_deferred_decodes: int = 0
     # Speculative decoding: decodes that carried proposals, proposals, accepted proposals, and
     # accepted proposals by position (the first, the second, ...).
     spec_decode_num_drafts: int = 0

@@ -70,6 +70,13 @@ class Request:
     max_total_tokens: int
     timestamps: RequestTimestamps
     priority: int = 0
+    # Its TTFT objective in seconds (the request's own, else the engine's); None: best effort.
+    ttft_slo_s: float | None = None
+    # The TTFT the scheduler predicted on arrival (seconds from arrival), with an objective.
+    predicted_ttft_s: float | None = None
+    # The step whose decodes it sat out so that an at-risk prefill could meet its objective;
+    # it is never left out of two steps running.
+    decode_deferred_step: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -196,6 +196,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument(
         "--slo-e2e-ms", type=float, default=None, help="goodput: end-to-end target in ms (default: none)"
     )
+    load.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="NAME:MS",
+        help="goodput's objectives as vLLM's client takes them (ttft:MS tpot:MS e2el:MS); only those "
+        "named count, in place of the --slo-* targets",
+    )
 
     baseline = parser.add_argument_group("offline baseline")
     baseline.add_argument(
@@ -326,7 +334,10 @@ def run_serve(args: argparse.Namespace) -> int:
         long_input_len=args.long_input_len,
         seed=args.seed,
     )
-    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+    if args.goodput is not None:
+        slo = SLO.from_goodput_args(args.goodput)
+    else:
+        slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
     prompts = build_prompts(dataset, _prompt_tokenizer(args.tokenizer))
     run = asyncio.run(run_load(target, shape, prompts, show_progress=not args.no_progress))
     summary = summarize_run(run.records, run.duration_s, slo)

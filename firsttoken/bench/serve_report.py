@@ -26,6 +26,7 @@ def format_serve_summary(summary: ServeSummary, slo: SLO) -> str:
         ["offered rate, as sent (req/s)", "-" if summary.offered_rate is None else summary.offered_rate],
         ["request throughput (req/s)", summary.request_throughput],
         [f"goodput (req/s, {targets or 'no SLO'})", summary.goodput],
+        ["SLO attainment (of successful)", "-" if summary.slo_attainment is None else summary.slo_attainment],
         ["output token throughput (tok/s)", summary.output_token_throughput],
         ["total token throughput (tok/s)", summary.total_token_throughput],
     ]

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from firsttoken.bench.stats import Distribution, summarize
+from firsttoken.errors import InvalidInputError
 
 
 @dataclass
@@ -50,6 +51,25 @@ class SLO:
     tpot_ms: float | None = None
     e2e_ms: float | None = None
 
+    @classmethod
+    def from_goodput_args(cls, pairs: Sequence[str]) -> SLO:
+        """From `vllm bench serve --goodput` pairs (`ttft:500 tpot:100 e2el:2000`, in ms): only
+        the objectives named count."""
+        names = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms"}
+        limits: dict[str, float] = {}
+        for pair in pairs:
+            name, _, value = pair.partition(":")
+            if name not in names:
+                raise InvalidInputError("goodput", f"{pair!r}: the objective is one of ttft, tpot, e2el")
+            try:
+                limit = float(value)
+            except ValueError:
+                limit = -1.0
+            if not limit > 0:
+                raise InvalidInputError("goodput", f"{pair!r}: give the objective as NAME:MS with MS > 0")
+            limits[names[name]] = limit
+        return cls(**limits)
+
     def is_met_by(self, record: RequestRecord) -> bool:
         if not record.success:
             return False
@@ -81,6 +101,8 @@ class ServeSummary:
     output_token_throughput: float
     total_token_throughput: float
     goodput: float
+    # Of the successful requests, the share that met every objective (None: none succeeded).
+    slo_attainment: float | None
     ttft_ms: Distribution
     tpot_ms: Distribution
     itl_ms: Distribution
@@ -108,6 +130,7 @@ def summarize_run(records: Sequence[RequestRecord], duration_s: float, slo: SLO)
     input_tokens = sum(record.num_prompt_tokens for record in done)
     output_tokens = sum(record.num_output_tokens for record in done)
     tpots = [tpot for tpot in (record.tpot_s for record in done) if tpot is not None]
+    num_met = sum(1 for record in done if slo.is_met_by(record))
     return ServeSummary(
         duration_s=duration_s,
         num_completed=len(done),
@@ -118,7 +141,8 @@ def summarize_run(records: Sequence[RequestRecord], duration_s: float, slo: SLO)
         offered_rate=sent_rate(records),
         output_token_throughput=output_tokens / duration_s,
         total_token_throughput=(input_tokens + output_tokens) / duration_s,
-        goodput=sum(1 for record in done if slo.is_met_by(record)) / duration_s,
+        goodput=num_met / duration_s,
+        slo_attainment=num_met / len(done) if done else None,
         ttft_ms=summarize([record.ttft_s for record in done]).scaled(1000),
         tpot_ms=summarize(tpots).scaled(1000),
         itl_ms=summarize([gap for record in done for gap in record.itl_s]).scaled(1000),

@@ -1,22 +1,10 @@
-"""Pure scheduling policy: the order prefills are served in and how many tokens a step takes."""
+"""Pure scheduling policy: how many prefill tokens a step takes (core/slo.py orders them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from firsttoken.core.cost_model import StepCostModel, attention_pairs
-from firsttoken.request import Request
-
-
-def prefill_order_key(request: Request, current_step: int, aging_steps: int) -> tuple:
-    """Lower priority value first; within a priority, requests that have gone `aging_steps`
-    steps without prefill progress go first (longest starved first), then fewest remaining
-    prefill tokens, then arrival. A long prompt that gets a chunk starts waiting afresh, so
-    once aged it takes one step's budget, not every step's."""
-    waited = current_step - request.waiting_since_step
-    if waited >= aging_steps:
-        return (request.priority, 0, request.waiting_since_step, request.timestamps.arrival)
-    return (request.priority, 1, request.num_uncomputed_tokens, request.timestamps.arrival)
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,20 @@ model's own next token: `num_computed_tokens` counts only accepted tokens, so a 
 KV is never hashed into the prefix cache nor read again, and blocks past the sequence's end go
 back to the pool. It verifies drafts only in steps with no prefill waiting (a first token is
 never delayed by them) and of at most `max_num_speculating_seqs` decodes.
+
+TTFT objectives (core/slo.py): a request with one is predicted on arrival and, under the
+"refuse" policy, refused at once when it would miss; prefills run earliest deadline first, and a
+prefill at risk of missing takes whole steps and sits out as many decodes as it must (each
+decode sits out at most one step running).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Container
+from typing import Callable, Container
 
 from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
 from firsttoken.core.batch import (
@@ -33,8 +39,23 @@ from firsttoken.core.batch import (
 from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
 from firsttoken.core.hashing import BlockHash, extend_block_hashes
 from firsttoken.core.kv_cache_manager import KVCacheManager, num_blocks_for
-from firsttoken.core.policy import LatencyTargets, StepLoad, adaptive_prefill_budget, prefill_order_key
-from firsttoken.errors import InvalidInputError, QueueFullError
+from firsttoken.core.policy import LatencyTargets, StepLoad, adaptive_prefill_budget
+from firsttoken.core.slo import (
+    ON_TIME,
+    DecodeLoad,
+    PrefillWork,
+    QueuedPrefill,
+    deadline,
+    decodes_within_deadlines,
+    misses_a_deadline,
+    order_class,
+    prefill_seconds,
+    queue_finish_seconds,
+    rush_prefill_budget,
+    slack_seconds,
+    slo_order_key,
+)
+from firsttoken.errors import InvalidInputError, QueueFullError, SloUnattainableError
 from firsttoken.outputs import SampledToken
 from firsttoken.request import Request, RequestStatus
 
@@ -50,6 +71,8 @@ class SchedulerStats:
     num_decode_tokens: int = 0
     num_steps: int = 0
     last_prefill_budget: int = 0
+    num_slo_refusals: int = 0  # requests refused on arrival: predicted to miss their TTFT objective
+    num_deferred_decodes: int = 0  # decodes that sat out a step for an at-risk prefill
     num_drafts: int = 0  # decodes that carried proposals
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -86,10 +109,13 @@ class Scheduler:
         hash_root: BlockHash,
         step_times: StepTimeTracker | None = None,
         max_num_speculating_seqs: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """`step_times`: this device's measured step cost, which sizes prefill chunks when the
-        chunk size is auto (without it an auto step takes the whole token budget). Drafts are
-        verified in steps of at most `max_num_speculating_seqs` decodes (0: never)."""
+        chunk size is auto (without it an auto step takes the whole token budget) and predicts
+        TTFTs against objectives (without it objectives only order prefills, by deadline).
+        Drafts are verified in steps of at most `max_num_speculating_seqs` decodes (0: never).
+        `clock`: the time requests' stamps are read on (perf_counter seconds)."""
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise InvalidInputError(
                 "max_num_batched_tokens",
@@ -109,6 +135,7 @@ class Scheduler:
         self.step_index = 0
         self.stats = SchedulerStats()
         self.max_num_speculating_seqs = max_num_speculating_seqs
+        self.clock = clock
         self._drafts: dict[str, list[int]] = {}  # this step's drafts, by request
         # Tracked requests (see TrackedRequest) admitted but not yet sent to the sampler, and
         # those sent whose end the sampler has not been told of.
@@ -127,12 +154,13 @@ class Scheduler:
         if limit is not None and len(self.waiting) >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests)")
         extend_block_hashes(request.block_hashes, request.token_ids, self.block_size, self.hash_root)
+        request.waiting_since_step = self.step_index
         try:
             self._check_fits_beside_pins(request)
-        except InvalidInputError:
+            self._predict_ttft(request)
+        except (InvalidInputError, SloUnattainableError):
             request.block_hashes.clear()
             raise
-        request.waiting_since_step = self.step_index
         self.requests[request.req_id] = request
         self.waiting.append(request)
 
@@ -170,6 +198,82 @@ class Scheduler:
                 "max_tokens or unpin a prefix",
             )
 
+    def _predict_ttft(self, request: Request) -> None:
+        """Give the request its objective and predicted TTFT: the time it has waited, then the
+        prefills ordered before it and its own in whole steps beside the running decodes. Under
+        the refuse policy one predicted to miss is refused, with how long until it would not."""
+        if request.ttft_slo_s is None and self.config.ttft_slo_ms is not None:
+            request.ttft_slo_s = self.config.ttft_slo_ms / 1000
+        if request.ttft_slo_s is None or self.step_times is None:
+            return
+        now = self.clock()
+        cost_model = self.step_times.model
+        num_cached_tokens = len(self.kv_manager.find_cached_prefix(request)) * self.block_size
+        own = PrefillWork.of(request, num_cached_tokens)
+        key = slo_order_key(request, self.step_index, self.chunked_prefill.aging_steps)
+        candidates = self._ordered_candidates(now)
+        ahead = [(r, r_key) for r, r_key in candidates if r_key <= key]
+        queue = [*self._queued_prefills(ahead, now), QueuedPrefill(own, deadline(request))]
+        in_line = [r for r, _ in ahead] + [request] + [r for r, _ in candidates[len(ahead) :]]
+        decodes = self._decode_load()
+        if self._at_risk(queue, now, decodes, in_line):
+            max_tokens = self.config.max_num_batched_tokens
+            decodes = decodes.capped(decodes_within_deadlines(queue, now, decodes, max_tokens, cost_model))
+            budget = self._max_prefill_tokens(decodes)
+        else:
+            budget = self._prefill_budget(decodes.num_decodes, in_line)
+        finish = queue_finish_seconds([item.work for item in queue], decodes, budget, cost_model)
+        request.predicted_ttft_s = now - request.timestamps.arrival + finish[-1]
+        excess_s = request.predicted_ttft_s - request.ttft_slo_s
+        if self.config.slo_policy == "refuse" and excess_s > 0:
+            self.stats.num_slo_refusals += 1
+            raise SloUnattainableError(
+                f"ttft_slo_ms: the first token is predicted in {request.predicted_ttft_s * 1000:.0f} ms "
+                f"({len(ahead)} prefills ahead), past the objective of {request.ttft_slo_s * 1000:g} ms",
+                retry_after_s=max(1, math.ceil(excess_s)),
+            )
+
+    def _decode_load(self, num_decodes: int | None = None) -> DecodeLoad:
+        decoding = self._decoding()
+        load = DecodeLoad(len(decoding), sum(r.num_computed_tokens + 1 for r in decoding))
+        return load if num_decodes is None else load.capped(num_decodes)
+
+    def _queued_prefills(self, candidates: list[tuple[Request, tuple]], now: float) -> list[QueuedPrefill]:
+        """The candidates up to the last one holding a deadline: each with its deadline if it is
+        expected on time and could still meet it were it served next (a slipped one holds none,
+        or the queue would look at risk, and decodes sit out steps, until it is served)."""
+        queue = []
+        for request, key in candidates:
+            work = PrefillWork.of(request)
+            slack = slack_seconds(request, now, self._best_case_prefill_seconds(work))
+            holds_deadline = order_class(key) == ON_TIME and slack is not None and slack >= 0
+            queue.append(QueuedPrefill(work, deadline(request) if holds_deadline else None))
+        while queue and queue[-1].due is None:
+            queue.pop()
+        return queue
+
+    def _at_risk(
+        self, queue: list[QueuedPrefill], now: float, decodes: DecodeLoad, in_line: list[Request]
+    ) -> bool:
+        """Whether under the usual budget some prefill in `queue` (the first of the prefills
+        `in_line`) would miss its deadline."""
+        if self.step_times is None or not queue:
+            return False
+        usual = self._prefill_budget(decodes.num_decodes, in_line)
+        return misses_a_deadline(queue, now, decodes, usual, self.step_times.model)
+
+    def _max_prefill_tokens(self, decodes: DecodeLoad) -> int:
+        """Prefill tokens a step holds when a prefill takes the whole step beside the decodes."""
+        return max(1, self.config.max_num_batched_tokens - decodes.num_decodes)
+
+    def _best_case_prefill_seconds(self, work: PrefillWork) -> float:
+        """Its prefill were it served next in whole steps, every decode sitting out."""
+        if self.step_times is None:
+            return 0.0
+        no_decodes = DecodeLoad(0, 0)
+        budget = self._max_prefill_tokens(no_decodes)
+        return prefill_seconds([work], no_decodes, budget, self.step_times.model)
+
     def expire_waiting(self, exempt: Container[str] = ()) -> list[Request]:
         """End the requests that waited longer than max_queue_wait_s for their first step; they
         free whatever they held and finish with an error naming the limit. Those in `exempt`
@@ -177,10 +281,10 @@ class Scheduler:
         max_wait_s = self.config.max_queue_wait_s
         if max_wait_s is None:
             return []
-        deadline = time.perf_counter() - max_wait_s
+        oldest_arrival = self.clock() - max_wait_s
         expired = [
             request for request in self.waiting
-            if request.timestamps.first_scheduled is None and request.timestamps.arrival < deadline
+            if request.timestamps.first_scheduled is None and request.timestamps.arrival < oldest_arrival
             and request.req_id not in exempt
         ]  # fmt: skip
         for request in expired:
@@ -201,7 +305,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_manager.free(request)
         request.status = status
-        request.timestamps.finished = time.perf_counter()
+        request.timestamps.finished = self.clock()
         if request.sampling_params.tracks_tokens:
             self._end_tracking(request)
         return request
@@ -228,9 +332,13 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         preempted: list[str] = []
         self._drafts = {}
-        self._schedule_decodes(scheduled, preempted)
+        rush_decode_cap = self._rush_decode_cap()
+        self._schedule_decodes(scheduled, preempted, rush_decode_cap)
         num_decode_tokens = len(scheduled) + sum(len(draft) for draft in self._drafts.values())
-        prefill_budget = self._prefill_budget(num_decodes=len(scheduled))
+        if rush_decode_cap is None:
+            prefill_budget = self._prefill_budget(num_decodes=len(scheduled))
+        else:
+            prefill_budget = self._rush_prefill_budget(scheduled)
         token_budget = min(self.config.max_num_batched_tokens, num_decode_tokens + prefill_budget)
         self._schedule_prefills(scheduled, preempted, token_budget - num_decode_tokens)
         self.stats.last_prefill_budget = prefill_budget
@@ -241,8 +349,48 @@ class Scheduler:
             self._unsent_tracked.clear()
         return SchedulerOutput(chunks, new_tracked)
 
-    def _schedule_decodes(self, scheduled: dict[str, int], preempted: list[str]) -> None:
+    def _rush_decode_cap(self) -> int | None:
+        """None when every prefill in line meets its objective (or has none) under the usual
+        chunking; otherwise prefills take whole steps, and this is how many decodes may share
+        them while those prefills still meet theirs (the batch cap)."""
+        now = self.clock()
+        candidates = self._ordered_candidates(now)
+        queue = self._queued_prefills(candidates, now)
+        decodes = self._decode_load()
+        if self.step_times is None or not self._at_risk(queue, now, decodes, [r for r, _ in candidates]):
+            return None
+        max_tokens = self.config.max_num_batched_tokens
+        return decodes_within_deadlines(queue, now, decodes, max_tokens, self.step_times.model)
+
+    def _rush_prefill_budget(self, scheduled: dict[str, int]) -> int:
+        """Prefill tokens of a step beside the decodes `scheduled` while prefills are at risk."""
+        assert self.step_times is not None  # a rush needs the cost model
+        now = self.clock()
+        queue = self._queued_prefills(self._ordered_candidates(now), now)
+        decodes = DecodeLoad(
+            len(scheduled), sum(self.requests[req_id].num_computed_tokens + 1 for req_id in scheduled)
+        )
+        max_budget = self.config.max_num_batched_tokens - len(scheduled)
+        return rush_prefill_budget(queue, now, decodes, max_budget, self.step_times.model)
+
+    def _decodes_beside_rush(self, decoding: list[Request], max_decodes: int) -> list[Request]:
+        """The decodes that share an at-risk prefill's step: those that sat out the last step,
+        then the earliest admitted, up to `max_decodes`; the rest sit this one out."""
+        sat_out = {r.req_id for r in decoding if r.decode_deferred_step == self.step_index - 1}
+        others = [r for r in decoding if r.req_id not in sat_out]
+        kept = sat_out | {r.req_id for r in others[: max(0, max_decodes - len(sat_out))]}
+        for request in decoding:
+            if request.req_id not in kept:
+                request.decode_deferred_step = self.step_index
+                self.stats.num_deferred_decodes += 1
+        return [r for r in decoding if r.req_id in kept]
+
+    def _schedule_decodes(
+        self, scheduled: dict[str, int], preempted: list[str], max_decodes: int | None
+    ) -> None:
         decoding = self._decoding()
+        if max_decodes is not None and max_decodes < len(decoding):
+            decoding = self._decodes_beside_rush(decoding, max_decodes)
         verifies_drafts = self._speculates(len(decoding))
         for request in decoding:
             draft = request.draft_token_ids[: self._draft_room(request)] if verifies_drafts else []
@@ -303,7 +451,9 @@ class Scheduler:
             max_chunk=max_chunk,
         )
 
-    def _prefill_budget(self, num_decodes: int) -> int:
+    def _prefill_budget(self, num_decodes: int, candidates: list[Request] | None = None) -> int:
+        """The usual prefill tokens of a step beside `num_decodes` decodes, with `candidates` (by
+        default those waiting now, in order) in line for prefill."""
         max_chunk = self.config.max_num_batched_tokens
         chunk_size = self.chunked_prefill.chunk_size
         if not self.chunked_prefill.enable:
@@ -312,13 +462,17 @@ class Scheduler:
             return min(chunk_size, max_chunk)
         if self.step_times is None:
             return max_chunk
-        candidates = self._prefill_candidates()
+        if candidates is None:
+            candidates = self._prefill_candidates()
+        # Cutting a prompt so that others may overtake it is the size order's lever; under
+        # objectives the deadline order decides who goes first, and a cut only costs weight reads.
+        num_competing = 1 if candidates and candidates[0].ttft_slo_s is not None else len(candidates)
         load = StepLoad(
             num_decodes=num_decodes,
             decode_attention_pairs=sum(
                 r.num_computed_tokens + 1 for r in self.running if r.num_uncomputed_tokens == 1
             ),
-            num_prefill_candidates=len(candidates),
+            num_prefill_candidates=num_competing,
             head_prefill_context_tokens=candidates[0].num_computed_tokens if candidates else 0,
             head_prefill_remaining_tokens=candidates[0].num_uncomputed_tokens if candidates else 0,
         )
@@ -333,10 +487,15 @@ class Scheduler:
             self.step_times.observe(output.num_tokens, pairs, seconds)
 
     def _prefill_candidates(self) -> list[Request]:
+        return [request for request, _ in self._ordered_candidates(self.clock())]
+
+    def _ordered_candidates(self, now: float) -> list[tuple[Request, tuple]]:
+        """The requests with prompt tokens to compute, each with its order key, in order."""
         partial = [r for r in self.running if r.num_uncomputed_tokens > 1]
-        candidates = partial + self.waiting
-        candidates.sort(key=lambda r: prefill_order_key(r, self.step_index, self.chunked_prefill.aging_steps))
-        return candidates
+        aging_steps = self.chunked_prefill.aging_steps
+        keyed = [(r, slo_order_key(r, self.step_index, aging_steps)) for r in partial + self.waiting]
+        keyed.sort(key=lambda pair: pair[1])
+        return keyed
 
     def _schedule_prefills(self, scheduled: dict[str, int], preempted: list[str], budget: int) -> None:
         is_first_prefill = True
@@ -385,7 +544,7 @@ class Scheduler:
         request.num_computed_tokens = num_cached_tokens
         if request.timestamps.first_scheduled is None:
             request.num_cached_tokens = num_cached_tokens
-            request.timestamps.first_scheduled = time.perf_counter()
+            request.timestamps.first_scheduled = self.clock()
             if request.sampling_params.tracks_tokens:
                 self._unsent_tracked[request.req_id] = TrackedRequest(
                     request.req_id,
@@ -459,7 +618,7 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, model_output: ModelOutput) -> list[RequestProgress]:
         """Apply a step's sampled tokens: cache full blocks, check stop conditions, free the finished."""
-        now = time.perf_counter()
+        now = self.clock()
         progress = []
         for chunk in output.chunks:
             request = self.requests.get(chunk.req_id)

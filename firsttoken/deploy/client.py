@@ -277,6 +277,7 @@ class ReplicaEngineClient:
         sampling_params: SamplingParams,
         *,
         priority: int = 0,
+        ttft_slo_ms: float | None = None,
         req_id: str | None = None,
     ) -> ReplicaStream:
         """Send the request to the replica the router picks; returns once that replica's engine
@@ -293,6 +294,7 @@ class ReplicaEngineClient:
             token_ids=prompt.token_ids,
             sampling_params=sampling_params,
             priority=priority,
+            ttft_slo_ms=ttft_slo_ms,
             waited_s=time.perf_counter() - prompt.arrival_time,
             tokenize_s=prompt.tokenized_time - prompt.arrival_time,
             block_hashes=tuple(block_hashes),

@@ -10,7 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from firsttoken.core.hashing import BlockHash
-from firsttoken.engine import EngineDeadError, InvalidInputError, QueueFullError, Tokenizer
+from firsttoken.engine import (
+    EngineDeadError,
+    InvalidInputError,
+    QueueFullError,
+    SloUnattainableError,
+    Tokenizer,
+)
 from firsttoken.outputs import EngineStats, PinnedPrefix
 from firsttoken.sampling_params import SamplingParams
 
@@ -42,6 +48,7 @@ class GenerateCall:
     token_ids: list[int]
     sampling_params: SamplingParams
     priority: int
+    ttft_slo_ms: float | None  # its TTFT objective (None: the replica engine's)
     waited_s: float  # from arrival at the ingress to this call
     tokenize_s: float  # of those, tokenizing
     block_hashes: tuple[BlockHash, ...]  # the prompt's first block hashes: the router's keys
@@ -58,9 +65,10 @@ class Admitted:
 class Refusal:
     """An engine error, to be raised again on the ingress as what it was."""
 
-    kind: str  # "invalid" (a ValueError), "queue_full" or "dead"
+    kind: str  # "invalid" (a ValueError), "queue_full", "slo" (SloUnattainableError) or "dead"
     message: str
     field: str | None = None
+    retry_after_s: int | None = None
 
     @classmethod
     def of(cls, error: Exception) -> Refusal:
@@ -68,6 +76,8 @@ class Refusal:
             return cls("invalid", str(error).removeprefix(f"{error.field}: "), error.field)
         if isinstance(error, ValueError):
             return cls("invalid", str(error))
+        if isinstance(error, SloUnattainableError):
+            return cls("slo", str(error), retry_after_s=error.retry_after_s)
         if isinstance(error, QueueFullError):
             return cls("queue_full", str(error))
         return cls("dead", str(error))
@@ -81,6 +91,8 @@ class Refusal:
             )
         if self.kind == "queue_full":
             return QueueFullError(self.message)
+        if self.kind == "slo":
+            return SloUnattainableError(self.message, self.retry_after_s or 1)
         return EngineDeadError(self.message)
 
 

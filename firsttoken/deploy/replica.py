@@ -81,7 +81,11 @@ class EngineReplica:
         prompt = TokenizedPrompt(call.token_ids, arrival_time, arrival_time + call.tokenize_s)
         try:
             stream = await self._engine.add_request(
-                prompt, call.sampling_params, priority=call.priority, req_id=call.req_id
+                prompt,
+                call.sampling_params,
+                priority=call.priority,
+                ttft_slo_ms=call.ttft_slo_ms,
+                req_id=call.req_id,
             )
         except ENGINE_ERRORS as error:
             yield Refusal.of(error)

@@ -8,7 +8,7 @@ from firsttoken.engine.async_engine import AsyncEngine, RequestObserver, Request
 from firsttoken.engine.client import DeltaStream, EngineClient
 from firsttoken.engine.llm import LLM
 from firsttoken.engine.prompt_encoder import PromptEncoder, TokenizedPrompt
-from firsttoken.errors import EngineDeadError, InvalidInputError, QueueFullError
+from firsttoken.errors import EngineDeadError, InvalidInputError, QueueFullError, SloUnattainableError
 from firsttoken.tokenizer import CHAT_ROLES, Tokenizer
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "QueueFullError",
     "RequestObserver",
     "RequestStream",
+    "SloUnattainableError",
     "TokenizedPrompt",
     "Tokenizer",
 ]

@@ -58,6 +58,7 @@ class _AddCommand:
     arrival_time: float
     tokenized_time: float
     priority: int
+    ttft_slo_ms: float | None
 
 
 @dataclass(frozen=True)
@@ -315,6 +316,7 @@ class AsyncEngine:
         sampling_params: SamplingParams,
         *,
         priority: int = 0,
+        ttft_slo_ms: float | None = None,
         req_id: str | None = None,
     ) -> RequestStream:
         """Queue a tokenized request; returns once the engine accepted it.
@@ -347,6 +349,7 @@ class AsyncEngine:
                 prompt.arrival_time,
                 prompt.tokenized_time,
                 priority,
+                ttft_slo_ms,
             )
         )
         try:
@@ -363,6 +366,7 @@ class AsyncEngine:
         *,
         messages: Messages | None = None,
         priority: int = 0,
+        ttft_slo_ms: float | None = None,
         req_id: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """The request's deltas as they are produced; closing or cancelling the iterator aborts it.
@@ -371,7 +375,11 @@ class AsyncEngine:
         """
         tokenized = await self.tokenize(prompt, messages=messages)
         stream = await self.add_request(
-            tokenized, sampling_params or SamplingParams(), priority=priority, req_id=req_id
+            tokenized,
+            sampling_params or SamplingParams(),
+            priority=priority,
+            ttft_slo_ms=ttft_slo_ms,
+            req_id=req_id,
         )
         try:
             async for delta in stream:
@@ -506,6 +514,7 @@ class AsyncEngine:
                     command.arrival_time,
                     command.tokenized_time,
                     command.priority,
+                    command.ttft_slo_ms,
                 )
                 live.add(command.req_id)
                 admissions.append((command.req_id, None))

@@ -65,6 +65,7 @@ class EngineClient(Protocol):
         sampling_params: SamplingParams,
         *,
         priority: int = 0,
+        ttft_slo_ms: float | None = None,
         req_id: str | None = None,
     ) -> DeltaStream:
         """Returns once admitted; raises InvalidInputError, QueueFullError or EngineDeadError."""

@@ -51,8 +51,11 @@ class EngineCore:
         # Warm-up and calibration run on scratch blocks, before any request can hold one.
         self.executor.warm_up()
         auto_chunks = config.chunked_prefill.enable and config.chunked_prefill.chunk_size == "auto"
-        step_cost = self.executor.step_cost_model() if auto_chunks or self.worker.adapts_threads else None
-        step_times = StepTimeTracker(step_cost) if auto_chunks else None
+        # TTFT objectives are predicted on the same cost model as auto's chunks.
+        predicts_ttft = auto_chunks or config.scheduler.ttft_slo_ms is not None
+        needs_cost = predicts_ttft or self.worker.adapts_threads
+        step_cost = self.executor.step_cost_model() if needs_cost else None
+        step_times = StepTimeTracker(step_cost) if predicts_ttft else None
         self.kv_manager = KVCacheManager(self.worker.num_kv_blocks, block_size, config.prompt_cache.enable)
         self.hash_root = root_hash(self.worker.kv_identity)
         self.scheduler = Scheduler(
@@ -103,8 +106,13 @@ class EngineCore:
         arrival_time: float | None = None,
         tokenized_time: float | None = None,
         priority: int = 0,
+        ttft_slo_ms: float | None = None,
     ) -> Request:
-        """Queue a request; raises InvalidInputError or QueueFullError, changing nothing."""
+        """Queue a request; raises InvalidInputError or QueueFullError (SloUnattainableError
+        when refused as predicted to miss its TTFT objective), changing nothing.
+        `ttft_slo_ms`: its TTFT objective (default: the engine's scheduler.ttft_slo_ms)."""
+        if ttft_slo_ms is not None and not ttft_slo_ms > 0:
+            raise InvalidInputError("ttft_slo_ms", f"must be > 0, got {ttft_slo_ms}")
         self.validate_request(prompt_token_ids, sampling_params)
         structured = sampling_params.structured_output
         # A cache hit when the front end compiled it on arrival (AsyncEngine.add_request).
@@ -121,6 +129,7 @@ class EngineCore:
                 arrival=arrival, tokenized=tokenized_time if tokenized_time is not None else arrival
             ),
             priority=priority,
+            ttft_slo_s=None if ttft_slo_ms is None else ttft_slo_ms / 1000,
             bad_words_token_ids=self.tokenizer.encode_bad_words(sampling_params.bad_words),
             grammar=grammar,
         )
@@ -313,6 +322,8 @@ class EngineCore:
             num_steps=scheduler_stats.num_steps,
             last_prefill_budget=scheduler_stats.last_prefill_budget,
             num_pinned_tokens=self.pinned_prefixes.num_pinned_tokens,
+            num_slo_refusals=scheduler_stats.num_slo_refusals,
+            num_deferred_decodes=scheduler_stats.num_deferred_decodes,
             spec_decode_num_drafts=scheduler_stats.num_drafts,
             spec_decode_num_draft_tokens=scheduler_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=scheduler_stats.num_accepted_tokens,

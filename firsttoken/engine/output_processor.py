@@ -120,4 +120,6 @@ def request_metrics(request: Request) -> RequestMetrics:
         num_generation_tokens=request.num_output_tokens,
         num_cached_tokens=request.num_cached_tokens,
         num_preemptions=request.num_preemptions,
+        ttft_slo_s=request.ttft_slo_s,
+        predicted_ttft_s=request.predicted_ttft_s,
     )

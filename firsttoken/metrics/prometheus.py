@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from firsttoken.outputs import EngineStats, RequestDelta
+from firsttoken.outputs import EngineStats, RequestDelta, RequestMetrics
 
 PREFIX = "firsttoken:"
 FINISH_REASONS = ("stop", "length", "abort")
@@ -141,6 +141,21 @@ class PrometheusMetrics:
             "Histogram of time from first scheduled to first token in seconds.",
             REQUEST_LATENCY_BUCKETS,
         )
+        self.ttft_prediction_error = histogram(
+            "ttft_prediction_error_seconds",
+            "Histogram of |measured - predicted| TTFT in seconds, for requests with a TTFT objective "
+            "(the scheduler predicts each one's TTFT on arrival).",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self._ttft_slo_requests = Counter(
+            PREFIX + "ttft_slo_requests",
+            "Requests with a TTFT objective that reached their first token, by whether it came "
+            "within the objective (rate of met: goodput).",
+            ["model_name", "outcome"],
+            registry=self.registry,
+        )
+        for outcome in ("met", "missed"):
+            self._ttft_slo_requests.labels(model_name, outcome)
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         self._request_success = Counter(
@@ -160,6 +175,7 @@ class PrometheusMetrics:
         if delta.token_ids:
             if previous_token_time is None:
                 self.time_to_first_token.observe(received_time - metrics.arrival_time)
+                self._observe_ttft_objective(metrics, received_time - metrics.arrival_time)
                 self.prompt_tokens.inc(delta.num_prompt_tokens)
             else:
                 self.inter_token_latency.observe(received_time - previous_token_time)
@@ -172,6 +188,14 @@ class PrometheusMetrics:
         if metrics.prefill_s is not None:
             self.request_prefill_time.observe(metrics.prefill_s)
         self._request_success.labels(self._model_name, delta.finish_reason).inc()
+
+    def _observe_ttft_objective(self, metrics: RequestMetrics, ttft_s: float) -> None:
+        if metrics.ttft_slo_s is None:
+            return
+        outcome = "met" if ttft_s <= metrics.ttft_slo_s else "missed"
+        self._ttft_slo_requests.labels(self._model_name, outcome).inc()
+        if metrics.predicted_ttft_s is not None:
+            self.ttft_prediction_error.observe(abs(ttft_s - metrics.predicted_ttft_s))
 
     def render(self) -> bytes:
         """The exposition text of every metric (Prometheus' text format)."""
@@ -248,6 +272,16 @@ def _engine_series(stats: EngineStats) -> Iterator[tuple[type, str, str, float]]
             stats.prefix_cache_hits,
         ),
         ("num_preemptions", "Cumulative number of preemptions from the engine.", stats.num_preemptions),
+        (
+            "num_ttft_slo_refusals",
+            "Requests refused on arrival as predicted to miss their TTFT objective.",
+            stats.num_slo_refusals,
+        ),
+        (
+            "num_deferred_decodes",
+            "Decodes that sat out a step so that a prefill could meet its TTFT objective.",
+            stats.num_deferred_decodes,
+        ),
         ("spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_decode_num_drafts),
         (
             "spec_decode_num_draft_tokens",

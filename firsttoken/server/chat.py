@@ -68,7 +68,7 @@ async def create_chat_completion(
         )
         for index in range(body.n)
     ]
-    choices = await start_choices(engine, requests, body.priority)
+    choices = await start_choices(engine, requests, body.priority, body.ttft_slo_ms)
     parses_tool_calls = tools is not None and body.tool_choice_name != "none"
     reply = _ChatReply(
         config.model_name, engine.tokenizer, parses_tool_calls, body.prompt_logprobs, body.parallel_tool_calls

@@ -52,7 +52,7 @@ async def create_completion(
         for index in range(body.n)
     ]
     try:
-        choices = await start_choices(engine, requests, body.priority)
+        choices = await start_choices(engine, requests, body.priority, body.ttft_slo_ms)
     except InvalidInputError as error:
         if error.field != _ENGINE_PROMPT_FIELD:
             raise

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from firsttoken.engine import EngineDeadError, InvalidInputError, QueueFullError
+from firsttoken.engine import EngineDeadError, InvalidInputError, QueueFullError, SloUnattainableError
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +77,17 @@ def bad_request(error: ValueError) -> APIError:
 
 
 def queue_full(error: QueueFullError, retry_after_s: int) -> APIError:
+    """429: the queue is full (retry after the server's setting) or the request's TTFT objective
+    is out of reach (retry after the engine's estimate)."""
+    if isinstance(error, SloUnattainableError):
+        code, retry_after_s = "ttft_slo_unattainable", error.retry_after_s
+    else:
+        code = "queue_full"
     return APIError(
         429,
         f"{error}; retry later",
         "rate_limit_error",
-        code="queue_full",
+        code=code,
         headers={"Retry-After": str(retry_after_s)},
     )
 

@@ -119,11 +119,17 @@ def check_num_choices(engine: EngineClient, num_prompts: int, n: int, max_choice
 
 
 async def start_choices(
-    engine: EngineClient, requests: list[tuple[TokenizedPrompt, SamplingParams]], priority: int
+    engine: EngineClient,
+    requests: list[tuple[TokenizedPrompt, SamplingParams]],
+    priority: int,
+    ttft_slo_ms: float | None,
 ) -> list[Choice]:
     """Submit every choice in one go (so they share engine steps); if one is refused, none stays."""
     results = await asyncio.gather(
-        *(engine.add_request(prompt, params, priority=priority) for prompt, params in requests),
+        *(
+            engine.add_request(prompt, params, priority=priority, ttft_slo_ms=ttft_slo_ms)
+            for prompt, params in requests
+        ),
         return_exceptions=True,
     )
     streams = [result for result in results if not isinstance(result, BaseException)]

@@ -288,6 +288,12 @@ class GenerationRequest(RequestBody):
     skip_special_tokens: bool = Field(True, description="vLLM extension: leave special tokens out of text")
     user: str | None = Field(None, description="accepted and ignored")
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="firsttoken extension: lower runs first")
+    ttft_slo_ms: float | None = Field(
+        None,
+        gt=0,
+        le=86_400_000,
+        description="firsttoken extension: this request's TTFT objective in ms (default: the server's)",
+    )
     response_format: ResponseFormat | None = Field(
         None, description="json_object: any JSON object; json_schema: JSON valid against its schema"
     )

@@ -13,6 +13,7 @@ from firsttoken.bench.serve_overhead import (
 )
 from firsttoken.bench.serve_stats import SLO, RequestRecord, summarize_run
 from firsttoken.bench.stats import summarize
+from firsttoken.errors import InvalidInputError
 
 
 def _record(ttft: float, itl: list[float], num_output_tokens: int, start: float = 0.0) -> RequestRecord:
@@ -47,6 +48,7 @@ def test_goodput_counts_requests_meeting_every_slo():
     ]
     summary = summarize_run(records, duration_s=2.0, slo=SLO(ttft_ms=200, tpot_ms=100))
     assert summary.goodput == pytest.approx(2 / 2.0)
+    assert summary.slo_attainment == pytest.approx(2 / 4)  # of the successful requests
     assert summary.num_completed == 4 and summary.num_failed == 1
     assert summary.request_throughput == pytest.approx(4 / 2.0)
     assert summary.total_output_tokens == 8 and summary.total_input_tokens == 40
@@ -55,6 +57,18 @@ def test_goodput_counts_requests_meeting_every_slo():
     assert SLO(e2e_ms=250).is_met_by(records[0]) is True  # 200 ms end to end
     assert SLO(e2e_ms=250).is_met_by(records[1]) is False  # 350 ms end to end
     assert SLO().is_met_by(records[4]) is False  # a failed request never counts
+
+
+def test_goodput_objectives_parse_as_vllms_client_takes_them():
+    assert SLO.from_goodput_args(["ttft:500"]) == SLO(ttft_ms=500)
+    assert SLO.from_goodput_args(["ttft:500", "tpot:50", "e2el:3000"]) == SLO(500, 50, 3000)
+    with pytest.raises(InvalidInputError, match="goodput: 'itl:5': the objective is one of"):
+        SLO.from_goodput_args(["itl:5"])
+    for bad in ("ttft", "ttft:", "ttft:fast", "ttft:0", "ttft:-3"):
+        with pytest.raises(InvalidInputError, match="give the objective as NAME:MS"):
+            SLO.from_goodput_args([bad])
+    nothing_succeeded = summarize_run([RequestRecord(0.0, 10, error="HTTP 429")], 1.0, SLO(ttft_ms=1))
+    assert nothing_succeeded.slo_attainment is None
 
 
 def test_latency_distributions_are_in_ms_over_successful_requests():

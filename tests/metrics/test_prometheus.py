@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -118,6 +119,23 @@ def test_abort_before_the_first_token_counts_no_ttft():
     assert value(metrics, "firsttoken:request_prefill_time_seconds_count") == 0
     assert value(metrics, "firsttoken:request_queue_time_seconds_count") == 1
     assert value(metrics, "firsttoken:request_success_total", finished_reason="abort") == 1
+
+
+def test_requests_with_a_ttft_objective_count_as_met_or_missed_with_the_prediction_error():
+    metrics = PrometheusMetrics("m", lambda: STATS)
+    for ttft_slo_s, predicted_s in ((0.5, 0.2), (0.2, 0.15), (None, None)):
+        timed = dataclasses.replace(
+            metrics_at(10.2, 10.2, None, 1), ttft_slo_s=ttft_slo_s, predicted_ttft_s=predicted_s
+        )
+        metrics.on_delta(delta([5], timed), received_time=10.25, previous_token_time=None)
+    assert value(metrics, "firsttoken:ttft_slo_requests_total", outcome="met") == 1
+    assert value(metrics, "firsttoken:ttft_slo_requests_total", outcome="missed") == 1
+    assert value(metrics, "firsttoken:ttft_prediction_error_seconds_count") == 2
+    assert value(metrics, "firsttoken:ttft_prediction_error_seconds_sum") == pytest.approx(0.05 + 0.10)
+    refusing = EngineStats(**{**STATS.__dict__, "num_slo_refusals": 4, "num_deferred_decodes": 9})
+    scraped = PrometheusMetrics("m", lambda: refusing)
+    assert value(scraped, "firsttoken:num_ttft_slo_refusals_total") == 4
+    assert value(scraped, "firsttoken:num_deferred_decodes_total") == 9
 
 
 def test_engine_stats_are_read_at_scrape_time():

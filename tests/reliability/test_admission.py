@@ -100,3 +100,30 @@ def test_a_request_waiting_past_max_queue_wait_ends_with_an_error_and_holds_noth
         assert orjson.loads(events[-2])["error"]["code"] == "queue_timeout"
         assert orjson.loads(events[-3])["choices"][0]["finish_reason"] == "error"
     one_slot_server.wait_for_idle_kv(timeout_s=10.0, since=start)
+
+
+def test_a_request_predicted_to_miss_its_ttft_objective_gets_429_and_holds_nothing(model_path):
+    """A 1 ms objective no prefill can meet, under the refuse policy: a 429 with the engine's
+    Retry-After, nothing held; a request carrying a generous objective of its own is served."""
+    config = ServerConfig(port=0, served_model_names=(MODEL_NAME,))
+    with running_server(model_path, config, ttft_slo_ms=1, slo_policy="refuse", max_model_len=512) as running:
+        start = running.engine.stats()
+        body = {"prompt": "Once upon a time", "max_tokens": 4}
+        refused = httpx.post(running.base_url + "/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "ttft_slo_unattainable"
+        assert error["message"].startswith("ttft_slo_ms: the first token is predicted in")
+        assert int(refused.headers["Retry-After"]) >= 1
+        stats = running.engine.stats()
+        assert (stats.num_waiting, stats.num_running) == (0, 0)
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+        generous = {**body, "ttft_slo_ms": 600_000}
+        served = httpx.post(running.base_url + "/v1/completions", json=generous, timeout=60)
+        assert served.status_code == 200, served.text
+        assert running.metric("firsttoken:num_ttft_slo_refusals_total") == 1
+        assert running.metric("firsttoken:ttft_slo_requests_total", outcome="met") == 1
+        assert running.metric("firsttoken:ttft_prediction_error_seconds_count") == 1
+        bad = httpx.post(running.base_url + "/v1/completions", json={**body, "ttft_slo_ms": 0}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "ttft_slo_ms", bad.text
+        running.wait_for_idle_kv(since=start)
