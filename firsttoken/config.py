@@ -224,13 +224,13 @@ class SchedulerConfig:
     ttft_slo_ms: float | None = field(
         default=None,
         metadata=_help("TTFT objective in ms (a request's ttft_slo_ms overrides it): prefills are "
-                       "served earliest-deadline first and at-risk ones cap the decodes beside them; "
-                       "default: none"),
+                       "served earliest-deadline first and at-risk ones cap the decodes beside them"),
     )
     slo_policy: Literal["best_effort", "refuse"] = field(
         default="best_effort",
         metadata=_help("a request predicted to miss its TTFT objective on arrival: best_effort serves "
-                       "it after those that can still make theirs; refuse rejects it at once (429)"),
+                       "it after those that can still make theirs; refuse rejects it at once (429)",
+                       choices=("best_effort", "refuse")),
     )
 
     def __post_init__(self) -> None:

@@ -57,8 +57,52 @@ def _json_object(value: str) -> dict[str, Any]:
     return parsed
 
 
+def engine_flag(name: str) -> str:
+    """The command-line flag of the engine option `name` (a keyword of LLM(...))."""
+    return "--" + _CLI_RENAMES.get(name, name).replace("_", "-")
+
+
+def engine_flags(options: dict[str, Any]) -> list[str]:
+    """The command line that sets these engine options (the inverse of `engine_kwargs`); None
+    leaves an option at its default."""
+    flags: list[str] = []
+    for name, value in options.items():
+        if value is None:
+            continue
+        if name == "speculative_config":
+            flags += ["--speculative-config", json.dumps(value)]
+        elif isinstance(value, bool):
+            flags.append(engine_flag(name) if value else "--no-" + engine_flag(name).removeprefix("--"))
+        else:
+            flags += [engine_flag(name), str(value)]
+    return flags
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The engine options of a JSON config file: one object of LLM(...) keywords, as `firsttoken
+    tune` writes it. The engine names an unknown keyword when it starts."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            options = json.load(handle)
+    except OSError as error:
+        raise InvalidInputError("config", f"cannot read {path} ({error.strerror})") from error
+    except json.JSONDecodeError as error:
+        raise InvalidInputError("config", f"{path} is not JSON ({error.msg}, line {error.lineno})") from error
+    if not isinstance(options, dict):
+        raise InvalidInputError("config", f"{path} must hold one JSON object of engine options")
+    return options
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One `--flag` per engine config field, with the field's help text and default."""
+    """One `--flag` per engine config field, with the field's help text and default, and
+    `--config FILE` (engine options from a JSON file; flags given beside it win)."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="engine options from a JSON object of LLM(...) keywords, such as `firsttoken tune` writes; "
+        "flags given on the command line win",
+    )
     for section, section_cls in SUBCONFIGS.items():
         group = parser.add_argument_group(section.replace("_", " "))
         defaults = section_cls()
@@ -66,7 +110,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             name = flat_name(section, field.name)
             if name in _NOT_FLAGS:
                 continue
-            flag = "--" + _CLI_RENAMES.get(name, name).replace("_", "-")
+            flag = engine_flag(name)
             default = getattr(defaults, field.name)
             help_text = f"{field.metadata.get('help', '')} (default: {default})"
             kind = _flag_type(field)
@@ -132,8 +176,10 @@ def read_system_prompt(args: argparse.Namespace) -> str | None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine options the user set on the command line (unset flags keep config defaults)."""
-    options = {}
+    """The engine options the user set: the --config file's, then the flags given (unset ones
+    keep config defaults)."""
+    config_file = getattr(args, "config", None)
+    options = read_config_file(config_file) if config_file else {}
     for section, section_cls in SUBCONFIGS.items():
         for field in dataclasses.fields(section_cls):
             name = flat_name(section, field.name)

@@ -1,4 +1,4 @@
-"""The `firsttoken bench latency | serve | compare` and `firsttoken profile` verbs.
+"""The `firsttoken bench latency | serve | compare`, `firsttoken profile` and `firsttoken tune` verbs.
 
 Engine options are flags of every verb that starts an engine (`add_engine_args`); the heavy
 modules load only when a verb runs, so `firsttoken --help` stays fast.
@@ -19,6 +19,14 @@ COMPARE_DESCRIPTION = (
     "prompts in one run, with ratios. --dtype defaults to float32 here and applies to transformers too; "
     "llama.cpp runs the GGUF weights as stored."
 )
+TUNE_DESCRIPTION = (
+    "Serves the workload on a `firsttoken serve` process per setting of the search grid, at Poisson "
+    "rates that double while the TTFT objective holds (P99 over every request sent, a refused or failed "
+    "one counting as a miss) and then bisect; reports each setting's highest rate kept, plots P99 TTFT "
+    "by rate, and writes the best setting as a config file for `firsttoken serve --config FILE`. Engine "
+    "flags given here apply to every setting."
+)
+DEFAULT_TUNE_SEARCH = ["chunk_size=auto,256,1024", "quantization=none,int4"]
 # Offline benchmarks measure full prefills: distinct prompts, and no reuse across runs.
 _BENCH_ENGINE_DEFAULTS: dict[str, Any] = {"enable_prompt_cache": False}
 
@@ -74,6 +82,112 @@ def register_bench_verbs(verbs: argparse._SubParsersAction) -> None:
     )
     add_engine_args(profile)
     profile.set_defaults(handler=run_profile)
+
+    tune = verbs.add_parser(
+        "tune",
+        help="find the engine settings that serve a workload at the highest rate within a TTFT objective",
+        description=TUNE_DESCRIPTION,
+    )
+    add_tune_args(tune)
+    tune.set_defaults(handler=run_tune)
+
+
+def add_tune_args(parser: argparse.ArgumentParser) -> None:
+    add_model_arg(parser)
+    objective = parser.add_argument_group("objective and workload")
+    objective.add_argument(
+        "--ttft-p99-ms", type=float, required=True, help="the objective: P99 TTFT in ms, at the client"
+    )
+    objective.add_argument("--input-len", type=int, default=512, help="prompt tokens (default: 512)")
+    objective.add_argument("--output-len", type=int, default=64, help="tokens generated (default: 64)")
+    objective.add_argument(
+        "--num-prompts", type=int, default=30, help="requests sent at each rate (default: 30)"
+    )
+    objective.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default: 0)")
+    search = parser.add_argument_group("search")
+    search.add_argument(
+        "--search",
+        nargs="+",
+        default=DEFAULT_TUNE_SEARCH,
+        metavar="NAME=V1,V2",
+        help="engine options and the values to try, every combination (`none`: the default); e.g. "
+        "max_num_seqs=8,32 speculative_method=none,ngram (default: " + " ".join(DEFAULT_TUNE_SEARCH) + ")",
+    )
+    search.add_argument(
+        "--start-rate", type=float, default=0.25, help="first rate probed, req/s (default: 0.25)"
+    )
+    search.add_argument(
+        "--max-probes", type=int, default=5, help="rates probed per setting (default: 5)"
+    )
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--output", default="tuned.json", help="the best setting's config file (default: tuned.json)"
+    )
+    output.add_argument(
+        "--result-dir", default=None, help="folder for the JSON result and the plot (default: bench_results)"
+    )
+    add_engine_args(parser)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    import json
+
+    from firsttoken.bench.plots import write_tune_plot
+    from firsttoken.bench.results import result_stem, write_json
+    from firsttoken.bench.tune import (
+        Probe,
+        Setting,
+        best_result,
+        format_results,
+        parse_search,
+        results_payload,
+        tune,
+    )
+    from firsttoken.bench.tune_served import ServedTrials, Workload
+    from firsttoken.config import EngineConfig
+
+    if not args.ttft_p99_ms > 0:
+        raise ValueError(f"ttft_p99_ms: must be > 0, got {args.ttft_p99_ms}")
+    if args.start_rate <= 0 or args.max_probes < 1 or args.num_prompts < 1:
+        raise ValueError("start_rate, max_probes and num_prompts: must be > 0")
+    base_options = engine_kwargs(args)
+    settings = parse_search(args.search)
+    for setting in settings:  # a typo fails now, not after an hour of other settings
+        EngineConfig.from_kwargs(**{**base_options, **setting.as_dict})
+    workload = Workload(args.input_len, args.output_len, args.num_prompts, args.seed)
+    trials = ServedTrials(args.model, base_options, workload, args.ttft_p99_ms, _prompt_tokenizer(None))
+
+    def report(setting: Setting, probe: Probe) -> None:
+        verdict = "kept" if probe.keeps() else "lost"
+        print(
+            f"[{setting.label}] {probe.rate:.3g} req/s: TTFT P99 {probe.p99_ttft_ms:.0f} ms, "
+            f"{probe.num_within}/{probe.num_sent} within {args.ttft_p99_ms:g} ms: {verdict}",
+            file=sys.stderr,
+        )
+
+    try:
+        results = tune(settings, trials, args.start_rate, args.max_probes, on_probe=report)
+    finally:
+        trials.close()
+    print(format_results(results, args.ttft_p99_ms))
+    stem = result_stem(args.result_dir, "tune")
+    saved = [
+        write_json(stem + ".json", results_payload(results, args.ttft_p99_ms)),
+        write_tune_plot(results, args.ttft_p99_ms, stem + "_p99_by_rate.png"),
+    ]
+    print("saved " + " ".join(saved), file=sys.stderr)
+    best = best_result(results)
+    if best is None:
+        print("no setting kept the objective at any rate probed: lower --start-rate", file=sys.stderr)
+        return 1
+    chosen = {**base_options, **best.setting.as_dict}
+    options = {name: value for name, value in chosen.items() if value is not None}
+    with open(args.output, "w", encoding="utf-8") as handle:
+        json.dump(options, handle, indent=2)
+        handle.write("\n")
+    print(f"best: {best.setting.label} at {best.best_rate:.3g} req/s; wrote {args.output} "
+          f"(firsttoken serve --config {args.output})")
+    return 0
 
 
 def _add_run_args(parser: argparse.ArgumentParser, runs: int) -> None:

@@ -1,10 +1,12 @@
-"""PNG plots of a serving run: TTFT CDF, TTFT and ITL over time, per-request timeline.
+"""PNG plots of a serving run (TTFT CDF, TTFT and ITL over time, per-request timeline) and of a
+tuning run (TTFT P99 by rate, per setting).
 
 Figures are built with matplotlib's object API on the Agg canvas: no pyplot state, no display.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -12,6 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from firsttoken.bench.serve_stats import RequestRecord
+from firsttoken.bench.tune import SettingResult
 
 
 def write_plots(records: Sequence[RequestRecord], path_stem: str) -> list[str]:
@@ -84,3 +87,26 @@ def timeline_figure(records: Sequence[RequestRecord]) -> Figure:
     axes.set_ylim(len(ordered) - 0.5, -0.5)  # the first request on top, no empty rows
     axes.legend(loc="upper right")  # requests run from top left to bottom right: that corner is free
     return figure
+
+
+def write_tune_plot(results: Sequence[SettingResult], ttft_objective_ms: float, path: str) -> str:
+    """P99 TTFT against the offered rate for every setting `firsttoken tune` tried, and the
+    objective; returns the PNG's path."""
+    figure = Figure(figsize=(8, 5), layout="constrained")
+    axes = figure.add_subplot()
+    for result in results:
+        measured = [probe for probe in result.probes if math.isfinite(probe.p99_ttft_ms)]
+        probes = sorted(measured, key=lambda probe: probe.rate)
+        if probes:
+            axes.plot(
+                [probe.rate for probe in probes], [probe.p99_ttft_ms for probe in probes], marker="o",
+                label=result.setting.label,
+            )  # fmt: skip
+    axes.axhline(ttft_objective_ms, color="black", linestyle="--", label="objective")
+    axes.set(xlabel="offered rate (req/s)", ylabel="TTFT P99 (ms)", title="TTFT P99 by rate, per setting")
+    axes.set_yscale("log")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    FigureCanvasAgg(figure).print_png(path)
+    return path

@@ -1,0 +1,74 @@
+"""The trials of `firsttoken tune` on real servers: one `firsttoken serve` process per setting,
+the workload sent at each rate by the serving benchmark's client, fresh prompts every probe (a
+probe must not hit the prefix cache the previous one filled)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from firsttoken.bench.datasets import DatasetSpec, PromptTokenizer, build_prompts
+from firsttoken.bench.serve_client import LoadShape, ServeTarget, run_load
+from firsttoken.bench.server_process import ServerProcess
+from firsttoken.bench.tune import Probe, Setting, probe_from_records
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The requests a probe sends: random prompts of `input_len` tokens, `output_len` out."""
+
+    input_len: int
+    output_len: int
+    num_prompts: int
+    seed: int = 0
+
+
+class ServedTrials:
+    """A trial function for `tune`: serves `workload` at a rate on a server with a setting's
+    options (over `base_options`), keeping that server up while the same setting is probed."""
+
+    def __init__(
+        self,
+        model: str | None,
+        base_options: dict[str, Any],
+        workload: Workload,
+        ttft_objective_ms: float,
+        tokenizer: PromptTokenizer | None,
+    ) -> None:
+        self.model = model
+        self.base_options = base_options
+        self.workload = workload
+        self.ttft_objective_ms = ttft_objective_ms
+        self.tokenizer = tokenizer
+        self._seeds = itertools.count(workload.seed)
+        self._setting: Setting | None = None
+        self._server: ServerProcess | None = None
+
+    def __call__(self, setting: Setting, rate: float) -> Probe:
+        server = self._server_for(setting)
+        seed = next(self._seeds)
+        spec = DatasetSpec(
+            num_prompts=self.workload.num_prompts,
+            input_len=self.workload.input_len,
+            output_len=self.workload.output_len,
+            seed=seed,
+        )
+        prompts = build_prompts(spec, self.tokenizer)
+        target = ServeTarget(server.base_url, ignore_eos=True)
+        run = asyncio.run(run_load(target, LoadShape(rate, seed=seed), prompts, show_progress=False))
+        return probe_from_records(rate, run.records, self.ttft_objective_ms)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def _server_for(self, setting: Setting) -> ServerProcess:
+        if self._server is not None and self._setting == setting:
+            return self._server
+        self.close()
+        self._setting = setting
+        self._server = ServerProcess(self.model, {**self.base_options, **setting.as_dict}).__enter__()
+        return self._server
