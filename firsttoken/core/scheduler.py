@@ -233,10 +233,9 @@ class Scheduler:
                 retry_after_s=max(1, math.ceil(excess_s)),
             )
 
-    def _decode_load(self, num_decodes: int | None = None) -> DecodeLoad:
+    def _decode_load(self) -> DecodeLoad:
         decoding = self._decoding()
-        load = DecodeLoad(len(decoding), sum(r.num_computed_tokens + 1 for r in decoding))
-        return load if num_decodes is None else load.capped(num_decodes)
+        return DecodeLoad(len(decoding), sum(r.num_computed_tokens + 1 for r in decoding))
 
     def _queued_prefills(self, candidates: list[tuple[Request, tuple]], now: float) -> list[QueuedPrefill]:
         """The candidates up to the last one holding a deadline: each with its deadline if it is
@@ -245,8 +244,10 @@ class Scheduler:
         queue = []
         for request, key in candidates:
             work = PrefillWork.of(request)
-            slack = slack_seconds(request, now, self._best_case_prefill_seconds(work))
-            holds_deadline = order_class(key) == ON_TIME and slack is not None and slack >= 0
+            holds_deadline = False
+            if order_class(key) == ON_TIME:
+                slack = slack_seconds(request, now, self._best_case_prefill_seconds(work))
+                holds_deadline = slack is not None and slack >= 0
             queue.append(QueuedPrefill(work, deadline(request) if holds_deadline else None))
         while queue and queue[-1].due is None:
             queue.pop()
@@ -353,11 +354,13 @@ class Scheduler:
         """None when every prefill in line meets its objective (or has none) under the usual
         chunking; otherwise prefills take whole steps, and this is how many decodes may share
         them while those prefills still meet theirs (the batch cap)."""
+        if self.step_times is None:
+            return None
         now = self.clock()
         candidates = self._ordered_candidates(now)
         queue = self._queued_prefills(candidates, now)
         decodes = self._decode_load()
-        if self.step_times is None or not self._at_risk(queue, now, decodes, [r for r, _ in candidates]):
+        if not self._at_risk(queue, now, decodes, [r for r, _ in candidates]):
             return None
         max_tokens = self.config.max_num_batched_tokens
         return decodes_within_deadlines(queue, now, decodes, max_tokens, self.step_times.model)

@@ -22,6 +22,7 @@ from firsttoken.core.slo import (
     misses_a_deadline,
     order_class,
     prefill_seconds,
+    rush_prefill_budget,
     slo_order_key,
 )
 from firsttoken.errors import SloUnattainableError
@@ -125,6 +126,23 @@ def test_the_batch_cap_is_the_most_decodes_that_keep_every_deadline():
     assert decodes_within_deadlines(generous, 0.0, decodes, 512, COST) == 40
     hopeless = [QueuedPrefill(work[0], first_alone - 0.001)]
     assert decodes_within_deadlines(hopeless, 0.0, decodes, 512, COST) == 0
+
+
+def test_a_rush_step_packs_later_prompts_only_within_half_the_first_deadlines_spare_time():
+    no_decodes = DecodeLoad(0, 0)
+    head_step = COST.predict(100, attention_pairs(0, 100))
+    queue = [QueuedPrefill(PrefillWork(0, 100), head_step + 0.2), QueuedPrefill(PrefillWork(0, 400), 10.0)]
+    # 0.2 s spare, half of it for others' tokens at 1 ms each: 100 more.
+    assert rush_prefill_budget(queue, 0.0, no_decodes, 512, COST) == 200
+    tight = [QueuedPrefill(PrefillWork(0, 100), head_step - 0.01), queue[1]]
+    assert rush_prefill_budget(tight, 0.0, no_decodes, 512, COST) == 100  # just the head
+    long_head = [QueuedPrefill(PrefillWork(0, 900), 10.0)]
+    assert rush_prefill_budget(long_head, 0.0, no_decodes, 512, COST) == 512  # whole steps
+    # A best-effort prompt ahead of the head is computed in the same step, before it.
+    best_effort_first = [QueuedPrefill(PrefillWork(0, 50), None), *queue]
+    both_step = COST.predict(150, attention_pairs(0, 50) + attention_pairs(0, 100))
+    expected = 150 + int(0.5 * (head_step + 0.2 - both_step) / COST.seconds_per_token)
+    assert rush_prefill_budget(best_effort_first, 0.0, no_decodes, 512, COST) == expected < 512
 
 
 def test_order_classes_aged_then_on_time_by_deadline_then_best_effort_by_size():
