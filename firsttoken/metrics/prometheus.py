@@ -141,6 +141,12 @@ class PrometheusMetrics:
             "Histogram of time from first scheduled to first token in seconds.",
             REQUEST_LATENCY_BUCKETS,
         )
+        self.ttft_predicted = histogram(
+            "ttft_predicted_seconds",
+            "Histogram of the TTFT the scheduler predicted on arrival, in seconds, for requests with "
+            "a TTFT objective (to set beside time_to_first_token_seconds).",
+            TTFT_BUCKETS,
+        )
         self.ttft_prediction_error = histogram(
             "ttft_prediction_error_seconds",
             "Histogram of |measured - predicted| TTFT in seconds, for requests with a TTFT objective "
@@ -195,6 +201,7 @@ class PrometheusMetrics:
         outcome = "met" if ttft_s <= metrics.ttft_slo_s else "missed"
         self._ttft_slo_requests.labels(self._model_name, outcome).inc()
         if metrics.predicted_ttft_s is not None:
+            self.ttft_predicted.observe(metrics.predicted_ttft_s)
             self.ttft_prediction_error.observe(abs(ttft_s - metrics.predicted_ttft_s))
 
     def render(self) -> bytes:

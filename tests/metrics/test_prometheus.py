@@ -131,6 +131,7 @@ def test_requests_with_a_ttft_objective_count_as_met_or_missed_with_the_predicti
     assert value(metrics, "firsttoken:ttft_slo_requests_total", outcome="met") == 1
     assert value(metrics, "firsttoken:ttft_slo_requests_total", outcome="missed") == 1
     assert value(metrics, "firsttoken:ttft_prediction_error_seconds_count") == 2
+    assert value(metrics, "firsttoken:ttft_predicted_seconds_sum") == pytest.approx(0.35)
     assert value(metrics, "firsttoken:ttft_prediction_error_seconds_sum") == pytest.approx(0.05 + 0.10)
     refusing = EngineStats(**{**STATS.__dict__, "num_slo_refusals": 4, "num_deferred_decodes": 9})
     scraped = PrometheusMetrics("m", lambda: refusing)
