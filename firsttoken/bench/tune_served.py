@@ -1,11 +1,12 @@
 """The trials of `firsttoken tune` on real servers: one `firsttoken serve` process per setting,
-the workload sent at each rate by the serving benchmark's client, fresh prompts every probe (a
-probe must not hit the prefix cache the previous one filled)."""
+the workload sent at each rate by the serving benchmark's client. The prompts and arrival times
+follow from the rate: every setting probed at a rate gets the same requests, and a setting's
+probes at different rates get fresh prompts (one must not hit the prefix cache another filled)."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,13 +43,12 @@ class ServedTrials:
         self.workload = workload
         self.ttft_objective_ms = ttft_objective_ms
         self.tokenizer = tokenizer
-        self._seeds = itertools.count(workload.seed)
         self._setting: Setting | None = None
         self._server: ServerProcess | None = None
 
     def __call__(self, setting: Setting, rate: float) -> Probe:
         server = self._server_for(setting)
-        seed = next(self._seeds)
+        seed = self.workload.seed + zlib.crc32(repr(rate).encode())
         spec = DatasetSpec(
             num_prompts=self.workload.num_prompts,
             input_len=self.workload.input_len,
