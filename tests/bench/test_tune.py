@@ -10,6 +10,7 @@ import pytest
 
 from firsttoken.bench import tune_served
 from firsttoken.bench.serve_stats import RequestRecord
+from firsttoken.bench.server_process import ServerProcess
 from firsttoken.bench.tune import (
     Probe,
     Setting,
@@ -180,3 +181,10 @@ def test_tune_refuses_an_unknown_option_before_starting_any_server(tmp_path, mon
     assert code == 2
     assert "unknown engine option(s): chunk_sise" in capsys.readouterr().err
     assert not output.exists()
+
+
+@pytest.mark.server
+def test_a_server_that_cannot_start_is_reported_with_its_last_words():
+    with pytest.raises(RuntimeError, match=r"the server exited \(2\): .*max_num_seqs: must be >= 1"):
+        with ServerProcess(None, {"max_num_seqs": 0}):
+            pass
