@@ -257,13 +257,19 @@ def test_predictions_match_the_simulated_device_for_a_queue_of_long_prompts():
     assert first_token_at["r0"] == pytest.approx(predicted["r0"], abs=COST.predict(512, 0))
 
 
-def test_an_at_risk_prefill_takes_whole_steps_and_decodes_sit_out_at_most_one_step_running():
+def sixty_streams_decoding() -> tuple[Scheduler, SimulatedClock]:
+    """A scheduler whose 60 running requests have all started decoding."""
     clock = SimulatedClock()
     scheduler = make_scheduler(clock, max_batched=512)
     for index in range(60):
         scheduler.add_request(request(f"stream{index}", 8, max_tokens=200))
-    while len(scheduler._decoding()) < 60:
+    while not all(r.num_output_tokens > 0 for r in scheduler.requests.values()):
         run_step(scheduler, clock)
+    return scheduler, clock
+
+
+def test_an_at_risk_prefill_takes_whole_steps_and_decodes_sit_out_at_most_one_step_running():
+    scheduler, clock = sixty_streams_decoding()
     urgent = request("urgent", 480, arrival=clock.now)
     urgent.ttft_slo_s = 0.6
     scheduler.add_request(urgent)
@@ -281,12 +287,7 @@ def test_an_at_risk_prefill_takes_whole_steps_and_decodes_sit_out_at_most_one_st
 
 
 def test_the_same_prefill_misses_its_objective_when_nothing_knows_of_it():
-    clock = SimulatedClock()
-    scheduler = make_scheduler(clock, max_batched=512)
-    for index in range(60):
-        scheduler.add_request(request(f"stream{index}", 8, max_tokens=200))
-    while len(scheduler._decoding()) < 60:
-        run_step(scheduler, clock)
+    scheduler, clock = sixty_streams_decoding()
     urgent = request("urgent", 480, arrival=clock.now)
     scheduler.add_request(urgent)
     while urgent.timestamps.first_token is None:
