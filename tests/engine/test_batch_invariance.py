@@ -38,7 +38,7 @@ def _bits(output) -> tuple:
 
 
 _NEEDS = {
-    "bfloat16": "AVX512-BF16 native kernels and row-invariant oneDNN",
+    "bfloat16": "AVX512-BF16 native kernels and row-invariant oneDNN, which AMX's is not",
     "float32": "native kernels, and decode rows attending with the prefill kernel's arithmetic",
 }
 

@@ -83,6 +83,26 @@ def test_the_invariance_probe_catches_a_kernel_that_changes_with_the_row_count(m
     assert rows_invariant(linear) is False
 
 
+@needs_onednn_bf16
+def test_the_invariance_probe_catches_a_late_row_that_changes_in_larger_steps(monkeypatch):
+    """AMX's oneDNN kernels keep the first rows' bits and change a few later ones in some ranges
+    of row counts (row 30 of 576 x 1536 from 33 to 512 rows, not at 1024): the probe compares
+    every row, not the first ones."""
+    from firsttoken.ops.linear import rows_invariant
+
+    linear = PackedLinear(torch.randn(64, 128).to(torch.bfloat16), None)
+    forward = PackedLinear.forward
+
+    def row_30_changes_from_33_to_512_rows(self, x):
+        output = forward(self, x)
+        if 32 < x.shape[0] <= 512:
+            output[30] = output[30] * (1 + 2**-7)
+        return output
+
+    monkeypatch.setattr(PackedLinear, "forward", row_30_changes_from_33_to_512_rows)
+    assert rows_invariant(linear) is False
+
+
 def test_int8_quantization_error_is_at_most_half_a_step():
     weight = _weight()
     quantized, scales = quantize_int8(weight)
