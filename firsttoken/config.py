@@ -17,7 +17,7 @@ from firsttoken.errors import InvalidInputError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "w8a8")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 # Instruction sets the native CPU kernels build for (firsttoken/ops/cpu_isa.py).
 CPU_ISAS = ("auto", "avx2", "avx512", "avx512_bf16")
@@ -115,14 +115,17 @@ class ModelConfig:
     )
     quantization: str | None = field(
         default=None,
-        metadata=_help("weight-only quantization of the projections for decode: int8, or int4 (CPU; "
-                       "exact for a Q4_1 GGUF's layers; the LM head stays int8); default: none",
+        metadata=_help("quantization of the projections: weight-only for decode, int8 or int4 (CPU; "
+                       "exact for a Q4_1 GGUF's layers; the LM head stays int8); or w8a8 (CPU with "
+                       "VNNI or AMX-INT8): int8 weights and per-token int8 activations for prefill and "
+                       "decode, the LM head float; default: none",
                        choices=QUANTIZATIONS),
     )
     quantized_prefill: bool = field(
         default=False,
-        metadata=_help("with quantization, run prefill on the quantized weights too and drop the float "
-                       "copy (less memory, slower prefill); default: float weights serve prefill"),
+        metadata=_help("with int8 or int4, run prefill on the quantized weights too and drop the float "
+                       "copy (less memory, slower prefill); default: float weights serve prefill (w8a8 "
+                       "always runs prefill quantized)"),
     )
     cache_dir: str | None = field(
         default=None,

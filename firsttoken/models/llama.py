@@ -290,7 +290,9 @@ class LlamaForCausalLM(nn.Module):
         convert_linears(
             self.layers, quantization, quantized_prefill, pack_onednn, native_kernels, row_invariant_float
         )
-        head_quantization = "int8" if quantization else None
+        # Under w8a8 the head stays float: it runs one row per sampled token, where integer
+        # compute gains nothing, and its logits pick the token.
+        head_quantization = "int8" if quantization in ("int8", "int4") else None
         self.lm_head = fastest_linear(
             self.lm_head,
             head_quantization,

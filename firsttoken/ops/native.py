@@ -48,6 +48,7 @@ _SOURCES = [
     for name in (
         "row_kernels.c", "attention.c", "matmul.c", "quantized_matmul.c", "prefill_attention.c",
         "paged_decode_attention.c", "quantized_matmul_bf16.c", "decode_step.c", "portable_decode_step.c",
+        "w8a8_rows.c",
     )
 ]
 _HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h", _SOURCE_DIR / "decode_kernels.h"]
@@ -131,6 +132,35 @@ class NativeKernels:
             self._kernels["ft_silu_and_mul"](
                 gate_up=gate_up.data_ptr(), out=out.data_ptr(), rows=rows, half=width // 2,
                 dtype=_code(gate_up), num_threads=torch.get_num_threads(),
+            )
+        )
+        return out
+
+    def quantize_rows_int8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x contiguous [rows, cols] -> (uint8 levels [rows, cols], float32 scales [rows]), as
+        `firsttoken.ops.w8a8.quantize_rows`."""
+        rows, cols = x.shape
+        levels = torch.empty(rows, cols, dtype=torch.uint8)
+        scales = torch.empty(rows, dtype=torch.float32)
+        _check(
+            self._kernels["ft_quantize_rows_int8"](
+                x=x.data_ptr(), levels=levels.data_ptr(), scales=scales.data_ptr(), rows=rows, cols=cols,
+                dtype=_code(x), num_threads=torch.get_num_threads(),
+            )
+        )
+        return levels, scales
+
+    def rescale_rows(
+        self, sums: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """float32 sums [rows, cols] * row_scales [rows] (+ float32 bias [cols]), in `dtype`."""
+        rows, cols = sums.shape
+        out = torch.empty(rows, cols, dtype=dtype)
+        _check(
+            self._kernels["ft_rescale_rows"](
+                sums=sums.data_ptr(), row_scales=row_scales.data_ptr(),
+                bias=bias.data_ptr() if bias is not None else None, out=out.data_ptr(), rows=rows, cols=cols,
+                dtype=_DTYPE_CODES[dtype], num_threads=torch.get_num_threads(),
             )
         )
         return out

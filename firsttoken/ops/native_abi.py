@@ -233,6 +233,19 @@ KERNELS = (
         _parameters(f"const void *gate_up, void *out, int64_t rows, int64_t half, {_DTYPE_THREADS}"),
     ),
     Kernel(
+        "ft_quantize_rows_int8",
+        _parameters(
+            f"const void *x, uint8_t *levels, float *scales, int64_t rows, int64_t cols, {_DTYPE_THREADS}"
+        ),
+    ),
+    Kernel(
+        "ft_rescale_rows",
+        _parameters(
+            "const float *sums, const float *row_scales, const float *bias, void *out, int64_t rows, "
+            f"int64_t cols, {_DTYPE_THREADS}"
+        ),
+    ),
+    Kernel(
         "ft_rotary",
         _parameters(
             "void *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t head_dim, const void *cos, "

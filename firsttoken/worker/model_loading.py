@@ -24,6 +24,7 @@ from firsttoken.models.sharding import Collectives, ModelShard
 from firsttoken.ops.kernels import Kernels
 from firsttoken.ops.linear import onednn_packing_available
 from firsttoken.ops.native import load_native_kernels
+from firsttoken.ops.w8a8 import w8a8_unsupported_reason
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
     )
     if placement.shard is not None and placement.collectives is not None:
         model.shard(placement.shard, placement.collectives)
+    _check_quantization_runs_here(model_config.quantization, device)
     model.prepare_projections(
         model_config.quantization,
         model_config.quantized_prefill,
@@ -86,6 +88,13 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
         triton_matmuls=device.type == "cuda",
     )
     return LoadedModel(model, backend, kernels)
+
+
+def _check_quantization_runs_here(quantization: str | None, device: torch.device) -> None:
+    if quantization == "w8a8":
+        reason = w8a8_unsupported_reason(device)
+        if reason is not None:
+            raise InvalidInputError("quantization", reason)
 
 
 def attention_arch_of(arch: ModelArch, shard: ModelShard | None) -> ModelArch:

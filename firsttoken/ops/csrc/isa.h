@@ -208,4 +208,22 @@ static inline vint vi_load_i8(const int8_t *source) {
 #endif
 }
 
+/* Each lane rounded to the nearest integer, ties to even (the default rounding mode), as
+ * torch.round; lanes must lie within int32. GCC does not vectorize nearbyintf here. */
+static inline vint vi_round_even(vfloat v) {
+#if defined(__AVX512F__)
+    return (vint)_mm512_cvtps_epi32((__m512)v);
+#elif defined(__AVX2__)
+    return (vint)_mm256_cvtps_epi32((__m256)v);
+#else
+    float lanes[VEC_WIDTH];
+    vint rounded;
+    vf_store(lanes, v);
+    for (int lane = 0; lane < VEC_WIDTH; lane++) {
+        rounded[lane] = (int32_t)nearbyintf(lanes[lane]);
+    }
+    return rounded;
+#endif
+}
+
 #endif

@@ -1,0 +1,121 @@
+"""W8A8 against the float engines on this CPU: quality on a fixed text, then TTFT.
+
+    python benchmarks/w8a8.py [--text /usr/share/common-licenses/GPL-3] [--windows 4]
+                              [--lengths 512 2048] [--repeats 5] [--dtypes float32 bfloat16]
+
+Quality: the text cut into windows of 1024 tokens, each scored in one prefill
+(`prompt_logprobs`): perplexity, and teacher-forced top-1 agreement with float32 (the share of
+positions where an engine's likeliest next token is float32's). Speed: TTFT of one fresh prompt
+per length, every engine timed in turns; the ratio is to the fastest float engine's TTFT.
+
+Another CPU class on this one: oneDNN's `ONEDNN_MAX_CPU_ISA` and firsttoken's `FIRSTTOKEN_ISA`
+hold both below what the CPU has, e.g. a Cascade Lake or Ice Lake server (AVX512-VNNI, no bf16
+instructions) on a newer one: `ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI FIRSTTOKEN_ISA=avx512 python
+benchmarks/w8a8.py --dtypes float32` (bf16 there is emulated, so not a float engine to beat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
+
+from firsttoken import LLM, SamplingParams  # noqa: E402
+from firsttoken.models.registry import default_model_path  # noqa: E402
+
+WINDOW_TOKENS = 1024
+REFERENCE = "float32"
+QUANTIZATIONS = {"": None, "w8a8, ": "w8a8"}
+SCORE = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
+
+
+def text_windows(llm: LLM, path: str, count: int) -> list[list[int]]:
+    with open(path, encoding="utf-8") as handle:
+        token_ids = llm.tokenizer.encode(handle.read())
+    windows = [token_ids[start : start + WINDOW_TOKENS] for start in range(0, len(token_ids), WINDOW_TOKENS)]
+    return [window for window in windows if len(window) == WINDOW_TOKENS][:count]
+
+
+def scored_positions(llm: LLM, windows: list[list[int]]) -> list[tuple[float, int]]:
+    """(logprob of the text's token, the engine's likeliest token) at every scored position."""
+    positions = []
+    for output in llm.generate(prompt_token_ids=windows, sampling_params=SCORE):
+        for entry in output.prompt_logprobs[1:]:
+            positions.append((entry.logprob, entry.top_logprobs[0].token_id))
+    return positions
+
+
+def quality_rows(scores: dict[str, list[tuple[float, int]]]) -> list[list[object]]:
+    reference = scores[REFERENCE]
+    reference_perplexity = _perplexity(reference)
+    rows = []
+    for name, positions in scores.items():
+        agreeing = sum(mine[1] == theirs[1] for mine, theirs in zip(positions, reference, strict=True))
+        perplexity = _perplexity(positions)
+        rows.append([name, perplexity, perplexity / reference_perplexity, agreeing / len(reference)])
+    return rows
+
+
+def _perplexity(positions: list[tuple[float, int]]) -> float:
+    return math.exp(-sum(logprob for logprob, _ in positions) / len(positions))
+
+
+def ttft_run(llm: LLM, length: int):
+    return lambda index: timed(
+        lambda: llm.generate(
+            prompt_token_ids=[random_prompt(length, seed=9_000 + index)], sampling_params=GREEDY_ONE
+        )
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"]
+    )
+    args = parser.parse_args()
+    longest = max(max(args.lengths), WINDOW_TOKENS)
+    common = dict(
+        enable_prompt_cache=False, chunk_size=longest, max_num_batched_tokens=longest,
+        kv_cache_memory_bytes=512 << 20,
+    )
+    engines = {
+        f"{prefix}{dtype}": LLM(default_model_path(), dtype=dtype, quantization=quantization, **common)
+        for prefix, quantization in QUANTIZATIONS.items()
+        for dtype in [REFERENCE, *(dtype for dtype in args.dtypes if dtype != REFERENCE)]
+    }
+    windows = text_windows(engines[REFERENCE], args.text, args.windows)
+    scores = {name: scored_positions(llm, windows) for name, llm in engines.items()}
+    print(f"Quality: {len(windows)} windows of {WINDOW_TOKENS} tokens of {args.text}")
+    quality = quality_rows(scores)
+    print_table(
+        ["engine", "perplexity", f"ratio to {REFERENCE}", f"top-1 agreement with {REFERENCE}"], quality
+    )
+    speed = []
+    for length in args.lengths:
+        medians = interleaved_medians(
+            {name: ttft_run(llm, length) for name, llm in engines.items()}, args.repeats
+        )
+        best_float = min(medians[name] for name in engines if name in args.dtypes or name == REFERENCE)
+        speed += [[length, name, seconds * 1e3, seconds / best_float] for name, seconds in medians.items()]
+    print("\nTTFT (medians, in turns; ratio to the fastest float engine)")
+    print_table(["tokens", "engine", "TTFT ms", "ratio"], speed)
+    path = save_result(
+        "w8a8", {"quality": quality, "ttft": speed, "windows": len(windows), "text": args.text}
+    )
+    print(f"\nwritten to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+/* The row passes around a W8A8 projection's int8 matmul (firsttoken/ops/w8a8.py): each row
+ * of activations quantized to int8 with its own scale on the way in, each row of products
+ * scaled back on the way out. In torch ops they are eight passes over the step, which cost
+ * more than the matmul; here one each, vectorized over isa.h.
+ *
+ * Both do the float32 operations of the torch path in its order (no fused multiply-add: this
+ * file keeps ISO C's contraction rules), so they give its bits.
+ */
+#include "common.h"
+#include "isa.h"
+
+static float row_abs_max(const float *row, int64_t cols) {
+    vfloat largest = vf_splat(0.0f);
+    int64_t c = 0;
+    for (; c + VEC_WIDTH <= cols; c += VEC_WIDTH) {
+        vfloat v = vf_load(row + c);
+        largest = vf_max(largest, vf_max(v, -v));
+    }
+    float result = vf_max_lane(largest);
+    for (; c < cols; c++) {
+        result = fmaxf(result, fabsf(row[c]));
+    }
+    return result;
+}
+
+/* round-half-even(x / scale) clamped to +-127, + 128, as bytes. Clamping before rounding gives
+ * the same levels as after: the bounds are whole numbers. */
+static void quantize_row(const float *row, float scale, int64_t cols, uint8_t *levels) {
+    int64_t c = 0;
+    for (; c + VEC_WIDTH <= cols; c += VEC_WIDTH) {
+        vfloat level = vf_min(vf_max(vf_load(row + c) / scale, vf_splat(-127.0f)), vf_splat(127.0f));
+        vbyte bytes = __builtin_convertvector(vi_round_even(level) + 128, vbyte);
+        memcpy(levels + c, &bytes, sizeof bytes);
+    }
+    for (; c < cols; c++) {
+        float level = fminf(fmaxf(nearbyintf(row[c] / scale), -127.0f), 127.0f);
+        levels[c] = (uint8_t)(int32_t)(level + 128.0f);
+    }
+}
+
+static int quantize_rows_range(const void *x, uint8_t *levels, float *scales, int64_t begin, int64_t end,
+                               int64_t cols, int dtype) {
+    float *row = malloc((size_t)cols * sizeof(float));
+    if (row == NULL) {
+        return 0;
+    }
+    for (int64_t r = begin; r < end; r++) {
+        load_row(x, r * cols, cols, dtype, row);
+        float row_max = row_abs_max(row, cols);
+        float scale = row_max > 0.0f ? row_max / 127.0f : 1.0f;
+        quantize_row(row, scale, cols, levels + r * cols);
+        scales[r] = scale;
+    }
+    free(row);
+    return 1;
+}
+
+/* Each row of x [rows, cols] (in `dtype`) in symmetric int8 with its own scale, absmax / 127
+ * (1 for a zero row): levels uint8 [rows, cols] (the int8 level + 128), scales float32 [rows]. */
+FtStatus ft_quantize_rows_int8(const void *x, uint8_t *levels, float *scales, int64_t rows, int64_t cols, int dtype,
+                               int num_threads) {
+    int succeeded = 1;
+#pragma omp parallel num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS) reduction(&& : succeeded)
+    {
+        int64_t begin, end;
+        thread_rows(rows, &begin, &end);
+        succeeded = quantize_rows_range(x, levels, scales, begin, end, cols, dtype);
+    }
+    return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
+}
+
+static int rescale_rows_range(const float *sums, const float *row_scales, const float *bias, void *out,
+                              int64_t begin, int64_t end, int64_t cols, int dtype) {
+    float *row = malloc((size_t)cols * sizeof(float));
+    if (row == NULL) {
+        return 0;
+    }
+    for (int64_t r = begin; r < end; r++) {
+        const float *row_sums = sums + r * cols;
+        float scale = row_scales[r];
+        for (int64_t c = 0; c < cols; c++) {
+            row[c] = row_sums[c] * scale;
+        }
+        if (bias != NULL) {
+            for (int64_t c = 0; c < cols; c++) {
+                row[c] += bias[c];
+            }
+        }
+        store_row(row, cols, dtype, out, r * cols);
+    }
+    free(row);
+    return 1;
+}
+
+/* out [rows, cols] in `dtype` = sums float32 [rows, cols] * row_scales [rows] (+ float32 bias
+ * [cols]): a W8A8 product's rows (already times the weight scales) scaled back by their
+ * activations' scales. */
+FtStatus ft_rescale_rows(const float *sums, const float *row_scales, const float *bias, void *out, int64_t rows,
+                         int64_t cols, int dtype, int num_threads) {
+    int succeeded = 1;
+#pragma omp parallel num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS) reduction(&& : succeeded)
+    {
+        int64_t begin, end;
+        thread_rows(rows, &begin, &end);
+        succeeded = rescale_rows_range(sums, row_scales, bias, out, begin, end, cols, dtype);
+    }
+    return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
+}

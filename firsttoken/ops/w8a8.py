@@ -1,0 +1,159 @@
+"""W8A8 projections: int8 weights and int8 activations, multiplied in int32.
+
+Prefill is bound by matmul throughput, and integer dot products do twice the multiply-adds of
+bf16 ones per instruction (AMX-INT8 against AMX-BF16, AVX512-VNNI's `vpdpbusd` against
+`vdpbf16ps`). The weights are quantized once, symmetric per output channel; each step's
+activations per row (per token) at run time, symmetric, so a row's scale depends on that row
+alone. oneDNN multiplies the unsigned activation bytes (the int8 levels + 128, zero point 128)
+by the packed weight bytes, sums exactly in int32 and applies the weight scales; the row scales
+and the bias follow in float.
+
+The int32 sums make a row's result independent of the other rows in the step and of the
+kernel's blocking. That needs exact sums: without VNNI, oneDNN's int8 kernels add pairs of
+byte products in saturating 16-bit lanes (`vpmaddubsw`), which full-range activations
+overflow, so such CPUs are refused (`w8a8_unsupported_reason`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from firsttoken.ops import native
+from firsttoken.ops.cpu_info import cpu_flags
+
+# /proc/cpuinfo flags of the instructions oneDNN's exact int8 kernels use.
+INT8_DOT_PRODUCT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
+ACTIVATION_ZERO_POINT = 128
+INT8_LEVELS = 127
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8, the weights of W8A8 and of weight-only int8: (int8
+    [out, in], float32 scales [out]) with W ~ q * scale."""
+    weight = weight.float()
+    scales = weight.abs().amax(dim=1).clamp(min=1e-12) / INT8_LEVELS
+    quantized = torch.round(weight / scales[:, None]).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    return quantized, scales
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of float `x` [rows, in] in symmetric int8, stored shifted by the zero point as
+    uint8 (the activation type oneDNN's fast int8 kernels take): (uint8 [rows, in], float32
+    scales [rows]) with x ~ (q - 128) * scale. A zero row gets scale 1 and all levels 128."""
+    x = x.float()
+    row_max = x.abs().amax(dim=1)
+    scales = torch.where(row_max > 0, row_max / INT8_LEVELS, torch.ones_like(row_max))
+    levels = torch.round(x / scales[:, None]).clamp_(-INT8_LEVELS, INT8_LEVELS)
+    return levels.add_(ACTIVATION_ZERO_POINT).to(torch.uint8), scales
+
+
+def w8a8_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The same quantized product in float64 from the integer levels: what `W8A8Linear` computes,
+    up to the float32 roundings of its rescaling."""
+    flat = x.reshape(-1, x.shape[-1])
+    levels, row_scales = quantize_rows(flat)
+    sums = (levels.to(torch.int64) - ACTIVATION_ZERO_POINT) @ weight.to(torch.int64).t()
+    output = sums.double() * weight_scales.double()[None, :] * row_scales.double()[:, None]
+    if bias is not None:
+        output = output + bias.double()
+    return output.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+@functools.cache
+def onednn_int8_sums_exact() -> bool:
+    """Whether oneDNN's uint8 x int8 matmul sums exactly here: the largest levels, whose pairs
+    of products overflow a 16-bit lane (2 * 255 * 127 > 32767), against the int64 product."""
+    activations = torch.full((4, 64), 255, dtype=torch.uint8)
+    weight = torch.full((16, 64), INT8_LEVELS, dtype=torch.int8)
+    weight[1::2] = -INT8_LEVELS
+    packed = torch.ops.onednn.qlinear_prepack(weight, None)
+    output = _onednn_int8_matmul(activations, packed, torch.ones(16), zero_point=0)
+    expected = (activations.to(torch.int64) @ weight.to(torch.int64).t()).float()
+    return torch.equal(output, expected)
+
+
+def w8a8_unsupported_reason(device: torch.device) -> str | None:
+    """Why W8A8 cannot run here (None where it can): it needs a CPU whose oneDNN int8 kernels sum
+    exactly, which are those with VNNI or AMX-INT8."""
+    if device.type != "cpu":
+        return f"w8a8 runs on CPU only, not {device.type}"
+    if not torch.backends.mkldnn.is_available():
+        return "w8a8 needs PyTorch built with oneDNN"
+    if not onednn_int8_sums_exact():
+        have = ", ".join(flag for flag in INT8_DOT_PRODUCT_FLAGS if flag in cpu_flags()) or "none of them"
+        return (
+            f"w8a8 needs exact int8 sums from oneDNN, which take one of {', '.join(INT8_DOT_PRODUCT_FLAGS)} "
+            f"(this CPU has {have}; ONEDNN_MAX_CPU_ISA may also hold oneDNN below them): without them "
+            "its int8 kernels saturate"
+        )
+    return None
+
+
+def _onednn_int8_matmul(
+    levels: torch.Tensor, packed_weight: torch.Tensor, weight_scales: torch.Tensor, zero_point: int
+) -> torch.Tensor:
+    """float32 [rows, out]: sum over k of (levels - zero_point) * weight, times the weight's scale."""
+    no_zero_points = torch.zeros(weight_scales.shape[0], dtype=torch.int64)
+    return torch.ops.onednn.qlinear_pointwise(
+        levels, 1.0, zero_point, packed_weight, weight_scales, no_zero_points, None,
+        1.0, 0, torch.float32, "none", [], "",
+    )
+
+
+def rescale_rows(
+    sums: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """float32 sums [rows, out] (already times the weight scales) times each row's activation
+    scale, plus the float32 bias, in `dtype`."""
+    output = sums.mul_(row_scales[:, None])
+    if bias is not None:
+        output.add_(bias)
+    return output.to(dtype)
+
+
+class W8A8Linear(nn.Module):
+    """y = x W^T (+ b) with int8 weights (packed once for oneDNN) and each step's rows quantized
+    to int8 on the way in; computes in int32, returns the input's dtype. With native kernels
+    the quantization and the rescaling are one pass each (in torch ops they are eight passes,
+    which cost more than the matmul itself: 2048 rows, 120 projections, 330 ms against 131 ms)."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernels: native.NativeKernels | None = None,
+    ) -> None:
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.register_buffer("packed_weight", torch.ops.onednn.qlinear_prepack(weight, None))
+        self.register_buffer("weight_scales", weight_scales.float().contiguous())
+        self.bias = bias.float().contiguous() if bias is not None else None
+        self.kernels = kernels
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels | None = None
+    ) -> W8A8Linear:
+        return cls(*quantize_int8(weight), bias, kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if self.kernels is not None:
+            levels, row_scales = self.kernels.quantize_rows_int8(flat.contiguous())
+        else:
+            levels, row_scales = quantize_rows(flat)
+        sums = _onednn_int8_matmul(levels, self.packed_weight, self.weight_scales, ACTIVATION_ZERO_POINT)
+        if self.kernels is not None:
+            output = self.kernels.rescale_rows(sums, row_scales, self.bias, x.dtype)
+        else:
+            output = rescale_rows(sums, row_scales, self.bias, x.dtype)
+        return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,144 @@
+"""W8A8 projections: the per-row activation quantization, the native passes against the torch
+ones bit for bit, the projection against its float64 reference, rows that never depend on the
+step, and the refusal where oneDNN's int8 sums are not exact."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from firsttoken.ops import w8a8
+from firsttoken.ops.w8a8 import (
+    ACTIVATION_ZERO_POINT,
+    W8A8Linear,
+    quantize_int8,
+    quantize_rows,
+    rescale_rows,
+    w8a8_linear_reference,
+    w8a8_unsupported_reason,
+)
+
+needs_exact_int8 = pytest.mark.skipif(
+    w8a8_unsupported_reason(torch.device("cpu")) is not None,
+    reason=f"{w8a8_unsupported_reason(torch.device('cpu'))}",
+)
+DTYPES = [torch.float32, torch.bfloat16]
+# Odd widths reach the kernels' scalar tails.
+WIDTHS = [576, 1536, 37]
+
+
+def _activations(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(max(rows, 3), cols, generator=generator) * 3
+    x[1] = 0  # a zero row
+    x[2, 0] = 40  # an outlier sets its row's scale
+    return x[:rows].to(dtype)
+
+
+def test_each_row_gets_its_own_scale_and_levels_within_half_a_step():
+    x = _activations(8, 64, torch.float32)
+    levels, scales = quantize_rows(x)
+    assert levels.dtype == torch.uint8 and scales.shape == (8,)
+    assert ((levels.int() - ACTIVATION_ZERO_POINT).abs() <= 127).all()
+    assert torch.equal(levels[1], torch.full((64,), ACTIVATION_ZERO_POINT, dtype=torch.uint8))
+    assert scales[1] == 1
+    assert torch.allclose(scales, x.abs().amax(dim=1).where(scales != 1, torch.tensor(127.0)) / 127)
+    restored = (levels.float() - ACTIVATION_ZERO_POINT) * scales[:, None]
+    assert ((restored - x).abs() <= scales[:, None] / 2 + 1e-6).all()
+    # A row's levels and scale never depend on the other rows.
+    alone_levels, alone_scales = quantize_rows(x[5:6])
+    assert torch.equal(alone_levels, levels[5:6]) and torch.equal(alone_scales, scales[5:6])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", WIDTHS)
+def test_native_quantization_gives_the_torch_levels_and_scales(native_kernels, dtype, cols):
+    if native_kernels is None:
+        pytest.skip("no C compiler: no native kernels")
+    x = _activations(300, cols, dtype)
+    levels, scales = native_kernels.quantize_rows_int8(x)
+    expected_levels, expected_scales = quantize_rows(x)
+    assert torch.equal(levels, expected_levels)
+    assert torch.equal(scales, expected_scales)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_rescaling_gives_the_torch_bits(native_kernels, dtype, with_bias):
+    if native_kernels is None:
+        pytest.skip("no C compiler: no native kernels")
+    generator = torch.Generator().manual_seed(1)
+    sums = torch.randn(70, 37, generator=generator) * 1000
+    row_scales = torch.rand(70, generator=generator)
+    bias = torch.randn(37, generator=generator) if with_bias else None
+    output = native_kernels.rescale_rows(sums, row_scales, bias, dtype)
+    assert torch.equal(output, rescale_rows(sums.clone(), row_scales, bias, dtype))
+
+
+def _linear(with_bias: bool, kernels=None) -> tuple[W8A8Linear, torch.Tensor, torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(96, 128, generator=generator) * 0.05
+    bias = torch.randn(96, generator=generator) if with_bias else None
+    return W8A8Linear.from_float(weight, bias, kernels), weight, bias
+
+
+@needs_exact_int8
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_projection_is_its_integer_product_rescaled(rows, with_bias):
+    linear, weight, bias = _linear(with_bias)
+    x = _activations(rows, 128, torch.float32, seed=rows)
+    expected = w8a8_linear_reference(x.double(), *quantize_int8(weight), bias)
+    # The int32 sums are exact; what remains is float32's rounding of the two rescalings.
+    torch.testing.assert_close(linear(x).double(), expected, rtol=1e-6, atol=1e-5)
+    # Within the quantization error of the float projection: a few percent of its largest output.
+    plain = F.linear(x, weight, bias)
+    assert (linear(x) - plain).abs().max() <= 0.05 * plain.abs().max()
+
+
+@needs_exact_int8
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_passes_give_the_torch_passes_bits(native_kernels, dtype):
+    if native_kernels is None:
+        pytest.skip("no C compiler: no native kernels")
+    on_torch, _, _ = _linear(True)
+    on_native, _, _ = _linear(True, native_kernels)
+    x = _activations(65, 128, dtype)
+    output = on_native(x)
+    assert output.dtype == dtype
+    assert torch.equal(output, on_torch(x))
+    assert on_native(x.reshape(5, 13, 128)).shape == (5, 13, 96)
+
+
+@needs_exact_int8
+def test_a_row_has_the_same_bits_at_every_row_count():
+    """Integer sums do not depend on the order oneDNN adds them in, whatever kernel or blocking
+    it picks for the step's size (AMX tiles from 33 rows on, as its bf16 kernels do too)."""
+    linear, _, _ = _linear(True)
+    x = _activations(1024, 128, torch.float32, seed=7)
+    longest = linear(x)
+    for rows in (1, 2, 3, 8, 17, 33, 64, 100, 300):
+        assert torch.equal(linear(x[:rows]), longest[:rows])
+
+
+def test_a_cpu_whose_int8_sums_saturate_is_refused_naming_the_instructions(monkeypatch):
+    monkeypatch.setattr(w8a8, "onednn_int8_sums_exact", lambda: False)
+    reason = w8a8_unsupported_reason(torch.device("cpu"))
+    assert reason is not None and "amx_int8, avx512_vnni, avx_vnni" in reason and "saturate" in reason
+
+
+def test_other_devices_are_refused():
+    assert w8a8_unsupported_reason(torch.device("cuda")) == "w8a8 runs on CPU only, not cuda"
+
+
+def test_the_exactness_probe_agrees_with_the_cpu_flags():
+    """The probe's answer follows from the flags, unless oneDNN is held below them."""
+    from firsttoken.ops.cpu_info import cpu_flags
+
+    if "ONEDNN_MAX_CPU_ISA" in os.environ:
+        pytest.skip("ONEDNN_MAX_CPU_ISA holds oneDNN below what the CPU has")
+    has_dot_products = any(flag in cpu_flags() for flag in w8a8.INT8_DOT_PRODUCT_FLAGS)
+    assert w8a8.onednn_int8_sums_exact() is has_dot_products
