@@ -5,8 +5,10 @@
 
 Quality: the text cut into windows of 1024 tokens, each scored in one prefill
 (`prompt_logprobs`): perplexity, and teacher-forced top-1 agreement with float32 (the share of
-positions where an engine's likeliest next token is float32's). Speed: TTFT of one fresh prompt
-per length, every engine timed in turns; the ratio is to the fastest float engine's TTFT.
+positions where an engine's likeliest next token is float32's). "w8a8 smoothed" engines use input
+maxima calibrated as `firsttoken quantize` does, on the 2048 tokens after the scored windows.
+Speed: TTFT of one fresh prompt per length, every engine timed in turns; the ratio is to the
+fastest float engine's TTFT.
 
 Another CPU class on this one: oneDNN's `ONEDNN_MAX_CPU_ISA` and firsttoken's `FIRSTTOKEN_ISA`
 hold both below what the CPU has, e.g. a Cascade Lake or Ice Lake server (AVX512-VNNI, no bf16
@@ -20,16 +22,23 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.registry import default_model_path  # noqa: E402
+from firsttoken.quantize import (  # noqa: E402
+    DEFAULT_CALIBRATION_TOKENS,
+    calibration_prompts,
+    record_activation_maxima,
+)
+from firsttoken.worker.activation_stats import save_activation_maxima  # noqa: E402
 
 WINDOW_TOKENS = 1024
 REFERENCE = "float32"
-QUANTIZATIONS = {"": None, "w8a8, ": "w8a8"}
+QUANTIZATIONS = {"": {}, "w8a8, ": {"quantization": "w8a8"}}
 SCORE = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
 GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
 
@@ -39,6 +48,17 @@ def text_windows(llm: LLM, path: str, count: int) -> list[list[int]]:
         token_ids = llm.tokenizer.encode(handle.read())
     windows = [token_ids[start : start + WINDOW_TOKENS] for start in range(0, len(token_ids), WINDOW_TOKENS)]
     return [window for window in windows if len(window) == WINDOW_TOKENS][:count]
+
+
+def calibrate(llm: LLM, path: str, skipped_tokens: int, directory: str) -> str:
+    """The input maxima of `llm` over the text's 2048 tokens after `skipped_tokens`, in chat
+    prompts, saved in `directory`; returns the file's path."""
+    with open(path, encoding="utf-8") as handle:
+        after_scored = llm.tokenizer.decode(llm.tokenizer.encode(handle.read())[skipped_tokens:])
+    prompts = calibration_prompts(llm, after_scored, DEFAULT_CALIBRATION_TOKENS, chat_template=True)
+    stats_path = os.path.join(directory, "w8a8_maxima.safetensors")
+    save_activation_maxima(stats_path, record_activation_maxima(llm, prompts))
+    return stats_path
 
 
 def scored_positions(llm: LLM, windows: list[list[int]]) -> list[tuple[float, int]]:
@@ -90,12 +110,19 @@ def main() -> None:
         enable_prompt_cache=False, chunk_size=longest, max_num_batched_tokens=longest,
         kv_cache_memory_bytes=512 << 20,
     )
+    dtypes = [REFERENCE, *(dtype for dtype in args.dtypes if dtype != REFERENCE)]
+    reference = LLM(default_model_path(), dtype=REFERENCE, **common)
+    windows = text_windows(reference, args.text, args.windows)
+    stats_path = calibrate(reference, args.text, len(windows) * WINDOW_TOKENS, tempfile.mkdtemp())
+    smoothed = {"quantization": "w8a8", "w8a8_activation_stats": stats_path}
+    variants = {**QUANTIZATIONS, "w8a8 smoothed, ": smoothed}
     engines = {
-        f"{prefix}{dtype}": LLM(default_model_path(), dtype=dtype, quantization=quantization, **common)
-        for prefix, quantization in QUANTIZATIONS.items()
-        for dtype in [REFERENCE, *(dtype for dtype in args.dtypes if dtype != REFERENCE)]
+        f"{prefix}{dtype}": reference
+        if not options and dtype == REFERENCE
+        else LLM(default_model_path(), dtype=dtype, **options, **common)
+        for prefix, options in variants.items()
+        for dtype in dtypes
     }
-    windows = text_windows(engines[REFERENCE], args.text, args.windows)
     scores = {name: scored_positions(llm, windows) for name, llm in engines.items()}
     print(f"Quality: {len(windows)} windows of {WINDOW_TOKENS} tokens of {args.text}")
     quality = quality_rows(scores)

@@ -17,6 +17,7 @@ from firsttoken.engine_args import (
     engine_kwargs,
     read_system_prompt,
 )
+from firsttoken.quantize import register_quantize_verb
 from firsttoken.server.cli import register_serve_verb
 
 
@@ -125,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_replica_args(register_serve_verb(verbs))
     register_bench_verbs(verbs)
+    register_quantize_verb(verbs)
     return parser
 
 

@@ -127,6 +127,11 @@ class ModelConfig:
                        "copy (less memory, slower prefill); default: float weights serve prefill (w8a8 "
                        "always runs prefill quantized)"),
     )
+    w8a8_activation_stats: str | None = field(
+        default=None,
+        metadata=_help("with w8a8: a file of the projections' input maxima from `firsttoken quantize`, "
+                       "which smooths activation outliers into the weights (SmoothQuant); default: none"),
+    )
     cache_dir: str | None = field(
         default=None,
         metadata=_help("folder for converted weights, built kernels and measured step costs; default: "
@@ -151,6 +156,11 @@ class ModelConfig:
             self.quantization is None or self.quantization in QUANTIZATIONS,
             "quantization",
             f"must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}",
+        )
+        _require(
+            self.w8a8_activation_stats is None or self.quantization == "w8a8",
+            "w8a8_activation_stats",
+            f"applies to quantization='w8a8' only, not {self.quantization!r}",
         )
         _require(
             self.num_threads is None or self.num_threads >= 1,

@@ -1,5 +1,5 @@
-"""`firsttoken generate | chat`: sampling flags reach SamplingParams, bad values are errors naming
-the field."""
+"""`firsttoken generate | chat | quantize`: sampling flags reach SamplingParams, bad values are
+errors naming the field, quantize writes its file."""
 
 from __future__ import annotations
 
@@ -89,3 +89,26 @@ def test_bad_word_changes_the_greedy_reply(capsys):
     assert main([*prompt, "--bad-word", first_word]) == 0
     banned_reply = capsys.readouterr().out
     assert banned_reply != plain_reply and first_word not in banned_reply.split()
+
+
+@pytest.mark.usefixtures("model_path")
+def test_quantize_writes_every_projections_input_maxima(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    text = tmp_path / "calibration.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20, encoding="utf-8")
+    output = tmp_path / "maxima.safetensors"
+    command = ["quantize", "--calibration-text", str(text), "--num-tokens", "64", "--output", str(output)]
+    assert main(command) == 0
+    maxima = load_file(str(output))
+    assert len(maxima) == 30 * 4 and maxima["layers.0.qkv_proj"].shape == (576,)
+    assert maxima["layers.29.down_proj"].shape == (1536,) and (maxima["layers.29.down_proj"] > 0).all()
+    assert "over" in capsys.readouterr().err
+
+
+def test_quantize_refuses_a_token_count_below_one(tmp_path, capsys):
+    text = tmp_path / "calibration.txt"
+    text.write_text("hello", encoding="utf-8")
+    command = ["quantize", "--calibration-text", str(text), "--num-tokens", "0", "--output", "x.safetensors"]
+    assert main(command) == 2
+    assert "num_tokens: must be >= 1" in capsys.readouterr().err

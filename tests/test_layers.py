@@ -26,7 +26,7 @@ LAYERS: list[set[str]] = [
     {"__main__"},
     {"cli"},
     {"deploy"},
-    {"server", "bench"},
+    {"server", "bench", "quantize"},
     {"firsttoken"},
     {"engine"},
     {"worker"},

@@ -8,7 +8,7 @@ are single fused matrices, built at load time.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ from firsttoken.ops.linear import (
     row_invariant_linear,
 )
 from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin
+from firsttoken.ops.w8a8 import W8A8Linear
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -260,6 +261,7 @@ class LlamaForCausalLM(nn.Module):
         pack_onednn: bool,
         batch_invariant: bool = False,
         triton_matmuls: bool = False,
+        activation_maxima: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Every projection and the LM head in its fastest form here (the embedding stays as
         loaded). The LM head is never quantized below int8: its logits pick the token, and a
@@ -268,7 +270,11 @@ class LlamaForCausalLM(nn.Module):
         `triton_matmuls` (CUDA) and float weights, every projection and the LM head run on the
         row-invariant Triton matmul instead of cuBLAS, which picks its kernel by the row count;
         in float32 on native CPU kernels, on the row-invariant native matmul instead of torch's,
-        which does too."""
+        which does too. `activation_maxima` (w8a8): calibrated input maxima per projection
+        (`firsttoken.worker.activation_stats`), which smooth each into its int8 form."""
+        if quantization == "w8a8":
+            self._prepare_w8a8(activation_maxima, pack_onednn, batch_invariant)
+            return
         if batch_invariant and triton_matmuls and quantization is None:
             # Imported here: triton is needed on CUDA only.
             from firsttoken.ops.triton_matmul import RowInvariantLinear
@@ -290,9 +296,7 @@ class LlamaForCausalLM(nn.Module):
         convert_linears(
             self.layers, quantization, quantized_prefill, pack_onednn, native_kernels, row_invariant_float
         )
-        # Under w8a8 the head stays float: it runs one row per sampled token, where integer
-        # compute gains nothing, and its logits pick the token.
-        head_quantization = "int8" if quantization in ("int8", "int4") else None
+        head_quantization = "int8" if quantization else None
         self.lm_head = fastest_linear(
             self.lm_head,
             head_quantization,
@@ -305,9 +309,42 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, PackedLinear):
                 module.pad_single_rows = batch_invariant
 
+    def _prepare_w8a8(
+        self, activation_maxima: dict[str, torch.Tensor] | None, pack_onednn: bool, batch_invariant: bool
+    ) -> None:
+        """Every layer projection in W8A8; the head stays float (one row per sampled token, where
+        integer compute gains nothing, and its logits pick the token)."""
+        native_kernels = self.kernels.native
+        for name, owner, attribute in layer_projections(self.layers):
+            linear = getattr(owner, attribute)
+            bias = linear.bias.data if linear.bias is not None else None
+            activation_max = activation_maxima[name] if activation_maxima is not None else None
+            quantized = W8A8Linear.from_float(linear.weight.data, bias, native_kernels, activation_max)
+            setattr(owner, attribute, quantized)
+        row_invariant_float = batch_invariant and native_row_invariant_available(
+            self.embed_weight.dtype, native_kernels
+        )
+        self.lm_head = fastest_linear(
+            self.lm_head, None, False, pack_onednn, native_kernels, row_invariant_float
+        )
+        if isinstance(self.lm_head, PackedLinear):
+            self.lm_head.pad_single_rows = batch_invariant
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up on the way."""
         WeightLoader(self).load(weights)
+
+
+LAYER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def layer_projections(layers: nn.ModuleList) -> Iterator[tuple[str, nn.Module, str]]:
+    """(name, owning module, attribute) of every layer's four projections, named
+    `layers.{i}.{attribute}`."""
+    for index, layer in enumerate(layers):
+        for attribute in LAYER_PROJECTIONS:
+            owner = layer.self_attn if attribute in ("qkv_proj", "o_proj") else layer.mlp
+            yield f"layers.{index}.{attribute}", owner, attribute
 
 
 def _rows_of(linear: Linear, rows: torch.Tensor) -> Linear:

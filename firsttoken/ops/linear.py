@@ -20,7 +20,7 @@ from torch import nn
 
 from firsttoken.ops import native, native_abi
 from firsttoken.ops.native_abi import INT4_GROUP_SIZE
-from firsttoken.ops.w8a8 import W8A8Linear, quantize_int8
+from firsttoken.ops.w8a8 import quantize_int8
 
 
 class Linear(nn.Module):
@@ -519,12 +519,9 @@ def fastest_linear(
     native_kernels: native.NativeKernels | None = None,
     row_invariant_float: bool = False,
 ) -> nn.Module:
-    """`quantization`: int8 or int4 weights for decode-sized steps (all steps with
-    `quantized_prefill`), or w8a8 for every step. `row_invariant_float`: the float weights (of a
-    quantized projection's larger steps too) on the native row-invariant matmul, as an
-    unquantized engine with batch invariance runs them; else oneDNN-packed or torch's."""
-    if quantization == "w8a8":
-        return W8A8Linear.from_float(linear.weight.data, _bias_of(linear), native_kernels)
+    """`row_invariant_float`: the float weights (of a quantized projection's larger steps too)
+    on the native row-invariant matmul, as an unquantized engine with batch invariance runs
+    them; else oneDNN-packed or torch's."""
     if quantization is not None and quantized_prefill:
         return quantized_linear(linear, quantization, native_kernels)
     if row_invariant_float and native_kernels is not None:

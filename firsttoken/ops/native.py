@@ -136,15 +136,19 @@ class NativeKernels:
         )
         return out
 
-    def quantize_rows_int8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x contiguous [rows, cols] -> (uint8 levels [rows, cols], float32 scales [rows]), as
-        `firsttoken.ops.w8a8.quantize_rows`."""
+    def quantize_rows_int8(
+        self, x: torch.Tensor, column_scales: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x contiguous [rows, cols] (times float32 column_scales [cols] where given) -> (uint8
+        levels [rows, cols], float32 scales [rows]), as `firsttoken.ops.w8a8.quantize_rows`."""
         rows, cols = x.shape
         levels = torch.empty(rows, cols, dtype=torch.uint8)
         scales = torch.empty(rows, dtype=torch.float32)
         _check(
             self._kernels["ft_quantize_rows_int8"](
-                x=x.data_ptr(), levels=levels.data_ptr(), scales=scales.data_ptr(), rows=rows, cols=cols,
+                x=x.data_ptr(),
+                column_scales=column_scales.data_ptr() if column_scales is not None else None,
+                levels=levels.data_ptr(), scales=scales.data_ptr(), rows=rows, cols=cols,
                 dtype=_code(x), num_threads=torch.get_num_threads(),
             )
         )

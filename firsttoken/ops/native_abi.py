@@ -235,7 +235,8 @@ KERNELS = (
     Kernel(
         "ft_quantize_rows_int8",
         _parameters(
-            f"const void *x, uint8_t *levels, float *scales, int64_t rows, int64_t cols, {_DTYPE_THREADS}"
+            "const void *x, const float *column_scales, uint8_t *levels, float *scales, int64_t rows, "
+            f"int64_t cols, {_DTYPE_THREADS}"
         ),
     ),
     Kernel(

@@ -25,6 +25,7 @@ from firsttoken.ops.kernels import Kernels
 from firsttoken.ops.linear import onednn_packing_available
 from firsttoken.ops.native import load_native_kernels
 from firsttoken.ops.w8a8 import w8a8_unsupported_reason
+from firsttoken.worker.activation_stats import load_activation_maxima
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +81,18 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
     if placement.shard is not None and placement.collectives is not None:
         model.shard(placement.shard, placement.collectives)
     _check_quantization_runs_here(model_config.quantization, device)
+    activation_maxima = (
+        load_activation_maxima(model_config.w8a8_activation_stats, model.layers)
+        if model_config.w8a8_activation_stats is not None
+        else None
+    )
     model.prepare_projections(
         model_config.quantization,
         model_config.quantized_prefill,
         onednn_packing_available(placement.dtype, device),
         batch_invariant=model_config.batch_invariant,
         triton_matmuls=device.type == "cuda",
+        activation_maxima=activation_maxima,
     )
     return LoadedModel(model, backend, kernels)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
@@ -45,17 +46,32 @@ def test_every_layer_projection_is_w8a8_and_the_head_stays_float(w8a8_llm):
     assert not isinstance(model.lm_head, W8A8Linear)
 
 
+def _teacher_forced_agreement(llm: LLM, prompts_and_replies: list[tuple[list[int], list[int]]]) -> float:
+    """The share of the replies' tokens that are `llm`'s own likeliest next token."""
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    agreeing = total = 0
+    for prompt, reply in prompts_and_replies:
+        (output,) = llm.generate(prompt_token_ids=[prompt + reply], sampling_params=score)
+        for token_id, entry in zip(reply, output.prompt_logprobs[len(prompt) :], strict=True):
+            agreeing += entry.top_logprobs[0].token_id == token_id
+            total += 1
+    return agreeing / total
+
+
 @needs_exact_int8
-def test_the_answer_and_first_logprobs_stay_near_the_float_engine(w8a8_llm, engine_for):
-    question = [{"role": "user", "content": "What is the capital of France?"}]
-    answer = w8a8_llm.chat(question, SamplingParams(temperature=0, max_tokens=24))
-    assert answer.text == "The capital of France is Paris."
+def test_first_logprobs_and_the_float_engines_replies_stay_near(w8a8_llm, engine_for):
+    """Not the float engine's exact replies: greedy decoding follows the likeliest token, and on
+    this small model two tokens are often within a few hundredths (the chat answer to "What is
+    the capital of France?" starts with "The" at -1.88 and "L" at -1.97 in float32)."""
     plain = engine_for(**OPTIONS)
     quantized_outputs, plain_outputs = w8a8_llm.generate(PROMPTS, GREEDY), plain.generate(PROMPTS, GREEDY)
     for quantized, full in zip(quantized_outputs, plain_outputs, strict=True):
         first, expected = quantized.logprobs[0], full.logprobs[0]
         assert first.token_id == expected.token_id
         assert abs(first.logprob - expected.logprob) <= FIRST_LOGPROB_TOLERANCE
+    replies = [(output.prompt_token_ids, output.token_ids) for output in plain_outputs]
+    # Measured: 89% on a long text (docs/cpu.md); a broken product agrees on almost nothing.
+    assert _teacher_forced_agreement(w8a8_llm, replies) >= 0.75
 
 
 @needs_exact_int8
@@ -72,3 +88,47 @@ def test_a_cpu_that_cannot_run_it_is_refused_naming_the_field(model_path, monkey
     monkeypatch.setattr(model_loading, "w8a8_unsupported_reason", lambda device: "w8a8 needs VNNI")
     with pytest.raises(InvalidInputError, match="quantization: w8a8 needs VNNI"):
         LLM(model_path, quantization="w8a8", **OPTIONS)
+
+
+@needs_exact_int8
+def test_calibrated_maxima_are_each_projections_largest_inputs_and_smooth_an_engine(
+    engine_for, model_path, tmp_path
+):
+    from firsttoken.models.llama import layer_projections
+    from firsttoken.quantize import record_activation_maxima
+    from firsttoken.worker.activation_stats import save_activation_maxima
+
+    float_llm = engine_for(enable_prompt_cache=False, **OPTIONS)  # a cached prefix would not run
+    model = float_llm.core.worker.model
+    windows = [float_llm.tokenizer.encode(prompt) for prompt in PROMPTS]
+    maxima = record_activation_maxima(float_llm, windows)
+    assert sorted(maxima) == sorted(name for name, _, _ in layer_projections(model.layers))
+    # The first layer's qkv input is its input norm of the embeddings: recomputed directly.
+    embedded = model.embed_weight[torch.tensor([token for window in windows for token in window])]
+    weight, eps = model.layers[0].input_norm_weight, model.arch.rms_norm_eps
+    normed = F.rms_norm(embedded, (embedded.shape[-1],), weight, eps)
+    torch.testing.assert_close(maxima["layers.0.qkv_proj"], normed.abs().amax(dim=0), rtol=1e-5, atol=1e-6)
+    path = str(tmp_path / "maxima.safetensors")
+    save_activation_maxima(path, maxima)
+    smoothed = LLM(model_path, quantization="w8a8", w8a8_activation_stats=path, **OPTIONS)
+    try:
+        outputs = float_llm.generate(PROMPTS, GREEDY)
+        replies = [(output.prompt_token_ids, output.token_ids) for output in outputs]
+        assert _teacher_forced_agreement(smoothed, replies) >= 0.75
+    finally:
+        smoothed.shutdown()
+
+
+@needs_exact_int8
+def test_a_stats_file_for_another_model_is_refused_naming_the_field(model_path, tmp_path):
+    from firsttoken.worker.activation_stats import save_activation_maxima
+
+    path = str(tmp_path / "other.safetensors")
+    save_activation_maxima(path, {"layers.0.qkv_proj": torch.ones(7)})
+    with pytest.raises(InvalidInputError, match="w8a8_activation_stats: .* does not fit this model"):
+        LLM(model_path, quantization="w8a8", w8a8_activation_stats=path, **OPTIONS)
+
+
+def test_stats_without_w8a8_are_refused(model_path):
+    with pytest.raises(InvalidInputError, match="w8a8_activation_stats: applies to quantization='w8a8' only"):
+        LLM(model_path, w8a8_activation_stats="stats.safetensors", **OPTIONS)

@@ -142,3 +142,35 @@ def test_the_exactness_probe_agrees_with_the_cpu_flags():
         pytest.skip("ONEDNN_MAX_CPU_ISA holds oneDNN below what the CPU has")
     has_dot_products = any(flag in cpu_flags() for flag in w8a8.INT8_DOT_PRODUCT_FLAGS)
     assert w8a8.onednn_int8_sums_exact() is has_dot_products
+
+
+def test_smoothing_leaves_the_float_product_unchanged():
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(96, 128, generator=generator, dtype=torch.float64) * 0.05
+    x = torch.randn(10, 128, generator=generator, dtype=torch.float64)
+    x[:, 5] *= 50  # an outlier channel
+    factors = w8a8.smoothing_factors(x.abs().amax(dim=0), weight, w8a8.SMOOTHING_ALPHA).double()
+    torch.testing.assert_close((x / factors) @ (weight * factors).t(), x @ weight.t())
+    # The outlier channel is divided most.
+    assert factors.argmax() == 5
+
+
+@needs_exact_int8
+def test_a_smoothed_projection_is_its_reference_and_closer_to_the_float_one(native_kernels):
+    """An outlier input channel leaves the other channels few levels; smoothing by the
+    calibrated maxima moves part of its range into the weight."""
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(96, 128, generator=generator) * 0.05
+    x = torch.randn(64, 128, generator=generator)
+    x[:, 7] *= 60
+    plain = W8A8Linear.from_float(weight, None)
+    smoothed = W8A8Linear.from_float(weight, None, activation_max=x.abs().amax(dim=0))
+    expected = F.linear(x, weight)
+    assert (smoothed(x) - expected).abs().mean() < 0.5 * (plain(x) - expected).abs().mean()
+    reference = w8a8_linear_reference(
+        x.double(), *quantize_int8(weight * 1 / smoothed.input_scales), None, smoothed.input_scales
+    )
+    torch.testing.assert_close(smoothed(x).double(), reference, rtol=1e-5, atol=1e-4)
+    if native_kernels is not None:
+        on_native = W8A8Linear.from_float(weight, None, native_kernels, activation_max=x.abs().amax(dim=0))
+        assert torch.equal(on_native(x), smoothed(x))

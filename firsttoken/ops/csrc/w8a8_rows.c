@@ -38,14 +38,19 @@ static void quantize_row(const float *row, float scale, int64_t cols, uint8_t *l
     }
 }
 
-static int quantize_rows_range(const void *x, uint8_t *levels, float *scales, int64_t begin, int64_t end,
-                               int64_t cols, int dtype) {
+static int quantize_rows_range(const void *x, const float *column_scales, uint8_t *levels, float *scales,
+                               int64_t begin, int64_t end, int64_t cols, int dtype) {
     float *row = malloc((size_t)cols * sizeof(float));
     if (row == NULL) {
         return 0;
     }
     for (int64_t r = begin; r < end; r++) {
         load_row(x, r * cols, cols, dtype, row);
+        if (column_scales != NULL) {
+            for (int64_t c = 0; c < cols; c++) {
+                row[c] *= column_scales[c];
+            }
+        }
         float row_max = row_abs_max(row, cols);
         float scale = row_max > 0.0f ? row_max / 127.0f : 1.0f;
         quantize_row(row, scale, cols, levels + r * cols);
@@ -55,16 +60,17 @@ static int quantize_rows_range(const void *x, uint8_t *levels, float *scales, in
     return 1;
 }
 
-/* Each row of x [rows, cols] (in `dtype`) in symmetric int8 with its own scale, absmax / 127
- * (1 for a zero row): levels uint8 [rows, cols] (the int8 level + 128), scales float32 [rows]. */
-FtStatus ft_quantize_rows_int8(const void *x, uint8_t *levels, float *scales, int64_t rows, int64_t cols, int dtype,
-                               int num_threads) {
+/* Each row of x [rows, cols] (in `dtype`; times column_scales [cols] unless NULL, SmoothQuant's
+ * 1 / s) in symmetric int8 with its own scale, absmax / 127 (1 for a zero row): levels uint8
+ * [rows, cols] (the int8 level + 128), scales float32 [rows]. */
+FtStatus ft_quantize_rows_int8(const void *x, const float *column_scales, uint8_t *levels, float *scales, int64_t rows,
+                               int64_t cols, int dtype, int num_threads) {
     int succeeded = 1;
 #pragma omp parallel num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS) reduction(&& : succeeded)
     {
         int64_t begin, end;
         thread_rows(rows, &begin, &end);
-        succeeded = quantize_rows_range(x, levels, scales, begin, end, cols, dtype);
+        succeeded = quantize_rows_range(x, column_scales, levels, scales, begin, end, cols, dtype);
     }
     return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
 }
