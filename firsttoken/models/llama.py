@@ -312,15 +312,20 @@ class LlamaForCausalLM(nn.Module):
     def _prepare_w8a8(
         self, activation_maxima: dict[str, torch.Tensor] | None, pack_onednn: bool, batch_invariant: bool
     ) -> None:
-        """Every layer projection in W8A8; the head stays float (one row per sampled token, where
-        integer compute gains nothing, and its logits pick the token)."""
+        """Every layer projection in W8A8 (a sharded one's slice inside its all-reduce; maxima
+        are for a whole model); the head stays float (one row per sampled token, where integer
+        compute gains nothing, and its logits pick the token)."""
         native_kernels = self.kernels.native
-        for name, owner, attribute in layer_projections(self.layers):
-            linear = getattr(owner, attribute)
+
+        def quantized(linear: Linear, activation_max: torch.Tensor | None = None) -> W8A8Linear:
             bias = linear.bias.data if linear.bias is not None else None
-            activation_max = activation_maxima[name] if activation_maxima is not None else None
-            quantized = W8A8Linear.from_float(linear.weight.data, bias, native_kernels, activation_max)
-            setattr(owner, attribute, quantized)
+            return W8A8Linear.from_float(linear.weight.data, bias, native_kernels, activation_max)
+
+        if activation_maxima is None:
+            replace_linears(self.layers, quantized)
+        else:
+            for name, owner, attribute in layer_projections(self.layers):
+                setattr(owner, attribute, quantized(getattr(owner, attribute), activation_maxima[name]))
         row_invariant_float = batch_invariant and native_row_invariant_available(
             self.embed_weight.dtype, native_kernels
         )

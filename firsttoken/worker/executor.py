@@ -46,6 +46,10 @@ class Executor:
                 "prompt_cache_dir",
                 "persisted pinned prefixes need tensor_parallel_size 1 (each rank holds a KV slice)",
             )
+        if config.model_config.w8a8_activation_stats is not None:
+            raise InvalidInputError(
+                "w8a8_activation_stats", "maxima are for a whole model, not with tensor_parallel_size > 1"
+            )
         self.rank_group = group = rank_group(config, 0)
         worker = Worker(config, group)  # its slice is chosen here: a split that cannot be raises
         self.rank_processes = processes = RankProcesses(config, run_rank)

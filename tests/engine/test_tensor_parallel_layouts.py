@@ -60,6 +60,12 @@ def test_persisted_pins_are_refused_with_ranks(tiny_model, tmp_path):
         LLM(tiny_model, tensor_parallel_size=2, prompt_cache_dir=str(tmp_path), **OPTIONS)
 
 
+def test_w8a8_maxima_are_refused_with_ranks(tiny_model, tmp_path):
+    stats = str(tmp_path / "maxima.safetensors")
+    with pytest.raises(InvalidInputError, match="w8a8_activation_stats: maxima are for a whole model"):
+        LLM(tiny_model, tensor_parallel_size=2, quantization="w8a8", w8a8_activation_stats=stats, **OPTIONS)
+
+
 @pytest.mark.slow
 def test_two_ranks_in_bf16_stay_batch_invariant(model_path):
     """Each rank's rows are row-invariant and two partial sums add to the same bits in either
