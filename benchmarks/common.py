@@ -35,6 +35,16 @@ def interleaved_medians(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def first_token_run(llm, length: int, greedy_one, first_seed: int) -> Callable[[int], float]:
+    """run(i) for `interleaved_medians`: the seconds `llm` (a firsttoken LLM) takes to prefill
+    a fresh `length`-token prompt (seed first_seed + i) and sample one token with `greedy_one`."""
+    return lambda index: timed(
+        lambda: llm.generate(
+            prompt_token_ids=[random_prompt(length, seed=first_seed + index)], sampling_params=greedy_one
+        )
+    )
+
+
 def timed(function: Callable[[], object]) -> float:
     start = time.perf_counter()
     function()

@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
+from common import first_token_run, interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.registry import default_model_path  # noqa: E402
@@ -42,13 +42,6 @@ def copy_bandwidth_gb_s(megabytes: int = 512, repeats: int = 5) -> float:
     destination = torch.empty_like(source)
     best = min(timed(lambda: destination.copy_(source)) for _ in range(repeats))
     return 2 * source.numel() / best / 1e9
-
-
-def ttft_run(llm: LLM, length: int):
-    return lambda index: timed(
-        lambda: llm.generate(prompt_token_ids=[random_prompt(length, seed=1_000 * length + index)],
-                             sampling_params=GREEDY_ONE)
-    )
 
 
 def warm_prefix_run(llm: LLM):
@@ -143,7 +136,8 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     for length in args.lengths:
         medians = interleaved_medians(
-            {name: ttft_run(llm, length) for name, llm in cold.items()}, args.repeats
+            {name: first_token_run(llm, length, GREEDY_ONE, 1_000 * length) for name, llm in cold.items()},
+            args.repeats,
         )
         results[f"TTFT {length} tokens (ms)"] = {name: seconds * 1000 for name, seconds in medians.items()}
     medians = interleaved_medians({name: warm_prefix_run(llm) for name, llm in warm.items()}, args.repeats)

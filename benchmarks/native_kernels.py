@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
+from common import first_token_run, interleaved_medians, print_table, random_prompt, save_result  # noqa: E402
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.loaders.conversion_cache import default_cache_dir  # noqa: E402
@@ -121,13 +121,6 @@ def print_kernel_tables(native: NativeKernels) -> None:
     print()
 
 
-def ttft_run(llm: LLM, length: int):
-    return lambda index: timed(
-        lambda: llm.generate(prompt_token_ids=[random_prompt(length, seed=9_000 + 10 * length + index)],
-                             sampling_params=GREEDY_ONE)
-    )
-
-
 def decode_run(llm: LLM, num_tokens: int):
     """Seconds per generated token after the first (the decode steps only)."""
     params = SamplingParams(temperature=0, max_tokens=num_tokens + 1, ignore_eos=True)
@@ -166,7 +159,11 @@ def main() -> None:
     rows, ttft_results = [], {}
     for length in args.lengths:
         ttft = interleaved_medians(
-            {name: ttft_run(llm, length) for name, llm in engines.items()}, args.repeats
+            {
+                name: first_token_run(llm, length, GREEDY_ONE, 9_000 + 10 * length)
+                for name, llm in engines.items()
+            },
+            args.repeats,
         )
         ttft_results[length] = ttft
         rows.append([length, ttft[on] * 1000, ttft[off] * 1000, ttft[on] / ttft[off]])

@@ -13,21 +13,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
+from common import first_token_run, interleaved_medians, print_table, save_result  # noqa: E402
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.registry import default_model_path  # noqa: E402
 
 GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
 BASELINE = "bf16, no quantization"
-
-
-def ttft_run(llm: LLM, length: int):
-    return lambda index: timed(
-        lambda: llm.generate(
-            prompt_token_ids=[random_prompt(length, seed=5_000 + index)], sampling_params=GREEDY_ONE
-        )
-    )
 
 
 def main() -> None:
@@ -52,7 +44,8 @@ def main() -> None:
                 path, quantization=quantization, quantized_prefill=quantized_prefill, **options
             )
     ttft = interleaved_medians(
-        {name: ttft_run(llm, args.length) for name, llm in engines.items()}, args.repeats
+        {name: first_token_run(llm, args.length, GREEDY_ONE, 5_000) for name, llm in engines.items()},
+        args.repeats,
     )
     print_table(
         [f"engine ({args.length}-token prompt)", "TTFT ms", f"ratio vs {BASELINE}"],

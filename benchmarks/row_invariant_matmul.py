@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
+from common import first_token_run, interleaved_medians, print_table, random_prompt, save_result  # noqa: E402
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.loaders.conversion_cache import default_cache_dir  # noqa: E402
@@ -97,15 +97,6 @@ def kernel_rows(native: NativeKernels, row_counts: list[int], repeats: int) -> l
     return table
 
 
-def ttft_run(llm: LLM, length: int):
-    return lambda index: timed(
-        lambda: llm.generate(
-            prompt_token_ids=[random_prompt(length, seed=7_000 + 10 * length + index)],
-            sampling_params=GREEDY_ONE,
-        )
-    )
-
-
 def decode_run(llm: LLM, num_tokens: int):
     """Seconds per generated token after the first (the decode steps only)."""
     params = SamplingParams(temperature=0, max_tokens=num_tokens + 1, ignore_eos=True)
@@ -134,7 +125,13 @@ def engine_tables(isa: str, lengths: list[int], repeats: int, decode_tokens: int
     }
     rows, ttft_results = [], {}
     for length in lengths:
-        ttft = interleaved_medians({name: ttft_run(llm, length) for name, llm in engines.items()}, repeats)
+        ttft = interleaved_medians(
+            {
+                name: first_token_run(llm, length, GREEDY_ONE, 7_000 + 10 * length)
+                for name, llm in engines.items()
+            },
+            repeats,
+        )
         ttft_results[length] = ttft
         rows.append([isa, length, ttft["on"] * 1000, ttft["off"] * 1000, ttft["on"] / ttft["off"]])
     print_table(["isa", "prompt tokens", "TTFT ms, invariant", "TTFT ms, torch", "ratio"], rows)

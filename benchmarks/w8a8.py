@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
+from common import first_token_run, interleaved_medians, print_table, save_result  # noqa: E402
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.registry import default_model_path  # noqa: E402
@@ -85,14 +85,6 @@ def _perplexity(positions: list[tuple[float, int]]) -> float:
     return math.exp(-sum(logprob for logprob, _ in positions) / len(positions))
 
 
-def ttft_run(llm: LLM, length: int):
-    return lambda index: timed(
-        lambda: llm.generate(
-            prompt_token_ids=[random_prompt(length, seed=9_000 + index)], sampling_params=GREEDY_ONE
-        )
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -132,7 +124,8 @@ def main() -> None:
     speed = []
     for length in args.lengths:
         medians = interleaved_medians(
-            {name: ttft_run(llm, length) for name, llm in engines.items()}, args.repeats
+            {name: first_token_run(llm, length, GREEDY_ONE, 9_000) for name, llm in engines.items()},
+            args.repeats,
         )
         best_float = min(medians[name] for name in engines if name in args.dtypes or name == REFERENCE)
         speed += [[length, name, seconds * 1e3, seconds / best_float] for name, seconds in medians.items()]

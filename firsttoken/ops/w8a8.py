@@ -99,7 +99,7 @@ def onednn_int8_sums_exact() -> bool:
     weight[1::2] = -INT8_LEVELS
     try:
         packed = torch.ops.onednn.qlinear_prepack(weight, None)
-        output = _onednn_int8_matmul(activations, packed, torch.ones(16), zero_point=0)
+        output = _onednn_int8_matmul(activations, packed, torch.ones(16), _no_zero_points(16), zero_point=0)
     except RuntimeError:  # no oneDNN int8 kernels for this CPU at all
         return False
     expected = (activations.to(torch.int64) @ weight.to(torch.int64).t()).float()
@@ -123,13 +123,21 @@ def w8a8_unsupported_reason(device: torch.device) -> str | None:
     return None
 
 
+def _no_zero_points(out_features: int) -> torch.Tensor:
+    """The weights' zero points oneDNN asks for: symmetric weights have none."""
+    return torch.zeros(out_features, dtype=torch.int64)
+
+
 def _onednn_int8_matmul(
-    levels: torch.Tensor, packed_weight: torch.Tensor, weight_scales: torch.Tensor, zero_point: int
+    levels: torch.Tensor,
+    packed_weight: torch.Tensor,
+    weight_scales: torch.Tensor,
+    weight_zero_points: torch.Tensor,
+    zero_point: int,
 ) -> torch.Tensor:
     """float32 [rows, out]: sum over k of (levels - zero_point) * weight, times the weight's scale."""
-    no_zero_points = torch.zeros(weight_scales.shape[0], dtype=torch.int64)
     return torch.ops.onednn.qlinear_pointwise(
-        levels, 1.0, zero_point, packed_weight, weight_scales, no_zero_points, None,
+        levels, 1.0, zero_point, packed_weight, weight_scales, weight_zero_points, None,
         1.0, 0, torch.float32, "none", [], "",
     )
 
@@ -164,6 +172,7 @@ class W8A8Linear(nn.Module):
         self.out_features = weight.shape[0]
         self.register_buffer("packed_weight", torch.ops.onednn.qlinear_prepack(weight, None))
         self.register_buffer("weight_scales", weight_scales.float().contiguous())
+        self.register_buffer("weight_zero_points", _no_zero_points(self.out_features))
         self.bias = bias.float().contiguous() if bias is not None else None
         self.input_scales = input_scales.float().contiguous() if input_scales is not None else None
         self.kernels = kernels
@@ -189,7 +198,9 @@ class W8A8Linear(nn.Module):
             levels, row_scales = self.kernels.quantize_rows_int8(flat.contiguous(), self.input_scales)
         else:
             levels, row_scales = quantize_rows(flat, self.input_scales)
-        sums = _onednn_int8_matmul(levels, self.packed_weight, self.weight_scales, ACTIVATION_ZERO_POINT)
+        sums = _onednn_int8_matmul(
+            levels, self.packed_weight, self.weight_scales, self.weight_zero_points, ACTIVATION_ZERO_POINT
+        )
         if self.kernels is not None:
             output = self.kernels.rescale_rows(sums, row_scales, self.bias, x.dtype)
         else:
