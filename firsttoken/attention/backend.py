@@ -89,6 +89,8 @@ class AttentionBackend(Protocol):
 
     # The integer type its step inputs (ids, positions, slot mapping) must have.
     index_dtype: torch.dtype
+    # Each query sees its last `sliding_window` keys; None: every earlier key.
+    sliding_window: int | None
 
     def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> Any: ...
 

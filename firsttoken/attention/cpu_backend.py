@@ -18,6 +18,9 @@ scaled-dot-product (SDPA) kernels elsewhere; flash-style throughout, no score ma
   longest, and masked.
 - A context whose blocks are one run of consecutive block ids (the pool hands out ascending
   runs) is read in place, as a view of the cache: no per-layer copy of the context.
+- With a sliding window (each query sees its last `sliding_window` keys), every row takes the
+  portable flash kernel, which skips the key tiles before a row's window and never reads the
+  blocks the KV cache manager has freed there; without native kernels, SDPA with a band mask.
 """
 
 from __future__ import annotations
@@ -72,8 +75,8 @@ class CPUAttentionMetadata:
 
 
 class CPUAttentionBackend:
-    """Attention over the paged KV cache on a CPU: holds the native kernels (None: SDPA alone)
-    and whether decode rows take the prefill kernel's arithmetic."""
+    """Attention over the paged KV cache on a CPU: holds the native kernels (None: SDPA alone),
+    whether decode rows take the prefill kernel's arithmetic, and the sliding window if any."""
 
     index_dtype = torch.long  # index_copy_ and the native KV write take int64 slots
 
@@ -82,10 +85,12 @@ class CPUAttentionBackend:
         device: torch.device,
         native_kernels: native.NativeKernels | None = None,
         decode_as_prefill: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         self.device = device
         self.native = native_kernels
         self.decode_as_prefill = decode_as_prefill
+        self.sliding_window = sliding_window
 
     def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> CPUAttentionMetadata:
         decodes = layout.sequences[: layout.num_decodes]
@@ -96,7 +101,8 @@ class CPUAttentionBackend:
         decode_block_table = decode_key_mask = None
         decode_num_keys = 0
         decode_first_block = None
-        if len(decodes) == 1:
+        # A lone decode is cut to its own keys; with a window, it takes the masked gather too.
+        if len(decodes) == 1 and self.sliding_window is None:
             decode_num_keys = decodes[0].seq_len
             lone_blocks = decodes[0].block_table[: ceil_div(decode_num_keys, layout.block_size)]
             decode_first_block = first_of_run(lone_blocks)
@@ -106,7 +112,11 @@ class CPUAttentionBackend:
             decode_block_table = decode_rows.block_table
             decode_num_keys = decode_block_table.shape[1] * layout.block_size
             key_positions = torch.arange(decode_num_keys, device=self.device)
-            decode_key_mask = (key_positions[None, :] < decode_rows.seq_lens[:, None])[:, None, None, :]
+            decode_key_mask = key_positions[None, :] < decode_rows.seq_lens[:, None]
+            if self.sliding_window is not None:
+                window_starts = decode_rows.seq_lens - self.sliding_window
+                decode_key_mask &= key_positions[None, :] >= window_starts[:, None]
+            decode_key_mask = decode_key_mask[:, None, None, :]
         prefills = []
         query_start = layout.num_decodes
         for sequence in layout.sequences[layout.num_decodes :]:
@@ -164,7 +174,11 @@ class CPUAttentionBackend:
         """The AVX512-BF16 paged kernel where it applies (bf16, heads of 32 to 128), else the
         portable flash kernel (the prefill's arithmetic, always), else SDPA."""
         paged = metadata.paged_decodes
-        if paged is not None and self.native.paged_decode_attention_supports(query, kv_cache):
+        if (
+            paged is not None
+            and self.sliding_window is None
+            and self.native.paged_decode_attention_supports(query, kv_cache)
+        ):
             as_prefill = self.decode_as_prefill and self.decodes_as_prefill(
                 kv_cache.shape[2], query.dtype, query.shape[2]
             )
@@ -176,7 +190,9 @@ class CPUAttentionBackend:
             and self.native.flash_attention_supports(query, kv_cache)
             and kv_cache.is_contiguous()
         ):
-            return self.native.flash_decode_attention(query, kv_cache, paged.block_table, paged.seq_lens)
+            return self.native.flash_decode_attention(
+                query, kv_cache, paged.block_table, paged.seq_lens, window=self.sliding_window or 0
+            )
         return _decode_attention(query, kv_cache, metadata)
 
     def decodes_as_prefill(self, block_size: int, dtype: torch.dtype, head_dim: int) -> bool:
@@ -184,7 +200,7 @@ class CPUAttentionBackend:
         here: on the AVX512-BF16 kernels where they apply, else on the portable flash kernel."""
         if self.native is None:
             return False
-        if _takes_vector_bf16_attention(self.native, dtype, head_dim):
+        if self.sliding_window is None and _takes_vector_bf16_attention(self.native, dtype, head_dim):
             return (
                 self.native.has_prefill_attention
                 and block_size % native_abi.DECODE_AS_PREFILL_BLOCK_MULTIPLE == 0
@@ -203,17 +219,22 @@ class CPUAttentionBackend:
         """The AVX512-BF16 kernel where it applies (bf16, heads of 32 to 128), else the portable
         flash kernel (for chunks of up to FLASH_MAX_QUERIES_BESIDE_SDPA queries unless decode rows
         take the prefill's arithmetic), else SDPA."""
-        if self.native is not None and self.native.has_prefill_attention:
+        window = self.sliding_window
+        if self.native is not None and self.native.has_prefill_attention and window is None:
             keys_values = _all_keys_values(key, value, kv_cache, span)
             if self.native.prefill_attention_supports(query, *keys_values):
                 return self.native.prefill_attention(query, *keys_values, torch.get_num_threads())
-        wants_flash = self.decode_as_prefill or span.query_len <= FLASH_MAX_QUERIES_BESIDE_SDPA
+        wants_flash = (
+            self.decode_as_prefill or window is not None or span.query_len <= FLASH_MAX_QUERIES_BESIDE_SDPA
+        )
         if (
             self.native is not None
             and wants_flash
             and _flash_takes(self.native, query, key, value, kv_cache, span)
         ):
-            return _flash_prefill(self.native, query, key, value, kv_cache, span)
+            return _flash_prefill(self.native, query, key, value, kv_cache, span, window or 0)
+        if window is not None:
+            return _windowed_prefill_attention(query, key, value, kv_cache, span, window)
         return _prefill_attention(query, key, value, kv_cache, span)
 
 
@@ -237,19 +258,20 @@ def _flash_takes(
 
 def _flash_prefill(
     kernels: native.NativeKernels, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    kv_cache: torch.Tensor, span: PrefillSpan,
+    kv_cache: torch.Tensor, span: PrefillSpan, window: int,
 ) -> torch.Tensor:
     """A fresh prompt over its own K/V; a chunk over its context and new tokens, already in
-    the cache: a view of a run of blocks, or its scattered blocks read in place (no gather)."""
+    the cache: a view of a run of blocks, or its scattered blocks read in place (no gather).
+    window > 0: each query over its last `window` keys."""
     threads = torch.get_num_threads()
     if not span.num_context_tokens:
-        return kernels.flash_attention(query, key, value, threads)
+        return kernels.flash_attention(query, key, value, threads, window)
     num_keys = span.num_context_tokens + span.query_len
     if span.sequence_first_block is not None:
         return kernels.flash_attention(
-            query, *context_in_place(kv_cache, span.sequence_first_block, num_keys), threads
+            query, *context_in_place(kv_cache, span.sequence_first_block, num_keys), threads, window
         )
-    return kernels.flash_attention_paged(query, kv_cache, span.sequence_block_ids, num_keys, threads)
+    return kernels.flash_attention_paged(query, kv_cache, span.sequence_block_ids, num_keys, threads, window)
 
 
 def _native_writable(
@@ -368,6 +390,27 @@ def _prefill_attention(
     new_output, new_lse = _flash_with_lse(query_t, key_t, value_t, causal=True)
     merged = merge_attention_states(context_output, context_lse, new_output, new_lse)
     return merged.squeeze(0).transpose(0, 1)
+
+
+def _windowed_prefill_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan,
+    window: int,
+) -> torch.Tensor:
+    """SDPA over every key of the span with a band mask: query i (position p) sees keys
+    p - window + 1 .. p. Keys the window has left may sit in freed blocks: masked, never weighed."""
+    keys, values = _all_keys_values(key, value, kv_cache, span)
+    query_positions = torch.arange(span.num_context_tokens, span.num_context_tokens + span.query_len)
+    key_positions = torch.arange(keys.shape[0])
+    offsets = query_positions[:, None] - key_positions[None, :]
+    band = (offsets >= 0) & (offsets < window)
+    output = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=band.to(query.device),
+        enable_gqa=True,
+    )
+    return output.squeeze(0).transpose(0, 1)
 
 
 def _flash_with_lse(

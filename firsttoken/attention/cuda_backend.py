@@ -69,6 +69,9 @@ class CudaAttentionBackend:
 
     index_dtype = torch.int32  # what the Triton kernels read
 
+    # The Triton kernels attend over every earlier key: a windowed model serves up to its window.
+    sliding_window = None
+
     def __init__(
         self,
         device: torch.device,

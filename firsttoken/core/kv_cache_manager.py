@@ -2,6 +2,11 @@
 
 It hands out block ids and never touches tensors. Allocation failure is `False`/`None`, never
 a partial allocation: a request either gets every block it asked for or nothing changes.
+
+With a sliding window (every layer's query sees its last `sliding_window` keys), the blocks
+wholly before the window of a request's next token are given back as it advances, so a long
+sequence holds about window / block_size blocks; they keep their place in its block table
+(attention never reads them) and, with prefix caching, their cached prefix until evicted.
 """
 
 from __future__ import annotations
@@ -29,13 +34,18 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 class KVCacheManager:
     """Maps requests to blocks; owns the block pool, the per-request block lists and the pins."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
         self.stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_registered_blocks: dict[str, int] = {}
+        # Leading blocks each request has given back (those its window has passed).
+        self._num_released_blocks: dict[str, int] = {}
         self._pins: dict[str, list[KVBlock]] = {}
 
     @property
@@ -79,13 +89,17 @@ class KVCacheManager:
         assert new_blocks is not None  # checked above
         self._blocks[request.req_id] = list(cached_prefix) + new_blocks
         self._num_registered_blocks[request.req_id] = len(cached_prefix)
+        self._num_released_blocks[request.req_id] = 0
         if self.enable_caching:
             self.stats.num_query_tokens += request.num_tokens
             self.stats.num_hit_tokens += num_prefix_tokens
+        self._release_blocks_before_window(request.req_id, num_prefix_tokens)
         return True
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` more tokens of an admitted request."""
+        """Make room for `num_new_tokens` more tokens of an admitted request (first giving back
+        the blocks its window has passed)."""
+        self._release_blocks_before_window(request.req_id, request.num_computed_tokens)
         blocks = self._blocks[request.req_id]
         num_needed = num_blocks_for(request.num_computed_tokens + num_new_tokens, self.block_size) - len(
             blocks
@@ -98,13 +112,28 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         return True
 
+    def _release_blocks_before_window(self, req_id: str, num_computed_tokens: int) -> None:
+        """Give back the blocks wholly before the window of the request's next token (position
+        `num_computed_tokens`): no later query of it attends to them."""
+        if self.sliding_window is None:
+            return
+        first_seen_position = max(0, num_computed_tokens - self.sliding_window + 1)
+        num_passed = first_seen_position // self.block_size
+        num_released = self._num_released_blocks[req_id]
+        if num_passed > num_released:
+            # Oldest first: with prefix caching, the first to be evicted.
+            self.pool.release(self._blocks[req_id][num_released:num_passed])
+            self._num_released_blocks[req_id] = num_passed
+
     def register_computed_blocks(self, request: Request) -> None:
         """Index the request's blocks that are now full of computed KV under their prefix hash."""
         if not self.enable_caching:
             return
         blocks = self._blocks[request.req_id]
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
-        for index in range(self._num_registered_blocks[request.req_id], num_full):
+        # A block given back unregistered may hold another request's KV by now.
+        num_registered = self._num_registered_blocks[request.req_id]
+        for index in range(max(num_registered, self._num_released_blocks[request.req_id]), num_full):
             self.pool.cache(blocks[index], request.block_hashes[index])
         self._num_registered_blocks[request.req_id] = max(
             num_full, self._num_registered_blocks[request.req_id]
@@ -123,7 +152,8 @@ class KVCacheManager:
         """Release the request's blocks, tail first, so its tail is evicted before its head."""
         blocks = self._blocks.pop(request.req_id, [])
         self._num_registered_blocks.pop(request.req_id, None)
-        self.pool.release(reversed(blocks))
+        num_released = self._num_released_blocks.pop(request.req_id, 0)
+        self.pool.release(reversed(blocks[num_released:]))
 
     def holds(self, req_id: str) -> bool:
         return req_id in self._blocks

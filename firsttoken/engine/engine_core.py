@@ -56,7 +56,12 @@ class EngineCore:
         needs_cost = predicts_ttft or self.worker.adapts_threads
         step_cost = self.executor.step_cost_model() if needs_cost else None
         step_times = StepTimeTracker(step_cost) if predicts_ttft else None
-        self.kv_manager = KVCacheManager(self.worker.num_kv_blocks, block_size, config.prompt_cache.enable)
+        self.kv_manager = KVCacheManager(
+            self.worker.num_kv_blocks,
+            block_size,
+            config.prompt_cache.enable,
+            sliding_window=self.worker.backend.sliding_window,
+        )
         self.hash_root = root_hash(self.worker.kv_identity)
         self.scheduler = Scheduler(
             config.scheduler,

@@ -29,6 +29,8 @@ class ModelArch:
     attention_bias: bool
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
+    # The layers the window applies to (Qwen2/3 window only their upper layers); None: all.
+    sliding_window_layers: tuple[int, ...] | None = None
     # Qwen3: each query and key head RMS-normalized (its own weight over head_dim) before rotary.
     qk_norm: bool = False
 
@@ -42,6 +44,18 @@ class ModelArch:
             raise ValueError(
                 f"num_kv_heads: {self.num_kv_heads} must divide num_heads {self.num_heads}"
             )
+
+    @property
+    def windowed_everywhere(self) -> bool:
+        """Whether every layer has the sliding window (the one kind served past the window)."""
+        return self.sliding_window_layers is None or len(set(self.sliding_window_layers)) == self.num_layers
+
+    def window_within(self, max_model_len: int) -> int | None:
+        """The sliding window attention must apply for sequences up to `max_model_len` tokens:
+        None when the model has none or every sequence fits within it (full attention is exact)."""
+        if self.sliding_window is None or self.sliding_window >= max_model_len:
+            return None
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:

@@ -255,12 +255,12 @@ class NativeKernels:
         )
 
     def flash_attention(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_threads: int
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_threads: int, window: int = 0
     ) -> torch.Tensor:
         """Causal attention of query [n, heads, head_dim] over key and value [m, kv_heads,
         head_dim] (heads contiguous, rows strided), m >= n, the queries being the last n of the m
-        positions; float32 arithmetic, the inputs' dtype out. Inputs must pass
-        `flash_attention_supports` (key and value too)."""
+        positions, each over its last `window` keys only when window > 0; float32 arithmetic, the
+        inputs' dtype out. Inputs must pass `flash_attention_supports` (key and value too)."""
         num_keys, num_kv_heads = key.shape[0], key.shape[1]
         if value.shape != key.shape or not (heads_contiguous(key) and heads_contiguous(value)):
             raise ValueError(f"flash_attention: keys {tuple(key.shape)} and values {tuple(value.shape)}")
@@ -270,7 +270,7 @@ class NativeKernels:
             "num_slots": num_keys,
         }
         return self._flash_attention(
-            "flash_attention", query, key_values, num_keys, num_kv_heads, num_threads
+            "flash_attention", query, key_values, num_keys, num_kv_heads, num_threads, window
         )
 
     def flash_attention_paged(
@@ -280,11 +280,13 @@ class NativeKernels:
         block_ids: torch.Tensor,
         num_keys: int,
         num_threads: int,
+        window: int = 0,
     ) -> torch.Tensor:
         """`flash_attention` over the first num_keys keys of one sequence, read in place from
         kv_cache [2, blocks, block_size, kv_heads, head_dim] (contiguous) through its block ids
         (long [>= ceil(num_keys / block_size)]): a chunk on cached context with no gather, the
-        bits `flash_attention` gives the same keys."""
+        bits `flash_attention` gives the same keys. Blocks wholly before every query's window
+        are never read."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         if not kv_cache.is_contiguous() or block_ids.dtype != torch.long or block_ids.dim() != 1:
             raise ValueError(f"flash_attention_paged: block ids {tuple(block_ids.shape)} {block_ids.dtype}")
@@ -296,7 +298,7 @@ class NativeKernels:
             "block_size": block_size, "num_slots": num_blocks * block_size,
         }
         return self._flash_attention(
-            "flash_attention_paged", query, key_values, num_keys, num_kv_heads, num_threads
+            "flash_attention_paged", query, key_values, num_keys, num_kv_heads, num_threads, window
         )
 
     def _flash_attention(
@@ -307,6 +309,7 @@ class NativeKernels:
         num_keys: int,
         num_kv_heads: int,
         num_threads: int,
+        window: int,
     ) -> torch.Tensor:
         """Runs ft_flash_attention over the K/V rows `key_values` locates (its parameters from
         `key` to `num_slots`)."""
@@ -315,19 +318,26 @@ class NativeKernels:
         status = self._kernels["ft_flash_attention"](
             query=query.data_ptr(), query_stride=query.stride(0), **key_values, num_queries=num_queries,
             num_keys=num_keys, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            scale=head_dim**-0.5, out=out.data_ptr(), dtype=_code(query), num_threads=max(1, num_threads),
+            scale=head_dim**-0.5, window=window, out=out.data_ptr(), dtype=_code(query),
+            num_threads=max(1, num_threads),
         )
         self._check_flash(status, name, query, num_keys, num_kv_heads)
         return out
 
     def flash_decode_attention(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: int = 0,
     ) -> torch.Tensor:
         """One new query per sequence, query [rows, heads, head_dim], over the first seq_lens[r]
-        keys of sequence r, read in place through block_table (long [rows, max_blocks]) from
-        kv_cache [2, blocks, block_size, kv_heads, head_dim] (contiguous): for each row the bits
-        `flash_attention` gives the last position of a prefill of those keys, whatever the other
-        rows. Inputs must pass `flash_attention_supports`; seq_lens long [rows]."""
+        keys of sequence r (the last `window` of them when window > 0), read in place through
+        block_table (long [rows, max_blocks]) from kv_cache [2, blocks, block_size, kv_heads,
+        head_dim] (contiguous): for each row the bits `flash_attention` gives the last position of
+        a prefill of those keys, whatever the other rows. Inputs must pass
+        `flash_attention_supports`; seq_lens long [rows]."""
         rows = query.shape[0]
         if (
             block_table.shape[0] != rows or seq_lens.shape != (rows,) or not kv_cache.is_contiguous()
@@ -341,8 +351,8 @@ class NativeKernels:
         seq_lens = seq_lens.contiguous()
         out = query.new_empty(query.shape)
         status = self._kernels["ft_flash_decode_attention"](
-            **_paged_decodes(query, kv_cache, block_table, seq_lens), out=out.data_ptr(), dtype=_code(query),
-            num_threads=torch.get_num_threads(),
+            **_paged_decodes(query, kv_cache, block_table, seq_lens), window=window, out=out.data_ptr(),
+            dtype=_code(query), num_threads=torch.get_num_threads(),
         )
         self._check_flash(status, "flash_decode_attention", query, int(seq_lens.max()), kv_cache.shape[3])
         return out

@@ -56,7 +56,10 @@ class ModelRunner:
         self.device = device
         self.index_dtype = np.dtype(str(backend.index_dtype).removeprefix("torch."))
         self.staging = StagingBuffer(device, backend.index_dtype)
-        self.whole_step_decode: WholeStepDecode | None = build_whole_step_decode(model)
+        # The whole-step decode attends over every earlier key.
+        self.whole_step_decode: WholeStepDecode | None = (
+            build_whole_step_decode(model) if backend.sliding_window is None else None
+        )
         self.decode_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
 

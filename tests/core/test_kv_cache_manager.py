@@ -118,3 +118,46 @@ def test_reset_frees_everything():
     manager.reset_prefix_cache()
     assert manager.pool.num_free_blocks == 4
     assert manager.find_cached_prefix(_hashed(make_request("b", 9))) == []
+
+
+def test_a_sliding_window_gives_back_the_blocks_it_has_passed_and_frees_the_rest_once():
+    """Window 6, blocks of 4: before the step at position p, blocks wholly before p - 5 are
+    given back, oldest first (with caching, the first evicted); freeing the request later
+    returns only the rest."""
+    manager = KVCacheManager(16, BLOCK, enable_caching=True, sliding_window=6)
+    request = _hashed(make_request("a", 40))
+    assert manager.admit(request, [], 8)
+    assert manager.pool.num_free_blocks == 14
+    for num_computed in range(8, 40, 4):
+        request.num_computed_tokens = num_computed
+        manager.register_computed_blocks(request)
+        assert manager.allocate_slots(request, 4)
+        first_seen = num_computed - 6 + 1
+        num_passed = first_seen // BLOCK
+        num_held = len(manager.block_ids("a")) - num_passed
+        assert manager.pool.num_free_blocks == 16 - num_held
+        assert num_held <= -(-(6 + 4) // BLOCK) + 1
+    # Given back in order: the request's first blocks are the first to be evicted.
+    assert manager.pool.free_block_ids_in_eviction_order()[-7:] == manager.block_ids("a")[:7]
+    request.num_computed_tokens = 40
+    manager.register_computed_blocks(request)
+    manager.free(request)
+    assert manager.pool.num_free_blocks == 16
+
+
+def test_a_window_long_enough_for_a_prefix_hit_revives_only_what_it_needs_to_keep():
+    """A hit on a 32-token prefix under a window of 6: the blocks before the window of the
+    first new token go straight back; the request holds the window's blocks and its new ones."""
+    manager = KVCacheManager(16, BLOCK, enable_caching=True, sliding_window=6)
+    first = _hashed(make_request("a", 36))
+    assert manager.admit(first, [], 36)
+    _compute_all(manager, first)
+    manager.free(first)
+    second = _hashed(make_request("b", 36))
+    hits = manager.find_cached_prefix(second)
+    assert len(hits) == 8
+    assert manager.admit(second, hits, 4)
+    # Position 32 sees 27..32: blocks 0-5 (tokens 0..23) given back; 6, 7 and one new block held.
+    assert manager.pool.num_free_blocks == 16 - 3
+    manager.free(second)
+    assert manager.pool.num_free_blocks == 16

@@ -41,7 +41,7 @@ def _qkv(num_queries, num_keys, num_heads, num_kv_heads, head_dim, dtype, seed=0
     return query, key, value
 
 
-def _causal_attention_reference(query, key, value):
+def _causal_attention_reference(query, key, value, window=0):
     num_queries, num_heads, head_dim = query.shape
     num_keys, num_kv_heads = key.shape[0], key.shape[1]
     group = num_heads // num_kv_heads
@@ -49,7 +49,8 @@ def _causal_attention_reference(query, key, value):
         torch.einsum("qhd,khd->hqk", query.float(), key.float().repeat_interleave(group, 1)) / head_dim**0.5
     )
     positions = torch.arange(num_keys - num_queries, num_keys)
-    allowed = torch.arange(num_keys)[None, :] <= positions[:, None]
+    offsets = positions[:, None] - torch.arange(num_keys)[None, :]
+    allowed = (offsets >= 0) & ((offsets < window) if window else True)
     weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return torch.einsum("hqk,khd->qhd", weights, value.float().repeat_interleave(group, 1))
 
@@ -150,3 +151,61 @@ def test_bad_shapes_and_tables_are_named(kernels):
         kernels.flash_decode_attention(
             query[:1], kv_cache, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([9])
         )
+
+
+# Windows inside a tile, on its edge, across several tiles, and wider than every sequence.
+WINDOWS = [1, 5, 16, 64, 65, 130, 1000]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("num_queries,num_keys", [(1, 1), (64, 64), (65, 129), (17, 300), (300, 300)])
+def test_a_sliding_window_matches_plain_math(kernels, dtype, window, num_queries, num_keys):
+    query, key, value = _qkv(num_queries, num_keys, 9, 3, 64, dtype)
+    output = kernels.flash_attention(query, key, value, num_threads=2, window=window)
+    torch.testing.assert_close(
+        output.float(), _causal_attention_reference(query, key, value, window), **TOLERANCE[dtype]
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [5, 64, 100])
+def test_windowed_chunks_and_decode_rows_get_the_bits_of_one_prefill(kernels, dtype, window):
+    """A windowed row's bits depend on its inputs only: as a chunk on cached context (in place,
+    through block ids) and as a decode row, alone or beside others, it equals its prefill row."""
+    num_keys = 300
+    query, key, value = _qkv(num_keys, num_keys, 9, 3, 64, dtype)
+    prefill = kernels.flash_attention(query, key, value, num_threads=2, window=window)
+    kv_cache, block_ids = _paged(key, value, 16)
+    chunk = kernels.flash_attention_paged(
+        query[-70:], kv_cache, block_ids, num_keys, num_threads=1, window=window
+    )
+    assert torch.equal(chunk, prefill[-70:])
+    positions = torch.tensor(POSITIONS_ON_TILE_EDGES)
+    block_table = block_ids.repeat(len(positions), 1)
+    decoded = kernels.flash_decode_attention(
+        query[positions], kv_cache, block_table, positions + 1, window=window
+    )
+    assert torch.equal(decoded, prefill[positions])
+
+
+def test_blocks_before_every_window_are_never_read(kernels):
+    """Blocks wholly before the window hold NaN (as if freed and reused): the output stays finite
+    and equal to the intact cache's."""
+    window, block_size, num_keys = 40, 16, 200
+    query, key, value = _qkv(num_keys, num_keys, 9, 3, 64, torch.float32)
+    kv_cache, block_ids = _paged(key, value, block_size)
+    intact = kernels.flash_attention_paged(
+        query[-30:], kv_cache, block_ids, num_keys, num_threads=2, window=window
+    )
+    first_seen = num_keys - 30 - window + 1
+    kv_cache[:, block_ids[: first_seen // block_size]] = float("nan")
+    assert torch.equal(
+        kernels.flash_attention_paged(
+            query[-30:], kv_cache, block_ids, num_keys, num_threads=2, window=window
+        ),
+        intact,
+    )
+    last = torch.tensor([num_keys - 1])
+    decoded = kernels.flash_decode_attention(query[last], kv_cache, block_ids[None], last + 1, window=window)
+    assert torch.equal(decoded, intact[-1:])

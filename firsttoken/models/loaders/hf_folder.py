@@ -24,7 +24,7 @@ def is_hf_folder(path: str) -> bool:
 
 def load_hf_folder(path: str) -> Checkpoint:
     config = _read_json(os.path.join(path, "config.json"))
-    arch = _arch_from_config(config, path)
+    arch = arch_from_config(config, path)
     weight_files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not weight_files:
         raise ValueError(f"model: {path} holds no *.safetensors weights")
@@ -51,7 +51,7 @@ def _read_json(path: str) -> dict[str, Any]:
         raise ValueError(f"model: cannot read {path} ({error})") from error
 
 
-def _arch_from_config(config: dict[str, Any], path: str) -> ModelArch:
+def arch_from_config(config: dict[str, Any], path: str) -> ModelArch:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -87,8 +87,20 @@ def _arch_from_config(config: dict[str, Any], path: str) -> ModelArch:
         attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
         rope_scaling=_rope_scaling(scaling_source),
         sliding_window=config.get("sliding_window") if use_sliding_window else None,
+        sliding_window_layers=_sliding_window_layers(config, model_type),
         qk_norm=model_type == "qwen3",
     )
+
+
+def _sliding_window_layers(config: dict[str, Any], model_type: str) -> tuple[int, ...] | None:
+    """The layers a window applies to: as `layer_types` lists them, or (older Qwen2/3 configs)
+    those from `max_window_layers` on; None (every layer) for Mistral and Phi-3."""
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        return tuple(index for index, kind in enumerate(layer_types) if kind == "sliding_attention")
+    if model_type in ("qwen2", "qwen3") and "max_window_layers" in config:
+        return tuple(range(int(config["max_window_layers"]), int(config["num_hidden_layers"])))
+    return None
 
 
 def _rope_scaling(source: dict[str, Any]) -> RopeScaling | None:

@@ -1,7 +1,8 @@
 /* Causal attention, flash-style, in float32 arithmetic over float32 or bf16 tensors, written
  * once over isa.h so it builds for every CPU class (AVX2+FMA, AVX-512F, SSE2/NEON).
  *
- * Queries i attend keys j <= i + (num_keys - num_queries). Keys stream through in tiles of
+ * Queries i attend keys j <= i + (num_keys - num_queries), and with a sliding window of W keys
+ * only the last W of those (j > i + (num_keys - num_queries) - W). Keys stream through in tiles of
  * KEY_TILE at fixed positions from key 0, each with an online softmax (running max and sum per
  * query row, no score matrix): for every key a dot product along the head dims (VEC_WIDTH keys
  * at a time, their lane sums transposed into one vector of scores), then output += P V.
@@ -45,6 +46,7 @@ typedef struct {
     int64_t out_stride;
     int64_t first_position; /* query 0's position: it sees keys 0..first_position */
     int64_t num_queries;
+    int64_t window; /* > 0: a query at position p sees keys p - window + 1 .. p only */
     KeyValueRows kv; /* at KV head 0 */
 } Sequence;
 
@@ -86,14 +88,15 @@ static void widen_row(const uint16_t *source, int64_t head_dim, float *destinati
     }
 }
 
-/* The tile's `count` rows from `first_key`, up to a whole vector of keys (keys past the last
- * read as zeros: scores take VEC_WIDTH keys at a time). */
-static void load_tile(const KeyValueRows *rows, int64_t first_key, int64_t count, const Shape *shape,
-                      float *key_buffer, float *value_buffer, KeyTile *tile) {
+/* The tile's `count` rows from `first_key`, up to a whole vector of keys (keys past the last,
+ * and keys before `first_seen` that no row of the block sees, read as zeros and are never
+ * touched: their blocks may have left a sliding window's sequence). */
+static void load_tile(const KeyValueRows *rows, int64_t first_key, int64_t count, int64_t first_seen,
+                      const Shape *shape, float *key_buffer, float *value_buffer, KeyTile *tile) {
     int64_t head_dim = shape->head_dim;
     for (int64_t k = 0; k < (count + VEC_WIDTH - 1) / VEC_WIDTH * VEC_WIDTH; k++) {
         int64_t index = first_key + k;
-        if (k >= count || index >= rows->count) {
+        if (k >= count || index >= rows->count || index < first_seen) {
             tile->keys[k] = tile->values[k] = zero_row;
             continue;
         }
@@ -171,25 +174,27 @@ static void weigh_values(const float *p, const float *const *values, int64_t val
     }
 }
 
-/* A query row's scaled scores over the first `valid` keys of a tile (1..KEY_TILE: those up to
- * its causal limit), the rest of their last vector -inf. Not inlined (nor update_row): every
+/* A query row's scaled scores over keys [skip, valid) of a tile (valid 1..KEY_TILE: up to its
+ * causal limit; skip: those before its window), the rest -inf. Not inlined (nor update_row): every
  * row, from whichever call, runs this one compiled body, so its bits never depend on the
  * caller. A block's rows score first, then update: the tile's keys, then its values, stay in
  * L1 across the rows. */
-__attribute__((noinline)) static void score_tile(const float *query, const KeyTile *tile, int64_t valid,
-                                                 int64_t head_dim, float scale, float *scores) {
+__attribute__((noinline)) static void score_tile(const float *query, const KeyTile *tile, int64_t skip,
+                                                 int64_t valid, int64_t head_dim, float scale, float *scores) {
     int64_t dim_vectors = head_dim / VEC_WIDTH, key_vectors = (valid + VEC_WIDTH - 1) / VEC_WIDTH;
     const vint lanes = vi_lane_indices();
     for (int64_t g = 0; g < key_vectors; g++) {
-        vint inside = lanes + (int32_t)(g * VEC_WIDTH) < (int32_t)valid;
+        vint key = lanes + (int32_t)(g * VEC_WIDTH);
+        vint inside = (key < (int32_t)valid) & (key >= (int32_t)skip);
         vfloat score = score_keys(query, tile->keys + g * VEC_WIDTH, dim_vectors) * scale;
         vf_store(scores + g * VEC_WIDTH, vf_select(inside, score, vf_splat(-INFINITY)));
     }
 }
 
-/* The online softmax update of a row from its tile's scores, then output += P V. */
-__attribute__((noinline)) static void update_row(const float *tile_scores, const KeyTile *tile, int64_t valid,
-                                                 int64_t head_dim, RowState *state) {
+/* The online softmax update of a row from its tile's scores (keys [skip, valid) seen), then
+ * output += P V (the keys before skip weigh exactly 0). */
+__attribute__((noinline)) static void update_row(const float *tile_scores, const KeyTile *tile, int64_t skip,
+                                                 int64_t valid, int64_t head_dim, RowState *state) {
     int64_t dim_vectors = head_dim / VEC_WIDTH, key_vectors = (valid + VEC_WIDTH - 1) / VEC_WIDTH;
     const vint lanes = vi_lane_indices();
     vfloat scores[KEY_TILE / VEC_WIDTH];
@@ -205,7 +210,8 @@ __attribute__((noinline)) static void update_row(const float *tile_scores, const
     float probabilities[KEY_TILE];
     vfloat sums = vf_load(state->sums) * rescale;
     for (int64_t g = 0; g < key_vectors; g++) {
-        vint inside = lanes + (int32_t)(g * VEC_WIDTH) < (int32_t)valid;
+        vint key = lanes + (int32_t)(g * VEC_WIDTH);
+        vint inside = (key < (int32_t)valid) & (key >= (int32_t)skip);
         vfloat p = vf_select(inside, vf_exp(scores[g] - new_max), vf_splat(0.0f));
         sums = sums + p;
         vf_store(probabilities + g * VEC_WIDTH, p);
@@ -267,6 +273,17 @@ static inline int64_t tile_valid(int64_t position, int64_t first_key, int64_t nu
     return limit - first_key + 1 < KEY_TILE ? limit - first_key + 1 : KEY_TILE;
 }
 
+/* The first key a query at `position` sees: 0, or the start of its window. */
+static inline int64_t window_start(int64_t position, int64_t window) {
+    return window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
+}
+
+/* Keys of the tile from `first_key` before the window of a query at `position`. */
+static inline int64_t tile_skip(int64_t position, int64_t first_key, int64_t window) {
+    int64_t start = window_start(position, window);
+    return start > first_key ? start - first_key : 0;
+}
+
 /* Queries [first_query, first_query + positions) of `sequence` at query heads [first_head,
  * first_head + heads), all of one KV head, attend over that head's keys; rows ordered by
  * position, then head. */
@@ -296,19 +313,32 @@ static void attend_block(const Sequence *sequence, const Shape *shape, int64_t f
     kv.values = (const char *)kv.values + kv_head * head_dim * size;
     int64_t first_position = sequence->first_position + first_query;
     int64_t last_key = first_position + positions - 1 < kv.count - 1 ? first_position + positions - 1 : kv.count - 1;
+    int64_t window = sequence->window;
+    /* Tiles stay at fixed positions from key 0 (a row's bits do not depend on its block); those
+     * wholly before every row's window are skipped. */
+    int64_t first_seen = window_start(first_position, window);
     KeyTile tile;
-    for (int64_t first_key = 0; first_key <= last_key; first_key += KEY_TILE) {
+    for (int64_t first_key = first_seen / KEY_TILE * KEY_TILE; first_key <= last_key; first_key += KEY_TILE) {
         int64_t tile_keys = last_key - first_key + 1 < KEY_TILE ? last_key - first_key + 1 : KEY_TILE;
-        load_tile(&kv, first_key, tile_keys, shape, scratch->key_buffer, scratch->value_buffer, &tile);
-        /* Rows before first_row see none of this tile's keys. */
+        load_tile(&kv, first_key, tile_keys, first_seen, shape, scratch->key_buffer, scratch->value_buffer, &tile);
+        /* Rows before first_row see none of this tile's keys (causal), nor rows from end_row (window). */
         int64_t first_row = first_key > first_position ? (first_key - first_position) * heads : 0;
-        for (int64_t r = first_row; r < rows; r++) {
-            score_tile(queries[r], &tile, tile_valid(first_position + r / heads, first_key, kv.count), head_dim,
-                       shape->scale, scratch->scores + r * KEY_TILE);
+        int64_t end_row = rows;
+        if (window > 0) {
+            int64_t last_seeing = first_key + tile_keys - 1 + window - 1;
+            int64_t seeing_positions = last_seeing - first_position + 1;
+            end_row = seeing_positions * heads < rows ? seeing_positions * heads : rows;
         }
-        for (int64_t r = first_row; r < rows; r++) {
-            update_row(scratch->scores + r * KEY_TILE, &tile, tile_valid(first_position + r / heads, first_key, kv.count),
-                       head_dim, &scratch->states[r]);
+        for (int64_t r = first_row; r < end_row; r++) {
+            int64_t position = first_position + r / heads;
+            score_tile(queries[r], &tile, tile_skip(position, first_key, window),
+                       tile_valid(position, first_key, kv.count), head_dim, shape->scale,
+                       scratch->scores + r * KEY_TILE);
+        }
+        for (int64_t r = first_row; r < end_row; r++) {
+            int64_t position = first_position + r / heads;
+            update_row(scratch->scores + r * KEY_TILE, &tile, tile_skip(position, first_key, window),
+                       tile_valid(position, first_key, kv.count), head_dim, &scratch->states[r]);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -326,7 +356,8 @@ static int shape_supported(const Shape *shape) {
 
 /* out [num_queries, num_heads, head_dim] (contiguous) = causal attention of query
  * [num_queries, num_heads, head_dim] (heads contiguous, rows query_stride apart) over the
- * num_keys K/V rows at `key` and `value`, the queries being the last num_queries positions.
+ * num_keys K/V rows at `key` and `value`, the queries being the last num_queries positions;
+ * with window > 0, each over its last `window` keys only (0: all).
  * K/V rows: consecutive, key_stride / value_stride elements apart (block_ids NULL); or the
  * slots of a paged cache half (slot s at s * stride) through the sequence's block_ids
  * (num_block_ids of them, blocks of block_size, num_slots slots). float32 or bf16 (`dtype`)
@@ -336,16 +367,16 @@ static int shape_supported(const Shape *shape) {
 FtStatus ft_flash_attention(const void *query, int64_t query_stride, const void *key, int64_t key_stride,
                             const void *value, int64_t value_stride, const int64_t *block_ids, int64_t num_block_ids,
                             int64_t block_size, int64_t num_slots, int64_t num_queries, int64_t num_keys,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, void *out,
-                            int dtype, int num_threads) {
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window,
+                            void *out, int dtype, int num_threads) {
     Shape shape = {num_heads, num_kv_heads, head_dim, scale, dtype};
-    if (!shape_supported(&shape) || num_queries < 1 || num_queries > num_keys) {
+    if (!shape_supported(&shape) || num_queries < 1 || num_queries > num_keys || window < 0) {
         return FT_BAD_SHAPE;
     }
     if (block_ids != NULL && !tables_in_bounds(num_slots, block_ids, num_block_ids, block_size, &num_keys, 1)) {
         return FT_OUT_OF_BOUNDS;
     }
-    Sequence sequence = {query, query_stride, out, num_heads * head_dim, num_keys - num_queries, num_queries,
+    Sequence sequence = {query, query_stride, out, num_heads * head_dim, num_keys - num_queries, num_queries, window,
                          {key, value, key_stride, value_stride, block_ids, block_size, num_keys}};
     int64_t group = num_heads / num_kv_heads, blocks = (num_queries + QUERY_BLOCK - 1) / QUERY_BLOCK;
     int64_t work = num_queries * num_keys * num_heads * head_dim;
@@ -400,7 +431,7 @@ FT_INTERNAL void decode_attention_share(const DecodeAttention *a, int64_t heads_
     for (int64_t item = 0; item < a->rows * items_per_row; item++) {
         int64_t r = item / items_per_row, first_head = (item % items_per_row) * heads_per_item;
         Sequence sequence = {(const char *)a->query + r * a->query_stride * size, 0,
-                             (char *)a->out + r * num_heads * head_dim * size, 0, a->seq_lens[r] - 1, 1,
+                             (char *)a->out + r * num_heads * head_dim * size, 0, a->seq_lens[r] - 1, 1, a->window,
                              {a->kv_cache, values, kv_width, kv_width, a->block_table + r * a->max_blocks,
                               a->block_size, a->seq_lens[r]}};
         attend_block(&sequence, &shape, 0, 1, first_head, heads_per_item, scratch);
@@ -416,12 +447,13 @@ FT_INTERNAL int decode_attention_supported(int64_t num_heads, int64_t num_kv_hea
  * apart, heads contiguous) attending over the first seq_lens[r] keys of its sequence, read in
  * place through block_table [rows, max_blocks] from one layer's cache [2, num_slots, kv_heads
  * * head_dim] in `dtype`: the bits ft_flash_attention gives the last position of a prefill of
- * those keys. Returns as ft_flash_attention. */
+ * those keys (with window > 0, the last `window` of them). Returns as ft_flash_attention. */
 FtStatus ft_flash_decode_attention(const void *query, int64_t query_stride, const void *kv_cache, int64_t num_slots,
                                    const int64_t *block_table, int64_t max_blocks, const int64_t *seq_lens,
                                    int64_t block_size, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
-                                   int64_t head_dim, float scale, void *out, int dtype, int num_threads) {
-    if (!decode_attention_supported(num_heads, num_kv_heads, head_dim)) {
+                                   int64_t head_dim, float scale, int64_t window, void *out, int dtype,
+                                   int num_threads) {
+    if (!decode_attention_supported(num_heads, num_kv_heads, head_dim) || window < 0) {
         return FT_BAD_SHAPE;
     }
     if (!tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
@@ -429,7 +461,7 @@ FtStatus ft_flash_decode_attention(const void *query, int64_t query_stride, cons
     }
     DecodeAttention attention = {query,   query_stride, kv_cache,  num_slots,    block_table, max_blocks, seq_lens,
                                  block_size, rows,      num_heads, num_kv_heads, head_dim,    scale,      out,
-                                 dtype};
+                                 dtype,      window};
     int64_t heads_per_item = decode_heads_per_item(rows, num_heads, num_kv_heads, num_threads), work = 0;
     for (int64_t r = 0; r < rows; r++) {
         work += seq_lens[r] * num_heads * head_dim;

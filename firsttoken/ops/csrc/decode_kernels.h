@@ -35,6 +35,7 @@ typedef struct {
     float scale;
     void *out; /* [rows, num_heads, head_dim] */
     int dtype;
+    int64_t window; /* > 0: each row sees its last `window` keys only */
 } DecodeAttention;
 
 /* Whether the flash decode attention takes this head shape. */

@@ -98,7 +98,8 @@ static void attend(const DecodeModel *m, const DecodeLayer *layer, const DecodeB
     int64_t qkv_width = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
     DecodeAttention attention = {a->qkv,        qkv_width,      layer->kv_cache, m->num_slots,      b->block_table,
                                  b->max_blocks, b->seq_lens,    b->block_size,   rows,              m->num_heads,
-                                 m->num_kv_heads, m->head_dim,  m->attention_scale, a->attended,    DTYPE_FLOAT32};
+                                 m->num_kv_heads, m->head_dim,  m->attention_scale, a->attended,    DTYPE_FLOAT32,
+                                 0 /* whole-step decode: models without a window */};
     decode_attention_share(&attention, t->heads_per_item, t->attention);
 #pragma omp barrier
 }
