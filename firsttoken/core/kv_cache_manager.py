@@ -56,6 +56,15 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    def max_blocks_held(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` tokens ever holds at once, taking at most
+        `max_step_tokens` new tokens a step: all of them, or with a sliding window those of the
+        window before a step plus the step's (one more where they straddle a block edge)."""
+        num_blocks = num_blocks_for(num_tokens, self.block_size)
+        if self.sliding_window is None:
+            return num_blocks
+        return min(num_blocks, num_blocks_for(self.sliding_window - 1 + max_step_tokens, self.block_size) + 1)
+
     def block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self._blocks.get(req_id, ())]
 

@@ -38,7 +38,7 @@ from firsttoken.core.batch import (
 )
 from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
 from firsttoken.core.hashing import BlockHash, extend_block_hashes
-from firsttoken.core.kv_cache_manager import KVCacheManager, num_blocks_for
+from firsttoken.core.kv_cache_manager import KVCacheManager
 from firsttoken.core.policy import LatencyTargets, StepLoad, adaptive_prefill_budget
 from firsttoken.core.slo import (
     ON_TIME,
@@ -175,7 +175,7 @@ class Scheduler:
                 f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {total}, "
                 f"longer than max_model_len ({self.max_model_len})",
             )
-        needed = num_blocks_for(total, self.block_size)
+        needed = self.kv_manager.max_blocks_held(total, self.config.max_num_batched_tokens)
         if needed > self.kv_manager.num_blocks:
             raise InvalidInputError(
                 "max_tokens",
@@ -187,7 +187,9 @@ class Scheduler:
         """Pinned blocks are never evicted: a request needing more than the rest of the cache
         (its own pinned prefix aside) could never be scheduled, so it is refused now rather
         than left waiting until someone unpins."""
-        num_needed = num_blocks_for(request.max_total_tokens, self.block_size)
+        num_needed = self.kv_manager.max_blocks_held(
+            request.max_total_tokens, self.config.max_num_batched_tokens
+        )
         num_pinned = self.kv_manager.num_pinned_blocks_apart_from(request.block_hashes)
         num_available = self.kv_manager.num_blocks - num_pinned
         if num_needed > num_available:
