@@ -1,0 +1,130 @@
+"""Sliding-window attention against full attention as the context grows: decode cost per token,
+TTFT of the context's prefill, and the KV blocks a sequence holds.
+
+Two random-weight 2-layer Mistral folders of SmolLM2-135M's layer shapes (hidden 576, 9 query
+and 3 KV heads of 64), one with a window of `--window` keys and one without, are written to a
+temporary folder (transformers builds them: a dev dependency). For each context length, one
+request prefills that many random tokens and decodes `--decode-tokens` more; the decode cost is
+the mean time between its tokens after the first. float32, prompt cache off.
+
+    python benchmarks/sliding_window.py --contexts 1024 8192 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from benchmarks.common import print_table, random_prompt, save_result
+from firsttoken import LLM, SamplingParams
+from firsttoken.models.registry import default_model_path, open_checkpoint
+
+
+def write_model(folder: str, window: int | None, max_context: int) -> str:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tokenizer = open_checkpoint(default_model_path()).tokenizer.backend
+    config = MistralConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=2,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=max_context,
+        sliding_window=window,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    MistralForCausalLM(config).save_pretrained(folder)
+    tokenizer.save(f"{folder}/tokenizer.json")
+    return folder
+
+
+def measure(llm: LLM, context: int, decode_tokens: int, seed: int) -> dict[str, float]:
+    """TTFT, mean seconds per decoded token after the first, the most KV blocks held (during the
+    prefill: the window plus a chunk) and those held at the last token."""
+    params = SamplingParams(temperature=0, max_tokens=decode_tokens + 1, ignore_eos=True)
+    start = time.perf_counter()
+    token_times = []
+    most_held = held = 0
+    for delta in llm.stream(random_prompt(context, seed), params):
+        token_times.append(time.perf_counter())
+        if delta.finished:  # its blocks are free by now
+            break
+        stats = llm.stats()
+        held = stats.num_kv_blocks - stats.num_free_kv_blocks
+        most_held = max(most_held, held)
+    gaps = [later - earlier for earlier, later in zip(token_times, token_times[1:])]
+    return {
+        "ttft_s": token_times[0] - start,
+        "decode_s_per_token": statistics.mean(gaps),
+        "most_blocks_held": most_held,
+        "blocks_held_decoding": held,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+    max_context = max(args.contexts) + args.decode_tokens + 1
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name, window in (("window", args.window), ("full", None)):
+            path = write_model(f"{folder}/{name}", window, max_context)
+            llm = LLM(
+                path,
+                dtype="float32",
+                block_size=args.block_size,
+                enable_prompt_cache=False,
+                kv_cache_memory_bytes=(max_context * 2 * 2 * 3 * 64 * 4) * 5 // 4,
+            )
+            measure(llm, 256, 4, seed=1)  # warm-up
+            results[name] = {
+                context: measure(llm, context, args.decode_tokens, seed=context) for context in args.contexts
+            }
+            del llm
+    rows = []
+    for context in args.contexts:
+        windowed, full = results["window"][context], results["full"][context]
+        rows.append(
+            [
+                context,
+                windowed["decode_s_per_token"] * 1e3,
+                full["decode_s_per_token"] * 1e3,
+                windowed["decode_s_per_token"] / results["window"][args.contexts[0]]["decode_s_per_token"],
+                windowed["ttft_s"],
+                full["ttft_s"],
+                f"{windowed['blocks_held_decoding']} / {windowed['most_blocks_held']}",
+                f"{full['blocks_held_decoding']} / {full['most_blocks_held']}",
+            ]
+        )
+    threads = torch.get_num_threads()
+    print(f"window {args.window} keys, blocks of {args.block_size} tokens, float32, {threads} threads")
+    print_table(
+        [
+            "context",
+            "decode ms (window)",
+            "decode ms (full)",
+            f"window vs {args.contexts[0]}",
+            "TTFT s (window)",
+            "TTFT s (full)",
+            "blocks decoding / peak (window)",
+            "(full)",
+        ],
+        rows,
+    )
+    print("saved", save_result("sliding_window", {"args": vars(args), "results": results}))
+
+
+if __name__ == "__main__":
+    main()
