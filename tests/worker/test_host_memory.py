@@ -83,10 +83,9 @@ def test_tuned_malloc_serves_every_step_from_a_heap_it_never_trims():
 
 
 @needs_glibc
-def test_default_malloc_hands_a_steps_memory_back():
+def test_default_malloc_hands_the_first_steps_memory_back():
     # The behaviour the tuning exists to change: glibc's default mmaps the first step's large
-    # tensors and unmaps them on free, then trims the heap after later steps, so each step faults
-    # its pages in again.
+    # tensors and unmaps them on free. (Whether it then trims the heap after later steps depends
+    # on what else the process allocated above them: not asserted.)
     steps = _heap_accounting("default")
     assert steps[0]["mmapped_while_live"] > 0
-    assert any(step["heap_end_after_free"] < step["heap_end_while_live"] for step in steps[1:])
