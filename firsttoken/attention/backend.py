@@ -89,8 +89,6 @@ class AttentionBackend(Protocol):
 
     # The integer type its step inputs (ids, positions, slot mapping) must have.
     index_dtype: torch.dtype
-    # Each query sees its last `sliding_window` keys; None: every earlier key.
-    sliding_window: int | None
 
     def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> Any: ...
 
@@ -101,4 +99,5 @@ class AttentionBackend(Protocol):
         value: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: Any,
+        sliding_window: int | None = None,  # each query over its last that many keys; None: all
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]

@@ -18,9 +18,9 @@ scaled-dot-product (SDPA) kernels elsewhere; flash-style throughout, no score ma
   longest, and masked.
 - A context whose blocks are one run of consecutive block ids (the pool hands out ascending
   runs) is read in place, as a view of the cache: no per-layer copy of the context.
-- With a sliding window (each query sees its last `sliding_window` keys), every row takes the
-  portable flash kernel, which skips the key tiles before a row's window and never reads the
-  blocks the KV cache manager has freed there; without native kernels, SDPA with a band mask.
+- A layer with a sliding window (each query sees its last `sliding_window` keys) runs every row
+  on the portable flash kernel, which skips the key tiles before a row's window and never reads
+  the blocks the KV cache manager has freed there; without native kernels, SDPA with a band mask.
 """
 
 from __future__ import annotations
@@ -72,11 +72,13 @@ class CPUAttentionMetadata:
     prefills: list[PrefillSpan]
     # With native kernels: the decode rows' addressing for the native paged decode attention.
     paged_decodes: DecodeTables | None = None
+    # Each decode row's length, long [num_decodes] (where a windowed layer masks on SDPA).
+    decode_seq_lens: torch.Tensor | None = None
 
 
 class CPUAttentionBackend:
-    """Attention over the paged KV cache on a CPU: holds the native kernels (None: SDPA alone),
-    whether decode rows take the prefill kernel's arithmetic, and the sliding window if any."""
+    """Attention over the paged KV cache on a CPU: holds the native kernels (None: SDPA alone)
+    and whether decode rows take the prefill kernel's arithmetic."""
 
     index_dtype = torch.long  # index_copy_ and the native KV write take int64 slots
 
@@ -85,12 +87,10 @@ class CPUAttentionBackend:
         device: torch.device,
         native_kernels: native.NativeKernels | None = None,
         decode_as_prefill: bool = False,
-        sliding_window: int | None = None,
     ) -> None:
         self.device = device
         self.native = native_kernels
         self.decode_as_prefill = decode_as_prefill
-        self.sliding_window = sliding_window
 
     def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> CPUAttentionMetadata:
         decodes = layout.sequences[: layout.num_decodes]
@@ -101,8 +101,7 @@ class CPUAttentionBackend:
         decode_block_table = decode_key_mask = None
         decode_num_keys = 0
         decode_first_block = None
-        # A lone decode is cut to its own keys; with a window, it takes the masked gather too.
-        if len(decodes) == 1 and self.sliding_window is None:
+        if len(decodes) == 1:
             decode_num_keys = decodes[0].seq_len
             lone_blocks = decodes[0].block_table[: ceil_div(decode_num_keys, layout.block_size)]
             decode_first_block = first_of_run(lone_blocks)
@@ -112,11 +111,7 @@ class CPUAttentionBackend:
             decode_block_table = decode_rows.block_table
             decode_num_keys = decode_block_table.shape[1] * layout.block_size
             key_positions = torch.arange(decode_num_keys, device=self.device)
-            decode_key_mask = key_positions[None, :] < decode_rows.seq_lens[:, None]
-            if self.sliding_window is not None:
-                window_starts = decode_rows.seq_lens - self.sliding_window
-                decode_key_mask &= key_positions[None, :] >= window_starts[:, None]
-            decode_key_mask = decode_key_mask[:, None, None, :]
+            decode_key_mask = (key_positions[None, :] < decode_rows.seq_lens[:, None])[:, None, None, :]
         prefills = []
         query_start = layout.num_decodes
         for sequence in layout.sequences[layout.num_decodes :]:
@@ -130,8 +125,12 @@ class CPUAttentionBackend:
                     sequence_block_ids = torch.tensor(sequence_blocks, dtype=torch.long, device=self.device)
             prefills.append(
                 PrefillSpan(
-                    query_start, sequence.query_len, sequence.num_context_tokens, context_first_block,
-                    sequence_first_block, sequence_block_ids,
+                    query_start,
+                    sequence.query_len,
+                    sequence.num_context_tokens,
+                    context_first_block,
+                    sequence_first_block,
+                    sequence_block_ids,
                 )
             )
             query_start += sequence.query_len
@@ -144,6 +143,7 @@ class CPUAttentionBackend:
             decode_first_block=decode_first_block,
             prefills=prefills,
             paged_decodes=decode_rows if self.native is not None else None,
+            decode_seq_lens=decode_rows.seq_lens if decode_rows is not None else None,
         )
 
     def forward(
@@ -153,30 +153,33 @@ class CPUAttentionBackend:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: CPUAttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         if self.native is not None and _native_writable(kv_cache, key, value, metadata.slot_mapping):
             self.native.write_kv(kv_cache, key, value, metadata.slot_mapping)
         else:
             write_kv_reference(kv_cache, key, value, metadata.slot_mapping)
         if not metadata.prefills:  # a decode-only step: no output to assemble
-            return self._decode(query, kv_cache, metadata)
+            return self._decode(query, kv_cache, metadata, sliding_window)
         output = torch.empty_like(query)
         if metadata.num_decodes:
-            output[: metadata.num_decodes] = self._decode(query[: metadata.num_decodes], kv_cache, metadata)
+            output[: metadata.num_decodes] = self._decode(
+                query[: metadata.num_decodes], kv_cache, metadata, sliding_window
+            )
         for span in metadata.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
-            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span)
+            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, sliding_window)
         return output
 
     def _decode(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: CPUAttentionMetadata
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: CPUAttentionMetadata, window: int | None
     ) -> torch.Tensor:
         """The AVX512-BF16 paged kernel where it applies (bf16, heads of 32 to 128), else the
         portable flash kernel (the prefill's arithmetic, always), else SDPA."""
         paged = metadata.paged_decodes
         if (
             paged is not None
-            and self.sliding_window is None
+            and window is None
             and self.native.paged_decode_attention_supports(query, kv_cache)
         ):
             as_prefill = self.decode_as_prefill and self.decodes_as_prefill(
@@ -191,16 +194,17 @@ class CPUAttentionBackend:
             and kv_cache.is_contiguous()
         ):
             return self.native.flash_decode_attention(
-                query, kv_cache, paged.block_table, paged.seq_lens, window=self.sliding_window or 0
+                query, kv_cache, paged.block_table, paged.seq_lens, window=window or 0
             )
-        return _decode_attention(query, kv_cache, metadata)
+        return _decode_attention(query, kv_cache, metadata, window)
 
     def decodes_as_prefill(self, block_size: int, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether decode rows of this dtype and head size take the prefill kernel's arithmetic
-        here: on the AVX512-BF16 kernels where they apply, else on the portable flash kernel."""
+        here: on the AVX512-BF16 kernels where they apply, else on the portable flash kernel
+        (which also takes every row of a layer with a sliding window)."""
         if self.native is None:
             return False
-        if self.sliding_window is None and _takes_vector_bf16_attention(self.native, dtype, head_dim):
+        if _takes_vector_bf16_attention(self.native, dtype, head_dim):
             return (
                 self.native.has_prefill_attention
                 and block_size % native_abi.DECODE_AS_PREFILL_BLOCK_MULTIPLE == 0
@@ -215,11 +219,11 @@ class CPUAttentionBackend:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         span: PrefillSpan,
+        window: int | None,
     ) -> torch.Tensor:
         """The AVX512-BF16 kernel where it applies (bf16, heads of 32 to 128), else the portable
         flash kernel (for chunks of up to FLASH_MAX_QUERIES_BESIDE_SDPA queries unless decode rows
         take the prefill's arithmetic), else SDPA."""
-        window = self.sliding_window
         if self.native is not None and self.native.has_prefill_attention and window is None:
             keys_values = _all_keys_values(key, value, kv_cache, span)
             if self.native.prefill_attention_supports(query, *keys_values):
@@ -245,20 +249,31 @@ def _takes_vector_bf16_attention(kernels: native.NativeKernels, dtype: torch.dty
 
 
 def _flash_takes(
-    kernels: native.NativeKernels, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    kv_cache: torch.Tensor, span: PrefillSpan,
+    kernels: native.NativeKernels,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    span: PrefillSpan,
 ) -> bool:
     if span.num_context_tokens:
         return kernels.flash_attention_supports(query, kv_cache) and kv_cache.is_contiguous()
     return (
-        kernels.flash_attention_supports(query, key) and key.dtype == value.dtype
-        and native.heads_contiguous(key) and native.heads_contiguous(value)
+        kernels.flash_attention_supports(query, key)
+        and key.dtype == value.dtype
+        and native.heads_contiguous(key)
+        and native.heads_contiguous(value)
     )
 
 
 def _flash_prefill(
-    kernels: native.NativeKernels, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    kv_cache: torch.Tensor, span: PrefillSpan, window: int,
+    kernels: native.NativeKernels,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    span: PrefillSpan,
+    window: int,
 ) -> torch.Tensor:
     """A fresh prompt over its own K/V; a chunk over its context and new tokens, already in
     the cache: a view of a run of blocks, or its scattered blocks read in place (no gather).
@@ -279,9 +294,13 @@ def _native_writable(
 ) -> bool:
     """The native copy takes rows of contiguous heads into a contiguous cache."""
     return (
-        native.supports(key) and kv_cache.dtype == key.dtype == value.dtype and kv_cache.is_contiguous()
-        and native.heads_contiguous(key) and native.heads_contiguous(value)
-        and slot_mapping.dtype == torch.long and slot_mapping.is_contiguous()
+        native.supports(key)
+        and kv_cache.dtype == key.dtype == value.dtype
+        and kv_cache.is_contiguous()
+        and native.heads_contiguous(key)
+        and native.heads_contiguous(value)
+        and slot_mapping.dtype == torch.long
+        and slot_mapping.is_contiguous()
         and slot_mapping.shape[0] == key.shape[0]
     )
 
@@ -330,15 +349,23 @@ def gather_context(
 
 
 def _decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, metadata: CPUAttentionMetadata
+    query: torch.Tensor, kv_cache: torch.Tensor, metadata: CPUAttentionMetadata, window: int | None
 ) -> torch.Tensor:
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[-2]
     group = num_heads // num_kv_heads
     keys, values = _gather_decode_context(kv_cache, metadata)
+    key_mask = metadata.decode_key_mask
+    if window is not None:
+        if key_mask is None:  # a lone decode, its keys cut to its length: keep the last `window`
+            keys, values = keys[:, :, -window:], values[:, :, -window:]
+        else:
+            key_positions = torch.arange(keys.shape[2], device=keys.device)
+            window_starts = metadata.decode_seq_lens - window
+            key_mask = key_mask & (key_positions[None, :] >= window_starts[:, None])[:, None, None, :]
     # One new token per sequence, so the query heads sharing a KV head fold into its rows.
     grouped_query = query.view(num_decodes, num_kv_heads, group, head_dim)
-    output = F.scaled_dot_product_attention(grouped_query, keys, values, attn_mask=metadata.decode_key_mask)
+    output = F.scaled_dot_product_attention(grouped_query, keys, values, attn_mask=key_mask)
     return output.reshape(num_decodes, num_heads, head_dim)
 
 
@@ -393,7 +420,11 @@ def _prefill_attention(
 
 
 def _windowed_prefill_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    span: PrefillSpan,
     window: int,
 ) -> torch.Tensor:
     """SDPA over every key of the span with a band mask: query i (position p) sees keys

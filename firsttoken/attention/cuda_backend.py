@@ -69,9 +69,6 @@ class CudaAttentionBackend:
 
     index_dtype = torch.int32  # what the Triton kernels read
 
-    # The Triton kernels attend over every earlier key: a windowed model serves up to its window.
-    sliding_window = None
-
     def __init__(
         self,
         device: torch.device,
@@ -145,7 +142,10 @@ class CudaAttentionBackend:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: CudaAttentionMetadata,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
+        """Every row over all its earlier keys: `sliding_window` is moot, since a windowed model
+        serves up to its window on cuda (`max_model_len`)."""
         store_kv(kv_cache, key, value, metadata.slot_mapping)
         output = torch.zeros_like(query) if metadata.has_uncovered_rows else torch.empty_like(query)
         if metadata.decodes is not None:

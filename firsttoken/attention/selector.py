@@ -17,13 +17,11 @@ def select_attention_backend(
     num_kv_heads: int,
     native_kernels: NativeKernels | None = None,
     batch_invariant: bool = False,
-    sliding_window: int | None = None,
 ) -> AttentionBackend:
     """cuda: SDPA flash prefills plus Triton paged attention, or when `batch_invariant` every
     row on the Triton chunk kernel (fresh prefills and decodes too); cpu: the native kernels
     when given, else SDPA, whose decode rows take the prefill kernel's arithmetic when
-    `batch_invariant`. A `sliding_window` (each query over its last that many keys) is taken on
-    the CPU; on cuda, `max_model_len` keeps a windowed model within its window instead."""
+    `batch_invariant`."""
     if device.type == "cuda":
         if config.backend == "sdpa":
             raise ValueError("attention_backend: sdpa runs on the CPU; on cuda choose auto or triton")
@@ -40,6 +38,4 @@ def select_attention_backend(
         )
     if config.backend == "triton":
         raise ValueError(f"attention_backend: triton needs device cuda, not {device.type}")
-    return CPUAttentionBackend(
-        device, native_kernels, decode_as_prefill=batch_invariant, sliding_window=sliding_window
-    )
+    return CPUAttentionBackend(device, native_kernels, decode_as_prefill=batch_invariant)

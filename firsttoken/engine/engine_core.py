@@ -60,7 +60,7 @@ class EngineCore:
             self.worker.num_kv_blocks,
             block_size,
             config.prompt_cache.enable,
-            sliding_window=self.worker.backend.sliding_window,
+            sliding_window=self.worker.checkpoint.arch.kv_window(self.max_model_len),
         )
         self.hash_root = root_hash(self.worker.kv_identity)
         self.scheduler = Scheduler(

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 from firsttoken.ops.rotary import RopeScaling
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
 class ModelArch:
     """Shapes and constants of one Llama-family model (Llama 2/3, SmolLM, Mistral, Phi-3, Qwen2,
-    Qwen3): one decoder, and the few ways these differ from Llama as fields."""
+    Qwen3, Gemma 3): one decoder, and the few ways these differ from Llama as fields."""
 
     architecture: str
     vocab_size: int
@@ -31,8 +31,21 @@ class ModelArch:
     sliding_window: int | None = None
     # The layers the window applies to (Qwen2/3 window only their upper layers); None: all.
     sliding_window_layers: tuple[int, ...] | None = None
-    # Qwen3: each query and key head RMS-normalized (its own weight over head_dim) before rotary.
+    # Qwen3, Gemma 3: each query and key head RMS-normalized (its own weight over head_dim)
+    # before rotary.
     qk_norm: bool = False
+    # Gemma 3: the rotary base of the windowed layers (None: rope_theta in every layer).
+    local_rope_theta: float | None = None
+    # Gemma: embeddings scaled (by sqrt(hidden_size)); every norm weighs by offset + weight (the
+    # offset folded into the weights at load); a norm on the attention's and the MLP's output
+    # too (sandwich); GeGLU (gelu_tanh) in place of SwiGLU; scores scaled by attention_scale in
+    # place of head_dim ** -0.5; logits soft-capped: cap * tanh(logits / cap).
+    embedding_multiplier: float = 1.0
+    norm_weight_offset: float = 0.0
+    sandwich_norms: bool = False
+    hidden_activation: str = "silu"
+    attention_scale: float | None = None
+    final_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -40,22 +53,42 @@ class ModelArch:
                 f"architecture: {self.architecture!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        if self.num_heads % self.num_kv_heads != 0:
+        if self.hidden_activation not in ("silu", "gelu_tanh"):
             raise ValueError(
-                f"num_kv_heads: {self.num_kv_heads} must divide num_heads {self.num_heads}"
+                f"hidden_activation: {self.hidden_activation!r} is not supported (silu, gelu_tanh)"
             )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_kv_heads: {self.num_kv_heads} must divide num_heads {self.num_heads}")
 
-    @property
-    def windowed_everywhere(self) -> bool:
-        """Whether every layer has the sliding window (the one kind served past the window)."""
-        return self.sliding_window_layers is None or len(set(self.sliding_window_layers)) == self.num_layers
+    def is_windowed(self, layer_index: int) -> bool:
+        """Whether the layer has the sliding window (and, with Gemma 3, the local rotary base)."""
+        if self.sliding_window is None:
+            return False
+        return self.sliding_window_layers is None or layer_index in self.sliding_window_layers
 
-    def window_within(self, max_model_len: int) -> int | None:
-        """The sliding window attention must apply for sequences up to `max_model_len` tokens:
-        None when the model has none or every sequence fits within it (full attention is exact)."""
-        if self.sliding_window is None or self.sliding_window >= max_model_len:
+    def layer_window(self, layer_index: int, max_model_len: int) -> int | None:
+        """The window the layer's attention must apply for sequences up to `max_model_len` tokens:
+        None without one, or when every sequence fits within it (full attention is exact)."""
+        if not self.is_windowed(layer_index) or self.sliding_window >= max_model_len:
             return None
         return self.sliding_window
+
+    def kv_window(self, max_model_len: int) -> int | None:
+        """The window past which a sequence's KV can go, when every layer has it (see
+        `layer_window`); None when some layer attends to every earlier key."""
+        windows = {self.layer_window(index, max_model_len) for index in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
+    def plain_llama_layers(self) -> bool:
+        """Whether every layer is Llama's: no query/key norms, no Gemma differences."""
+        return not (
+            self.qk_norm
+            or self.sandwich_norms
+            or self.hidden_activation != "silu"
+            or self.attention_scale is not None
+            or self.local_rope_theta is not None
+        )
 
     @property
     def q_size(self) -> int:

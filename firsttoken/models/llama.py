@@ -1,4 +1,5 @@
-"""The Llama-family model (Llama 2/3, SmolLM, Mistral, Qwen2) over a flattened, paged batch.
+"""The Llama-family model (Llama 2/3, SmolLM, Mistral, Phi-3, Qwen2/3, Gemma 3) over a flattened,
+paged batch.
 
 forward(input_ids, positions, attn_metadata) runs every token of a step (many requests,
 prefilling and decoding) as one [T, hidden] batch with no padding; compute_logits runs the
@@ -47,10 +48,20 @@ class LlamaAttention(nn.Module):
     """Fused QKV projection, rotary embedding, paged attention and output projection."""
 
     def __init__(
-        self, arch: ModelArch, backend: AttentionBackend, kernels: Kernels, dtype: torch.dtype
+        self,
+        arch: ModelArch,
+        backend: AttentionBackend,
+        kernels: Kernels,
+        dtype: torch.dtype,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.kernels = kernels
+        self.sliding_window = sliding_window
+        # Gemma's score scale, folded into the queries: the kernels scale by head_dim ** -0.5.
+        self.query_multiplier = (
+            arch.attention_scale / arch.head_dim**-0.5 if arch.attention_scale is not None else None
+        )
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -91,10 +102,11 @@ class LlamaAttention(nn.Module):
             query_key = self._normed_query_key(qkv)
         query_key = self.kernels.apply_rotary(query_key, *rotary)
         query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.query_multiplier is not None:
+            query = query * self.query_multiplier
         value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        attended = self.backend.forward(query, key, value, self.kv_cache, attn_metadata)
+        attended = self.backend.forward(query, key, value, self.kv_cache, attn_metadata, self.sliding_window)
         return self.o_proj(attended.reshape(num_tokens, self.q_size))
-
 
     def _normed_query_key(self, qkv: torch.Tensor) -> torch.Tensor:
         """[T, heads + kv_heads, head_dim]: each query head and key head RMS-normalized with its
@@ -118,11 +130,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU with the gate and up projections fused into one matrix."""
+    """SwiGLU (GeGLU for Gemma) with the gate and up projections fused into one matrix."""
 
     def __init__(self, arch: ModelArch, kernels: Kernels, dtype: torch.dtype) -> None:
         super().__init__()
         self.kernels = kernels
+        self.activation_and_mul = (
+            kernels.gelu_tanh_and_mul if arch.hidden_activation == "gelu_tanh" else kernels.silu_and_mul
+        )
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, dtype)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, dtype)
 
@@ -134,21 +149,38 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(self.activation_and_mul(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block; the residual add is fused into the next norm."""
+    """Pre-norm block (Gemma: sandwich, the attention's and the MLP's outputs normed too before
+    their residual adds); the residual add is fused into the next norm."""
 
     def __init__(
-        self, arch: ModelArch, backend: AttentionBackend, kernels: Kernels, dtype: torch.dtype
+        self,
+        arch: ModelArch,
+        backend: AttentionBackend,
+        kernels: Kernels,
+        dtype: torch.dtype,
+        layer_index: int,
+        max_positions: int,
     ) -> None:
         super().__init__()
         self.kernels = kernels
         self.eps = arch.rms_norm_eps
         self.input_norm_weight = _empty(arch.hidden_size, dtype=dtype)
+        # Before the MLP (Hugging Face's post_attention_layernorm; Gemma's pre_feedforward_layernorm).
         self.post_attention_norm_weight = _empty(arch.hidden_size, dtype=dtype)
-        self.self_attn = LlamaAttention(arch, backend, kernels, dtype)
+        if arch.sandwich_norms:
+            self.attention_output_norm_weight = _empty(arch.hidden_size, dtype=dtype)
+            self.mlp_output_norm_weight = _empty(arch.hidden_size, dtype=dtype)
+        else:
+            self.attention_output_norm_weight = self.mlp_output_norm_weight = None
+        # Gemma 3's windowed layers rotate by their own base.
+        self.local_rotary = arch.local_rope_theta is not None and arch.is_windowed(layer_index)
+        self.self_attn = LlamaAttention(
+            arch, backend, kernels, dtype, arch.layer_window(layer_index, max_positions)
+        )
         self.mlp = LlamaMLP(arch, kernels, dtype)
 
     def forward(
@@ -164,10 +196,15 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.kernels.add_rms_norm(hidden, residual, self.input_norm_weight, self.eps)
         hidden = self.self_attn(hidden, rotary, attn_metadata)
+        if self.attention_output_norm_weight is not None:
+            hidden = self.kernels.rms_norm(hidden, self.attention_output_norm_weight, self.eps)
         hidden, residual = self.kernels.add_rms_norm(
             hidden, residual, self.post_attention_norm_weight, self.eps
         )
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.mlp_output_norm_weight is not None:
+            hidden = self.kernels.rms_norm(hidden, self.mlp_output_norm_weight, self.eps)
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -187,7 +224,8 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = kernels
         self.embed_weight = _empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, backend, kernels, dtype) for _ in range(arch.num_layers)
+            LlamaDecoderLayer(arch, backend, kernels, dtype, index, max_positions)
+            for index in range(arch.num_layers)
         )
         self.norm_weight = _empty(arch.hidden_size, dtype=dtype)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, dtype)
@@ -197,6 +235,12 @@ class LlamaForCausalLM(nn.Module):
             arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_frequency_divisors
         )
         self.register_buffer("rope_table", cos_sin_table(inv_freq, max_positions), persistent=False)
+        if arch.local_rope_theta is not None:
+            local_inv_freq = inverse_frequencies(arch.head_dim, arch.local_rope_theta, None, None)
+            local_table = cos_sin_table(local_inv_freq, max_positions)
+            self.register_buffer("local_rope_table", local_table, persistent=False)
+        else:
+            self.local_rope_table = None
         # Set by shard(): this rank's slices, and the process group that joins them.
         self.tensor_shard: ModelShard | None = None
         self.collectives: Collectives | None = None
@@ -226,18 +270,34 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] before the final norm."""
         hidden = self.embed_tokens(input_ids)
         rotary = self.rotary_embedding(positions, hidden.dtype)
+        local_rotary = (
+            rotary_cos_sin(self.local_rope_table, positions, hidden.dtype)
+            if self.local_rope_table is not None
+            else None
+        )
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rotary, attn_metadata)
+            layer_rotary = local_rotary if layer.local_rotary else rotary
+            hidden, residual = layer(hidden, residual, layer_rotary, attn_metadata)
         return hidden + residual
 
+    @property
+    def has_sliding_window(self) -> bool:
+        """Whether some layer attends within a sliding window at the served lengths."""
+        return any(layer.self_attn.sliding_window is not None for layer in self.layers)
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Embeddings [T, hidden] of the tokens (gathered over the ranks when sharded)."""
+        """Embeddings [T, hidden] of the tokens (gathered over the ranks when sharded), times
+        Gemma's multiplier in their dtype (as transformers rounds it)."""
         if self.collectives is None:
-            return F.embedding(input_ids, self.embed_weight)
-        return vocab_parallel_embedding(
-            input_ids, self.embed_weight, self.tensor_shard.vocab_range, self.collectives
-        )
+            embedded = F.embedding(input_ids, self.embed_weight)
+        else:
+            embedded = vocab_parallel_embedding(
+                input_ids, self.embed_weight, self.tensor_shard.vocab_range, self.collectives
+            )
+        if self.arch.embedding_multiplier != 1.0:
+            embedded = embedded * torch.tensor(self.arch.embedding_multiplier, dtype=embedded.dtype)
+        return embedded
 
     def rotary_embedding(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -250,6 +310,9 @@ class LlamaForCausalLM(nn.Module):
         other ranks send their vocabulary slices and get None)."""
         normed = self.kernels.rms_norm(hidden, self.norm_weight, self.arch.rms_norm_eps)
         logits = self.lm_head(normed).float()
+        cap = self.arch.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         if self.collectives is None:
             return logits
         return gather_vocab_logits(logits, self.tensor_shard, self.collectives)
@@ -401,6 +464,9 @@ class WeightLoader:
                 return
             raise ValueError(f"model: unexpected tensor {name} in checkpoint")
         parameter = self.model.get_parameter(target)
+        offset = self.model.arch.norm_weight_offset
+        if offset and target.endswith("norm_weight"):
+            tensor = tensor.float() + offset  # Gemma's norms weigh by (1 + weight)
         destination = parameter.data if rows is None else parameter.data[rows[0] : rows[1]]
         if destination.shape != tensor.shape:
             raise ValueError(
@@ -409,6 +475,16 @@ class WeightLoader:
         destination.copy_(tensor)
         # A tensor for the whole of a fused parameter fills every part of it at once.
         self.missing_parts[target] = self.missing_parts[target] - 1 if rows is not None else 0
+
+    # Hugging Face's post_attention_layernorm is the norm before the MLP, except in Gemma's
+    # sandwich, where it norms the attention's output and pre_feedforward_layernorm comes before
+    # the MLP.
+    _pre_norms = {"post_attention_layernorm.weight": ("post_attention_norm_weight", None)}
+    _sandwich_norms = {
+        "post_attention_layernorm.weight": ("attention_output_norm_weight", None),
+        "pre_feedforward_layernorm.weight": ("post_attention_norm_weight", None),
+        "post_feedforward_layernorm.weight": ("mlp_output_norm_weight", None),
+    }
 
     def _target(self, name: str) -> tuple[str | None, tuple[int, int] | None]:
         q, kv, inter = self.q_size, self.kv_size, self.intermediate
@@ -436,7 +512,7 @@ class WeightLoader:
             "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", (inter, 2 * inter)),
             "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
             "input_layernorm.weight": ("input_norm_weight", None),
-            "post_attention_layernorm.weight": ("post_attention_norm_weight", None),
+            **(self._sandwich_norms if self.model.arch.sandwich_norms else self._pre_norms),
             # Qwen3
             "self_attn.q_norm.weight": ("self_attn.q_norm_weight", None),
             "self_attn.k_norm.weight": ("self_attn.k_norm_weight", None),

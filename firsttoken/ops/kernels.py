@@ -21,7 +21,7 @@ from types import ModuleType
 import torch
 
 from firsttoken.ops import native
-from firsttoken.ops.activation import silu_and_mul_reference
+from firsttoken.ops.activation import gelu_tanh_and_mul_reference, silu_and_mul_reference
 from firsttoken.ops.norm import add_rms_norm_reference, rms_norm_reference
 from firsttoken.ops.rotary import apply_rotary_reference
 
@@ -53,6 +53,7 @@ def _compiled(function):
 _fused_rms_norm = _compiled(rms_norm_reference)
 _fused_add_rms_norm = _compiled(add_rms_norm_reference)
 _fused_silu_and_mul = _compiled(silu_and_mul_reference)
+_fused_gelu_tanh_and_mul = _compiled(gelu_tanh_and_mul_reference)
 _fused_apply_rotary = _compiled(apply_rotary_reference)
 
 
@@ -106,6 +107,12 @@ class Kernels:
         if self._use_compiled(gate_up):
             return _fused_silu_and_mul(gate_up)
         return silu_and_mul_reference(gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU (Gemma): no native or Triton kernel, compiled on long steps where nothing else is."""
+        if self._use_compiled(gate_up):
+            return _fused_gelu_tanh_and_mul(gate_up)
+        return gelu_tanh_and_mul_reference(gate_up)
 
     def apply_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated; the native kernel rotates x in place."""

@@ -71,7 +71,6 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
         attention_arch.num_kv_heads,
         native_kernels,
         batch_invariant=model_config.batch_invariant,
-        sliding_window=checkpoint.arch.window_within(placement.max_model_len),
     )
     kernels = Kernels(
         fused=model_config.fuse_ops, native_kernels=native_kernels, triton_ops=_triton_ops(device)
@@ -112,11 +111,10 @@ def attention_arch_of(arch: ModelArch, shard: ModelShard | None) -> ModelArch:
 
 def max_model_len(arch: ModelArch, requested: int | None, device: torch.device) -> int:
     """The longest sequence the engine serves: the model's limit, or less when asked. The CPU
-    backend attends within a sliding window at any length; a model whose window only some layers
-    have, and any windowed model on cuda (the Triton kernels attend over every key), serve up to
-    the window, where full attention gives the same tokens."""
+    backend attends within a sliding window at any length; on cuda (the Triton kernels attend over
+    every key) a windowed model serves up to its window, where full attention gives the same tokens."""
     limit = arch.max_position_embeddings
-    if arch.sliding_window and (device.type == "cuda" or not arch.windowed_everywhere):
+    if arch.sliding_window and device.type == "cuda":
         limit = min(limit, arch.sliding_window)
     if requested is not None and requested > limit:
         raise InvalidInputError("max_model_len", f"{requested} exceeds the model's limit of {limit} tokens")

@@ -56,10 +56,7 @@ class ModelRunner:
         self.device = device
         self.index_dtype = np.dtype(str(backend.index_dtype).removeprefix("torch."))
         self.staging = StagingBuffer(device, backend.index_dtype)
-        # The whole-step decode attends over every earlier key.
-        self.whole_step_decode: WholeStepDecode | None = (
-            build_whole_step_decode(model) if backend.sliding_window is None else None
-        )
+        self.whole_step_decode: WholeStepDecode | None = build_whole_step_decode(model)
         self.decode_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
 

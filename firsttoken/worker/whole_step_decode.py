@@ -57,8 +57,12 @@ def build_whole_step_decode(model: LlamaForCausalLM) -> WholeStepDecode | None:
     (`native_decode.STEP_PROJECTIONS`); None elsewhere. A sharded model has none: its
     row-parallel projections sum over the ranks between layers."""
     native_kernels = model.kernels.native
-    # The native steps have no per-head query/key norm (Qwen3).
-    if native_kernels is None or model.embed_weight.dtype not in STEP_PROJECTIONS or model.arch.qk_norm:
+    # The native steps run Llama's layers over every earlier key: no per-head query/key norms
+    # (Qwen3), no Gemma layers, no sliding window.
+    if (
+        native_kernels is None or model.embed_weight.dtype not in STEP_PROJECTIONS
+        or not model.arch.plain_llama_layers or model.has_sliding_window
+    ):
         return None
     layers = []
     for layer in model.layers:

@@ -1,15 +1,17 @@
-"""Sliding-window models past their window: transformers' tokens, and KV memory bounded by the window."""
+"""Sliding-window models past their window: transformers' tokens (every layer windowed, the upper
+ones only, Gemma 3's local and global layers), and KV memory bounded by the window."""
 
 from __future__ import annotations
-
 
 import pytest
 import torch
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
+from firsttoken.models.loaders.hf_folder import arch_from_config
+from firsttoken.worker.model_loading import max_model_len
 from tests.conftest import FIXED_THREADS
-from tests.models.reference import hf_greedy
+from tests.models.reference import assert_logprobs_close, hf_greedy
 from tests.models.tiny_models import save_hf_folder, tiny_hf_model
 
 WINDOW = 16
@@ -17,12 +19,37 @@ BLOCK_SIZE = 8
 PROMPT_IDS = [(7 * index + 3) % 4000 + 30 for index in range(90)]
 NUM_TOKENS = 24
 
+WINDOWED_MODELS = {
+    "mistral": ("mistral", dict(tie_word_embeddings=False)),
+    # Qwen2 windows the layers from max_window_layers on.
+    "qwen2-upper-layers": (
+        "qwen2",
+        dict(tie_word_embeddings=True, use_sliding_window=True, max_window_layers=1),
+    ),
+    # Gemma 3: local (windowed, their own rotary base) and global layers, sandwich norms, GeGLU,
+    # scaled embeddings, a query scale other than head_dim's, soft-capped logits.
+    "gemma3": (
+        "gemma3_text",
+        dict(
+            num_hidden_layers=3,
+            head_dim=32,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=2.0,
+            # Smaller weights than the other families': Gemma scales its embeddings by
+            # sqrt(hidden), and larger ones make this tiny model repeat one token.
+            initializer_range=0.05,
+        ),
+    ),
+}
 
-@pytest.fixture(scope="module")
-def windowed_model(tmp_path_factory):
-    """A tiny Mistral with a 16-token window, as transformers runs it and as a folder."""
-    hf_model = tiny_hf_model("mistral", tie_word_embeddings=False, sliding_window=WINDOW)
-    return hf_model, save_hf_folder(hf_model, str(tmp_path_factory.mktemp("mistral-window")))
+
+@pytest.fixture(scope="module", params=sorted(WINDOWED_MODELS))
+def windowed_model(request, tmp_path_factory):
+    """A tiny model with a 16-token window, as transformers runs it and as a folder."""
+    model_type, overrides = WINDOWED_MODELS[request.param]
+    hf_model = tiny_hf_model(model_type, sliding_window=WINDOW, **overrides)
+    return request.param, hf_model, save_hf_folder(hf_model, str(tmp_path_factory.mktemp(request.param)))
 
 
 def _engine(path: str, **options) -> LLM:
@@ -37,23 +64,29 @@ def _engine(path: str, **options) -> LLM:
     return LLM(path, **{**settings, **options})
 
 
-GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=8)
+# float32 against float32: summation order apart, the same numbers.
+LOGPROB_TOLERANCE = 1e-3
 
 
 def test_the_window_changes_what_transformers_says(windowed_model):
     """The prompt runs far enough past the window that full attention would answer otherwise."""
-    hf_model, _ = windowed_model
-    full = tiny_hf_model("mistral", tie_word_embeddings=False, sliding_window=None)
+    name, hf_model, _ = windowed_model
+    model_type, overrides = WINDOWED_MODELS[name]
+    # The same model and rotary bases, its window past every sequence here.
+    full = tiny_hf_model(model_type, sliding_window=4096, **overrides)
     assert hf_greedy(full, PROMPT_IDS, NUM_TOKENS)[0] != hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)[0]
 
 
 @pytest.mark.parametrize("native_kernels", [True, False], ids=["native", "sdpa"])
 def test_past_the_window_alone_batched_chunked_and_on_a_prefix_hit(windowed_model, native_kernels):
-    hf_model, folder = windowed_model
+    _, hf_model, folder = windowed_model
     llm = _engine(folder, native_kernels=native_kernels)
-    expected = hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)[0]
+    expected, expected_logprobs = hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)
     (alone,) = llm.generate(prompt_token_ids=[PROMPT_IDS], sampling_params=GREEDY)
     assert alone.token_ids == expected
+    # Log-probs too: they see what greedy tokens cannot (Gemma's logit soft-cap keeps the order).
+    assert_logprobs_close(alone.logprobs[0], expected_logprobs, LOGPROB_TOLERANCE)
     other_prompt = PROMPT_IDS[5:61]
     cached, beside = llm.generate(prompt_token_ids=[PROMPT_IDS, other_prompt], sampling_params=GREEDY)
     assert cached.num_cached_tokens > 0
@@ -64,9 +97,12 @@ def test_past_the_window_alone_batched_chunked_and_on_a_prefix_hit(windowed_mode
 
 
 def test_a_long_sequence_holds_about_its_windows_blocks(windowed_model):
-    """Prefilled in chunks of 32 then decoded 200 tokens in a KV cache of 16 blocks, where full
-    attention would need 37: never more blocks than the window and one step's tokens."""
-    _, folder = windowed_model
+    """Every layer windowed (Mistral): prefilled in chunks of 32 then decoded 200 tokens in a KV
+    cache of 16 blocks, where full attention would need 37: never more blocks than the window and
+    one step's tokens."""
+    name, _, folder = windowed_model
+    if name != "mistral":
+        pytest.skip("a global layer keeps every block")
     llm = _engine(
         folder,
         enable_prompt_cache=False,
@@ -84,12 +120,8 @@ def test_a_long_sequence_holds_about_its_windows_blocks(windowed_model):
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
-def test_a_window_on_some_layers_only_serves_up_to_the_window():
-    """Qwen2 windows only the layers from max_window_layers on: past the window that is not
-    served (yet), so the context is capped where full attention gives the same tokens."""
-    from firsttoken.models.loaders.hf_folder import arch_from_config
-    from firsttoken.worker.model_loading import max_model_len
-
+def test_which_layers_have_the_window_and_where_the_context_is_capped():
+    """Qwen2 windows the layers from max_window_layers on; on cuda any window caps the context."""
     config = dict(
         model_type="qwen2",
         hidden_size=64,
@@ -97,14 +129,17 @@ def test_a_window_on_some_layers_only_serves_up_to_the_window():
         intermediate_size=128,
         num_hidden_layers=2,
         vocab_size=100,
+        max_position_embeddings=512,
         use_sliding_window=True,
         sliding_window=WINDOW,
         max_window_layers=1,
     )
-    cpu = torch.device("cpu")
     upper_only = arch_from_config(config, "qwen2")
-    assert upper_only.sliding_window_layers == (1,)
-    assert max_model_len(upper_only, None, cpu) == WINDOW
+    assert [upper_only.layer_window(index, 512) for index in range(2)] == [None, WINDOW]
+    assert upper_only.kv_window(512) is None
+    assert max_model_len(upper_only, None, torch.device("cpu")) == 512
+    assert max_model_len(upper_only, None, torch.device("cuda")) == WINDOW
     everywhere = arch_from_config({**config, "max_window_layers": 0}, "qwen2")
-    assert max_model_len(everywhere, None, cpu) == 4096
-    assert max_model_len(everywhere, None, torch.device("cuda")) == WINDOW
+    assert everywhere.kv_window(512) == WINDOW
+    # Every sequence within the window: full attention is exact, no window applied.
+    assert everywhere.kv_window(WINDOW) is None

@@ -73,7 +73,8 @@ def load_gguf(path: str) -> Checkpoint:
     if gguf_arch not in _ARCHITECTURES:
         raise ValueError(
             f"model: architecture {gguf_arch!r} of {path} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"(supported in GGUF files: {', '.join(_ARCHITECTURES)}; {', '.join(SUPPORTED_ARCHITECTURES)} "
+            "in Hugging Face folders)"
         )
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     _check_tensors(path, reader, tensors)

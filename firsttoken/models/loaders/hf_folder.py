@@ -61,6 +61,9 @@ def arch_from_config(config: dict[str, Any], path: str) -> ModelArch:
     hidden_size = int(config["hidden_size"])
     num_heads = int(config["num_attention_heads"])
     rope = config.get("rope_parameters") or {}
+    # Gemma 3 (transformers 5): one set of rope parameters per kind of layer.
+    local_rope = rope.get("sliding_attention") or {}
+    rope = rope.get("full_attention", rope)
     rope_theta = float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
     scaling_source = config.get("rope_scaling") or rope
     partial_rotary_factor = float(config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
@@ -69,8 +72,8 @@ def arch_from_config(config: dict[str, Any], path: str) -> ModelArch:
             f"model: partial_rotary_factor {partial_rotary_factor} of {path} is not supported (only 1.0: "
             "rotary over every dim of a head)"
         )
-    # Qwen2/3 configs say whether their window applies; Mistral's and Phi-3's always does.
-    use_sliding_window = config.get("use_sliding_window", model_type in ("mistral", "phi3"))
+    # Qwen2/3 configs say whether their window applies; Mistral's, Phi-3's and Gemma's always does.
+    use_sliding_window = config.get("use_sliding_window", model_type in ("mistral", "phi3", "gemma3_text"))
     return ModelArch(
         architecture=model_type,
         vocab_size=int(config["vocab_size"]),
@@ -88,7 +91,29 @@ def arch_from_config(config: dict[str, Any], path: str) -> ModelArch:
         rope_scaling=_rope_scaling(scaling_source),
         sliding_window=config.get("sliding_window") if use_sliding_window else None,
         sliding_window_layers=_sliding_window_layers(config, model_type),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        **(_gemma_fields(config, local_rope, path) if model_type == "gemma3_text" else {}),
+    )
+
+
+def _gemma_fields(config: dict[str, Any], local_rope: dict[str, Any], path: str) -> dict[str, Any]:
+    """How Gemma 3's layers differ from Llama's (see ModelArch)."""
+    for unsupported in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if config.get(unsupported):
+            raise ValueError(f"model: {unsupported} of {path} is not supported")
+    activation = config.get("hidden_activation") or config.get("hidden_act")
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(
+            f"model: hidden_activation {activation!r} of {path} is not supported (gelu_pytorch_tanh)"
+        )
+    return dict(
+        local_rope_theta=float(local_rope.get("rope_theta", config.get("rope_local_base_freq", 10000.0))),
+        embedding_multiplier=float(config["hidden_size"]) ** 0.5,
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        hidden_activation="gelu_tanh",
+        attention_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
+        final_logit_softcap=config.get("final_logit_softcapping"),
     )
 
 
@@ -124,9 +149,7 @@ def _load_tokenizer(path: str, config: dict[str, Any]) -> Tokenizer:
     tokenizer_config_file = os.path.join(path, "tokenizer_config.json")
     tokenizer_config = _read_json(tokenizer_config_file) if os.path.isfile(tokenizer_config_file) else {}
     generation_config_file = os.path.join(path, "generation_config.json")
-    generation_config = (
-        _read_json(generation_config_file) if os.path.isfile(generation_config_file) else {}
-    )
+    generation_config = _read_json(generation_config_file) if os.path.isfile(generation_config_file) else {}
     return Tokenizer(
         backend=backend,
         eos_token_ids=_eos_token_ids(backend, config, tokenizer_config, generation_config),
