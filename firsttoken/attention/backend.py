@@ -19,6 +19,21 @@ from firsttoken.ops.native_decode import DecodeTables
 
 
 @dataclass(frozen=True)
+class LayerAttention:
+    """How one layer's queries attend, beyond causal softmax over every earlier key."""
+
+    sliding_window: int | None = None  # each query over its last that many keys
+    logit_softcap: float | None = None  # scaled scores s taken as cap * tanh(s / cap) (Gemma 2)
+
+    @property
+    def is_plain(self) -> bool:
+        return self.sliding_window is None and self.logit_softcap is None
+
+
+PLAIN_ATTENTION = LayerAttention()
+
+
+@dataclass(frozen=True)
 class SequenceLayout:
     """One sequence of a step: how many new tokens, how much context before them, its blocks."""
 
@@ -99,5 +114,5 @@ class AttentionBackend(Protocol):
         value: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: Any,
-        sliding_window: int | None = None,  # each query over its last that many keys; None: all
+        layer: LayerAttention = PLAIN_ATTENTION,
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]

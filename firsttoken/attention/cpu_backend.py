@@ -18,9 +18,10 @@ scaled-dot-product (SDPA) kernels elsewhere; flash-style throughout, no score ma
   longest, and masked.
 - A context whose blocks are one run of consecutive block ids (the pool hands out ascending
   runs) is read in place, as a view of the cache: no per-layer copy of the context.
-- A layer with a sliding window (each query sees its last `sliding_window` keys) runs every row
-  on the portable flash kernel, which skips the key tiles before a row's window and never reads
-  the blocks the KV cache manager has freed there; without native kernels, SDPA with a band mask.
+- A layer with a sliding window (each query sees its last `sliding_window` keys) or soft-capped
+  scores (Gemma 2) runs every row on the portable flash kernel, which skips the key tiles before
+  a row's window and never reads the blocks the KV cache manager has freed there; without native
+  kernels, SDPA with a band mask, or plain math for soft-capped scores.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from firsttoken.arithmetic import ceil_div
-from firsttoken.attention.backend import BatchLayout, decode_tables
+from firsttoken.attention.backend import PLAIN_ATTENTION, BatchLayout, LayerAttention, decode_tables
 from firsttoken.attention.reference import write_kv_reference
 from firsttoken.ops import native, native_abi
 from firsttoken.ops.native_decode import DecodeTables
@@ -153,33 +154,37 @@ class CPUAttentionBackend:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: CPUAttentionMetadata,
-        sliding_window: int | None = None,
+        layer: LayerAttention = PLAIN_ATTENTION,
     ) -> torch.Tensor:
         if self.native is not None and _native_writable(kv_cache, key, value, metadata.slot_mapping):
             self.native.write_kv(kv_cache, key, value, metadata.slot_mapping)
         else:
             write_kv_reference(kv_cache, key, value, metadata.slot_mapping)
         if not metadata.prefills:  # a decode-only step: no output to assemble
-            return self._decode(query, kv_cache, metadata, sliding_window)
+            return self._decode(query, kv_cache, metadata, layer)
         output = torch.empty_like(query)
         if metadata.num_decodes:
             output[: metadata.num_decodes] = self._decode(
-                query[: metadata.num_decodes], kv_cache, metadata, sliding_window
+                query[: metadata.num_decodes], kv_cache, metadata, layer
             )
         for span in metadata.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
-            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, sliding_window)
+            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, layer)
         return output
 
     def _decode(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: CPUAttentionMetadata, window: int | None
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CPUAttentionMetadata,
+        layer: LayerAttention,
     ) -> torch.Tensor:
         """The AVX512-BF16 paged kernel where it applies (bf16, heads of 32 to 128), else the
         portable flash kernel (the prefill's arithmetic, always), else SDPA."""
         paged = metadata.paged_decodes
         if (
             paged is not None
-            and window is None
+            and layer.is_plain
             and self.native.paged_decode_attention_supports(query, kv_cache)
         ):
             as_prefill = self.decode_as_prefill and self.decodes_as_prefill(
@@ -194,9 +199,11 @@ class CPUAttentionBackend:
             and kv_cache.is_contiguous()
         ):
             return self.native.flash_decode_attention(
-                query, kv_cache, paged.block_table, paged.seq_lens, window=window or 0
+                query, kv_cache, paged.block_table, paged.seq_lens, *_flash_variant(layer)
             )
-        return _decode_attention(query, kv_cache, metadata, window)
+        if layer.logit_softcap is not None:
+            return _softcapped_decode_attention(query, kv_cache, metadata, layer)
+        return _decode_attention(query, kv_cache, metadata, layer.sliding_window)
 
     def decodes_as_prefill(self, block_size: int, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether decode rows of this dtype and head size take the prefill kernel's arithmetic
@@ -219,26 +226,26 @@ class CPUAttentionBackend:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         span: PrefillSpan,
-        window: int | None,
+        layer: LayerAttention,
     ) -> torch.Tensor:
         """The AVX512-BF16 kernel where it applies (bf16, heads of 32 to 128), else the portable
         flash kernel (for chunks of up to FLASH_MAX_QUERIES_BESIDE_SDPA queries unless decode rows
         take the prefill's arithmetic), else SDPA."""
-        if self.native is not None and self.native.has_prefill_attention and window is None:
+        if self.native is not None and self.native.has_prefill_attention and layer.is_plain:
             keys_values = _all_keys_values(key, value, kv_cache, span)
             if self.native.prefill_attention_supports(query, *keys_values):
                 return self.native.prefill_attention(query, *keys_values, torch.get_num_threads())
         wants_flash = (
-            self.decode_as_prefill or window is not None or span.query_len <= FLASH_MAX_QUERIES_BESIDE_SDPA
+            self.decode_as_prefill or not layer.is_plain or span.query_len <= FLASH_MAX_QUERIES_BESIDE_SDPA
         )
         if (
             self.native is not None
             and wants_flash
             and _flash_takes(self.native, query, key, value, kv_cache, span)
         ):
-            return _flash_prefill(self.native, query, key, value, kv_cache, span, window or 0)
-        if window is not None:
-            return _windowed_prefill_attention(query, key, value, kv_cache, span, window)
+            return _flash_prefill(self.native, query, key, value, kv_cache, span, layer)
+        if not layer.is_plain:
+            return _masked_prefill_attention(query, key, value, kv_cache, span, layer)
         return _prefill_attention(query, key, value, kv_cache, span)
 
 
@@ -273,20 +280,27 @@ def _flash_prefill(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     span: PrefillSpan,
-    window: int,
+    layer: LayerAttention,
 ) -> torch.Tensor:
     """A fresh prompt over its own K/V; a chunk over its context and new tokens, already in
-    the cache: a view of a run of blocks, or its scattered blocks read in place (no gather).
-    window > 0: each query over its last `window` keys."""
+    the cache: a view of a run of blocks, or its scattered blocks read in place (no gather)."""
     threads = torch.get_num_threads()
+    variant = _flash_variant(layer)
     if not span.num_context_tokens:
-        return kernels.flash_attention(query, key, value, threads, window)
+        return kernels.flash_attention(query, key, value, threads, *variant)
     num_keys = span.num_context_tokens + span.query_len
     if span.sequence_first_block is not None:
         return kernels.flash_attention(
-            query, *context_in_place(kv_cache, span.sequence_first_block, num_keys), threads, window
+            query, *context_in_place(kv_cache, span.sequence_first_block, num_keys), threads, *variant
         )
-    return kernels.flash_attention_paged(query, kv_cache, span.sequence_block_ids, num_keys, threads, window)
+    return kernels.flash_attention_paged(
+        query, kv_cache, span.sequence_block_ids, num_keys, threads, *variant
+    )
+
+
+def _flash_variant(layer: LayerAttention) -> tuple[int, float]:
+    """The flash kernels' window and softcap arguments for the layer (0: none)."""
+    return layer.sliding_window or 0, layer.logit_softcap or 0.0
 
 
 def _native_writable(
@@ -419,29 +433,63 @@ def _prefill_attention(
     return merged.squeeze(0).transpose(0, 1)
 
 
-def _windowed_prefill_attention(
+def _masked_prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     span: PrefillSpan,
-    window: int,
+    layer: LayerAttention,
 ) -> torch.Tensor:
-    """SDPA over every key of the span with a band mask: query i (position p) sees keys
-    p - window + 1 .. p. Keys the window has left may sit in freed blocks: masked, never weighed."""
+    """Every key of the span with a mask: causal and, with a window, query i (position p) sees
+    keys p - window + 1 .. p (keys the window has left may sit in freed blocks: masked, never
+    weighed). SDPA, or plain math where scores are soft-capped (SDPA cannot)."""
     keys, values = _all_keys_values(key, value, kv_cache, span)
     query_positions = torch.arange(span.num_context_tokens, span.num_context_tokens + span.query_len)
-    key_positions = torch.arange(keys.shape[0])
-    offsets = query_positions[:, None] - key_positions[None, :]
-    band = (offsets >= 0) & (offsets < window)
-    output = F.scaled_dot_product_attention(
-        query.transpose(0, 1).unsqueeze(0),
-        keys.transpose(0, 1).unsqueeze(0),
-        values.transpose(0, 1).unsqueeze(0),
-        attn_mask=band.to(query.device),
-        enable_gqa=True,
-    )
+    offsets = query_positions[:, None] - torch.arange(keys.shape[0])[None, :]
+    allowed = offsets >= 0
+    if layer.sliding_window is not None:
+        allowed &= offsets < layer.sliding_window
+    query_t = query.transpose(0, 1).unsqueeze(0)  # [1, heads, n, D]
+    keys_t, values_t = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+    allowed = allowed.to(query.device)
+    if layer.logit_softcap is None:
+        output = F.scaled_dot_product_attention(query_t, keys_t, values_t, attn_mask=allowed, enable_gqa=True)
+    else:
+        group = query.shape[1] // keys.shape[1]
+        keys_t, values_t = keys_t.repeat_interleave(group, 1), values_t.repeat_interleave(group, 1)
+        output = _softcapped_attention(query_t, keys_t, values_t, allowed, layer.logit_softcap)
     return output.squeeze(0).transpose(0, 1)
+
+
+def _softcapped_decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, metadata: CPUAttentionMetadata, layer: LayerAttention
+) -> torch.Tensor:
+    """Decode rows over their gathered contexts in plain math, scores soft-capped."""
+    num_decodes, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[-2]
+    keys, values = _gather_decode_context(kv_cache, metadata)  # [N, kv_heads, keys, D]
+    key_positions = torch.arange(keys.shape[2], device=keys.device)
+    seq_lens = metadata.decode_seq_lens[:, None]
+    allowed = key_positions[None, :] < seq_lens
+    if layer.sliding_window is not None:
+        allowed &= key_positions[None, :] >= seq_lens - layer.sliding_window
+    grouped_query = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    output = _softcapped_attention(
+        grouped_query, keys, values, allowed[:, None, None, :], layer.logit_softcap
+    )
+    return output.reshape(num_decodes, num_heads, head_dim)
+
+
+def _softcapped_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, softcap: float
+) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T / sqrt(D) / cap), masked) v in float32: query [..., n, D], keys and
+    values [..., m, D], `allowed` broadcasting to [..., n, m]."""
+    scores = query.float() @ keys.float().transpose(-1, -2) * query.shape[-1] ** -0.5
+    scores = torch.tanh(scores / softcap) * softcap
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return (weights @ values.float()).to(query.dtype)
 
 
 def _flash_with_lse(

@@ -25,7 +25,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from firsttoken.attention.backend import BatchLayout, SequenceLayout, block_table_array
+from firsttoken.attention.backend import (
+    PLAIN_ATTENTION,
+    BatchLayout,
+    LayerAttention,
+    SequenceLayout,
+    block_table_array,
+)
 from firsttoken.attention.triton_kernels import (
     TILE_FIELDS,
     ChunkQueries,
@@ -142,10 +148,11 @@ class CudaAttentionBackend:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: CudaAttentionMetadata,
-        sliding_window: int | None = None,
+        layer: LayerAttention = PLAIN_ATTENTION,
     ) -> torch.Tensor:
-        """Every row over all its earlier keys: `sliding_window` is moot, since a windowed model
-        serves up to its window on cuda (`max_model_len`)."""
+        """Every row over all its earlier keys: a sliding window is moot, since a windowed model
+        serves up to its window on cuda (`max_model_len`), and a soft-capped model is refused
+        there at load."""
         store_kv(kv_cache, key, value, metadata.slot_mapping)
         output = torch.zeros_like(query) if metadata.has_uncovered_rows else torch.empty_like(query)
         if metadata.decodes is not None:

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 from firsttoken.ops.rotary import RopeScaling
 
-SUPPORTED_ARCHITECTURES = ("gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
 class ModelArch:
     """Shapes and constants of one Llama-family model (Llama 2/3, SmolLM, Mistral, Phi-3, Qwen2,
-    Qwen3, Gemma 3): one decoder, and the few ways these differ from Llama as fields."""
+    Qwen3, Gemma 2/3): one decoder, and the few ways these differ from Llama as fields."""
 
     architecture: str
     vocab_size: int
@@ -39,13 +39,15 @@ class ModelArch:
     # Gemma: embeddings scaled (by sqrt(hidden_size)); every norm weighs by offset + weight (the
     # offset folded into the weights at load); a norm on the attention's and the MLP's output
     # too (sandwich); GeGLU (gelu_tanh) in place of SwiGLU; scores scaled by attention_scale in
-    # place of head_dim ** -0.5; logits soft-capped: cap * tanh(logits / cap).
+    # place of head_dim ** -0.5; logits soft-capped: cap * tanh(logits / cap), and (Gemma 2)
+    # attention scores likewise.
     embedding_multiplier: float = 1.0
     norm_weight_offset: float = 0.0
     sandwich_norms: bool = False
     hidden_activation: str = "silu"
     attention_scale: float | None = None
     final_logit_softcap: float | None = None
+    attention_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -88,6 +90,7 @@ class ModelArch:
             or self.hidden_activation != "silu"
             or self.attention_scale is not None
             or self.local_rope_theta is not None
+            or self.attention_logit_softcap is not None
         )
 
     @property

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from firsttoken.attention.backend import AttentionBackend
+from firsttoken.attention.backend import AttentionBackend, LayerAttention
 from firsttoken.models.arch import ModelArch
 from firsttoken.models.sharding import (
     Collectives,
@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.kernels = kernels
-        self.sliding_window = sliding_window
+        self.layer_attention = LayerAttention(sliding_window, arch.attention_logit_softcap)
         # Gemma's score scale, folded into the queries: the kernels scale by head_dim ** -0.5.
         self.query_multiplier = (
             arch.attention_scale / arch.head_dim**-0.5 if arch.attention_scale is not None else None
@@ -105,7 +105,7 @@ class LlamaAttention(nn.Module):
         if self.query_multiplier is not None:
             query = query * self.query_multiplier
         value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        attended = self.backend.forward(query, key, value, self.kv_cache, attn_metadata, self.sliding_window)
+        attended = self.backend.forward(query, key, value, self.kv_cache, attn_metadata, self.layer_attention)
         return self.o_proj(attended.reshape(num_tokens, self.q_size))
 
     def _normed_query_key(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -284,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
     @property
     def has_sliding_window(self) -> bool:
         """Whether some layer attends within a sliding window at the served lengths."""
-        return any(layer.self_attn.sliding_window is not None for layer in self.layers)
+        return any(layer.self_attn.layer_attention.sliding_window is not None for layer in self.layers)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings [T, hidden] of the tokens (gathered over the ranks when sharded), times

@@ -255,12 +255,19 @@ class NativeKernels:
         )
 
     def flash_attention(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_threads: int, window: int = 0
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        num_threads: int,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Causal attention of query [n, heads, head_dim] over key and value [m, kv_heads,
         head_dim] (heads contiguous, rows strided), m >= n, the queries being the last n of the m
-        positions, each over its last `window` keys only when window > 0; float32 arithmetic, the
-        inputs' dtype out. Inputs must pass `flash_attention_supports` (key and value too)."""
+        positions, each over its last `window` keys only when window > 0, scaled scores s taken as
+        softcap * tanh(s / softcap) when softcap > 0; float32 arithmetic, the inputs' dtype out.
+        Inputs must pass `flash_attention_supports` (key and value too)."""
         num_keys, num_kv_heads = key.shape[0], key.shape[1]
         if value.shape != key.shape or not (heads_contiguous(key) and heads_contiguous(value)):
             raise ValueError(f"flash_attention: keys {tuple(key.shape)} and values {tuple(value.shape)}")
@@ -270,7 +277,7 @@ class NativeKernels:
             "num_slots": num_keys,
         }
         return self._flash_attention(
-            "flash_attention", query, key_values, num_keys, num_kv_heads, num_threads, window
+            "flash_attention", query, key_values, num_keys, num_kv_heads, num_threads, window, softcap
         )
 
     def flash_attention_paged(
@@ -281,6 +288,7 @@ class NativeKernels:
         num_keys: int,
         num_threads: int,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """`flash_attention` over the first num_keys keys of one sequence, read in place from
         kv_cache [2, blocks, block_size, kv_heads, head_dim] (contiguous) through its block ids
@@ -298,7 +306,7 @@ class NativeKernels:
             "block_size": block_size, "num_slots": num_blocks * block_size,
         }
         return self._flash_attention(
-            "flash_attention_paged", query, key_values, num_keys, num_kv_heads, num_threads, window
+            "flash_attention_paged", query, key_values, num_keys, num_kv_heads, num_threads, window, softcap
         )
 
     def _flash_attention(
@@ -310,6 +318,7 @@ class NativeKernels:
         num_kv_heads: int,
         num_threads: int,
         window: int,
+        softcap: float,
     ) -> torch.Tensor:
         """Runs ft_flash_attention over the K/V rows `key_values` locates (its parameters from
         `key` to `num_slots`)."""
@@ -318,7 +327,7 @@ class NativeKernels:
         status = self._kernels["ft_flash_attention"](
             query=query.data_ptr(), query_stride=query.stride(0), **key_values, num_queries=num_queries,
             num_keys=num_keys, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            scale=head_dim**-0.5, window=window, out=out.data_ptr(), dtype=_code(query),
+            scale=head_dim**-0.5, window=window, softcap=softcap, out=out.data_ptr(), dtype=_code(query),
             num_threads=max(1, num_threads),
         )
         self._check_flash(status, name, query, num_keys, num_kv_heads)
@@ -331,9 +340,11 @@ class NativeKernels:
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """One new query per sequence, query [rows, heads, head_dim], over the first seq_lens[r]
-        keys of sequence r (the last `window` of them when window > 0), read in place through
+        keys of sequence r (the last `window` of them when window > 0; softcap as
+        `flash_attention`'s), read in place through
         block_table (long [rows, max_blocks]) from kv_cache [2, blocks, block_size, kv_heads,
         head_dim] (contiguous): for each row the bits `flash_attention` gives the last position of
         a prefill of those keys, whatever the other rows. Inputs must pass
@@ -351,7 +362,8 @@ class NativeKernels:
         seq_lens = seq_lens.contiguous()
         out = query.new_empty(query.shape)
         status = self._kernels["ft_flash_decode_attention"](
-            **_paged_decodes(query, kv_cache, block_table, seq_lens), window=window, out=out.data_ptr(),
+            **_paged_decodes(query, kv_cache, block_table, seq_lens), window=window, softcap=softcap,
+            out=out.data_ptr(),
             dtype=_code(query), num_threads=torch.get_num_threads(),
         )
         self._check_flash(status, "flash_decode_attention", query, int(seq_lens.max()), kv_cache.shape[3])

@@ -57,6 +57,7 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
     """The model's weights in the placement's dtype and slice, then in their fastest layout here."""
     model_config = config.model_config
     device = placement.device
+    _check_architecture_runs_here(checkpoint.arch, device)
     native_kernels = None
     if model_config.fuse_ops and model_config.native_kernels and device.type == "cpu":
         native_folder = os.path.join(placement.cache_dir, "native")
@@ -95,6 +96,13 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
         activation_maxima=activation_maxima,
     )
     return LoadedModel(model, backend, kernels)
+
+
+def _check_architecture_runs_here(arch: ModelArch, device: torch.device) -> None:
+    if arch.attention_logit_softcap is not None and device.type == "cuda":
+        raise InvalidInputError(
+            "model", "attention logit soft-capping (Gemma 2) runs on the CPU only: the Triton kernels lack it"
+        )
 
 
 def _check_quantization_runs_here(quantization: str | None, device: torch.device) -> None:

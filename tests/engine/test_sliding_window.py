@@ -1,5 +1,5 @@
 """Sliding-window models past their window: transformers' tokens (every layer windowed, the upper
-ones only, Gemma 3's local and global layers), and KV memory bounded by the window."""
+ones only, Gemma 2's and 3's local and global layers), and KV memory bounded by the window."""
 
 from __future__ import annotations
 
@@ -39,6 +39,20 @@ WINDOWED_MODELS = {
             # Smaller weights than the other families': Gemma scales its embeddings by
             # sqrt(hidden), and larger ones make this tiny model repeat one token.
             initializer_range=0.05,
+        ),
+    ),
+    # Gemma 2: every other layer windowed, attention scores soft-capped (at 1.0, which these
+    # weights' scores reach: the cap changes the greedy tokens).
+    "gemma2": (
+        "gemma2",
+        dict(
+            num_hidden_layers=3,
+            head_dim=32,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=2.0,
+            initializer_range=0.1,
         ),
     ),
 }

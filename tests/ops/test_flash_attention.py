@@ -41,7 +41,7 @@ def _qkv(num_queries, num_keys, num_heads, num_kv_heads, head_dim, dtype, seed=0
     return query, key, value
 
 
-def _causal_attention_reference(query, key, value, window=0):
+def _causal_attention_reference(query, key, value, window=0, softcap=0.0):
     num_queries, num_heads, head_dim = query.shape
     num_keys, num_kv_heads = key.shape[0], key.shape[1]
     group = num_heads // num_kv_heads
@@ -49,6 +49,8 @@ def _causal_attention_reference(query, key, value, window=0):
         torch.einsum("qhd,khd->hqk", query.float(), key.float().repeat_interleave(group, 1)) / head_dim**0.5
     )
     positions = torch.arange(num_keys - num_queries, num_keys)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     offsets = positions[:, None] - torch.arange(num_keys)[None, :]
     allowed = (offsets >= 0) & ((offsets < window) if window else True)
     weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
@@ -209,3 +211,24 @@ def test_blocks_before_every_window_are_never_read(kernels):
     last = torch.tensor([num_keys - 1])
     decoded = kernels.flash_decode_attention(query[last], kv_cache, block_ids[None], last + 1, window=window)
     assert torch.equal(decoded, intact[-1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap,window", [(0.5, 0), (2.0, 0), (50.0, 0), (1.0, 40)])
+def test_soft_capped_scores_match_plain_math_and_keep_a_rows_bits(kernels, dtype, softcap, window):
+    """Gemma 2's cap * tanh(score / cap), with and without a window; a decode row still gets the
+    bits its prefill row does."""
+    num_keys = 200
+    query, key, value = _qkv(num_keys, num_keys, 9, 3, 64, dtype, seed=3)
+    query = query * 4  # scores of several units: the cap bends them
+    output = kernels.flash_attention(query, key, value, num_threads=2, window=window, softcap=softcap)
+    torch.testing.assert_close(
+        output.float(), _causal_attention_reference(query, key, value, window, softcap), **TOLERANCE[dtype]
+    )
+    kv_cache, block_ids = _paged(key, value, 16)
+    positions = torch.tensor([0, 63, 64, 150, 199])
+    decoded = kernels.flash_decode_attention(
+        query[positions].contiguous(), kv_cache, block_ids.repeat(len(positions), 1), positions + 1,
+        window=window, softcap=softcap,
+    )
+    assert torch.equal(decoded, output[positions])

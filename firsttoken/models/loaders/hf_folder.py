@@ -73,7 +73,9 @@ def arch_from_config(config: dict[str, Any], path: str) -> ModelArch:
             "rotary over every dim of a head)"
         )
     # Qwen2/3 configs say whether their window applies; Mistral's, Phi-3's and Gemma's always does.
-    use_sliding_window = config.get("use_sliding_window", model_type in ("mistral", "phi3", "gemma3_text"))
+    use_sliding_window = config.get(
+        "use_sliding_window", model_type in ("mistral", "phi3", "gemma2", "gemma3_text")
+    )
     return ModelArch(
         architecture=model_type,
         vocab_size=int(config["vocab_size"]),
@@ -92,28 +94,32 @@ def arch_from_config(config: dict[str, Any], path: str) -> ModelArch:
         sliding_window=config.get("sliding_window") if use_sliding_window else None,
         sliding_window_layers=_sliding_window_layers(config, model_type),
         qk_norm=model_type in ("qwen3", "gemma3_text"),
-        **(_gemma_fields(config, local_rope, path) if model_type == "gemma3_text" else {}),
+        **(_gemma_fields(config, model_type, local_rope, path) if model_type.startswith("gemma") else {}),
     )
 
 
-def _gemma_fields(config: dict[str, Any], local_rope: dict[str, Any], path: str) -> dict[str, Any]:
-    """How Gemma 3's layers differ from Llama's (see ModelArch)."""
-    for unsupported in ("attn_logit_softcapping", "use_bidirectional_attention"):
-        if config.get(unsupported):
-            raise ValueError(f"model: {unsupported} of {path} is not supported")
+def _gemma_fields(
+    config: dict[str, Any], model_type: str, local_rope: dict[str, Any], path: str
+) -> dict[str, Any]:
+    """How Gemma 2's and 3's layers differ from Llama's (see ModelArch): Gemma 3's local layers
+    rotate by their own base; Gemma 2 soft-caps attention scores."""
+    if config.get("use_bidirectional_attention"):
+        raise ValueError(f"model: use_bidirectional_attention of {path} is not supported")
     activation = config.get("hidden_activation") or config.get("hidden_act")
     if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(
             f"model: hidden_activation {activation!r} of {path} is not supported (gelu_pytorch_tanh)"
         )
+    local_rope_theta = local_rope.get("rope_theta", config.get("rope_local_base_freq", 10000.0))
     return dict(
-        local_rope_theta=float(local_rope.get("rope_theta", config.get("rope_local_base_freq", 10000.0))),
+        local_rope_theta=float(local_rope_theta) if model_type == "gemma3_text" else None,
         embedding_multiplier=float(config["hidden_size"]) ** 0.5,
         norm_weight_offset=1.0,
         sandwich_norms=True,
         hidden_activation="gelu_tanh",
         attention_scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
         final_logit_softcap=config.get("final_logit_softcapping"),
+        attention_logit_softcap=config.get("attn_logit_softcapping"),
     )
 
 

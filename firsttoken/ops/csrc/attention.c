@@ -2,7 +2,8 @@
  * once over isa.h so it builds for every CPU class (AVX2+FMA, AVX-512F, SSE2/NEON).
  *
  * Queries i attend keys j <= i + (num_keys - num_queries), and with a sliding window of W keys
- * only the last W of those (j > i + (num_keys - num_queries) - W). Keys stream through in tiles of
+ * only the last W of those (j > i + (num_keys - num_queries) - W); with a soft-cap C, each
+ * scaled score s becomes C tanh(s / C) (Gemma 2). Keys stream through in tiles of
  * KEY_TILE at fixed positions from key 0, each with an online softmax (running max and sum per
  * query row, no score matrix): for every key a dot product along the head dims (VEC_WIDTH keys
  * at a time, their lane sums transposed into one vector of scores), then output += P V.
@@ -54,6 +55,7 @@ typedef struct {
     int64_t num_heads, num_kv_heads, head_dim;
     float scale;
     int dtype;
+    float softcap; /* > 0: scaled scores soft-capped */
 } Shape;
 
 /* Up to KEY_TILE keys from `first_key` as float32 rows: in place, or widened into a buffer. */
@@ -180,13 +182,17 @@ static void weigh_values(const float *p, const float *const *values, int64_t val
  * caller. A block's rows score first, then update: the tile's keys, then its values, stay in
  * L1 across the rows. */
 __attribute__((noinline)) static void score_tile(const float *query, const KeyTile *tile, int64_t skip,
-                                                 int64_t valid, int64_t head_dim, float scale, float *scores) {
+                                                 int64_t valid, int64_t head_dim, float scale, float softcap,
+                                                 float *scores) {
     int64_t dim_vectors = head_dim / VEC_WIDTH, key_vectors = (valid + VEC_WIDTH - 1) / VEC_WIDTH;
     const vint lanes = vi_lane_indices();
     for (int64_t g = 0; g < key_vectors; g++) {
         vint key = lanes + (int32_t)(g * VEC_WIDTH);
         vint inside = (key < (int32_t)valid) & (key >= (int32_t)skip);
         vfloat score = score_keys(query, tile->keys + g * VEC_WIDTH, dim_vectors) * scale;
+        if (softcap > 0.0f) {
+            score = vf_splat(softcap) * vf_tanh(score / vf_splat(softcap));
+        }
         vf_store(scores + g * VEC_WIDTH, vf_select(inside, score, vf_splat(-INFINITY)));
     }
 }
@@ -332,7 +338,7 @@ static void attend_block(const Sequence *sequence, const Shape *shape, int64_t f
         for (int64_t r = first_row; r < end_row; r++) {
             int64_t position = first_position + r / heads;
             score_tile(queries[r], &tile, tile_skip(position, first_key, window),
-                       tile_valid(position, first_key, kv.count), head_dim, shape->scale,
+                       tile_valid(position, first_key, kv.count), head_dim, shape->scale, shape->softcap,
                        scratch->scores + r * KEY_TILE);
         }
         for (int64_t r = first_row; r < end_row; r++) {
@@ -357,7 +363,8 @@ static int shape_supported(const Shape *shape) {
 /* out [num_queries, num_heads, head_dim] (contiguous) = causal attention of query
  * [num_queries, num_heads, head_dim] (heads contiguous, rows query_stride apart) over the
  * num_keys K/V rows at `key` and `value`, the queries being the last num_queries positions;
- * with window > 0, each over its last `window` keys only (0: all).
+ * with window > 0, each over its last `window` keys only (0: all); with softcap > 0, scaled
+ * scores s taken as softcap * tanh(s / softcap).
  * K/V rows: consecutive, key_stride / value_stride elements apart (block_ids NULL); or the
  * slots of a paged cache half (slot s at s * stride) through the sequence's block_ids
  * (num_block_ids of them, blocks of block_size, num_slots slots). float32 or bf16 (`dtype`)
@@ -368,9 +375,9 @@ FtStatus ft_flash_attention(const void *query, int64_t query_stride, const void 
                             const void *value, int64_t value_stride, const int64_t *block_ids, int64_t num_block_ids,
                             int64_t block_size, int64_t num_slots, int64_t num_queries, int64_t num_keys,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window,
-                            void *out, int dtype, int num_threads) {
-    Shape shape = {num_heads, num_kv_heads, head_dim, scale, dtype};
-    if (!shape_supported(&shape) || num_queries < 1 || num_queries > num_keys || window < 0) {
+                            float softcap, void *out, int dtype, int num_threads) {
+    Shape shape = {num_heads, num_kv_heads, head_dim, scale, dtype, softcap};
+    if (!shape_supported(&shape) || num_queries < 1 || num_queries > num_keys || window < 0 || softcap < 0) {
         return FT_BAD_SHAPE;
     }
     if (block_ids != NULL && !tables_in_bounds(num_slots, block_ids, num_block_ids, block_size, &num_keys, 1)) {
@@ -425,7 +432,7 @@ FT_INTERNAL void free_decode_attention_scratch(void *scratch) {
 FT_INTERNAL void decode_attention_share(const DecodeAttention *a, int64_t heads_per_item, void *scratch) {
     int64_t num_heads = a->num_heads, head_dim = a->head_dim, kv_width = a->num_kv_heads * head_dim;
     int64_t size = element_size(a->dtype), items_per_row = num_heads / heads_per_item;
-    Shape shape = {num_heads, a->num_kv_heads, head_dim, a->scale, a->dtype};
+    Shape shape = {num_heads, a->num_kv_heads, head_dim, a->scale, a->dtype, a->softcap};
     const void *values = (const char *)a->kv_cache + a->num_slots * kv_width * size;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t item = 0; item < a->rows * items_per_row; item++) {
@@ -447,13 +454,14 @@ FT_INTERNAL int decode_attention_supported(int64_t num_heads, int64_t num_kv_hea
  * apart, heads contiguous) attending over the first seq_lens[r] keys of its sequence, read in
  * place through block_table [rows, max_blocks] from one layer's cache [2, num_slots, kv_heads
  * * head_dim] in `dtype`: the bits ft_flash_attention gives the last position of a prefill of
- * those keys (with window > 0, the last `window` of them). Returns as ft_flash_attention. */
+ * those keys (with window > 0, the last `window` of them; softcap as ft_flash_attention's).
+ * Returns as ft_flash_attention. */
 FtStatus ft_flash_decode_attention(const void *query, int64_t query_stride, const void *kv_cache, int64_t num_slots,
                                    const int64_t *block_table, int64_t max_blocks, const int64_t *seq_lens,
                                    int64_t block_size, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
-                                   int64_t head_dim, float scale, int64_t window, void *out, int dtype,
-                                   int num_threads) {
-    if (!decode_attention_supported(num_heads, num_kv_heads, head_dim) || window < 0) {
+                                   int64_t head_dim, float scale, int64_t window, float softcap, void *out,
+                                   int dtype, int num_threads) {
+    if (!decode_attention_supported(num_heads, num_kv_heads, head_dim) || window < 0 || softcap < 0) {
         return FT_BAD_SHAPE;
     }
     if (!tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
@@ -461,7 +469,7 @@ FtStatus ft_flash_decode_attention(const void *query, int64_t query_stride, cons
     }
     DecodeAttention attention = {query,   query_stride, kv_cache,  num_slots,    block_table, max_blocks, seq_lens,
                                  block_size, rows,      num_heads, num_kv_heads, head_dim,    scale,      out,
-                                 dtype,      window};
+                                 dtype,      window,       softcap};
     int64_t heads_per_item = decode_heads_per_item(rows, num_heads, num_kv_heads, num_threads), work = 0;
     for (int64_t r = 0; r < rows; r++) {
         work += seq_lens[r] * num_heads * head_dim;

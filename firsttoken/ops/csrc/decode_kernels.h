@@ -36,6 +36,7 @@ typedef struct {
     void *out; /* [rows, num_heads, head_dim] */
     int dtype;
     int64_t window; /* > 0: each row sees its last `window` keys only */
+    float softcap;  /* > 0: scaled scores soft-capped */
 } DecodeAttention;
 
 /* Whether the flash decode attention takes this head shape. */

@@ -130,6 +130,11 @@ static inline vfloat vf_exp(vfloat x) {
     return p * (vfloat)exponent;
 }
 
+/* tanh(x) as 1 - 2 / (e^(2x) + 1): +-1 where vf_exp clamps; absolute error ~1e-7 near 0. */
+static inline vfloat vf_tanh(vfloat x) {
+    return vf_splat(1.0f) - vf_splat(2.0f) / (vf_exp(x + x) + vf_splat(1.0f));
+}
+
 /* ---- Added for the attention kernels (csrc/attention.c). ---- */
 
 /* Lane indices 0, 1, ..., VEC_WIDTH - 1. */
