@@ -31,6 +31,7 @@ import os
 import platform
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -262,12 +263,16 @@ class NativeKernels:
         num_threads: int,
         window: int = 0,
         softcap: float = 0.0,
+        sink_tokens: int = 0,
+        sink_query: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of query [n, heads, head_dim] over key and value [m, kv_heads,
         head_dim] (heads contiguous, rows strided), m >= n, the queries being the last n of the m
         positions, each over its last `window` keys only when window > 0, scaled scores s taken as
         softcap * tanh(s / softcap) when softcap > 0; float32 arithmetic, the inputs' dtype out.
-        Inputs must pass `flash_attention_supports` (key and value too)."""
+        With sink_tokens > 0 (and a window), keys 0..sink_tokens-1 too, scored with sink_query
+        (shaped as query) once a row's window has left them (StreamingLLM). Inputs must pass
+        `flash_attention_supports` (key and value too)."""
         num_keys, num_kv_heads = key.shape[0], key.shape[1]
         if value.shape != key.shape or not (heads_contiguous(key) and heads_contiguous(value)):
             raise ValueError(f"flash_attention: keys {tuple(key.shape)} and values {tuple(value.shape)}")
@@ -277,7 +282,8 @@ class NativeKernels:
             "num_slots": num_keys,
         }
         return self._flash_attention(
-            "flash_attention", query, key_values, num_keys, num_kv_heads, num_threads, window, softcap
+            "flash_attention", query, key_values, num_keys, num_kv_heads, num_threads,
+            _Variant.of(query, window, softcap, sink_tokens, sink_query),
         )
 
     def flash_attention_paged(
@@ -289,6 +295,8 @@ class NativeKernels:
         num_threads: int,
         window: int = 0,
         softcap: float = 0.0,
+        sink_tokens: int = 0,
+        sink_query: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`flash_attention` over the first num_keys keys of one sequence, read in place from
         kv_cache [2, blocks, block_size, kv_heads, head_dim] (contiguous) through its block ids
@@ -306,7 +314,8 @@ class NativeKernels:
             "block_size": block_size, "num_slots": num_blocks * block_size,
         }
         return self._flash_attention(
-            "flash_attention_paged", query, key_values, num_keys, num_kv_heads, num_threads, window, softcap
+            "flash_attention_paged", query, key_values, num_keys, num_kv_heads, num_threads,
+            _Variant.of(query, window, softcap, sink_tokens, sink_query),
         )
 
     def _flash_attention(
@@ -317,17 +326,16 @@ class NativeKernels:
         num_keys: int,
         num_kv_heads: int,
         num_threads: int,
-        window: int,
-        softcap: float,
+        variant: _Variant,
     ) -> torch.Tensor:
         """Runs ft_flash_attention over the K/V rows `key_values` locates (its parameters from
-        `key` to `num_slots`)."""
+        `key` to `num_slots`), with `variant`'s window, softcap and sinks."""
         num_queries, num_heads, head_dim = query.shape
         out = query.new_empty(num_queries, num_heads, head_dim)
         status = self._kernels["ft_flash_attention"](
             query=query.data_ptr(), query_stride=query.stride(0), **key_values, num_queries=num_queries,
             num_keys=num_keys, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            scale=head_dim**-0.5, window=window, softcap=softcap, out=out.data_ptr(), dtype=_code(query),
+            scale=head_dim**-0.5, **variant.arguments(), out=out.data_ptr(), dtype=_code(query),
             num_threads=max(1, num_threads),
         )
         self._check_flash(status, name, query, num_keys, num_kv_heads)
@@ -341,9 +349,11 @@ class NativeKernels:
         seq_lens: torch.Tensor,
         window: int = 0,
         softcap: float = 0.0,
+        sink_tokens: int = 0,
+        sink_query: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One new query per sequence, query [rows, heads, head_dim], over the first seq_lens[r]
-        keys of sequence r (the last `window` of them when window > 0; softcap as
+        keys of sequence r (the last `window` of them when window > 0; softcap and sinks as
         `flash_attention`'s), read in place through
         block_table (long [rows, max_blocks]) from kv_cache [2, blocks, block_size, kv_heads,
         head_dim] (contiguous): for each row the bits `flash_attention` gives the last position of
@@ -361,10 +371,10 @@ class NativeKernels:
         block_table = block_table.contiguous()
         seq_lens = seq_lens.contiguous()
         out = query.new_empty(query.shape)
+        variant = _Variant.of(query, window, softcap, sink_tokens, sink_query)
         status = self._kernels["ft_flash_decode_attention"](
-            **_paged_decodes(query, kv_cache, block_table, seq_lens), window=window, softcap=softcap,
-            out=out.data_ptr(),
-            dtype=_code(query), num_threads=torch.get_num_threads(),
+            **_paged_decodes(query, kv_cache, block_table, seq_lens), **variant.arguments(),
+            out=out.data_ptr(), dtype=_code(query), num_threads=torch.get_num_threads(),
         )
         self._check_flash(status, "flash_decode_attention", query, int(seq_lens.max()), kv_cache.shape[3])
         return out
@@ -618,6 +628,42 @@ class NativeKernels:
 
 def _code(tensor: torch.Tensor) -> int:
     return _DTYPE_CODES[tensor.dtype]
+
+
+@dataclass
+class _Variant:
+    """The flash kernels' window, softcap and sink arguments, holding the sink query (laid out as
+    the query: the kernels step through both by its row stride) while the kernel runs."""
+
+    window: int
+    softcap: float
+    sink_tokens: int
+    sink_query: torch.Tensor | None
+
+    @classmethod
+    def of(
+        cls,
+        query: torch.Tensor,
+        window: int,
+        softcap: float,
+        sink_tokens: int,
+        sink_query: torch.Tensor | None,
+    ) -> _Variant:
+        if sink_query is not None:
+            if sink_query.shape != query.shape or sink_query.dtype != query.dtype:
+                raise ValueError(
+                    f"sink_query: {tuple(sink_query.shape)} {sink_query.dtype}, query {tuple(query.shape)}"
+                )
+            if sink_query.stride() != query.stride():
+                laid_out = torch.empty_strided(query.shape, query.stride(), dtype=query.dtype)
+                sink_query = laid_out.copy_(sink_query)
+        return cls(window, softcap, sink_tokens, sink_query)
+
+    def arguments(self) -> dict[str, int | float | None]:
+        return {
+            "window": self.window, "softcap": self.softcap, "sink_tokens": self.sink_tokens,
+            "sink_query": self.sink_query.data_ptr() if self.sink_query is not None else None,
+        }
 
 
 def _paged_decodes(

@@ -268,13 +268,14 @@ KERNELS = (
             "const void *value, int64_t value_stride, const int64_t *block_ids, int64_t num_block_ids, "
             "int64_t block_size, int64_t num_slots, int64_t num_queries, int64_t num_keys, "
             "int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window, "
-            f"float softcap, void *out, {_DTYPE_THREADS}"
+            f"float softcap, int64_t sink_tokens, const void *sink_query, void *out, {_DTYPE_THREADS}"
         ),
     ),
     Kernel(
         "ft_flash_decode_attention",
         _parameters(
-            f"const void *query, {_PAGED_DECODES}, int64_t window, float softcap, void *out, {_DTYPE_THREADS}"
+            f"const void *query, {_PAGED_DECODES}, int64_t window, float softcap, int64_t sink_tokens, "
+            f"const void *sink_query, void *out, {_DTYPE_THREADS}"
         ),
     ),
     Kernel("ft_flash_attention_head_dim_multiple", (), result="int"),

@@ -232,3 +232,63 @@ def test_soft_capped_scores_match_plain_math_and_keep_a_rows_bits(kernels, dtype
         window=window, softcap=softcap,
     )
     assert torch.equal(decoded, output[positions])
+
+
+def _sinks_reference(query, sink_query, key, value, window, sink_tokens):
+    """Each query over its window's keys and, once its window has left them, the first
+    sink_tokens keys scored with its sink query: one softmax over both (float32)."""
+    num_queries, num_heads, head_dim = query.shape
+    num_keys, num_kv_heads = key.shape[0], key.shape[1]
+    group = num_heads // num_kv_heads
+    keys = key.float().repeat_interleave(group, 1)
+    values = value.float().repeat_interleave(group, 1)
+    outputs = []
+    for row, position in enumerate(range(num_keys - num_queries, num_keys)):
+        start = max(0, position - window + 1)
+        if start <= sink_tokens:
+            visible = list(range(position + 1))
+            rows = query[row].float().expand(len(visible), -1, -1)
+        else:
+            visible = list(range(sink_tokens)) + list(range(start, position + 1))
+            rows = torch.cat(
+                [
+                    sink_query[row].float().expand(sink_tokens, -1, -1),
+                    query[row].float().expand(position + 1 - start, -1, -1),
+                ]
+            )
+        scores = (rows * keys[visible]).sum(-1) / head_dim**0.5  # [visible, heads]
+        weights = scores.softmax(0)
+        outputs.append((weights[..., None] * values[visible]).sum(0))
+    return torch.stack(outputs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sink_tokens,window", [(4, 16), (4, 64), (1, 5), (64, 70)])
+def test_attention_sinks_beside_a_window_match_plain_math_and_keep_a_rows_bits(
+    kernels, dtype, sink_tokens, window
+):
+    """StreamingLLM: a row whose window has left the sinks scores them with its sink query; a
+    decode row and a paged chunk get its prefill row's bits; the blocks between the sinks and
+    the window are never read."""
+    num_keys = 200
+    query, key, value = _qkv(num_keys, num_keys, 9, 3, 64, dtype, seed=5)
+    sink_query = _qkv(num_keys, num_keys, 9, 3, 64, dtype, seed=6)[0].contiguous()
+    sinks = dict(window=window, sink_tokens=sink_tokens)
+    output = kernels.flash_attention(query, key, value, num_threads=2, sink_query=sink_query, **sinks)
+    torch.testing.assert_close(
+        output.float(), _sinks_reference(query, sink_query, key, value, window, sink_tokens), **TOLERANCE[dtype]
+    )
+    kv_cache, block_ids = _paged(key, value, 8)
+    first_kept = -(-sink_tokens // 8)
+    first_seen = num_keys - 60 - window + 1
+    kv_cache[:, block_ids[first_kept : max(first_kept, first_seen // 8)]] = float("nan")
+    chunk = kernels.flash_attention_paged(
+        query[-60:], kv_cache, block_ids, num_keys, num_threads=1, sink_query=sink_query[-60:], **sinks
+    )
+    assert torch.equal(chunk, output[-60:])
+    positions = torch.tensor([150, 199])
+    decoded = kernels.flash_decode_attention(
+        query[positions].contiguous(), kv_cache, block_ids.repeat(2, 1), positions + 1,
+        sink_query=sink_query[positions].contiguous(), **sinks,
+    )
+    assert torch.equal(decoded, output[positions])

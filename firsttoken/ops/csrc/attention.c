@@ -3,7 +3,10 @@
  *
  * Queries i attend keys j <= i + (num_keys - num_queries), and with a sliding window of W keys
  * only the last W of those (j > i + (num_keys - num_queries) - W); with a soft-cap C, each
- * scaled score s becomes C tanh(s / C) (Gemma 2). Keys stream through in tiles of
+ * scaled score s becomes C tanh(s / C) (Gemma 2). With S attention sinks beside a window
+ * (StreamingLLM), a query also sees keys 0..S-1 once its window has left them, scored with its
+ * own sink query (the query rotated at its position in the sinks-plus-window cache), in one
+ * pass before the window's tiles. Keys stream through in tiles of
  * KEY_TILE at fixed positions from key 0, each with an online softmax (running max and sum per
  * query row, no score matrix): for every key a dot product along the head dims (VEC_WIDTH keys
  * at a time, their lane sums transposed into one vector of scores), then output += P V.
@@ -48,6 +51,9 @@ typedef struct {
     int64_t first_position; /* query 0's position: it sees keys 0..first_position */
     int64_t num_queries;
     int64_t window; /* > 0: a query at position p sees keys p - window + 1 .. p only */
+    /* > 0 (with a window): keys 0..sink_tokens-1 seen too, scored with sink_query's rows. */
+    int64_t sink_tokens;
+    const void *sink_query; /* as query, rows query_stride apart */
     KeyValueRows kv; /* at KV head 0 */
 } Sequence;
 
@@ -243,10 +249,12 @@ __attribute__((noinline)) static void finish_row(const RowState *state, int64_t 
 /* What one thread works in: a block of rows' queries and states, and a widened tile. */
 typedef struct {
     float *queries; /* max_rows * head_dim (bf16 queries, widened) */
+    float *sink_queries; /* max_rows * head_dim (bf16 sink queries, widened) */
     float *outputs; /* max_rows * head_dim */
     float *scores;  /* max_rows * KEY_TILE: each row's scores of the tile at hand */
     RowState *states;
     const float **query_rows; /* max_rows: each row's float32 query */
+    const float **sink_query_rows; /* max_rows: each row's float32 sink query */
     float *key_buffer, *value_buffer; /* KEY_TILE * head_dim each */
 } Scratch;
 
@@ -254,18 +262,22 @@ static void free_scratch(Scratch *scratch) {
     free(scratch->queries);
     free(scratch->states);
     free(scratch->query_rows);
+    free(scratch->sink_query_rows);
 }
 
 static int allocate_scratch(Scratch *scratch, int64_t max_rows, int64_t head_dim) {
-    size_t floats = (size_t)((2 * max_rows + 2 * KEY_TILE) * head_dim + max_rows * KEY_TILE);
+    size_t floats = (size_t)((3 * max_rows + 2 * KEY_TILE) * head_dim + max_rows * KEY_TILE);
     scratch->queries = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     scratch->states = malloc((size_t)max_rows * sizeof(RowState));
     scratch->query_rows = malloc((size_t)max_rows * sizeof(const float *));
-    if (scratch->queries == NULL || scratch->states == NULL || scratch->query_rows == NULL) {
+    scratch->sink_query_rows = malloc((size_t)max_rows * sizeof(const float *));
+    if (scratch->queries == NULL || scratch->states == NULL || scratch->query_rows == NULL
+        || scratch->sink_query_rows == NULL) {
         free_scratch(scratch);
         return 0;
     }
-    scratch->outputs = scratch->queries + max_rows * head_dim;
+    scratch->sink_queries = scratch->queries + max_rows * head_dim;
+    scratch->outputs = scratch->sink_queries + max_rows * head_dim;
     scratch->key_buffer = scratch->outputs + max_rows * head_dim;
     scratch->value_buffer = scratch->key_buffer + KEY_TILE * head_dim;
     scratch->scores = scratch->value_buffer + KEY_TILE * head_dim;
@@ -279,15 +291,34 @@ static inline int64_t tile_valid(int64_t position, int64_t first_key, int64_t nu
     return limit - first_key + 1 < KEY_TILE ? limit - first_key + 1 : KEY_TILE;
 }
 
-/* The first key a query at `position` sees: 0, or the start of its window. */
-static inline int64_t window_start(int64_t position, int64_t window) {
-    return window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
+/* The first key a query at `position` sees in the tiles: 0, or the start of its window (0 while
+ * the window still reaches the sinks: all keys up to the query, then). */
+static inline int64_t window_start(int64_t position, int64_t window, int64_t sink_tokens) {
+    int64_t start = window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
+    return start <= sink_tokens ? 0 : start;
+}
+
+/* Whether a query at `position` takes the sink pass: its window has left some sink. */
+static inline int takes_sinks(int64_t position, int64_t window, int64_t sink_tokens) {
+    return sink_tokens > 0 && window_start(position, window, sink_tokens) > 0;
 }
 
 /* Keys of the tile from `first_key` before the window of a query at `position`. */
-static inline int64_t tile_skip(int64_t position, int64_t first_key, int64_t window) {
-    int64_t start = window_start(position, window);
+static inline int64_t tile_skip(int64_t position, int64_t first_key, int64_t window, int64_t sink_tokens) {
+    int64_t start = window_start(position, window, sink_tokens);
     return start > first_key ? start - first_key : 0;
+}
+
+/* Widens (bf16) or points at a query row of `base`, rows `stride` elements apart. */
+static const float *query_row(const void *base, int64_t stride, int64_t position, int64_t head, const Shape *shape,
+                              float *buffer) {
+    int64_t head_dim = shape->head_dim;
+    const char *row = (const char *)base + (position * stride + head * head_dim) * element_size(shape->dtype);
+    if (shape->dtype == DTYPE_BFLOAT16) {
+        widen_row((const uint16_t *)row, head_dim, buffer);
+        return buffer;
+    }
+    return (const float *)row;
 }
 
 /* Queries [first_query, first_query + positions) of `sequence` at query heads [first_head,
@@ -299,14 +330,14 @@ static void attend_block(const Sequence *sequence, const Shape *shape, int64_t f
     int64_t kv_head = first_head / (shape->num_heads / shape->num_kv_heads);
     int64_t size = element_size(shape->dtype);
     const float **queries = scratch->query_rows;
+    int64_t window = sequence->window, sinks = sequence->sink_tokens;
     for (int64_t r = 0; r < rows; r++) {
         int64_t position = first_query + r / heads, head = first_head + r % heads;
-        const char *query = (const char *)sequence->query + (position * sequence->query_stride + head * head_dim) * size;
-        if (shape->dtype == DTYPE_BFLOAT16) {
-            widen_row((const uint16_t *)query, head_dim, scratch->queries + r * head_dim);
-            queries[r] = scratch->queries + r * head_dim;
-        } else {
-            queries[r] = (const float *)query;
+        queries[r] = query_row(sequence->query, sequence->query_stride, position, head, shape,
+                               scratch->queries + r * head_dim);
+        if (sinks > 0) {
+            scratch->sink_query_rows[r] = query_row(sequence->sink_query, sequence->query_stride, position, head,
+                                                    shape, scratch->sink_queries + r * head_dim);
         }
         RowState *state = &scratch->states[r];
         state->max = -INFINITY;
@@ -319,32 +350,41 @@ static void attend_block(const Sequence *sequence, const Shape *shape, int64_t f
     kv.values = (const char *)kv.values + kv_head * head_dim * size;
     int64_t first_position = sequence->first_position + first_query;
     int64_t last_key = first_position + positions - 1 < kv.count - 1 ? first_position + positions - 1 : kv.count - 1;
-    int64_t window = sequence->window;
+    KeyTile tile;
+    /* The sinks first, for the rows whose window has left them: one tile of keys 0..sinks-1. */
+    if (sinks > 0 && takes_sinks(first_position + positions - 1, window, sinks)) {
+        load_tile(&kv, 0, sinks, 0, shape, scratch->key_buffer, scratch->value_buffer, &tile);
+        for (int64_t r = 0; r < rows; r++) {
+            if (takes_sinks(first_position + r / heads, window, sinks)) {
+                score_tile(scratch->sink_query_rows[r], &tile, 0, sinks, head_dim, shape->scale, shape->softcap,
+                           scratch->scores + r * KEY_TILE);
+                update_row(scratch->scores + r * KEY_TILE, &tile, 0, sinks, head_dim, &scratch->states[r]);
+            }
+        }
+    }
     /* Tiles stay at fixed positions from key 0 (a row's bits do not depend on its block); those
      * wholly before every row's window are skipped. */
-    int64_t first_seen = window_start(first_position, window);
-    KeyTile tile;
+    int64_t first_seen = window_start(first_position, window, sinks);
     for (int64_t first_key = first_seen / KEY_TILE * KEY_TILE; first_key <= last_key; first_key += KEY_TILE) {
         int64_t tile_keys = last_key - first_key + 1 < KEY_TILE ? last_key - first_key + 1 : KEY_TILE;
         load_tile(&kv, first_key, tile_keys, first_seen, shape, scratch->key_buffer, scratch->value_buffer, &tile);
-        /* Rows before first_row see none of this tile's keys (causal), nor rows from end_row (window). */
+        /* Rows before first_row see none of this tile's keys (causal); a row whose window
+         * starts past the tile sees none of it either. */
         int64_t first_row = first_key > first_position ? (first_key - first_position) * heads : 0;
-        int64_t end_row = rows;
-        if (window > 0) {
-            int64_t last_seeing = first_key + tile_keys - 1 + window - 1;
-            int64_t seeing_positions = last_seeing - first_position + 1;
-            end_row = seeing_positions * heads < rows ? seeing_positions * heads : rows;
+        for (int64_t r = first_row; r < rows; r++) {
+            int64_t position = first_position + r / heads, valid = tile_valid(position, first_key, kv.count);
+            int64_t skip = tile_skip(position, first_key, window, sinks);
+            if (skip < valid) {
+                score_tile(queries[r], &tile, skip, valid, head_dim, shape->scale, shape->softcap,
+                           scratch->scores + r * KEY_TILE);
+            }
         }
-        for (int64_t r = first_row; r < end_row; r++) {
-            int64_t position = first_position + r / heads;
-            score_tile(queries[r], &tile, tile_skip(position, first_key, window),
-                       tile_valid(position, first_key, kv.count), head_dim, shape->scale, shape->softcap,
-                       scratch->scores + r * KEY_TILE);
-        }
-        for (int64_t r = first_row; r < end_row; r++) {
-            int64_t position = first_position + r / heads;
-            update_row(scratch->scores + r * KEY_TILE, &tile, tile_skip(position, first_key, window),
-                       tile_valid(position, first_key, kv.count), head_dim, &scratch->states[r]);
+        for (int64_t r = first_row; r < rows; r++) {
+            int64_t position = first_position + r / heads, valid = tile_valid(position, first_key, kv.count);
+            int64_t skip = tile_skip(position, first_key, window, sinks);
+            if (skip < valid) {
+                update_row(scratch->scores + r * KEY_TILE, &tile, skip, valid, head_dim, &scratch->states[r]);
+            }
         }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -352,6 +392,11 @@ static void attend_block(const Sequence *sequence, const Shape *shape, int64_t f
         char *out = (char *)sequence->out + (position * sequence->out_stride + head * head_dim) * size;
         finish_row(&scratch->states[r], head_dim, shape->dtype, out);
     }
+}
+
+/* Sinks: none, or 1..KEY_TILE of them beside a window, with the queries that score them. */
+static int sinks_supported(int64_t sink_tokens, int64_t window, const void *sink_query) {
+    return sink_tokens == 0 || (sink_tokens > 0 && sink_tokens <= KEY_TILE && window > 0 && sink_query != NULL);
 }
 
 static int shape_supported(const Shape *shape) {
@@ -370,20 +415,24 @@ static int shape_supported(const Shape *shape) {
  * (num_block_ids of them, blocks of block_size, num_slots slots). float32 or bf16 (`dtype`)
  * throughout. Returns FT_OK; FT_OUT_OF_MEMORY; FT_OUT_OF_BOUNDS (touching nothing) when a block
  * id or num_keys lies outside the cache or the table; FT_BAD_SHAPE for a head size or grouping it
- * does not take. */
+ * does not take. With sink_tokens > 0 (1..KEY_TILE, a window too), sink_query (laid out as
+ * query) scores the sinks once a row's window has left them. */
 FtStatus ft_flash_attention(const void *query, int64_t query_stride, const void *key, int64_t key_stride,
                             const void *value, int64_t value_stride, const int64_t *block_ids, int64_t num_block_ids,
                             int64_t block_size, int64_t num_slots, int64_t num_queries, int64_t num_keys,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window,
-                            float softcap, void *out, int dtype, int num_threads) {
+                            float softcap, int64_t sink_tokens, const void *sink_query, void *out, int dtype,
+                            int num_threads) {
     Shape shape = {num_heads, num_kv_heads, head_dim, scale, dtype, softcap};
-    if (!shape_supported(&shape) || num_queries < 1 || num_queries > num_keys || window < 0 || softcap < 0) {
+    if (!shape_supported(&shape) || num_queries < 1 || num_queries > num_keys || window < 0 || softcap < 0
+        || !sinks_supported(sink_tokens, window, sink_query)) {
         return FT_BAD_SHAPE;
     }
     if (block_ids != NULL && !tables_in_bounds(num_slots, block_ids, num_block_ids, block_size, &num_keys, 1)) {
         return FT_OUT_OF_BOUNDS;
     }
-    Sequence sequence = {query, query_stride, out, num_heads * head_dim, num_keys - num_queries, num_queries, window,
+    Sequence sequence = {query,       query_stride, out,         num_heads * head_dim, num_keys - num_queries,
+                         num_queries, window,       sink_tokens, sink_query,
                          {key, value, key_stride, value_stride, block_ids, block_size, num_keys}};
     int64_t group = num_heads / num_kv_heads, blocks = (num_queries + QUERY_BLOCK - 1) / QUERY_BLOCK;
     int64_t work = num_queries * num_keys * num_heads * head_dim;
@@ -439,6 +488,8 @@ FT_INTERNAL void decode_attention_share(const DecodeAttention *a, int64_t heads_
         int64_t r = item / items_per_row, first_head = (item % items_per_row) * heads_per_item;
         Sequence sequence = {(const char *)a->query + r * a->query_stride * size, 0,
                              (char *)a->out + r * num_heads * head_dim * size, 0, a->seq_lens[r] - 1, 1, a->window,
+                             a->sink_tokens,
+                             a->sink_query == NULL ? NULL : (const char *)a->sink_query + r * a->query_stride * size,
                              {a->kv_cache, values, kv_width, kv_width, a->block_table + r * a->max_blocks,
                               a->block_size, a->seq_lens[r]}};
         attend_block(&sequence, &shape, 0, 1, first_head, heads_per_item, scratch);
@@ -454,14 +505,15 @@ FT_INTERNAL int decode_attention_supported(int64_t num_heads, int64_t num_kv_hea
  * apart, heads contiguous) attending over the first seq_lens[r] keys of its sequence, read in
  * place through block_table [rows, max_blocks] from one layer's cache [2, num_slots, kv_heads
  * * head_dim] in `dtype`: the bits ft_flash_attention gives the last position of a prefill of
- * those keys (with window > 0, the last `window` of them; softcap as ft_flash_attention's).
- * Returns as ft_flash_attention. */
+ * those keys (with window > 0, the last `window` of them; softcap, sink_tokens and sink_query
+ * as ft_flash_attention's). Returns as ft_flash_attention. */
 FtStatus ft_flash_decode_attention(const void *query, int64_t query_stride, const void *kv_cache, int64_t num_slots,
                                    const int64_t *block_table, int64_t max_blocks, const int64_t *seq_lens,
                                    int64_t block_size, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
-                                   int64_t head_dim, float scale, int64_t window, float softcap, void *out,
-                                   int dtype, int num_threads) {
-    if (!decode_attention_supported(num_heads, num_kv_heads, head_dim) || window < 0 || softcap < 0) {
+                                   int64_t head_dim, float scale, int64_t window, float softcap, int64_t sink_tokens,
+                                   const void *sink_query, void *out, int dtype, int num_threads) {
+    if (!decode_attention_supported(num_heads, num_kv_heads, head_dim) || window < 0 || softcap < 0
+        || !sinks_supported(sink_tokens, window, sink_query)) {
         return FT_BAD_SHAPE;
     }
     if (!tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
@@ -469,7 +521,7 @@ FtStatus ft_flash_decode_attention(const void *query, int64_t query_stride, cons
     }
     DecodeAttention attention = {query,   query_stride, kv_cache,  num_slots,    block_table, max_blocks, seq_lens,
                                  block_size, rows,      num_heads, num_kv_heads, head_dim,    scale,      out,
-                                 dtype,      window,       softcap};
+                                 dtype,      window,       softcap,   sink_tokens,  sink_query};
     int64_t heads_per_item = decode_heads_per_item(rows, num_heads, num_kv_heads, num_threads), work = 0;
     for (int64_t r = 0; r < rows; r++) {
         work += seq_lens[r] * num_heads * head_dim;

@@ -37,6 +37,8 @@ typedef struct {
     int dtype;
     int64_t window; /* > 0: each row sees its last `window` keys only */
     float softcap;  /* > 0: scaled scores soft-capped */
+    int64_t sink_tokens;    /* > 0: StreamingLLM's sinks beside the window */
+    const void *sink_query; /* as query: the rows that score the sinks */
 } DecodeAttention;
 
 /* Whether the flash decode attention takes this head shape. */

@@ -99,7 +99,7 @@ static void attend(const DecodeModel *m, const DecodeLayer *layer, const DecodeB
     DecodeAttention attention = {a->qkv,        qkv_width,      layer->kv_cache, m->num_slots,      b->block_table,
                                  b->max_blocks, b->seq_lens,    b->block_size,   rows,              m->num_heads,
                                  m->num_kv_heads, m->head_dim,  m->attention_scale, a->attended,    DTYPE_FLOAT32,
-                                 0, 0.0f /* whole-step decode: Llama's layers, no window */};
+                                 0, 0.0f, 0, NULL /* whole-step decode: Llama's layers, no window */};
     decode_attention_share(&attention, t->heads_per_item, t->attention);
 #pragma omp barrier
 }
