@@ -346,6 +346,34 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True)
+class StreamingLLMConfig:
+    """StreamingLLM (attention sinks plus a window): a flat cost per token however long a
+    conversation grows, at the price of outputs that change once it passes the window."""
+
+    window: int | None = field(
+        default=None,
+        metadata=_help("StreamingLLM: each query sees the last N tokens and the sinks (approximate once a "
+                       "sequence is longer: outputs change); unset: off"),
+    )
+    sink_tokens: int = field(
+        default=4,
+        metadata=_help("StreamingLLM: the first tokens every query keeps seeing (1..64)"),
+    )
+
+    def __post_init__(self) -> None:
+        _require(
+            self.window is None or self.window >= 1,
+            "streaming_window",
+            f"must be >= 1 (tokens), got {self.window}",
+        )
+        _require(
+            1 <= self.sink_tokens <= 64,
+            "streaming_sink_tokens",
+            f"must be in [1, 64], got {self.sink_tokens}",
+        )
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: tokens proposed cheaply, verified by the model in one step."""
 
@@ -448,6 +476,7 @@ SUBCONFIGS: dict[str, type] = {
     "attention": AttentionConfig,
     "speculative_config": SpeculativeConfig,
     "parallel": ParallelConfig,
+    "streaming_llm": StreamingLLMConfig,
 }
 
 # Flat keyword names that would be ambiguous across subsystems get a prefix.
@@ -458,6 +487,8 @@ _FLAT_ALIASES: dict[tuple[str, str], str] = {
     ("attention", "backend"): "attention_backend",
     ("speculative_config", "method"): "speculative_method",
     ("speculative_config", "model"): "speculative_model",
+    ("streaming_llm", "window"): "streaming_window",
+    ("streaming_llm", "sink_tokens"): "streaming_sink_tokens",
 }
 
 
@@ -478,6 +509,7 @@ class EngineConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    streaming_llm: StreamingLLMConfig = field(default_factory=StreamingLLMConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -488,8 +520,9 @@ class EngineConfig:
         """
         sections: dict[str, Any] = {}
         for section in SUBCONFIGS:
-            if section in kwargs and kwargs[section] is not None:
-                sections[section] = kwargs.pop(section)
+            value = kwargs.pop(section, None)  # None: the section's defaults
+            if value is not None:
+                sections[section] = value
         per_section: dict[str, dict[str, Any]] = {section: {} for section in SUBCONFIGS}
         for section, section_cls in SUBCONFIGS.items():
             for config_field in dataclasses.fields(section_cls):

@@ -24,10 +24,21 @@ class LayerAttention:
 
     sliding_window: int | None = None  # each query over its last that many keys
     logit_softcap: float | None = None  # scaled scores s taken as cap * tanh(s / cap) (Gemma 2)
+    # StreamingLLM (with a window): the first keys every query sees too, scored with its sink
+    # query, the query rotated at its position in the sinks-plus-window cache.
+    sink_tokens: int = 0
 
     @property
     def is_plain(self) -> bool:
-        return self.sliding_window is None and self.logit_softcap is None
+        return self.sliding_window is None and self.logit_softcap is None and not self.sink_tokens
+
+    @property
+    def last_cache_position(self) -> int | None:
+        """With sinks: the position of a query in a full sinks-plus-window cache, where its
+        sink query is rotated (earlier queries' sink queries are their queries)."""
+        if not self.sink_tokens or self.sliding_window is None:
+            return None
+        return self.sink_tokens + self.sliding_window - 1
 
 
 PLAIN_ATTENTION = LayerAttention()
@@ -115,4 +126,5 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: Any,
         layer: LayerAttention = PLAIN_ATTENTION,
+        sink_query: torch.Tensor | None = None,  # [T, num_heads, head_dim], with layer.sink_tokens
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]

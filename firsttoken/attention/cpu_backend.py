@@ -27,6 +27,7 @@ scaled-dot-product (SDPA) kernels elsewhere; flash-style throughout, no score ma
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -155,21 +156,24 @@ class CPUAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: CPUAttentionMetadata,
         layer: LayerAttention = PLAIN_ATTENTION,
+        sink_query: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.native is not None and _native_writable(kv_cache, key, value, metadata.slot_mapping):
             self.native.write_kv(kv_cache, key, value, metadata.slot_mapping)
         else:
             write_kv_reference(kv_cache, key, value, metadata.slot_mapping)
         if not metadata.prefills:  # a decode-only step: no output to assemble
-            return self._decode(query, kv_cache, metadata, layer)
+            return self._decode(query, kv_cache, metadata, _FlashOptions(layer, sink_query))
         output = torch.empty_like(query)
         if metadata.num_decodes:
-            output[: metadata.num_decodes] = self._decode(
-                query[: metadata.num_decodes], kv_cache, metadata, layer
+            decodes = slice(0, metadata.num_decodes)
+            output[decodes] = self._decode(
+                query[decodes], kv_cache, metadata, _FlashOptions(layer, _rows_of(sink_query, decodes))
             )
         for span in metadata.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
-            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, layer)
+            options = _FlashOptions(layer, _rows_of(sink_query, rows))
+            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, options)
         return output
 
     def _decode(
@@ -177,14 +181,14 @@ class CPUAttentionBackend:
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: CPUAttentionMetadata,
-        layer: LayerAttention,
+        options: _FlashOptions,
     ) -> torch.Tensor:
         """The AVX512-BF16 paged kernel where it applies (bf16, heads of 32 to 128), else the
         portable flash kernel (the prefill's arithmetic, always), else SDPA."""
         paged = metadata.paged_decodes
         if (
             paged is not None
-            and layer.is_plain
+            and options.layer.is_plain
             and self.native.paged_decode_attention_supports(query, kv_cache)
         ):
             as_prefill = self.decode_as_prefill and self.decodes_as_prefill(
@@ -199,11 +203,11 @@ class CPUAttentionBackend:
             and kv_cache.is_contiguous()
         ):
             return self.native.flash_decode_attention(
-                query, kv_cache, paged.block_table, paged.seq_lens, *_flash_variant(layer)
+                query, kv_cache, paged.block_table, paged.seq_lens, **options.arguments()
             )
-        if layer.logit_softcap is not None:
-            return _softcapped_decode_attention(query, kv_cache, metadata, layer)
-        return _decode_attention(query, kv_cache, metadata, layer.sliding_window)
+        if options.layer.logit_softcap is not None:
+            return _softcapped_decode_attention(query, kv_cache, metadata, options.layer)
+        return _decode_attention(query, kv_cache, metadata, options.layer.sliding_window)
 
     def decodes_as_prefill(self, block_size: int, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether decode rows of this dtype and head size take the prefill kernel's arithmetic
@@ -226,26 +230,28 @@ class CPUAttentionBackend:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         span: PrefillSpan,
-        layer: LayerAttention,
+        options: _FlashOptions,
     ) -> torch.Tensor:
         """The AVX512-BF16 kernel where it applies (bf16, heads of 32 to 128), else the portable
         flash kernel (for chunks of up to FLASH_MAX_QUERIES_BESIDE_SDPA queries unless decode rows
         take the prefill's arithmetic), else SDPA."""
-        if self.native is not None and self.native.has_prefill_attention and layer.is_plain:
+        if self.native is not None and self.native.has_prefill_attention and options.layer.is_plain:
             keys_values = _all_keys_values(key, value, kv_cache, span)
             if self.native.prefill_attention_supports(query, *keys_values):
                 return self.native.prefill_attention(query, *keys_values, torch.get_num_threads())
         wants_flash = (
-            self.decode_as_prefill or not layer.is_plain or span.query_len <= FLASH_MAX_QUERIES_BESIDE_SDPA
+            self.decode_as_prefill
+            or not options.layer.is_plain
+            or span.query_len <= FLASH_MAX_QUERIES_BESIDE_SDPA
         )
         if (
             self.native is not None
             and wants_flash
             and _flash_takes(self.native, query, key, value, kv_cache, span)
         ):
-            return _flash_prefill(self.native, query, key, value, kv_cache, span, layer)
-        if not layer.is_plain:
-            return _masked_prefill_attention(query, key, value, kv_cache, span, layer)
+            return _flash_prefill(self.native, query, key, value, kv_cache, span, options)
+        if not options.layer.is_plain:
+            return _masked_prefill_attention(query, key, value, kv_cache, span, options.layer)
         return _prefill_attention(query, key, value, kv_cache, span)
 
 
@@ -280,27 +286,44 @@ def _flash_prefill(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     span: PrefillSpan,
-    layer: LayerAttention,
+    options: _FlashOptions,
 ) -> torch.Tensor:
     """A fresh prompt over its own K/V; a chunk over its context and new tokens, already in
     the cache: a view of a run of blocks, or its scattered blocks read in place (no gather)."""
     threads = torch.get_num_threads()
-    variant = _flash_variant(layer)
+    arguments = options.arguments()
     if not span.num_context_tokens:
-        return kernels.flash_attention(query, key, value, threads, *variant)
+        return kernels.flash_attention(query, key, value, threads, **arguments)
     num_keys = span.num_context_tokens + span.query_len
     if span.sequence_first_block is not None:
         return kernels.flash_attention(
-            query, *context_in_place(kv_cache, span.sequence_first_block, num_keys), threads, *variant
+            query, *context_in_place(kv_cache, span.sequence_first_block, num_keys), threads, **arguments
         )
     return kernels.flash_attention_paged(
-        query, kv_cache, span.sequence_block_ids, num_keys, threads, *variant
+        query, kv_cache, span.sequence_block_ids, num_keys, threads, **arguments
     )
 
 
-def _flash_variant(layer: LayerAttention) -> tuple[int, float]:
-    """The flash kernels' window and softcap arguments for the layer (0: none)."""
-    return layer.sliding_window or 0, layer.logit_softcap or 0.0
+@dataclass(frozen=True)
+class _FlashOptions:
+    """How a call's rows attend on the flash kernels: the layer's variant and, with sinks, the
+    rows' sink queries."""
+
+    layer: LayerAttention
+    sink_query: torch.Tensor | None
+
+    def arguments(self) -> dict[str, Any]:
+        """The flash kernels' window, softcap and sink arguments (0: none)."""
+        return {
+            "window": self.layer.sliding_window or 0,
+            "softcap": self.layer.logit_softcap or 0.0,
+            "sink_tokens": self.layer.sink_tokens,
+            "sink_query": self.sink_query,
+        }
+
+
+def _rows_of(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return tensor[rows] if tensor is not None else None
 
 
 def _native_writable(

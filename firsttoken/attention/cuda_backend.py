@@ -149,10 +149,11 @@ class CudaAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: CudaAttentionMetadata,
         layer: LayerAttention = PLAIN_ATTENTION,
+        sink_query: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Every row over all its earlier keys: a sliding window is moot, since a windowed model
-        serves up to its window on cuda (`max_model_len`), and a soft-capped model is refused
-        there at load."""
+        serves up to its window on cuda (`max_model_len`), and soft-capped scores and
+        StreamingLLM are refused there at load."""
         store_kv(kv_cache, key, value, metadata.slot_mapping)
         output = torch.zeros_like(query) if metadata.has_uncovered_rows else torch.empty_like(query)
         if metadata.decodes is not None:

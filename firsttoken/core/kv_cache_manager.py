@@ -6,7 +6,8 @@ a partial allocation: a request either gets every block it asked for or nothing 
 With a sliding window (every layer's query sees its last `sliding_window` keys), the blocks
 wholly before the window of a request's next token are given back as it advances, so a long
 sequence holds about window / block_size blocks; they keep their place in its block table
-(attention never reads them) and, with prefix caching, their cached prefix until evicted.
+(attention never reads them) and, with prefix caching, their cached prefix until evicted. With
+StreamingLLM's `sink_tokens`, the blocks holding those first tokens are kept.
 """
 
 from __future__ import annotations
@@ -35,17 +36,24 @@ class KVCacheManager:
     """Maps requests to blocks; owns the block pool, the per-request block lists and the pins."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool, sliding_window: int | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        sliding_window: int | None = None,
+        sink_tokens: int = 0,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
+        self.num_sink_blocks = num_blocks_for(sink_tokens, block_size)
         self.pool = BlockPool(num_blocks, enable_caching)
         self.stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_registered_blocks: dict[str, int] = {}
-        # Leading blocks each request has given back (those its window has passed).
-        self._num_released_blocks: dict[str, int] = {}
+        # Each request has given back its blocks from the sink blocks up to this index (those its
+        # window has passed).
+        self._released_until: dict[str, int] = {}
         self._pins: dict[str, list[KVBlock]] = {}
 
     @property
@@ -63,7 +71,8 @@ class KVCacheManager:
         num_blocks = num_blocks_for(num_tokens, self.block_size)
         if self.sliding_window is None:
             return num_blocks
-        return min(num_blocks, num_blocks_for(self.sliding_window - 1 + max_step_tokens, self.block_size) + 1)
+        in_window = num_blocks_for(self.sliding_window - 1 + max_step_tokens, self.block_size) + 1
+        return min(num_blocks, self.num_sink_blocks + in_window)
 
     def block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self._blocks.get(req_id, ())]
@@ -98,7 +107,7 @@ class KVCacheManager:
         assert new_blocks is not None  # checked above
         self._blocks[request.req_id] = list(cached_prefix) + new_blocks
         self._num_registered_blocks[request.req_id] = len(cached_prefix)
-        self._num_released_blocks[request.req_id] = 0
+        self._released_until[request.req_id] = self.num_sink_blocks
         if self.enable_caching:
             self.stats.num_query_tokens += request.num_tokens
             self.stats.num_hit_tokens += num_prefix_tokens
@@ -128,11 +137,11 @@ class KVCacheManager:
             return
         first_seen_position = max(0, num_computed_tokens - self.sliding_window + 1)
         num_passed = first_seen_position // self.block_size
-        num_released = self._num_released_blocks[req_id]
-        if num_passed > num_released:
+        released_until = self._released_until[req_id]
+        if num_passed > released_until:
             # Oldest first: with prefix caching, the first to be evicted.
-            self.pool.release(self._blocks[req_id][num_released:num_passed])
-            self._num_released_blocks[req_id] = num_passed
+            self.pool.release(self._blocks[req_id][released_until:num_passed])
+            self._released_until[req_id] = num_passed
 
     def register_computed_blocks(self, request: Request) -> None:
         """Index the request's blocks that are now full of computed KV under their prefix hash."""
@@ -141,9 +150,10 @@ class KVCacheManager:
         blocks = self._blocks[request.req_id]
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks))
         # A block given back unregistered may hold another request's KV by now.
-        num_registered = self._num_registered_blocks[request.req_id]
-        for index in range(max(num_registered, self._num_released_blocks[request.req_id]), num_full):
-            self.pool.cache(blocks[index], request.block_hashes[index])
+        released = range(self.num_sink_blocks, self._released_until[request.req_id])
+        for index in range(self._num_registered_blocks[request.req_id], num_full):
+            if index not in released:
+                self.pool.cache(blocks[index], request.block_hashes[index])
         self._num_registered_blocks[request.req_id] = max(
             num_full, self._num_registered_blocks[request.req_id]
         )
@@ -161,8 +171,9 @@ class KVCacheManager:
         """Release the request's blocks, tail first, so its tail is evicted before its head."""
         blocks = self._blocks.pop(request.req_id, [])
         self._num_registered_blocks.pop(request.req_id, None)
-        num_released = self._num_released_blocks.pop(request.req_id, 0)
-        self.pool.release(reversed(blocks[num_released:]))
+        released_until = self._released_until.pop(request.req_id, self.num_sink_blocks)
+        held = blocks[: self.num_sink_blocks] + blocks[max(released_until, self.num_sink_blocks) :]
+        self.pool.release(reversed(held))
 
     def holds(self, req_id: str) -> bool:
         return req_id in self._blocks

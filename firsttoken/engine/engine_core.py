@@ -60,7 +60,8 @@ class EngineCore:
             self.worker.num_kv_blocks,
             block_size,
             config.prompt_cache.enable,
-            sliding_window=self.worker.checkpoint.arch.kv_window(self.max_model_len),
+            sliding_window=self.worker.model.kv_window,
+            sink_tokens=self.worker.model.kv_sink_tokens,
         )
         self.hash_root = root_hash(self.worker.kv_identity)
         self.scheduler = Scheduler(

@@ -53,11 +53,11 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
         kernels: Kernels,
         dtype: torch.dtype,
-        sliding_window: int | None = None,
+        layer_attention: LayerAttention,
     ) -> None:
         super().__init__()
         self.kernels = kernels
-        self.layer_attention = LayerAttention(sliding_window, arch.attention_logit_softcap)
+        self.layer_attention = layer_attention
         # Gemma's score scale, folded into the queries: the kernels scale by head_dim ** -0.5.
         self.query_multiplier = (
             arch.attention_scale / arch.head_dim**-0.5 if arch.attention_scale is not None else None
@@ -89,8 +89,14 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attn_metadata: Any
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: Any,
+        sink_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`sink_rotary` (StreamingLLM): cos and sin at each token's position in the sinks-plus-
+        window cache, which rotate the sink queries."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q + 2 kv]
         # Queries and keys are rotated together: one pass over their heads.
@@ -100,12 +106,21 @@ class LlamaAttention(nn.Module):
             )
         else:
             query_key = self._normed_query_key(qkv)
+        sink_query = None
+        if sink_rotary is not None:
+            # A copy (contiguous() of one row is no copy), rotated before the rotary below, which
+            # may rotate query_key in place.
+            unrotated = query_key[:, : self.num_heads].clone(memory_format=torch.contiguous_format)
+            sink_query = self.kernels.apply_rotary(unrotated, *sink_rotary)
         query_key = self.kernels.apply_rotary(query_key, *rotary)
         query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
         if self.query_multiplier is not None:
             query = query * self.query_multiplier
+            sink_query = sink_query * self.query_multiplier if sink_query is not None else None
         value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        attended = self.backend.forward(query, key, value, self.kv_cache, attn_metadata, self.layer_attention)
+        attended = self.backend.forward(
+            query, key, value, self.kv_cache, attn_metadata, self.layer_attention, sink_query
+        )
         return self.o_proj(attended.reshape(num_tokens, self.q_size))
 
     def _normed_query_key(self, qkv: torch.Tensor) -> torch.Tensor:
@@ -162,8 +177,8 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
         kernels: Kernels,
         dtype: torch.dtype,
-        layer_index: int,
-        max_positions: int,
+        layer_attention: LayerAttention,
+        local_rotary: bool,
     ) -> None:
         super().__init__()
         self.kernels = kernels
@@ -177,10 +192,8 @@ class LlamaDecoderLayer(nn.Module):
         else:
             self.attention_output_norm_weight = self.mlp_output_norm_weight = None
         # Gemma 3's windowed layers rotate by their own base.
-        self.local_rotary = arch.local_rope_theta is not None and arch.is_windowed(layer_index)
-        self.self_attn = LlamaAttention(
-            arch, backend, kernels, dtype, arch.layer_window(layer_index, max_positions)
-        )
+        self.local_rotary = local_rotary
+        self.self_attn = LlamaAttention(arch, backend, kernels, dtype, layer_attention)
         self.mlp = LlamaMLP(arch, kernels, dtype)
 
     def forward(
@@ -189,13 +202,14 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         rotary: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: Any,
+        sink_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.kernels.rms_norm(hidden, self.input_norm_weight, self.eps)
         else:
             hidden, residual = self.kernels.add_rms_norm(hidden, residual, self.input_norm_weight, self.eps)
-        hidden = self.self_attn(hidden, rotary, attn_metadata)
+        hidden = self.self_attn(hidden, rotary, attn_metadata, sink_rotary)
         if self.attention_output_norm_weight is not None:
             hidden = self.kernels.rms_norm(hidden, self.attention_output_norm_weight, self.eps)
         hidden, residual = self.kernels.add_rms_norm(
@@ -208,7 +222,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and (possibly tied) LM head."""
+    """Embedding, decoder layers, final norm and (possibly tied) LM head.
+
+    With `streaming_window` (StreamingLLM), every layer's queries see the first `sink_tokens`
+    keys and the last `streaming_window` (or the layer's own window, if narrower)."""
 
     def __init__(
         self,
@@ -218,13 +235,22 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         max_positions: int,
         rope_frequency_divisors: torch.Tensor | None = None,
+        streaming_window: int | None = None,
+        sink_tokens: int = 0,
     ) -> None:
         super().__init__()
         self.arch = arch
         self.kernels = kernels
         self.embed_weight = _empty(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, backend, kernels, dtype, index, max_positions)
+            LlamaDecoderLayer(
+                arch,
+                backend,
+                kernels,
+                dtype,
+                layer_attention_of(arch, index, max_positions, streaming_window, sink_tokens),
+                arch.local_rope_theta is not None and arch.is_windowed(index),
+            )
             for index in range(arch.num_layers)
         )
         self.norm_weight = _empty(arch.hidden_size, dtype=dtype)
@@ -275,16 +301,46 @@ class LlamaForCausalLM(nn.Module):
             if self.local_rope_table is not None
             else None
         )
+        sink_rotaries = self._sink_rotaries(positions, hidden.dtype)
         residual = None
         for layer in self.layers:
             layer_rotary = local_rotary if layer.local_rotary else rotary
-            hidden, residual = layer(hidden, residual, layer_rotary, attn_metadata)
+            last_cache_position = layer.self_attn.layer_attention.last_cache_position
+            sink_rotary = sink_rotaries.get((layer.local_rotary, last_cache_position))
+            hidden, residual = layer(hidden, residual, layer_rotary, attn_metadata, sink_rotary)
         return hidden + residual
+
+    def _sink_rotaries(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]]:
+        """StreamingLLM: cos and sin at each token's position in a sinks-plus-window cache (its
+        position, up to the cache's last), per rotary table and cache length the layers use."""
+        rotaries = {}
+        for layer in self.layers:
+            last_cache_position = layer.self_attn.layer_attention.last_cache_position
+            key = (layer.local_rotary, last_cache_position)
+            if last_cache_position is None or key in rotaries:
+                continue
+            table = self.local_rope_table if layer.local_rotary else self.rope_table
+            rotaries[key] = rotary_cos_sin(table, positions.clamp(max=last_cache_position), dtype)
+        return rotaries
 
     @property
     def has_sliding_window(self) -> bool:
         """Whether some layer attends within a sliding window at the served lengths."""
         return any(layer.self_attn.layer_attention.sliding_window is not None for layer in self.layers)
+
+    @property
+    def kv_window(self) -> int | None:
+        """The most keys back any layer's query sees, when every layer has a window (then a
+        sequence's KV before it, sinks apart, is never read again); else None."""
+        windows = [layer.self_attn.layer_attention.sliding_window for layer in self.layers]
+        return None if None in windows else max(windows)
+
+    @property
+    def kv_sink_tokens(self) -> int:
+        """StreamingLLM's sinks: the first KV every query keeps seeing."""
+        return max(layer.self_attn.layer_attention.sink_tokens for layer in self.layers)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings [T, hidden] of the tokens (gathered over the ranks when sharded), times
@@ -401,6 +457,24 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up on the way."""
         WeightLoader(self).load(weights)
+
+
+def layer_attention_of(
+    arch: ModelArch, layer_index: int, max_positions: int, streaming_window: int | None, sink_tokens: int
+) -> LayerAttention:
+    """How the layer attends at sequences up to `max_positions`: its own window (see
+    `ModelArch.layer_window`) or StreamingLLM's, whichever is narrower, with the sinks of the
+    latter; soft-capped scores where the model has them. A window past every sequence is none."""
+    own_window = arch.layer_window(layer_index, max_positions)
+    streaming = (
+        streaming_window if streaming_window is not None and streaming_window < max_positions else None
+    )
+    windows = [window for window in (own_window, streaming) if window is not None]
+    return LayerAttention(
+        sliding_window=min(windows) if windows else None,
+        logit_softcap=arch.attention_logit_softcap,
+        sink_tokens=sink_tokens if streaming is not None else 0,
+    )
 
 
 LAYER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -76,10 +76,20 @@ def build_model(
     device: torch.device,
     max_positions: int,
     cache_dir: str | None = None,
+    streaming_window: int | None = None,
+    sink_tokens: int = 0,
 ) -> LlamaForCausalLM:
-    """The model with its weights loaded; converted GGUF weights are cached per dtype."""
+    """The model with its weights loaded; converted GGUF weights are cached per dtype.
+    `streaming_window` and `sink_tokens`: StreamingLLM (see LlamaForCausalLM)."""
     model = LlamaForCausalLM(
-        checkpoint.arch, backend, kernels, dtype, max_positions, checkpoint.rope_frequency_divisors
+        checkpoint.arch,
+        backend,
+        kernels,
+        dtype,
+        max_positions,
+        checkpoint.rope_frequency_divisors,
+        streaming_window,
+        sink_tokens,
     )
     cache = ConversionCache(cache_dir, checkpoint.fingerprint) if checkpoint.format == "gguf" else None
     cached_weights = cache.load_weights(dtype) if cache else None

@@ -23,7 +23,7 @@ from firsttoken.models.registry import build_model
 from firsttoken.models.sharding import Collectives, ModelShard
 from firsttoken.ops.kernels import Kernels
 from firsttoken.ops.linear import onednn_packing_available
-from firsttoken.ops.native import load_native_kernels
+from firsttoken.ops.native import NativeKernels, load_native_kernels
 from firsttoken.ops.w8a8 import w8a8_unsupported_reason
 from firsttoken.worker.activation_stats import load_activation_maxima
 
@@ -76,8 +76,18 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
     kernels = Kernels(
         fused=model_config.fuse_ops, native_kernels=native_kernels, triton_ops=_triton_ops(device)
     )
+    streaming = config.streaming_llm
+    _check_streaming_runs_here(streaming.window, native_kernels, checkpoint.arch, device)
     model = build_model(
-        checkpoint, backend, kernels, placement.dtype, device, placement.max_model_len, placement.cache_dir
+        checkpoint,
+        backend,
+        kernels,
+        placement.dtype,
+        device,
+        placement.max_model_len,
+        placement.cache_dir,
+        streaming.window,
+        streaming.sink_tokens,
     )
     if placement.shard is not None and placement.collectives is not None:
         model.shard(placement.shard, placement.collectives)
@@ -102,6 +112,25 @@ def _check_architecture_runs_here(arch: ModelArch, device: torch.device) -> None
     if arch.attention_logit_softcap is not None and device.type == "cuda":
         raise InvalidInputError(
             "model", "attention logit soft-capping (Gemma 2) runs on the CPU only: the Triton kernels lack it"
+        )
+
+
+def _check_streaming_runs_here(
+    window: int | None, native_kernels: NativeKernels | None, arch: ModelArch, device: torch.device
+) -> None:
+    """StreamingLLM's sinks run on the native flash kernel only (its torch fallbacks lack them)."""
+    if window is None:
+        return
+    if device.type != "cpu" or native_kernels is None:
+        raise InvalidInputError(
+            "streaming_window",
+            "StreamingLLM runs on the CPU's native kernels only (device cpu, native_kernels on)",
+        )
+    probe = torch.empty(1, arch.num_heads, arch.head_dim)
+    if not native_kernels.flash_attention_supports(probe, probe):
+        raise InvalidInputError(
+            "streaming_window",
+            f"StreamingLLM needs a head size of whole vectors of this CPU's kernels, not {arch.head_dim}",
         )
 
 

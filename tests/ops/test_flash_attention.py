@@ -228,8 +228,12 @@ def test_soft_capped_scores_match_plain_math_and_keep_a_rows_bits(kernels, dtype
     kv_cache, block_ids = _paged(key, value, 16)
     positions = torch.tensor([0, 63, 64, 150, 199])
     decoded = kernels.flash_decode_attention(
-        query[positions].contiguous(), kv_cache, block_ids.repeat(len(positions), 1), positions + 1,
-        window=window, softcap=softcap,
+        query[positions].contiguous(),
+        kv_cache,
+        block_ids.repeat(len(positions), 1),
+        positions + 1,
+        window=window,
+        softcap=softcap,
     )
     assert torch.equal(decoded, output[positions])
 
@@ -276,7 +280,9 @@ def test_attention_sinks_beside_a_window_match_plain_math_and_keep_a_rows_bits(
     sinks = dict(window=window, sink_tokens=sink_tokens)
     output = kernels.flash_attention(query, key, value, num_threads=2, sink_query=sink_query, **sinks)
     torch.testing.assert_close(
-        output.float(), _sinks_reference(query, sink_query, key, value, window, sink_tokens), **TOLERANCE[dtype]
+        output.float(),
+        _sinks_reference(query, sink_query, key, value, window, sink_tokens),
+        **TOLERANCE[dtype],
     )
     kv_cache, block_ids = _paged(key, value, 8)
     first_kept = -(-sink_tokens // 8)
@@ -288,7 +294,11 @@ def test_attention_sinks_beside_a_window_match_plain_math_and_keep_a_rows_bits(
     assert torch.equal(chunk, output[-60:])
     positions = torch.tensor([150, 199])
     decoded = kernels.flash_decode_attention(
-        query[positions].contiguous(), kv_cache, block_ids.repeat(2, 1), positions + 1,
-        sink_query=sink_query[positions].contiguous(), **sinks,
+        query[positions].contiguous(),
+        kv_cache,
+        block_ids.repeat(2, 1),
+        positions + 1,
+        sink_query=sink_query[positions].contiguous(),
+        **sinks,
     )
     assert torch.equal(decoded, output[positions])
