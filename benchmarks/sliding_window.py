@@ -1,9 +1,10 @@
-"""Sliding-window attention against full attention as the context grows: decode cost per token,
-TTFT of the context's prefill, and the KV blocks a sequence holds.
+"""Sliding-window attention and StreamingLLM against full attention as the context grows: decode
+cost per token, TTFT of the context's prefill, and the KV blocks a sequence holds.
 
 Two random-weight 2-layer Mistral folders of SmolLM2-135M's layer shapes (hidden 576, 9 query
 and 3 KV heads of 64), one with a window of `--window` keys and one without, are written to a
-temporary folder (transformers builds them: a dev dependency). For each context length, one
+temporary folder (transformers builds them: a dev dependency); StreamingLLM runs the one without,
+with `--sink-tokens` sinks and the same window. For each context length, one
 request prefills that many random tokens and decodes `--decode-tokens` more; the decode cost is
 the mean time between its tokens after the first. float32, prompt cache off.
 
@@ -69,60 +70,70 @@ def measure(llm: LLM, context: int, decode_tokens: int, seed: int) -> dict[str, 
     }
 
 
+# Each system: its model folder (with the window or without) and its engine options.
+SYSTEMS = ("window", "full", "streaming")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--sink-tokens", type=int, default=4)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args()
     max_context = max(args.contexts) + args.decode_tokens + 1
     results: dict[str, dict[int, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as folder:
-        for name, window in (("window", args.window), ("full", None)):
-            path = write_model(f"{folder}/{name}", window, max_context)
+        folders = {
+            "window": write_model(f"{folder}/window", args.window, max_context),
+            "full": write_model(f"{folder}/full", None, max_context),
+        }
+        options = {
+            "window": ("window", {}),
+            "full": ("full", {}),
+            "streaming": (
+                "full",
+                {"streaming_llm": {"window": args.window, "sink_tokens": args.sink_tokens}},
+            ),
+        }
+        for name in SYSTEMS:
+            model, extra = options[name]
             llm = LLM(
-                path,
+                folders[model],
                 dtype="float32",
                 block_size=args.block_size,
                 enable_prompt_cache=False,
                 kv_cache_memory_bytes=(max_context * 2 * 2 * 3 * 64 * 4) * 5 // 4,
+                **extra,
             )
             measure(llm, 256, 4, seed=1)  # warm-up
             results[name] = {
                 context: measure(llm, context, args.decode_tokens, seed=context) for context in args.contexts
             }
             del llm
+    first = args.contexts[0]
     rows = []
     for context in args.contexts:
-        windowed, full = results["window"][context], results["full"][context]
-        rows.append(
-            [
-                context,
-                windowed["decode_s_per_token"] * 1e3,
-                full["decode_s_per_token"] * 1e3,
-                windowed["decode_s_per_token"] / results["window"][args.contexts[0]]["decode_s_per_token"],
-                windowed["ttft_s"],
-                full["ttft_s"],
-                f"{windowed['blocks_held_decoding']} / {windowed['most_blocks_held']}",
-                f"{full['blocks_held_decoding']} / {full['most_blocks_held']}",
+        row: list[object] = [context]
+        for name in SYSTEMS:
+            result = results[name][context]
+            row += [
+                result["decode_s_per_token"] * 1e3,
+                result["decode_s_per_token"] / results[name][first]["decode_s_per_token"],
+                result["ttft_s"],
+                f"{result['blocks_held_decoding']} / {result['most_blocks_held']}",
             ]
-        )
+        rows.append(row)
     threads = torch.get_num_threads()
-    print(f"window {args.window} keys, blocks of {args.block_size} tokens, float32, {threads} threads")
-    print_table(
-        [
-            "context",
-            "decode ms (window)",
-            "decode ms (full)",
-            f"window vs {args.contexts[0]}",
-            "TTFT s (window)",
-            "TTFT s (full)",
-            "blocks decoding / peak (window)",
-            "(full)",
-        ],
-        rows,
+    print(
+        f"window {args.window} keys (streaming: {args.sink_tokens} sinks too), blocks of {args.block_size} "
+        f"tokens, float32, {threads} threads"
     )
+    headers = ["context"]
+    for name in SYSTEMS:
+        headers += [f"{name}: decode ms", f"vs {first}", "TTFT s", "blocks decoding / peak"]
+    print_table(headers, rows)
     print("saved", save_result("sliding_window", {"args": vars(args), "results": results}))
 
 
