@@ -21,6 +21,7 @@ NUM_TOKENS = 24
 
 WINDOWED_MODELS = {
     "mistral": ("mistral", dict(tie_word_embeddings=False)),
+    "phi3": ("phi3", dict(tie_word_embeddings=False)),
     # Qwen2 windows the layers from max_window_layers on.
     "qwen2-upper-layers": (
         "qwen2",
