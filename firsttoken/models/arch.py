@@ -75,12 +75,6 @@ class ModelArch:
             return None
         return self.sliding_window
 
-    def kv_window(self, max_model_len: int) -> int | None:
-        """The window past which a sequence's KV can go, when every layer has it (see
-        `layer_window`); None when some layer attends to every earlier key."""
-        windows = {self.layer_window(index, max_model_len) for index in range(self.num_layers)}
-        return windows.pop() if len(windows) == 1 else None
-
     @property
     def plain_llama_layers(self) -> bool:
         """Whether every layer is Llama's: no query/key norms, no Gemma differences."""

@@ -8,9 +8,12 @@ import torch
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
+from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.models.loaders.hf_folder import arch_from_config
+from firsttoken.ops.kernels import Kernels
 from firsttoken.worker.model_loading import max_model_len
 from tests.conftest import FIXED_THREADS
+from tests.engine_state import all_blocks_free, most_blocks_held
 from tests.models.reference import assert_logprobs_close, hf_greedy
 from tests.models.tiny_models import save_hf_folder, tiny_hf_model
 
@@ -107,8 +110,7 @@ def test_past_the_window_alone_batched_chunked_and_on_a_prefix_hit(windowed_mode
     assert cached.num_cached_tokens > 0
     assert cached.token_ids == expected
     assert beside.token_ids == hf_greedy(hf_model, other_prompt, NUM_TOKENS)[0]
-    stats = llm.stats()
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert all_blocks_free(llm)
 
 
 def test_a_long_sequence_holds_about_its_windows_blocks(windowed_model):
@@ -126,13 +128,11 @@ def test_a_long_sequence_holds_about_its_windows_blocks(windowed_model):
         max_num_seqs=4,
     )
     assert llm.stats().num_kv_blocks == 16
-    most_held = 0
-    for _ in llm.stream(PROMPT_IDS, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)):
-        stats = llm.stats()
-        most_held = max(most_held, stats.num_kv_blocks - stats.num_free_kv_blocks)
+    most_held = most_blocks_held(
+        llm, PROMPT_IDS, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    )
     assert most_held <= -(-(WINDOW - 1 + 32) // BLOCK_SIZE) + 1
-    stats = llm.stats()
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert all_blocks_free(llm)
 
 
 def test_which_layers_have_the_window_and_where_the_context_is_capped():
@@ -151,10 +151,13 @@ def test_which_layers_have_the_window_and_where_the_context_is_capped():
     )
     upper_only = arch_from_config(config, "qwen2")
     assert [upper_only.layer_window(index, 512) for index in range(2)] == [None, WINDOW]
-    assert upper_only.kv_window(512) is None
+    # A layer over every key keeps every KV block: no window to give blocks back by.
+    kernels = Kernels(fused=False)
+    assert LlamaForCausalLM(upper_only, None, kernels, torch.float32, 512).kv_window is None
     assert max_model_len(upper_only, None, torch.device("cpu")) == 512
     assert max_model_len(upper_only, None, torch.device("cuda")) == WINDOW
     everywhere = arch_from_config({**config, "max_window_layers": 0}, "qwen2")
-    assert everywhere.kv_window(512) == WINDOW
+    assert [everywhere.layer_window(index, 512) for index in range(2)] == [WINDOW, WINDOW]
+    assert LlamaForCausalLM(everywhere, None, kernels, torch.float32, 512).kv_window == WINDOW
     # Every sequence within the window: full attention is exact, no window applied.
-    assert everywhere.kv_window(WINDOW) is None
+    assert [everywhere.layer_window(index, WINDOW) for index in range(2)] == [None, None]

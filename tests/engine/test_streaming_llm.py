@@ -14,6 +14,7 @@ from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from tests.conftest import FIXED_THREADS
+from tests.engine_state import all_blocks_free, most_blocks_held
 from tests.models.reference import hf_greedy
 from tests.models.tiny_models import save_hf_folder, tiny_hf_model
 
@@ -97,15 +98,11 @@ def test_a_long_conversation_holds_the_sinks_and_the_windows_blocks(one_layer_mo
         max_num_seqs=4,
     )
     assert llm.stats().num_kv_blocks == 12
-    most_held = 0
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    for delta in llm.stream(PROMPT_IDS, params):
-        if not delta.finished:
-            stats = llm.stats()
-            most_held = max(most_held, stats.num_kv_blocks - stats.num_free_kv_blocks)
+    most_held = most_blocks_held(
+        llm, PROMPT_IDS, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    )
     assert most_held <= 1 + -(-(WINDOW - 1 + 8) // BLOCK_SIZE) + 1
-    stats = llm.stats()
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert all_blocks_free(llm)
 
 
 def test_streaming_without_the_native_kernels_is_refused_by_name(one_layer_model):
