@@ -12,6 +12,8 @@
   gets the bits the same token gets as a prefill row (a request recomputed after preemption
   prefills the tokens it had decoded). With both options a row's attention is the same bits
   whatever else shares its step: one-shot, chunked, prefix-cached or decoded.
+- Sliding windows, soft-capped scores and StreamingLLM sinks are the paged kernel's: a model
+  with such layers pages every prefill.
 
 Metadata is built once per step: its integer tables are packed on the host and reach the
 device in one non-blocking copy.
@@ -151,16 +153,23 @@ class CudaAttentionBackend:
         layer: LayerAttention = PLAIN_ATTENTION,
         sink_query: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Every row over all its earlier keys: a sliding window is moot, since a windowed model
-        serves up to its window on cuda (`max_model_len`), and soft-capped scores and
-        StreamingLLM are refused there at load."""
+        """Each row over its earlier keys as `layer` attends. A layer other than plain causal
+        attention (window, soft-cap, sinks) has no SDPA form: a backend serving such layers is
+        built with `paged_prefills`, so no fresh prefill reaches SDPA."""
+        if metadata.fresh_prefills and not layer.is_plain:
+            raise ValueError(
+                "layer: windows, soft-caps and sinks run on the paged kernel; "
+                "build the backend with paged_prefills"
+            )
         store_kv(kv_cache, key, value, metadata.slot_mapping)
         output = torch.zeros_like(query) if metadata.has_uncovered_rows else torch.empty_like(query)
         if metadata.decodes is not None:
             # Captured decode graphs run this too: their decodes take the same tiles.
-            paged_decode_attention(output, query, kv_cache, metadata.decodes, self.decodes_as_chunks)
+            paged_decode_attention(
+                output, query, kv_cache, metadata.decodes, self.decodes_as_chunks, layer, sink_query
+            )
         if metadata.chunks is not None:
-            paged_chunk_attention(output, query, kv_cache, metadata.chunks)
+            paged_chunk_attention(output, query, kv_cache, metadata.chunks, layer, sink_query)
         for prefill in metadata.fresh_prefills:
             rows = slice(prefill.first_row, prefill.first_row + prefill.num_tokens)
             output[rows] = causal_self_attention(query[rows], key[rows], value[rows])

@@ -17,11 +17,13 @@ def select_attention_backend(
     num_kv_heads: int,
     native_kernels: NativeKernels | None = None,
     batch_invariant: bool = False,
+    plain_attention: bool = True,
 ) -> AttentionBackend:
     """cuda: SDPA flash prefills plus Triton paged attention, or when `batch_invariant` every
     row on the Triton chunk kernel (fresh prefills and decodes too); cpu: the native kernels
     when given, else SDPA, whose decode rows take the prefill kernel's arithmetic when
-    `batch_invariant`."""
+    `batch_invariant`. Without `plain_attention` (some layer has a window, soft-capped scores or
+    sinks, which SDPA lacks) cuda pages every prefill too."""
     if device.type == "cuda":
         if config.backend == "sdpa":
             raise ValueError("attention_backend: sdpa runs on the CPU; on cuda choose auto or triton")
@@ -34,7 +36,11 @@ def select_attention_backend(
                 "device: cuda needs the triton package (pip install 'firsttoken[cuda]')"
             ) from error
         return CudaAttentionBackend(
-            device, num_heads, num_kv_heads, paged_prefills=batch_invariant, decodes_as_chunks=batch_invariant
+            device,
+            num_heads,
+            num_kv_heads,
+            paged_prefills=batch_invariant or not plain_attention,
+            decodes_as_chunks=batch_invariant,
         )
     if config.backend == "triton":
         raise ValueError(f"attention_backend: triton needs device cuda, not {device.type}")

@@ -8,7 +8,9 @@
   decodes (one query token per sequence) and prefill chunks on top of cached context (a prefix
   hit, earlier chunks) read every key from the cache once this step's K/V are written. The
   query heads sharing a KV head are folded into the rows of one tile, so each K/V tile is
-  loaded once per KV head (GQA).
+  loaded once per KV head (GQA). A layer's sliding window, soft-capped scores (Gemma 2) and
+  StreamingLLM sinks are specializations of the same kernel: a plain layer's binary has none
+  of their arithmetic.
 
 Both run under `TRITON_INTERPRET=1` on CPU tensors, which is how CI tests them.
 """
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from firsttoken.attention.backend import PLAIN_ATTENTION, LayerAttention
 
 # Rows of a prefill tile (query tokens x query heads of one KV head) and keys per tile.
 PREFILL_TILE_ROWS = 64
@@ -146,6 +150,72 @@ def chunk_tiles(chunks: list[tuple[int, int, int]], tile_tokens: int) -> list[tu
     return tiles
 
 
+@triton.jit
+def _window_start(position, window, WINDOWED: tl.constexpr, SINK_TOKENS: tl.constexpr):
+    """The first key a query at `position` sees: its window's start, or 0 without a window or
+    while the window still reaches past the sinks (every key up to the query, then)."""
+    if WINDOWED:
+        start = tl.maximum(position - window + 1, 0)
+        return tl.where(start <= SINK_TOKENS, 0, start)
+    else:
+        return position * 0
+
+
+@triton.jit
+def _attend_key_block(
+    query,
+    cache_ptr,
+    table_row,
+    key_positions,
+    loaded,  # [KEYS]: the keys read from the cache
+    visible,  # [ROWS, KEYS]: the keys each row sees
+    running_max,
+    running_sum,
+    accumulator,
+    kv_head,
+    dims,
+    dim_valid,
+    scale_log2,
+    softcap_exp2_scale,
+    softcap_log2,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+    SOFTCAPPED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One block of keys folded into the rows' online softmax: their new max, sum and output."""
+    block_ids = tl.load(table_row + key_positions // BLOCK_SIZE, mask=loaded, other=0).to(tl.int64)
+    slot_offsets = (
+        block_ids * stride_cache_block
+        + (key_positions % BLOCK_SIZE).to(tl.int64) * stride_cache_offset
+        + kv_head * stride_cache_head
+    )
+    kv_mask = loaded[:, None] & dim_valid[None, :]
+    keys = tl.load(cache_ptr + slot_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    products = tl.dot(query, tl.trans(keys), input_precision=DOT_PRECISION)
+    if SOFTCAPPED:
+        # cap * tanh(s / cap) in base 2, tanh from exp2 (no tanh in triton.language): saturates
+        # to +-1 without NaN at either end.
+        scores = softcap_log2 * (1.0 - 2.0 / (tl.exp2(products * softcap_exp2_scale) + 1.0))
+    else:
+        scores = products * scale_log2
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    rescale = tl.exp2(running_max - new_max)
+    probabilities = tl.exp2(scores - new_max[:, None])
+    running_sum = running_sum * rescale + tl.sum(probabilities, axis=1)
+    values = tl.load(
+        cache_ptr + stride_cache_kv + slot_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
+    )
+    accumulator = accumulator * rescale[:, None] + tl.dot(
+        probabilities.to(values.dtype), values, input_precision=DOT_PRECISION
+    )
+    return new_max, running_sum, accumulator
+
+
 # What differs between a decode launch and a chunk launch of the same tile shape is data (the
 # decode flag, the tables' addresses and row stride), never a specialization: both run one binary.
 @triton.jit(
@@ -155,13 +225,19 @@ def chunk_tiles(chunks: list[tuple[int, int, int]], tile_tokens: int) -> list[tu
 def _paged_attention_kernel(
     output_ptr,
     query_ptr,
+    sink_query_ptr,  # laid out as query; read with SINK_TOKENS only
     cache_ptr,
     block_tables_ptr,
     queries_ptr,  # decodes: seq_lens [S]; chunks: tiles [num_tiles, TILE_FIELDS]
     one_token_per_seq,  # 1: decodes, 0: chunks
     scale_log2,
+    window,  # with WINDOWED: a query at position p sees keys p - window + 1 .. p
+    softcap_exp2_scale,  # with SOFTCAPPED: 2 log2(e) scale / cap (tanh's exp2 argument per product)
+    softcap_log2,  # with SOFTCAPPED: the cap times log2(e)
     stride_query_token,
     stride_query_head,
+    stride_sink_query_token,
+    stride_sink_query_head,
     stride_output_token,
     stride_output_head,
     stride_cache_kv,
@@ -177,6 +253,9 @@ def _paged_attention_kernel(
     TILE_ROWS: tl.constexpr,
     KEYS_PER_TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAPPED: tl.constexpr,
+    SINK_TOKENS: tl.constexpr,  # StreamingLLM's sinks (<= KEYS_PER_TILE, WINDOWED), or 0
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -211,6 +290,10 @@ def _paged_attention_kernel(
     query_positions = first_position + token_in_tile
     # The tile's last query token sees keys up to its own position.
     num_keys = first_position + num_rows
+    # Each row's first key: its window's start (0 while the window still reaches the sinks).
+    first_keys = _window_start(query_positions, window, WINDOWED, SINK_TOKENS)
+    # Keys before the first row's window are never loaded: their blocks may have been freed.
+    first_loaded = _window_start(first_position, window, WINDOWED, SINK_TOKENS)
 
     # Online softmax in base 2. A finite start for the running max keeps rows that see no key
     # in a tile (padding rows, causal edges) free of inf - inf.
@@ -219,44 +302,53 @@ def _paged_attention_kernel(
     # tile (other tokens of its chunk, padding, or none: a decode as a one-token tile), so one
     # token gets the same bits alone, in any chunk, at any place in a tile, and as a decode:
     # - key blocks start at 0 and step by KEYS_PER_TILE whatever the tile: a row always meets
-    #   its keys in the same blocks, in the same order;
+    #   its keys in the same blocks, in the same order (the sinks first, in a block of their own);
     # - every product of a tl.dot output row is that row of the query times the keys (or of the
     #   probabilities times the values), summed over the same K as every other row;
     # - what the tile's other rows add for this row is exact no-ops: a key past this row's
-    #   position (loaded for a later row, or masked to 0 past the tile's last one) scores -inf,
+    #   position or before its window (loaded for another row, or masked to 0) scores -inf,
     #   so it leaves the block's max as it is, adds exp2(-inf) = 0 to the sum and a zero
     #   product to the accumulator; a block holding no key this row sees (the tile's last
-    #   rows see more keys) rescales by exp2(0) = 1 and adds zeros.
+    #   rows see more keys, its first rows' windows start earlier) rescales by exp2(0) = 1
+    #   and adds zeros. Blocks wholly before the first row's window are skipped for the same
+    #   reason: every row would add exact no-ops there.
     running_max = tl.full([TILE_ROWS], -1.0e30, dtype=tl.float32)
     running_sum = tl.zeros([TILE_ROWS], dtype=tl.float32)
     accumulator = tl.zeros([TILE_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
     key_offsets = tl.arange(0, KEYS_PER_TILE)
-    for key_start in range(0, num_keys, KEYS_PER_TILE):
+    if SINK_TOKENS > 0:
+        # A row whose window has left the sinks sees them too, scored with its sink query.
+        sink_query = tl.load(
+            sink_query_ptr
+            + token_rows[:, None] * stride_sink_query_token
+            + head[:, None] * stride_sink_query_head
+            + dims[None, :],
+            mask=row_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )
+        sink_valid = key_offsets < SINK_TOKENS
+        running_max, running_sum, accumulator = _attend_key_block(
+            sink_query, cache_ptr, table_row, key_offsets, sink_valid,
+            sink_valid[None, :] & (first_keys > 0)[:, None],
+            running_max, running_sum, accumulator, kv_head, dims, dim_valid, scale_log2,
+            softcap_exp2_scale, softcap_log2, stride_cache_kv, stride_cache_block, stride_cache_offset,
+            stride_cache_head, BLOCK_SIZE, SOFTCAPPED, DOT_PRECISION,
+        )  # fmt: skip
+    for key_start in range(first_loaded // KEYS_PER_TILE * KEYS_PER_TILE, num_keys, KEYS_PER_TILE):
         key_positions = key_start + key_offsets
-        key_valid = key_positions < num_keys
-        block_ids = tl.load(table_row + key_positions // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        slot_offsets = (
-            block_ids * stride_cache_block
-            + (key_positions % BLOCK_SIZE).to(tl.int64) * stride_cache_offset
-            + kv_head * stride_cache_head
+        loaded = (key_positions < num_keys) & (key_positions >= first_loaded)
+        visible = (
+            loaded[None, :]
+            & (key_positions[None, :] <= query_positions[:, None])
+            & (key_positions[None, :] >= first_keys[:, None])
         )
-        kv_mask = key_valid[:, None] & dim_valid[None, :]
-        keys = tl.load(cache_ptr + slot_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        scores = tl.dot(query, tl.trans(keys), input_precision=DOT_PRECISION) * scale_log2
-        visible = key_valid[None, :] & (key_positions[None, :] <= query_positions[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        rescale = tl.exp2(running_max - new_max)
-        probabilities = tl.exp2(scores - new_max[:, None])
-        running_sum = running_sum * rescale + tl.sum(probabilities, axis=1)
-        values = tl.load(
-            cache_ptr + stride_cache_kv + slot_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0
-        )
-        accumulator = accumulator * rescale[:, None] + tl.dot(
-            probabilities.to(values.dtype), values, input_precision=DOT_PRECISION
-        )
-        running_max = new_max
+        running_max, running_sum, accumulator = _attend_key_block(
+            query, cache_ptr, table_row, key_positions, loaded, visible,
+            running_max, running_sum, accumulator, kv_head, dims, dim_valid, scale_log2,
+            softcap_exp2_scale, softcap_log2, stride_cache_kv, stride_cache_block, stride_cache_offset,
+            stride_cache_head, BLOCK_SIZE, SOFTCAPPED, DOT_PRECISION,
+        )  # fmt: skip
 
     output = accumulator / tl.where(running_sum > 0, running_sum, 1.0)[:, None]
     tl.store(
@@ -275,8 +367,11 @@ def paged_decode_attention(
     kv_cache: torch.Tensor,
     decodes: DecodeQueries,
     as_chunk_tiles: bool = False,
+    layer: LayerAttention = PLAIN_ATTENTION,
+    sink_query: torch.Tensor | None = None,
 ) -> None:
-    """Rows [0, S) of `output` [T, heads, D]: each decode's query over its whole context.
+    """Rows [0, S) of `output` [T, heads, D]: each decode's query over its context (as `layer`
+    attends: window, soft-cap, sinks scored with `sink_query`).
 
     `as_chunk_tiles`: each decode is a one-token tile of the chunk kernel's shape, the binary
     `paged_chunk_attention` runs, so a decode row gets the bits the same token gets as a row
@@ -285,18 +380,43 @@ def paged_decode_attention(
     num_seqs = decodes.seq_lens.shape[0]
     group = query.shape[1] // kv_cache.shape[3]
     tile = prefill_tile_shape(group) if as_chunk_tiles else decode_tile_shape(group)
-    _launch(output, query, kv_cache, decodes.block_tables, decodes.seq_lens, num_seqs, tile, True)
+    block_tables, seq_lens = decodes.block_tables, decodes.seq_lens
+    _launch(output, query, kv_cache, block_tables, seq_lens, num_seqs, tile, True, layer, sink_query)
 
 
 def paged_chunk_attention(
-    output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, chunks: ChunkQueries
+    output: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    chunks: ChunkQueries,
+    layer: LayerAttention = PLAIN_ATTENTION,
+    sink_query: torch.Tensor | None = None,
 ) -> None:
-    """The rows of every chunk tile: causal attention over cached context and the chunk itself."""
+    """The rows of every chunk tile: causal attention over cached context and the chunk itself,
+    as `layer` attends."""
     group = query.shape[1] // kv_cache.shape[3]
     tiles = chunks.tiles
     _launch(
-        output, query, kv_cache, chunks.block_tables, tiles, tiles.shape[0], prefill_tile_shape(group), False
+        output,
+        query,
+        kv_cache,
+        chunks.block_tables,
+        tiles,
+        tiles.shape[0],
+        prefill_tile_shape(group),
+        False,
+        layer,
+        sink_query,
     )
+
+
+def check_layer_attention(layer: LayerAttention) -> None:
+    """Refuse what the paged kernel cannot attend: sinks beyond one key block, or without a window."""
+    if layer.sink_tokens and (layer.sliding_window is None or layer.sink_tokens > KEYS_PER_TILE):
+        raise ValueError(
+            f"sink_tokens: the Triton kernel takes 1..{KEYS_PER_TILE} sinks beside a window, "
+            f"not {layer.sink_tokens} (window {layer.sliding_window})"
+        )
 
 
 def _launch(
@@ -308,24 +428,38 @@ def _launch(
     num_programs: int,
     tile: TileShape,
     one_token_per_seq: bool,
+    layer: LayerAttention,
+    sink_query: torch.Tensor | None,
 ) -> None:
     if num_programs == 0:
         return
     _check_cache(kv_cache)
-    if query.stride(-1) != 1 or output.stride(-1) != 1:
-        raise ValueError("query, output: the head dimension must be contiguous")
+    check_layer_attention(layer)
+    if layer.sink_tokens and (sink_query is None or sink_query.shape != query.shape):
+        raise ValueError("sink_query: a layer with sinks needs one, shaped as the query")
+    sink_query = sink_query if layer.sink_tokens else query
+    if query.stride(-1) != 1 or output.stride(-1) != 1 or sink_query.stride(-1) != 1:
+        raise ValueError("query, sink_query, output: the head dimension must be contiguous")
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    scale = head_dim**-0.5
+    softcap = layer.logit_softcap or 1.0
     _paged_attention_kernel[(num_programs, num_kv_heads)](
         output,
         query,
+        sink_query,
         kv_cache,
         block_tables,
         queries,
         int(one_token_per_seq),
-        _LOG2_E / head_dim**0.5,
+        _LOG2_E * scale,
+        layer.sliding_window or 0,
+        2 * _LOG2_E * scale / softcap,
+        _LOG2_E * softcap,
         query.stride(0),
         query.stride(1),
+        sink_query.stride(0),
+        sink_query.stride(1),
         output.stride(0),
         output.stride(1),
         kv_cache.stride(0),
@@ -342,6 +476,9 @@ def _launch(
         KEYS_PER_TILE=KEYS_PER_TILE,
         # float32 stays exact; 16-bit inputs use the tensor cores' native precision.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        WINDOWED=layer.sliding_window is not None,
+        SOFTCAPPED=layer.logit_softcap is not None,
+        SINK_TOKENS=layer.sink_tokens,
     )
 
 

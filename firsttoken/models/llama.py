@@ -477,6 +477,17 @@ def layer_attention_of(
     )
 
 
+def every_layer_is_plain(
+    arch: ModelArch, max_positions: int, streaming_window: int | None, sink_tokens: int
+) -> bool:
+    """Whether every layer attends causally over all its earlier keys, with no window, soft-cap
+    or sinks (what a backend needs to know before the model is built)."""
+    return all(
+        layer_attention_of(arch, index, max_positions, streaming_window, sink_tokens).is_plain
+        for index in range(arch.num_layers)
+    )
+
+
 LAYER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 

@@ -17,7 +17,7 @@ from firsttoken.attention.selector import select_attention_backend
 from firsttoken.config import EngineConfig
 from firsttoken.errors import InvalidInputError
 from firsttoken.models.arch import ModelArch
-from firsttoken.models.llama import LlamaForCausalLM
+from firsttoken.models.llama import LlamaForCausalLM, every_layer_is_plain
 from firsttoken.models.loaders.checkpoint import Checkpoint
 from firsttoken.models.registry import build_model
 from firsttoken.models.sharding import Collectives, ModelShard
@@ -57,13 +57,14 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
     """The model's weights in the placement's dtype and slice, then in their fastest layout here."""
     model_config = config.model_config
     device = placement.device
-    _check_architecture_runs_here(checkpoint.arch, device)
     native_kernels = None
     if model_config.fuse_ops and model_config.native_kernels and device.type == "cpu":
         native_folder = os.path.join(placement.cache_dir, "native")
         native_kernels = load_native_kernels(native_folder, model_config.cpu_isa)
         if native_kernels is not None:
             logger.info("native CPU kernels built for %s", native_kernels.isa)
+    streaming = config.streaming_llm
+    _check_streaming_runs_here(streaming.window, native_kernels, checkpoint.arch, device)
     attention_arch = attention_arch_of(checkpoint.arch, placement.shard)
     backend = select_attention_backend(
         config.attention,
@@ -72,12 +73,13 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
         attention_arch.num_kv_heads,
         native_kernels,
         batch_invariant=model_config.batch_invariant,
+        plain_attention=every_layer_is_plain(
+            checkpoint.arch, placement.max_model_len, streaming.window, streaming.sink_tokens
+        ),
     )
     kernels = Kernels(
         fused=model_config.fuse_ops, native_kernels=native_kernels, triton_ops=_triton_ops(device)
     )
-    streaming = config.streaming_llm
-    _check_streaming_runs_here(streaming.window, native_kernels, checkpoint.arch, device)
     model = build_model(
         checkpoint,
         backend,
@@ -108,23 +110,17 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
     return LoadedModel(model, backend, kernels)
 
 
-def _check_architecture_runs_here(arch: ModelArch, device: torch.device) -> None:
-    if arch.attention_logit_softcap is not None and device.type == "cuda":
-        raise InvalidInputError(
-            "model", "attention logit soft-capping (Gemma 2) runs on the CPU only: the Triton kernels lack it"
-        )
-
-
 def _check_streaming_runs_here(
     window: int | None, native_kernels: NativeKernels | None, arch: ModelArch, device: torch.device
 ) -> None:
-    """StreamingLLM's sinks run on the native flash kernel only (its torch fallbacks lack them)."""
-    if window is None:
+    """StreamingLLM's sinks run on the CPU's native flash kernel (its torch fallbacks lack them)
+    and on cuda's Triton paged kernel."""
+    if window is None or device.type == "cuda":
         return
-    if device.type != "cpu" or native_kernels is None:
+    if native_kernels is None:
         raise InvalidInputError(
             "streaming_window",
-            "StreamingLLM runs on the CPU's native kernels only (device cpu, native_kernels on)",
+            "StreamingLLM runs on the CPU's native kernels (native_kernels on) or on cuda",
         )
     probe = torch.empty(1, arch.num_heads, arch.head_dim)
     if not native_kernels.flash_attention_supports(probe, probe):
@@ -146,13 +142,10 @@ def attention_arch_of(arch: ModelArch, shard: ModelShard | None) -> ModelArch:
     return shard.attention_arch(arch) if shard is not None else arch
 
 
-def max_model_len(arch: ModelArch, requested: int | None, device: torch.device) -> int:
-    """The longest sequence the engine serves: the model's limit, or less when asked. The CPU
-    backend attends within a sliding window at any length; on cuda (the Triton kernels attend over
-    every key) a windowed model serves up to its window, where full attention gives the same tokens."""
+def max_model_len(arch: ModelArch, requested: int | None) -> int:
+    """The longest sequence the engine serves: the model's limit, or less when asked (a
+    sliding-window model attends within its window at any length, on every backend)."""
     limit = arch.max_position_embeddings
-    if arch.sliding_window and device.type == "cuda":
-        limit = min(limit, arch.sliding_window)
     if requested is not None and requested > limit:
         raise InvalidInputError("max_model_len", f"{requested} exceeds the model's limit of {limit} tokens")
     return requested or limit

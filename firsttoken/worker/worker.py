@@ -62,7 +62,7 @@ class Worker:
         self.cache_dir = model_config.cache_dir or default_cache_dir()
         self.model_path = resolve_model_path(model_config.model)
         self.checkpoint = open_checkpoint(self.model_path, self.cache_dir)
-        self.max_model_len = max_model_len(self.checkpoint.arch, model_config.max_model_len, self.device)
+        self.max_model_len = max_model_len(self.checkpoint.arch, model_config.max_model_len)
         shard = rank_group.shard_of(self.checkpoint.arch) if rank_group is not None else None
         self.placement = ModelPlacement(
             self.device, self.dtype, self.max_model_len, self.cache_dir, shard, rank_group

@@ -9,12 +9,16 @@ capture itself is covered by tests/cuda/test_gpu.py on a GPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from firsttoken.attention.cuda_backend import CudaAttentionBackend
 from firsttoken.attention.cpu_backend import CPUAttentionBackend
 from firsttoken.core.batch import SampleSpec, ScheduledChunk, SchedulerOutput
+from firsttoken.models.arch import ModelArch
+from firsttoken.models.llama import every_layer_is_plain
 from firsttoken.ops import triton_ops
 from firsttoken.ops.kernels import Kernels
 from firsttoken.sample.sampler import Sampler
@@ -49,13 +53,20 @@ class EagerCapture:
         return replay
 
 
-def _runners(device, dtype):
-    reference_model = random_model(CPUAttentionBackend(device), dtype, device)
-    backend = CudaAttentionBackend(device, TINY_ARCH.num_heads, TINY_ARCH.num_kv_heads)
-    # As the worker builds it on CUDA: the Triton kernels of the elementwise ops.
-    model = random_model(backend, dtype, device, kernels=Kernels(fused=True, triton_ops=triton_ops))
-    reference_caches = allocate_kv_caches(TINY_ARCH, NUM_BLOCKS + 1, BLOCK_SIZE, dtype, device)
-    caches = allocate_kv_caches(TINY_ARCH, NUM_BLOCKS + 1, BLOCK_SIZE, dtype, device)
+def _runners(device, dtype, arch: ModelArch = TINY_ARCH):
+    reference_model = random_model(CPUAttentionBackend(device), dtype, device, arch=arch)
+    # As the worker builds it on CUDA: the Triton kernels of the elementwise ops, and prompts
+    # paged through the Triton kernel where a layer has a window or soft-cap.
+    backend = CudaAttentionBackend(
+        device,
+        arch.num_heads,
+        arch.num_kv_heads,
+        paged_prefills=not every_layer_is_plain(arch, arch.max_position_embeddings, None, 0),
+    )
+    kernels = Kernels(fused=True, triton_ops=triton_ops)
+    model = random_model(backend, dtype, device, kernels=kernels, arch=arch)
+    reference_caches = allocate_kv_caches(arch, NUM_BLOCKS + 1, BLOCK_SIZE, dtype, device)
+    caches = allocate_kv_caches(arch, NUM_BLOCKS + 1, BLOCK_SIZE, dtype, device)
     reference_model.bind_kv_caches(reference_caches)
     model.bind_kv_caches(caches)
     reference_sampler = Sampler(0, device, TINY_ARCH.vocab_size)
@@ -137,6 +148,33 @@ def test_a_decode_batch_pads_to_the_next_captured_size_and_writes_only_its_slots
     for cache in caches:
         written = cache[0].reshape(NUM_BLOCKS + 1, BLOCK_SIZE, -1).abs().sum(-1).flatten().nonzero().flatten()
         assert set(written.tolist()) == real_slots | {NUM_BLOCKS * BLOCK_SIZE}
+
+
+# Gemma 2's differences on the tiny model: a local layer (window 12, shorter than four prompts)
+# before a global one, and soft-capped scores; then a window on every layer, whose blocks
+# before the window go back to the pool as a sequence advances.
+WINDOWED_ARCHS = {
+    "local-global-softcap": dataclasses.replace(
+        TINY_ARCH, sliding_window=12, sliding_window_layers=(0,), attention_logit_softcap=3.0
+    ),
+    "every-layer-windowed": dataclasses.replace(TINY_ARCH, sliding_window=12),
+}
+
+
+@pytest.mark.parametrize("name", WINDOWED_ARCHS)
+def test_windowed_and_soft_capped_layers_give_the_cpu_paths_greedy_tokens(name, device):
+    """Prompts past the window, chunked, a prefix-cache hit, decode graphs replayed."""
+    arch = WINDOWED_ARCHS[name]
+    reference, _, runner, _ = _runners(device, torch.float32, arch)
+    runner.capture_graphs(
+        max_num_seqs=8, max_model_len=512, max_graph_tokens=0,
+        scratch_block_id=NUM_BLOCKS, capture=EagerCapture(),
+    )  # fmt: skip
+    expected = greedy_generate(reference, PROMPTS, 6, NUM_BLOCKS, BLOCK_SIZE, chunk_size=16)
+    assert greedy_generate(runner, PROMPTS, 6, NUM_BLOCKS, BLOCK_SIZE, chunk_size=16) == expected
+    # The window changes the tokens: a kernel attending over every key would not pass.
+    unwindowed, _, _, _ = _runners(device, torch.float32, TINY_ARCH)
+    assert greedy_generate(unwindowed, PROMPTS, 6, NUM_BLOCKS, BLOCK_SIZE, chunk_size=16) != expected
 
 
 def _count_step_replays(runner: ModelRunner):

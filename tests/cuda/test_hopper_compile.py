@@ -28,3 +28,4 @@ def test_the_kernels_compile_for_hopper_and_the_matmul_runs_on_wgmma():
     lines = completed.stdout.splitlines()
     assert lines[0].startswith("matmul: cubin") and lines[0].endswith("wgmma True")
     assert lines[1].startswith("attention: cubin")
+    assert lines[2].startswith("attention with window, soft-cap and sinks: cubin")

@@ -32,12 +32,17 @@ TINY_ARCH = ModelArch(
 
 
 def random_model(
-    backend, dtype: torch.dtype, device: torch.device, seed: int = 0, kernels: Kernels | None = None
+    backend,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    kernels: Kernels | None = None,
+    arch: ModelArch = TINY_ARCH,
 ) -> LlamaForCausalLM:
     """Seeded weights large enough that greedy choices are far from ties; the reference ops
     unless `kernels` says otherwise."""
     kernels = kernels or Kernels(fused=False)
-    model = LlamaForCausalLM(TINY_ARCH, backend, kernels, dtype, TINY_ARCH.max_position_embeddings)
+    model = LlamaForCausalLM(arch, backend, kernels, dtype, arch.max_position_embeddings)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -49,11 +54,13 @@ def random_model(
 def greedy_generate(
     runner, prompts: list[list[int]], max_tokens: int, num_blocks: int, block_size: int, chunk_size: int
 ) -> list[list[int]]:
-    """Each prompt's greedy tokens, stepping scheduler -> runner -> scheduler as EngineCore does."""
+    """Each prompt's greedy tokens, stepping scheduler -> runner -> scheduler as EngineCore does
+    (blocks before a windowed model's window given back as it advances)."""
+    model = runner.model
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
         ChunkedPrefillConfig(chunk_size=chunk_size),
-        KVCacheManager(num_blocks, block_size, enable_caching=True),
+        KVCacheManager(num_blocks, block_size, True, model.kv_window, model.kv_sink_tokens),
         TINY_ARCH.max_position_embeddings,
         root_hash("tiny"),
     )
