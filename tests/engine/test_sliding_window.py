@@ -9,13 +9,14 @@ import torch
 from firsttoken import LLM, SamplingParams
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.models.llama import LlamaForCausalLM
+from firsttoken.models.loaders.gguf_file import gemma_local_layers
 from firsttoken.models.loaders.hf_folder import arch_from_config
 from firsttoken.ops.kernels import Kernels
 from firsttoken.worker.model_loading import max_model_len
 from tests.conftest import FIXED_THREADS
 from tests.engine_state import all_blocks_free, most_blocks_held
 from tests.models.reference import assert_logprobs_close, hf_greedy
-from tests.models.tiny_models import save_hf_folder, tiny_hf_model
+from tests.models.tiny_models import save_hf_folder, tiny_hf_model, write_gguf
 
 WINDOW = 16
 BLOCK_SIZE = 8
@@ -160,3 +161,28 @@ def test_which_layers_have_the_window_and_that_none_caps_the_context():
     assert LlamaForCausalLM(everywhere, None, kernels, torch.float32, 512).kv_window == WINDOW
     # Every sequence within the window: full attention is exact, no window applied.
     assert [everywhere.layer_window(index, WINDOW) for index in range(2)] == [None, None]
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_a_gguf_file_in_llama_cpps_gemma_layout_gives_transformers_tokens(name, tmp_path):
+    """Norms stored as 1 + weight, llama.cpp's tensor names for the sandwich norms, the local
+    layers flagged in the file, the soft-caps; float32, so the file holds transformers' weights."""
+    model_type, overrides = WINDOWED_MODELS[name]
+    # llama.cpp scales queries by head_dim below 27B (its files carry no query_pre_attn_scalar).
+    hf_model = tiny_hf_model(model_type, sliding_window=WINDOW, **{**overrides, "query_pre_attn_scalar": 32})
+    path = write_gguf(hf_model, str(tmp_path / f"{name}.gguf"), name, {})
+    llm = _engine(path, cache_dir=str(tmp_path / "cache"))
+    (output,) = llm.generate(prompt_token_ids=[PROMPT_IDS], sampling_params=GREEDY)
+    expected, expected_logprobs = hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)
+    assert output.token_ids == expected
+    assert_logprobs_close(output.logprobs[0], expected_logprobs, LOGPROB_TOLERANCE)
+
+
+def test_gemma_gguf_files_without_a_layer_pattern_take_llama_cpps():
+    """Gemma 2: every other layer local from the first; Gemma 3: five local layers, then a global."""
+    assert gemma_local_layers({}, "gemma2", 5) == (0, 2, 4)
+    assert gemma_local_layers({}, "gemma3", 13) == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12)
+    flags = {"gemma3.attention.sliding_window_pattern": [True, False, True]}
+    assert gemma_local_layers(flags, "gemma3", 3) == (0, 2)
+    with pytest.raises(ValueError, match="sliding_window_pattern has 3 flags for 4 layers"):
+        gemma_local_layers(flags, "gemma3", 4)

@@ -88,7 +88,16 @@ _LAYER_NAMES = {
 }
 
 
-def _gguf_name(hf_name: str) -> str:
+# Gemma's sandwich norms, as llama.cpp names them.
+_SANDWICH_NORM_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_GEMMA = ("gemma2", "gemma3")
+
+
+def _gguf_name(hf_name: str, gguf_arch: str) -> str:
     globals_ = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -98,11 +107,13 @@ def _gguf_name(hf_name: str) -> str:
         return globals_[hf_name]
     parts = hf_name.split(".")
     layer, local, kind = parts[2], ".".join(parts[3:-1]), parts[-1]
-    return f"blk.{layer}.{_LAYER_NAMES[local]}.{kind}"
+    names = _LAYER_NAMES | _SANDWICH_NORM_NAMES if gguf_arch in _GEMMA else _LAYER_NAMES
+    return f"blk.{layer}.{names[local]}.{kind}"
 
 
 def write_gguf(model, path: str, gguf_arch: str, qtypes: dict[str, GGMLQuantizationType]) -> str:
-    """Write `model` as llama.cpp would: permuted q/k rows (llama), quantized matrices.
+    """Write `model` as llama.cpp's converter would: permuted q/k rows (llama), Gemma's norms
+as 1 + weight with its window, local layers and soft-caps, quantized matrices.
 
     qtypes maps a substring of the GGUF tensor name to its type; 1-D tensors stay F32.
     """
@@ -123,7 +134,9 @@ def write_gguf(model, path: str, gguf_arch: str, qtypes: dict[str, GGMLQuantizat
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    # Gemma 3 holds a set of rope parameters per kind of layer; the file, the global layers'.
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
@@ -139,11 +152,15 @@ def write_gguf(model, path: str, gguf_arch: str, qtypes: dict[str, GGMLQuantizat
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
+    if gguf_arch in _GEMMA:
+        _add_gemma_fields(writer, config)
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        name = _gguf_name(hf_name)
+        name = _gguf_name(hf_name, gguf_arch)
         array = tensor.float().numpy()
+        if gguf_arch in _GEMMA and hf_name.endswith("norm.weight"):
+            array = array + 1.0
         if gguf_arch == "llama" and ".attn_q." in name:
             array = _permute_for_gguf(array, config.num_attention_heads)
         elif gguf_arch == "llama" and ".attn_k." in name:
@@ -161,3 +178,13 @@ def write_gguf(model, path: str, gguf_arch: str, qtypes: dict[str, GGMLQuantizat
     writer.close()
     return path
 
+
+
+def _add_gemma_fields(writer, config) -> None:
+    """The window, which layers have it (a flag per layer), and the soft-caps."""
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)

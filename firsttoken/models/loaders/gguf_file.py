@@ -33,7 +33,15 @@ SUPPORTED_TENSOR_TYPES = {
     GGMLQuantizationType.Q6_K,
 }
 # GGUF's own architecture names; Mistral files say "llama".
-_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "phi3": "phi3", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "llama": "llama",
+    "mistral": "mistral",
+    "phi3": "phi3",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
 # llama.cpp's converter interleaves the rope halves of q/k rows for these architectures.
 _PERMUTED_QK = {"llama", "mistral"}
 
@@ -52,6 +60,21 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",
 }
+# Gemma's sandwich: llama.cpp's ffn_norm is the norm before the MLP either way, which Hugging Face
+# calls post_attention_layernorm in Llama and pre_feedforward_layernorm in Gemma.
+_SANDWICH_NORM_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA = {"gemma2", "gemma3"}
+# llama.cpp's Gemma layouts when the file names none: every 2nd (Gemma 2) or 6th (Gemma 3) layer
+# global, the others local; Gemma 3's local layers rotate by base 10000.
+_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# The block counts of the 27B models, whose queries llama.cpp scales by hidden / heads (their
+# query_pre_attn_scalar), where the others scale by head_dim.
+_GEMMA_27B_BLOCKS = {"gemma2": 46, "gemma3": 62}
 # Phi-3 files hold gate and up fused in ffn_up (and no ffn_gate).
 _FUSED_GATE_UP = {"phi3"}
 _GLOBAL_NAMES = {
@@ -174,7 +197,43 @@ def _arch_from_fields(fields: dict[str, Any], gguf_arch: str, tensors: dict[str,
         rope_scaling=_rope_scaling(fields, gguf_arch),
         sliding_window=fields.get(f"{gguf_arch}.attention.sliding_window"),
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        **(_gemma_fields(fields, gguf_arch, num_heads, head_dim) if gguf_arch in _GEMMA else {}),
     )
+
+
+def _gemma_fields(fields: dict[str, Any], gguf_arch: str, num_heads: int, head_dim: int) -> dict[str, Any]:
+    """How Gemma 2's and 3's layers differ from Llama's, as llama.cpp reads them from a file its
+    converter wrote: norms already hold 1 + weight (no offset), the local/global layout and Gemma
+    3's local rotary base from the file or llama.cpp's defaults, the query scale by model size."""
+    num_layers = int(fields[f"{gguf_arch}.block_count"])
+    hidden_size = int(fields[f"{gguf_arch}.embedding_length"])
+    query_scalar = hidden_size / num_heads if num_layers == _GEMMA_27B_BLOCKS[gguf_arch] else head_dim
+    local_rope_theta = fields.get(f"{gguf_arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA)
+    return dict(
+        sliding_window_layers=gemma_local_layers(fields, gguf_arch, num_layers),
+        local_rope_theta=float(local_rope_theta) if gguf_arch == "gemma3" else None,
+        embedding_multiplier=hidden_size**0.5,
+        sandwich_norms=True,
+        hidden_activation="gelu_tanh",
+        attention_scale=query_scalar**-0.5,
+        final_logit_softcap=fields.get(f"{gguf_arch}.final_logit_softcapping"),
+        attention_logit_softcap=fields.get(f"{gguf_arch}.attn_logit_softcapping"),
+    )
+
+
+def gemma_local_layers(fields: dict[str, Any], gguf_arch: str, num_layers: int) -> tuple[int, ...]:
+    """The sliding-window layers: `attention.sliding_window_pattern` as a flag per layer or as
+    "every n-th layer global", else llama.cpp's default for the architecture."""
+    pattern = fields.get(f"{gguf_arch}.attention.sliding_window_pattern", _GEMMA_GLOBAL_EVERY[gguf_arch])
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(
+                f"model: GGUF metadata {gguf_arch}.attention.sliding_window_pattern has "
+                f"{len(pattern)} flags for {num_layers} layers"
+            )
+        return tuple(index for index, local in enumerate(pattern) if local)
+    every = int(pattern)
+    return tuple(index for index in range(num_layers) if every == 0 or index % every < every - 1)
 
 
 def _rope_scaling(fields: dict[str, Any], gguf_arch: str) -> RopeScaling | None:
@@ -256,9 +315,10 @@ def _iter_weights(tensors: dict[str, Any], arch: ModelArch, gguf_arch: str) -> N
 def _hf_name(gguf_name: str, gguf_arch: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer_names = _LAYER_NAMES | _SANDWICH_NORM_NAMES if gguf_arch in _GEMMA else _LAYER_NAMES
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in layer_names:
         return None
     layer, part, kind = match.groups()
-    local = "mlp.gate_up_proj" if part == "ffn_up" and gguf_arch in _FUSED_GATE_UP else _LAYER_NAMES[part]
+    local = "mlp.gate_up_proj" if part == "ffn_up" and gguf_arch in _FUSED_GATE_UP else layer_names[part]
     return f"model.layers.{layer}.{local}.{kind}"
