@@ -14,16 +14,20 @@ is the mean time per token after the first of `--decode-tokens` + 1, after a 512
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import tempfile
 import time
 from typing import Callable
 
 import torch
 
-from benchmarks.common import first_token_run, interleaved_medians, print_table, random_prompt, save_result
-from firsttoken import LLM, SamplingParams
-from firsttoken.models.registry import default_model_path, open_checkpoint
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import first_token_run, interleaved_medians, print_table, random_prompt, save_result  # noqa: E402
+
+from firsttoken import LLM, SamplingParams  # noqa: E402
+from firsttoken.models.registry import default_model_path, open_checkpoint  # noqa: E402
 
 SHAPES = dict(
     hidden_size=576,

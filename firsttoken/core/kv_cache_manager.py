@@ -7,7 +7,9 @@ With a sliding window (every layer's query sees its last `sliding_window` keys),
 wholly before the window of a request's next token are given back as it advances, so a long
 sequence holds about window / block_size blocks; they keep their place in its block table
 (attention never reads them) and, with prefix caching, their cached prefix until evicted. With
-StreamingLLM's `sink_tokens`, the blocks holding those first tokens are kept.
+StreamingLLM's `sink_tokens`, the blocks holding those first tokens are kept. A prefix-cache hit
+then needs only the blocks its next token attends to (the sinks and its window), so a long
+conversation's next turn reuses its window's KV even once the blocks before it are evicted.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from firsttoken.arithmetic import ceil_div
 from firsttoken.core.block_pool import BlockPool, KVBlock
 from firsttoken.core.hashing import BlockHash
 from firsttoken.request import Request
+
+
+# What a block table holds for a block a request never held (see KVCacheManager.block_ids).
+WINDOW_GAP_BLOCK_ID = 0
 
 
 @dataclass
@@ -75,39 +81,76 @@ class KVCacheManager:
         return min(num_blocks, self.num_sink_blocks + in_window)
 
     def block_ids(self, req_id: str) -> list[int]:
-        return [block.block_id for block in self._blocks.get(req_id, ())]
+        """The request's block table: a block past its window that it never held (a windowed
+        prefix hit) reads as block 0, which no attention reads."""
+        blocks = self._blocks.get(req_id, ())
+        return [WINDOW_GAP_BLOCK_ID if block is None else block.block_id for block in blocks]
 
-    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
-        """The longest run of cached blocks that starts the request's tokens.
+    def find_cached_prefix(self, request: Request) -> list[KVBlock | None]:
+        """The longest cached prefix of the request's tokens: a run of cached blocks from its
+        start, or with a sliding window only the blocks its next token still attends to (the
+        sinks and the window; None for the blocks between, which need not be cached).
 
         The last token is always left to compute, since its logits give the next token.
         """
         if not self.enable_caching:
             return []
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.pool.cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        cached = [self.pool.cached_block(block_hash) for block_hash in request.block_hashes[:max_hit_blocks]]
+        if self.sliding_window is None:
+            return cached[: cached.index(None)] if None in cached else cached
+        return self._windowed_hit(cached)
 
-    def admit(self, request: Request, cached_prefix: list[KVBlock], num_new_tokens: int) -> bool:
+    def _windowed_hit(self, cached: list[KVBlock | None]) -> list[KVBlock | None]:
+        """The most leading blocks whose sinks and whose last window (that of the token after
+        them) are all cached, with None for the blocks between the two."""
+        num_leading_sinks = next(
+            (index for index, block in enumerate(cached[: self.num_sink_blocks]) if block is None),
+            min(self.num_sink_blocks, len(cached)),
+        )
+        last_missing = -1
+        last_missing_before = []  # [k]: the last uncached block index below k, -1 if none
+        for index, block in enumerate(cached):
+            last_missing_before.append(last_missing)
+            if block is None:
+                last_missing = index
+        last_missing_before.append(last_missing)
+        for num_hit_blocks in range(len(cached), 0, -1):
+            first_needed = self._first_block_in_window(num_hit_blocks * self.block_size)
+            if last_missing_before[num_hit_blocks] >= first_needed:
+                continue
+            if first_needed > self.num_sink_blocks and num_leading_sinks < self.num_sink_blocks:
+                continue
+            return [
+                block if index < self.num_sink_blocks or index >= first_needed else None
+                for index, block in enumerate(cached[:num_hit_blocks])
+            ]
+        return []
+
+    def _first_block_in_window(self, position: int) -> int:
+        """The first block a token at `position` attends to beyond the sinks: every block from 0
+        while its window still reaches them."""
+        first_block = max(0, position - self.sliding_window + 1) // self.block_size
+        return 0 if first_block <= self.num_sink_blocks else first_block
+
+    def admit(self, request: Request, cached_prefix: list[KVBlock | None], num_new_tokens: int) -> bool:
         """Give a request its cached prefix plus blocks for `num_new_tokens` more tokens."""
         num_prefix_tokens = len(cached_prefix) * self.block_size
         num_new_blocks = num_blocks_for(num_prefix_tokens + num_new_tokens, self.block_size) - len(
             cached_prefix
         )
-        num_revived = sum(1 for block in cached_prefix if block.ref_cnt == 0)
+        held_prefix = [block for block in cached_prefix if block is not None]
+        num_revived = sum(1 for block in held_prefix if block.ref_cnt == 0)
         if num_new_blocks + num_revived > self.pool.num_free_blocks:
             return False
-        self.pool.touch(cached_prefix)
+        self.pool.touch(held_prefix)
         new_blocks = self.pool.allocate(num_new_blocks)
         assert new_blocks is not None  # checked above
         self._blocks[request.req_id] = list(cached_prefix) + new_blocks
         self._num_registered_blocks[request.req_id] = len(cached_prefix)
-        self._released_until[request.req_id] = self.num_sink_blocks
+        # The blocks of a windowed hit's gap count as given back: never held, never released.
+        gap_end = max((index + 1 for index, block in enumerate(cached_prefix) if block is None), default=0)
+        self._released_until[request.req_id] = max(self.num_sink_blocks, gap_end)
         if self.enable_caching:
             self.stats.num_query_tokens += request.num_tokens
             self.stats.num_hit_tokens += num_prefix_tokens

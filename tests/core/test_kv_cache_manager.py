@@ -161,3 +161,69 @@ def test_a_window_long_enough_for_a_prefix_hit_revives_only_what_it_needs_to_kee
     assert manager.pool.num_free_blocks == 16 - 3
     manager.free(second)
     assert manager.pool.num_free_blocks == 16
+
+
+def _streamed_then_freed(manager, req_id, num_tokens):
+    """A request prefilled 8 tokens then decoded 4 a step: the blocks its window passes are
+    given back as it goes (the oldest first in the eviction order), the rest when it is freed."""
+    request = _hashed(make_request(req_id, num_tokens))
+    assert manager.admit(request, [], 8)
+    for num_computed in range(8, num_tokens, 4):
+        request.num_computed_tokens = num_computed
+        manager.register_computed_blocks(request)
+        assert manager.allocate_slots(request, 4)
+    _compute_all(manager, request)
+    manager.free(request)
+    return request
+
+
+def _hold(manager, req_id, num_blocks):
+    """A request holding `num_blocks` new blocks: the empty ones first, then the least recently
+    freed cached ones, evicted."""
+    request = _hashed(make_request(req_id, BLOCK * num_blocks))
+    assert manager.admit(request, [], request.num_tokens)
+    return request
+
+
+# After a 36-token request on 16 blocks of 4: 9 blocks cached, 7 never written.
+NUM_EMPTY = 16 - 9
+
+
+def test_a_windowed_hit_needs_only_the_sinks_and_the_window_of_its_next_token():
+    """Window 6 and one sink block: a conversation of 36 tokens, its blocks 1-3 evicted since; the
+    next turn (40 tokens) hits 36 of them: block 0 (the sinks) and 7-8 (position 36's window,
+    tokens 31..35); blocks 1-6 it never holds, and reads as block 0 in its table."""
+    manager = KVCacheManager(16, BLOCK, enable_caching=True, sliding_window=6, sink_tokens=4)
+    first = _streamed_then_freed(manager, "a", 36)
+    filler = _hold(manager, "filler", NUM_EMPTY + 3)
+    assert all(manager.pool.cached_block(first.block_hashes[index]) is None for index in (1, 2, 3))
+    second = _hashed(make_request("b", 40))
+    hits = manager.find_cached_prefix(second)
+    assert len(hits) == 9
+    assert [block is None for block in hits] == [False] + [True] * 6 + [False, False]
+    free_before = manager.pool.num_free_blocks
+    assert manager.admit(second, hits, 4)
+    assert manager.pool.num_free_blocks == free_before - 4  # blocks 0, 7, 8 revived, one new
+    assert manager.block_ids("b")[1:7] == [0] * 6
+    assert manager.stats.num_hit_tokens == 36
+    manager.free(second)
+    manager.free(filler)
+    assert manager.pool.num_free_blocks == 16
+
+
+def test_a_windowed_hit_stops_where_its_window_or_sinks_are_gone():
+    """With position 36's window evicted too, no later block's window is whole: the hit is the
+    first block (whose window is every key from 0); with the sinks evicted, nothing."""
+    manager = KVCacheManager(16, BLOCK, enable_caching=True, sliding_window=6, sink_tokens=4)
+    first = _streamed_then_freed(manager, "a", 36)
+    # Eviction order: the passed blocks 1-5, then (freed tail first) 8, 7, 6, 0.
+    _hold(manager, "filler", NUM_EMPTY + 7)
+    hits = manager.find_cached_prefix(_hashed(make_request("b", 40)))
+    assert [block.block_hash for block in hits] == first.block_hashes[:1]
+
+    manager = KVCacheManager(16, BLOCK, enable_caching=True, sliding_window=6, sink_tokens=4)
+    first = _streamed_then_freed(manager, "a", 36)
+    # Position 36's window kept (pinned), every other cached block evicted, the sinks last.
+    assert manager.pin("window", first.block_hashes[6:9]) == 3 * BLOCK
+    _hold(manager, "filler", 16 - 3)
+    assert manager.find_cached_prefix(_hashed(make_request("b", 40))) == []

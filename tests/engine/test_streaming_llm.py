@@ -122,3 +122,23 @@ def test_deeper_models_give_the_same_tokens_alone_batched_chunked_and_on_a_prefi
     cached, _ = llm.generate(prompt_token_ids=[PROMPT_IDS, PROMPT_IDS[5:33]], sampling_params=params)
     assert cached.num_cached_tokens > 0
     assert whole.token_ids == alone.token_ids == cached.token_ids
+
+
+def test_a_new_turn_reuses_the_sinks_and_window_after_the_middle_is_evicted(one_layer_model):
+    """A 100-token conversation in a cache of 12 blocks (it spans 25): by its end the blocks
+    between the sinks and the window are evicted, yet the next turn hits every whole block (the
+    sinks and its window are all it reads) and says what it says with nothing cached."""
+    _, folder = one_layer_model
+    options = dict(kv_cache_memory_bytes=12 * BLOCK_SIZE * 256, max_num_batched_tokens=8, max_num_seqs=4)
+    llm = _engine(folder, **options)
+    first_turn = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    (reply,) = llm.generate(prompt_token_ids=[PROMPT_IDS], sampling_params=first_turn)
+    conversation = PROMPT_IDS + reply.token_ids
+    next_turn = conversation + [57, 1024, 311, 9, 2700, 88]
+    (answer,) = llm.generate(prompt_token_ids=[next_turn], sampling_params=GREEDY)
+    # Computed: all but the reply's last token; reused: its whole blocks.
+    assert answer.num_cached_tokens == (len(conversation) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert all_blocks_free(llm)
+    cold = _engine(folder, enable_prompt_cache=False, **options)
+    (expected,) = cold.generate(prompt_token_ids=[next_turn], sampling_params=GREEDY)
+    assert answer.token_ids == expected.token_ids
