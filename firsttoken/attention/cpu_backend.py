@@ -18,10 +18,12 @@ scaled-dot-product (SDPA) kernels elsewhere; flash-style throughout, no score ma
   longest, and masked.
 - A context whose blocks are one run of consecutive block ids (the pool hands out ascending
   runs) is read in place, as a view of the cache: no per-layer copy of the context.
-- A layer with a sliding window (each query sees its last `sliding_window` keys) or soft-capped
-  scores (Gemma 2) runs every row on the portable flash kernel, which skips the key tiles before
-  a row's window and never reads the blocks the KV cache manager has freed there; without native
-  kernels, SDPA with a band mask, or plain math for soft-capped scores.
+- A layer with a sliding window (each query sees its last `sliding_window` keys) runs on the
+  AVX512-BF16/AMX kernels where they apply (prefills, and decode rows with the prefill's
+  arithmetic), from the key block holding its first query's window: the blocks the KV cache
+  manager has freed before it are never read. Soft-capped scores (Gemma 2) and StreamingLLM's
+  sinks run every row on the portable flash kernel, which skips the key tiles before a row's
+  window too; without native kernels, SDPA with a band mask, or plain math for soft-capped scores.
 """
 
 from __future__ import annotations
@@ -186,17 +188,20 @@ class CPUAttentionBackend:
         """The AVX512-BF16 paged kernel where it applies (bf16, heads of 32 to 128), else the
         portable flash kernel (the prefill's arithmetic, always), else SDPA."""
         paged = metadata.paged_decodes
-        if (
-            paged is not None
-            and options.layer.is_plain
-            and self.native.paged_decode_attention_supports(query, kv_cache)
-        ):
-            as_prefill = self.decode_as_prefill and self.decodes_as_prefill(
-                kv_cache.shape[2], query.dtype, query.shape[2]
-            )
-            return self.native.paged_decode_attention(
-                query, kv_cache, paged.block_table, paged.seq_lens, as_prefill=as_prefill
-            )
+        layer = options.layer
+        if paged is not None and self.native.paged_decode_attention_supports(query, kv_cache):
+            takes_prefill_arithmetic = self.decodes_as_prefill(kv_cache.shape[2], query.dtype, query.shape[2])
+            # A window only on the prefill's arithmetic (the exact kernel has none).
+            as_prefill = takes_prefill_arithmetic and (self.decode_as_prefill or not layer.is_plain)
+            if layer.is_plain or (as_prefill and _vector_bf16_attends(layer)):
+                return self.native.paged_decode_attention(
+                    query,
+                    kv_cache,
+                    paged.block_table,
+                    paged.seq_lens,
+                    as_prefill=as_prefill,
+                    window=layer.sliding_window or 0,
+                )
         if (
             paged is not None
             and self.native.flash_attention_supports(query, kv_cache)
@@ -212,7 +217,7 @@ class CPUAttentionBackend:
     def decodes_as_prefill(self, block_size: int, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether decode rows of this dtype and head size take the prefill kernel's arithmetic
         here: on the AVX512-BF16 kernels where they apply, else on the portable flash kernel
-        (which also takes every row of a layer with a sliding window)."""
+        (which also takes every row of a layer with soft-capped scores or sinks)."""
         if self.native is None:
             return False
         if _takes_vector_bf16_attention(self.native, dtype, head_dim):
@@ -235,10 +240,14 @@ class CPUAttentionBackend:
         """The AVX512-BF16 kernel where it applies (bf16, heads of 32 to 128), else the portable
         flash kernel (for chunks of up to FLASH_MAX_QUERIES_BESIDE_SDPA queries unless decode rows
         take the prefill's arithmetic), else SDPA."""
-        if self.native is not None and self.native.has_prefill_attention and options.layer.is_plain:
-            keys_values = _all_keys_values(key, value, kv_cache, span)
+        layer = options.layer
+        if self.native is not None and self.native.has_prefill_attention and _vector_bf16_attends(layer):
+            window = layer.sliding_window or 0
+            keys_values = _keys_values_in_window(key, value, kv_cache, span, window)
             if self.native.prefill_attention_supports(query, *keys_values):
-                return self.native.prefill_attention(query, *keys_values, torch.get_num_threads())
+                return self.native.prefill_attention(
+                    query, *keys_values, torch.get_num_threads(), window=window
+                )
         wants_flash = (
             self.decode_as_prefill
             or not options.layer.is_plain
@@ -253,6 +262,12 @@ class CPUAttentionBackend:
         if not options.layer.is_plain:
             return _masked_prefill_attention(query, key, value, kv_cache, span, options.layer)
         return _prefill_attention(query, key, value, kv_cache, span)
+
+
+def _vector_bf16_attends(layer: LayerAttention) -> bool:
+    """Whether the AVX512-BF16/AMX kernels attend as the layer does: causal, in a window or not
+    (soft-capped scores and sinks are the portable kernel's)."""
+    return layer.logit_softcap is None and not layer.sink_tokens
 
 
 def _takes_vector_bf16_attention(kernels: native.NativeKernels, dtype: torch.dtype, head_dim: int) -> bool:
@@ -342,6 +357,24 @@ def _native_writable(
     )
 
 
+def _keys_values_in_window(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a chunk on cached context from the prefill kernel's key block holding its first
+    query's window on (all of them without a window): those before it are never read (their
+    blocks may be back in the pool), and from a multiple of the key block the kernel meets the
+    keys in the blocks it would meet them in from key 0, so the rows keep their bits."""
+    first_needed = max(0, span.num_context_tokens - window + 1) if window else 0
+    first_key = first_needed // native_abi.PREFILL_KEY_BLOCK * native_abi.PREFILL_KEY_BLOCK
+    if not span.num_context_tokens or first_key == 0:
+        return _all_keys_values(key, value, kv_cache, span)
+    num_keys = span.num_context_tokens + span.query_len
+    if span.sequence_first_block is None:
+        return gather_context(kv_cache, span.sequence_block_ids, num_keys, first_key)
+    keys, values = context_in_place(kv_cache, span.sequence_first_block, num_keys)
+    return keys[first_key:], values[first_key:]
+
+
 def _all_keys_values(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,12 +409,16 @@ def context_in_place(
 
 
 def gather_context(
-    kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int, first_token: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V [num_tokens, num_kv_heads, head_dim] of one sequence's first `num_tokens` tokens."""
+    """K and V [num_tokens - first_token, num_kv_heads, head_dim] of one sequence's tokens
+    first_token .. num_tokens - 1 (the blocks before first_token's never read)."""
     num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
-    keys = kv_cache[0].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:num_tokens]
-    values = kv_cache[1].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:num_tokens]
+    first_block, skipped = divmod(first_token, kv_cache.shape[2])
+    block_ids = block_ids[first_block:]
+    end = num_tokens - first_block * kv_cache.shape[2]
+    keys = kv_cache[0].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[skipped:end]
+    values = kv_cache[1].index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[skipped:end]
     return keys, values
 
 

@@ -34,6 +34,9 @@ DECODE_HEAD_DIM_MULTIPLE = 32
 PREFILL_HEAD_DIM_MULTIPLE = 32
 # Decode rows with the prefill kernel's arithmetic gather this many keys at a time from one block.
 DECODE_AS_PREFILL_BLOCK_MULTIPLE = 16
+# Prefill attention's keys stream through in blocks of this many, from key 0: keys given from a
+# multiple of it on meet the same blocks.
+PREFILL_KEY_BLOCK = 64
 # int4 weights share a scale and a zero per group of this many inputs: GGUF's Q4_0/Q4_1 block
 # size, so a Q4_1 tensor (w = d * q + m per 32 weights, q in 0..15) requantizes to exactly its
 # own levels, since each block's min is m and its max is m + 15 d.
@@ -56,6 +59,7 @@ _C_CONSTANTS = {
     "DECODE_HEAD_DIM_MULTIPLE": DECODE_HEAD_DIM_MULTIPLE,
     "PREFILL_HEAD_DIM_MULTIPLE": PREFILL_HEAD_DIM_MULTIPLE,
     "DECODE_AS_PREFILL_BLOCK_MULTIPLE": DECODE_AS_PREFILL_BLOCK_MULTIPLE,
+    "PREFILL_KEY_BLOCK": PREFILL_KEY_BLOCK,
     "INT4_GROUP_SIZE": INT4_GROUP_SIZE,
     "INT4_INPUT_MULTIPLE": INT4_INPUT_MULTIPLE,
     "PORTABLE_INT4_INPUT_MULTIPLE": PORTABLE_INT4_INPUT_MULTIPLE,
@@ -312,8 +316,8 @@ KERNELS = (
         _parameters(
             "const void *query, int64_t query_row_stride, const void *key, int64_t key_row_stride, "
             "const void *value, int64_t value_row_stride, int64_t num_queries, int64_t num_keys, "
-            "int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, void *out, "
-            "int num_threads, int use_amx"
+            "int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window, "
+            "void *out, int num_threads, int use_amx"
         ),
         requires=Requires.VECTOR_BF16,
     ),
@@ -341,7 +345,7 @@ KERNELS = (
     Kernel("ft_paged_decode_attention", _parameters(_BF16_PAGED_DECODES), requires=Requires.VECTOR_BF16),
     Kernel(
         "ft_decode_attention_as_prefill",
-        _parameters(f"{_BF16_PAGED_DECODES}, int use_amx"),
+        _parameters(f"{_BF16_PAGED_DECODES}, int64_t window, int use_amx"),
         requires=Requires.VECTOR_BF16,
     ),
 )

@@ -13,7 +13,7 @@ from firsttoken.models.loaders.gguf_file import gemma_local_layers
 from firsttoken.models.loaders.hf_folder import arch_from_config
 from firsttoken.ops.kernels import Kernels
 from firsttoken.worker.model_loading import max_model_len
-from tests.conftest import FIXED_THREADS
+from tests.conftest import FIXED_THREADS, may_claim_batch_invariance
 from tests.engine_state import all_blocks_free, most_blocks_held
 from tests.models.reference import assert_logprobs_close, hf_greedy
 from tests.models.tiny_models import save_hf_folder, tiny_hf_model, write_gguf
@@ -186,3 +186,34 @@ def test_gemma_gguf_files_without_a_layer_pattern_take_llama_cpps():
     assert gemma_local_layers(flags, "gemma3", 3) == (0, 2)
     with pytest.raises(ValueError, match="sliding_window_pattern has 3 flags for 4 layers"):
         gemma_local_layers(flags, "gemma3", 4)
+
+
+def test_bf16_windowed_rows_keep_their_bits_alone_chunked_batched_and_on_a_hit(tmp_path):
+    """Mistral's window in bfloat16 on the AVX512-BF16/AMX kernels (prefills from the block
+    holding the window, decodes with the prefill's arithmetic): every token and log-prob the same
+    bits alone, in chunks of 8, beside another prompt, and after a prefix-cache hit past the window."""
+    if not may_claim_batch_invariance("bfloat16"):
+        pytest.skip("no bfloat16 batch invariance on this machine (needs AVX512-BF16 kernels)")
+    model_type, overrides = WINDOWED_MODELS["mistral"]
+    hf_model = tiny_hf_model(model_type, sliding_window=WINDOW, **overrides)
+    folder = save_hf_folder(hf_model, str(tmp_path / "mistral"))
+
+    def bits(llm, prompts):
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        return [(output.token_ids, [entry.logprob for entry in output.logprobs]) for output in outputs]
+
+    options = dict(dtype="bfloat16", batch_invariant=True, block_size=16)
+    llm = _engine(folder, enable_prompt_cache=False, **options)
+    assert llm.core.worker.batch_invariant
+    (alone,) = bits(llm, [PROMPT_IDS])
+    assert bits(_engine(folder, enable_prompt_cache=False, chunk_size=8, **options), [PROMPT_IDS]) == [alone]
+    assert bits(llm, [PROMPT_IDS, PROMPT_IDS[3:70]])[0] == alone
+    cached = _engine(folder, **options)
+    bits(cached, [PROMPT_IDS[:80]])
+    assert bits(cached, [PROMPT_IDS]) == [alone]
+    # A next turn hits blocks the decode steps wrote: they hold a prefill's bits.
+    next_turn = PROMPT_IDS + alone[0] + [7, 8, 9]
+    (answer,) = cached.generate(prompt_token_ids=[next_turn], sampling_params=GREEDY)
+    assert answer.num_cached_tokens > len(PROMPT_IDS)
+    assert bits(cached, [next_turn]) == bits(llm, [next_turn])
+    assert all_blocks_free(cached)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from firsttoken.attention.backend import BatchLayout, SequenceLayout
+from firsttoken.attention.backend import BatchLayout, LayerAttention, SequenceLayout
 from firsttoken.attention.reference import paged_attention_reference, write_kv_reference
 from firsttoken.attention.cpu_backend import FLASH_MAX_QUERIES_BESIDE_SDPA, CPUAttentionBackend, first_of_run
 
@@ -128,7 +128,7 @@ def test_contexts_in_consecutive_blocks_are_read_in_place_and_match_reference(
     if with_native:
         attend = native_kernels.prefill_attention
         monkeypatch.setattr(
-            native_kernels, "prefill_attention", lambda *args: native_calls.append(1) or attend(*args)
+            native_kernels, "prefill_attention", _counted(attend, 1, native_calls)
         )
     metadata = backend.build_metadata(layout, slot_mapping)
     if layout.num_decodes == 1:
@@ -173,7 +173,7 @@ def test_scattered_context_takes_the_native_kernel_with_the_in_place_bits(seqs, 
     native_calls = []
     attend = native_kernels.prefill_attention
     monkeypatch.setattr(
-        native_kernels, "prefill_attention", lambda *args: native_calls.append(1) or attend(*args)
+        native_kernels, "prefill_attention", _counted(attend, 1, native_calls)
     )
     backend = CPUAttentionBackend(torch.device("cpu"), native_kernels)
     outputs = []
@@ -223,7 +223,7 @@ def test_bf16_decode_rows_take_the_paged_kernel_and_give_the_same_bits_whatever_
         expected = paged_attention_reference(query[rows], kv_cache, part)
         torch.testing.assert_close(output.float(), expected.float(), atol=2e-2, rtol=2e-2)
         first_rows.append(output[0])
-    assert calls == [{"as_prefill": decode_as_prefill}] * 3
+    assert calls == [{"as_prefill": decode_as_prefill, "window": 0}] * 3
     assert torch.equal(first_rows[0], first_rows[1])
     assert torch.equal(first_rows[0], first_rows[2])
 
@@ -399,3 +399,42 @@ def test_long_chunks_take_sdpa_unless_decodes_need_the_prefills_bits(
     assert calls["flash_attention"] == (2 if decode_as_prefill else 1)
     expected = paged_attention_reference(query, kv_cache, layout)
     torch.testing.assert_close(output, expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("window", [24, 100])
+@pytest.mark.parametrize("in_order", [False, True], ids=["gathered", "in-place"])
+@pytest.mark.parametrize("decode_as_prefill", [False, True])
+def test_windowed_bf16_rows_on_the_vector_kernels_match_reference_without_reading_before_the_window(
+    native_kernels, monkeypatch, window, in_order, decode_as_prefill
+):
+    """Decodes, a fresh prompt and chunks on cached context longer than the window, the blocks
+    wholly before each sequence's first query's window filled with NaN (as the KV cache manager
+    may have handed them on): the AVX512-BF16/AMX kernels take every row, as the reference says."""
+    kernels = _decode_kernels_or_skip(native_kernels)
+    seqs = [(300, 1), (70, 1), (0, 150), (300, 40), (130, 64)]
+    layout, slot_mapping, kv_cache, query, key, value = _random_batch(
+        seqs, 16, 9, 3, 64, torch.bfloat16, seed=window, in_order=in_order
+    )
+    layer = LayerAttention(sliding_window=window)
+    write_kv_reference(kv_cache, key, value, slot_mapping)
+    expected = paged_attention_reference(query, kv_cache, layout, layer)
+    for sequence in layout.sequences:
+        first_needed = max(0, sequence.num_context_tokens - window + 1)
+        kv_cache[:, sequence.block_table[: first_needed // 16]] = float("nan")
+    calls = []
+    for name in ("prefill_attention", "paged_decode_attention"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, _counted(kernel, name, calls))
+    backend = CPUAttentionBackend(torch.device("cpu"), kernels, decode_as_prefill=decode_as_prefill)
+    metadata = backend.build_metadata(layout, slot_mapping)
+    output = backend.forward(query, key, value, kv_cache, metadata, layer)
+    torch.testing.assert_close(output.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert calls.count("paged_decode_attention") == 1 and calls.count("prefill_attention") == 3
+
+
+def _counted(kernel, name, calls):
+    def counted(*args, **options):
+        calls.append(name)
+        return kernel(*args, **options)
+
+    return counted

@@ -146,15 +146,17 @@ def test_a_failed_build_leaves_the_torch_ops_and_shows_the_compiler_errors(tmp_p
     assert "a static assertion failed" in log
 
 
-def _causal_attention_reference(query, key, value):
-    """float32 softmax(Q K^T / sqrt(d)) V, query i seeing keys up to i + (keys - queries)."""
+def _causal_attention_reference(query, key, value, window=0):
+    """float32 softmax(Q K^T / sqrt(d)) V, query i seeing keys up to i + (keys - queries) (its
+    last `window` of them, window > 0)."""
     num_queries, num_heads, head_dim = query.shape
     num_keys, num_kv_heads = key.shape[0], key.shape[1]
     group = num_heads // num_kv_heads
     scores = (
         torch.einsum("qhd,khd->hqk", query.float(), key.float().repeat_interleave(group, 1)) / head_dim**0.5
     )
-    allowed = torch.arange(num_keys)[None, :] <= torch.arange(num_queries)[:, None] + (num_keys - num_queries)
+    offsets = torch.arange(num_queries)[:, None] + (num_keys - num_queries) - torch.arange(num_keys)[None, :]
+    allowed = (offsets >= 0) & ((offsets < window) if window else True)
     weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
     return torch.einsum("hqk,khd->qhd", weights, value.float().repeat_interleave(group, 1))
 
@@ -180,6 +182,72 @@ def test_prefill_attention_matches_plain_math(
     expected = _causal_attention_reference(query, key, value)
     # bf16 inputs, probabilities rounded to bf16 before P V (as torch's flash kernel does).
     torch.testing.assert_close(output.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def _bf16_qkv(num_queries, num_keys, num_heads=9, num_kv_heads=3, head_dim=64, seed=0):
+    """Query [n, heads, D] and key, value [m, kv_heads, D] as strided views of one bf16 qkv."""
+    generator = torch.Generator().manual_seed(seed)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_keys, width, generator=generator).to(torch.bfloat16)
+    query = qkv[-num_queries:, : num_heads * head_dim].view(num_queries, num_heads, head_dim)
+    key = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(
+        num_keys, num_kv_heads, head_dim
+    )
+    value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_keys, num_kv_heads, head_dim)
+    return query, key, value
+
+
+@pytest.mark.parametrize("window", [1, 16, 64, 100])
+@pytest.mark.parametrize("num_queries,num_keys", [(100, 100), (17, 300), (300, 300), (65, 129)])
+def test_windowed_prefill_attention_matches_plain_math(
+    attention_kernels, use_amx, window, num_queries, num_keys
+):
+    query, key, value = _bf16_qkv(num_queries, num_keys, seed=window)
+    output = attention_kernels.prefill_attention(query, key, value, 2, use_amx, window)
+    expected = _causal_attention_reference(query, key, value, window)
+    torch.testing.assert_close(output.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("window", [16, 70])
+def test_windowed_rows_keep_their_bits_in_any_chunk_and_as_decodes(attention_kernels, use_amx, window):
+    """Rows of one 300-token sequence: prefilled whole, in chunks cut off the 32-query and
+    64-key tiles, and as decode rows through a paged cache whose blocks before each row's
+    window hold NaN (back in the pool, they may hold anything): the same bits each way."""
+    num_keys, block_size = 300, 16
+    query, key, value = _bf16_qkv(num_keys, num_keys, seed=window)
+    whole = attention_kernels.prefill_attention(query, key, value, 2, use_amx, window)
+    for start, end in ((0, 45), (45, 46), (46, 200), (200, 300)):
+        rows = slice(start, end)
+        chunk = attention_kernels.prefill_attention(query[rows], key[:end], value[:end], 2, use_amx, window)
+        assert torch.equal(chunk, whole[start:end]), (start, end)
+    positions = [0, 15, 16, 63, 64, 65, 130, 199, 299]
+    num_blocks = num_keys // block_size + 1
+    kv_cache = torch.zeros(2, num_blocks, block_size, 3, 64, dtype=torch.bfloat16)
+    kv_cache[0].view(-1, 3, 64)[:num_keys] = key
+    kv_cache[1].view(-1, 3, 64)[:num_keys] = value
+    for position in positions:
+        poisoned = kv_cache.clone()
+        first_seen = max(0, position - window + 1)
+        poisoned.view(2, -1, 3, 64)[:, :first_seen] = float("nan")
+        decoded = attention_kernels.paged_decode_attention(
+            query[position : position + 1],
+            poisoned,
+            torch.arange(num_blocks)[None, :],
+            torch.tensor([position + 1]),
+            as_prefill=True,
+            window=window,
+        )
+        assert torch.equal(decoded[0], whole[position]), position
+
+
+def test_windowed_prefill_never_reads_keys_before_its_first_querys_window(attention_kernels, use_amx):
+    query, key, value = _bf16_qkv(40, 300, seed=3)
+    clean = attention_kernels.prefill_attention(query, key, value, 2, use_amx, window=32)
+    first_seen = 300 - 40 - 32 + 1
+    key, value = key.clone(), value.clone()
+    key[:first_seen] = float("nan")
+    value[:first_seen] = float("nan")
+    assert torch.equal(attention_kernels.prefill_attention(query, key, value, 2, use_amx, window=32), clean)
 
 
 def test_prefill_attention_declines_what_it_cannot_take_and_names_bad_shapes(attention_kernels):

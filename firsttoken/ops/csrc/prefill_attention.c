@@ -10,6 +10,14 @@
  * with AMX the two products run on tiles; elsewhere on VDPBF16PS with the products in
  * registers. Work items are spread over `num_threads` OpenMP threads.
  *
+ * With a sliding window of W keys (window > 0) a query at position p sees keys p - W + 1 .. p:
+ * a block of queries starts at the key block holding its first query's window, keys before
+ * that window are never read (their blocks may have gone back to the pool: they pack as
+ * zeros), and each row masks the keys before its own window. A key block wholly before a row's
+ * window is an exact no-op for it: its masked scores are finite, and the row's first block with
+ * a key it sees rescales what they added by exactly 0, so where a row's blocks start does not
+ * change its bits.
+ *
  * Every query row's arithmetic is its own: the same instructions, in the same order, over the
  * same 64-key tiles, whether it shares its block of 32 with other queries or not. So a decode
  * row run here (ft_decode_attention_as_prefill: one query over its paged context) gets the bits
@@ -25,7 +33,7 @@
 
 #if VECTOR_BF16
 #define QUERY_BLOCK 32
-#define KEY_BLOCK 64
+#define KEY_BLOCK PREFILL_KEY_BLOCK
 #define TILE_KEYS 32 /* keys per packed block of V (16 rows of key pairs) */
 #define MASKED_SCORE (-1.0e30f)
 
@@ -42,6 +50,7 @@ typedef struct {
     uint16_t *packed_keys;   /* per KV head: padded_keys * head_dim */
     uint16_t *packed_values; /* per KV head: padded_keys * head_dim */
     int64_t padded_keys;
+    int64_t window; /* > 0: each query sees its last `window` keys only */
     int use_amx;
 } PrefillProblem;
 
@@ -51,6 +60,7 @@ typedef struct {
     int64_t row_stride;    /* elements from one row (slot) to the next */
     const int64_t *blocks; /* NULL: rows are consecutive; else the sequence's block ids */
     int64_t block_size;    /* a multiple of 16 where blocks is set: 16 keys never straddle two */
+    int64_t first;         /* rows before it are never read: they pack as zeros */
     int64_t count;         /* rows that exist; later ones pack as zeros */
 } HeadRows;
 
@@ -66,8 +76,9 @@ typedef struct {
     const uint16_t *queries; /* the first query's head */
     int64_t query_stride;
     int64_t rows;            /* 1..QUERY_BLOCK */
-    int64_t first_position;  /* query r sees keys 0..first_position + r */
+    int64_t first_position;  /* query r sees keys 0..first_position + r (its window of them) */
     int64_t num_keys;
+    int64_t window;          /* > 0: query r sees keys from first_position + r - window + 1 */
     const uint16_t *packed_keys, *packed_values; /* its KV head's, packed */
     int64_t head_dim;
     float scale;
@@ -113,8 +124,8 @@ static inline void transpose_16x16(__m512i rows[16]) {
 static void pack_keys(const HeadRows *keys, int64_t head_dim, int64_t first_key, uint16_t *packed) {
     int64_t chunks = head_dim / 32;
     packed += (first_key / 16) * chunks * 16 * 32;
-    int64_t valid = keys->count - first_key;
-    if (valid <= 0) { /* no row to read, nor a block id to look up */
+    int64_t valid = keys->count - first_key, skipped = keys->first - first_key;
+    if (valid <= 0 || skipped >= 16) { /* no row to read, nor a block id to look up */
         memset(packed, 0, (size_t)(head_dim / 2) * 32 * sizeof(uint16_t));
         return;
     }
@@ -122,8 +133,8 @@ static void pack_keys(const HeadRows *keys, int64_t head_dim, int64_t first_key,
     for (int64_t chunk = 0; chunk < chunks; chunk++) {
         __m512i rows[16];
         for (int64_t k = 0; k < 16; k++) {
-            rows[k] = k < valid ? _mm512_loadu_si512(first_row + k * keys->row_stride + chunk * 32)
-                                : _mm512_setzero_si512();
+            rows[k] = k < valid && k >= skipped ? _mm512_loadu_si512(first_row + k * keys->row_stride + chunk * 32)
+                                                : _mm512_setzero_si512();
         }
         transpose_16x16(rows);
         for (int64_t pair = 0; pair < 16; pair++) {
@@ -144,8 +155,9 @@ static void pack_values(const HeadRows *values, int64_t head_dim, int64_t first_
     __m512i order = _mm512_loadu_si512(interleave);
     for (int64_t key_pair = 0; key_pair < TILE_KEYS / 2; key_pair++) {
         int64_t even = first_key + 2 * key_pair;
-        const uint16_t *even_row = even < values->count ? head_row(values, even) : zeros;
-        const uint16_t *odd_row = even + 1 < values->count ? head_row(values, even + 1) : zeros;
+        const uint16_t *even_row = even < values->count && even >= values->first ? head_row(values, even) : zeros;
+        const uint16_t *odd_row =
+            even + 1 < values->count && even + 1 >= values->first ? head_row(values, even + 1) : zeros;
         for (int64_t t = 0; t < dim_tiles; t++) {
             __m512i low = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(even_row + t * 16)));
             __m512i high = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(odd_row + t * 16)));
@@ -165,15 +177,22 @@ static void pack_key_block(const HeadRows *keys, const HeadRows *values, int64_t
     }
 }
 
-/* Work items of KEY_BLOCK keys of one KV head, spread over the threads. */
+/* The first key a query at `position` sees: its window's first, or 0 without a window. */
+static inline int64_t window_first_key(int64_t position, int64_t window) {
+    return window > 0 && position - window + 1 > 0 ? position - window + 1 : 0;
+}
+
+/* Work items of KEY_BLOCK keys of one KV head, spread over the threads: those from the block
+ * holding the first query's window on. */
 static void pack_share(const PrefillProblem *p, int thread_index, int num_threads) {
-    int64_t blocks = p->padded_keys / KEY_BLOCK;
+    int64_t first_key = window_first_key(p->num_keys - p->num_queries, p->window);
+    int64_t first_block = first_key / KEY_BLOCK, blocks = p->padded_keys / KEY_BLOCK - first_block;
     for (int64_t item = thread_index; item < p->num_kv_heads * blocks; item += num_threads) {
-        int64_t kv_head = item / blocks, first_key = (item % blocks) * KEY_BLOCK;
-        HeadRows keys = {p->key + kv_head * p->head_dim, p->key_row_stride, NULL, 0, p->num_keys};
-        HeadRows values = {p->value + kv_head * p->head_dim, p->value_row_stride, NULL, 0, p->num_keys};
+        int64_t kv_head = item / blocks, block_key = (item % blocks + first_block) * KEY_BLOCK;
+        HeadRows keys = {p->key + kv_head * p->head_dim, p->key_row_stride, NULL, 0, first_key, p->num_keys};
+        HeadRows values = {p->value + kv_head * p->head_dim, p->value_row_stride, NULL, 0, first_key, p->num_keys};
         int64_t offset = kv_head * p->padded_keys * p->head_dim;
-        pack_key_block(&keys, &values, p->head_dim, first_key, p->packed_keys + offset, p->packed_values + offset);
+        pack_key_block(&keys, &values, p->head_dim, block_key, p->packed_keys + offset, p->packed_values + offset);
     }
 }
 
@@ -282,7 +301,8 @@ static inline __m512 exp2_16(__m512 x) {
  * vector (reduced once, at the end), writes bf16 probabilities and the factor that rescales
  * each row's earlier output. */
 static void softmax_block(float *scores, int64_t rows, int64_t first_position, int64_t first_key, int64_t num_keys,
-                          float scale, float *row_max, float *row_sums, float *rescale, uint16_t *probabilities) {
+                          int64_t window, float scale, float *row_max, float *row_sums, float *rescale,
+                          uint16_t *probabilities) {
     const float log2e = 1.44269504f;
     __m512 masked = _mm512_set1_ps(MASKED_SCORE), scale_log2e = _mm512_set1_ps(scale * log2e);
     float block_max[QUERY_BLOCK] __attribute__((aligned(64)));
@@ -290,13 +310,15 @@ static void softmax_block(float *scores, int64_t rows, int64_t first_position, i
     int64_t first_partial_row = first_key + KEY_BLOCK - 1 - first_position;
     for (int64_t r = 0; r < rows; r++) {
         float *row = scores + r * KEY_BLOCK;
-        if (r < first_partial_row || first_key + KEY_BLOCK > num_keys) {
+        int64_t skipped = window_first_key(first_position + r, window) - first_key; /* before its window */
+        if (r < first_partial_row || first_key + KEY_BLOCK > num_keys || skipped > 0) {
             int64_t last_key = first_position + r;
             last_key = last_key < num_keys - 1 ? last_key : num_keys - 1;
             int64_t valid = last_key - first_key + 1;
             for (int64_t v = 0; v < KEY_BLOCK / 16; v++) {
                 __m512 raw = _mm512_loadu_ps(row + 16 * v);
-                _mm512_storeu_ps(row + 16 * v, _mm512_mask_mov_ps(masked, valid_lanes(valid, 16 * v), raw));
+                __mmask16 seen = valid_lanes(valid, 16 * v) & (__mmask16)~valid_lanes(skipped, 16 * v);
+                _mm512_storeu_ps(row + 16 * v, _mm512_mask_mov_ps(masked, seen, raw));
             }
         }
         __m512 maximum = _mm512_max_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16));
@@ -482,11 +504,12 @@ static void attend_query_block(const QueryBlock *b) {
     memset(output, 0, (size_t)(rows * head_dim) * sizeof(float));
     int64_t last_key = b->first_position + rows - 1;
     int64_t num_key_blocks = (last_key < b->num_keys ? last_key : b->num_keys - 1) / KEY_BLOCK + 1;
-    for (int64_t key_block = 0; key_block < num_key_blocks; key_block++) {
+    int64_t first_key_block = window_first_key(b->first_position, b->window) / KEY_BLOCK;
+    for (int64_t key_block = first_key_block; key_block < num_key_blocks; key_block++) {
         int64_t first_key_tile = key_block * (KEY_BLOCK / TILE_KEYS);
         score_block(b, queries, first_key_tile, scores);
-        softmax_block(scores, rows, b->first_position, key_block * KEY_BLOCK, b->num_keys, b->scale, row_max,
-                      row_sums, rescale, probabilities);
+        softmax_block(scores, rows, b->first_position, key_block * KEY_BLOCK, b->num_keys, b->window, b->scale,
+                      row_max, row_sums, rescale, probabilities);
         for (int64_t pass = 0; pass < head_dim / 32; pass++) {
             weigh_block(b, probabilities, first_key_tile, pass, products);
             for (int64_t r = 0; r < rows; r++) {
@@ -535,7 +558,8 @@ static void attend_share(const PrefillProblem *p, int thread_index, int num_thre
         int64_t kv_offset = (head / group) * p->padded_keys * head_dim;
         int64_t rows = p->num_queries - first_query < QUERY_BLOCK ? p->num_queries - first_query : QUERY_BLOCK;
         QueryBlock block = {p->query + first_query * p->query_row_stride + head * head_dim, p->query_row_stride, rows,
-                            first_query + p->num_keys - p->num_queries, p->num_keys, p->packed_keys + kv_offset,
+                            first_query + p->num_keys - p->num_queries, p->num_keys, p->window,
+                            p->packed_keys + kv_offset,
                             p->packed_values + kv_offset, head_dim, p->scale, p->use_amx,
                             p->out + (first_query * p->num_heads + head) * head_dim, p->num_heads * head_dim};
         attend_query_block(&block);
@@ -545,12 +569,13 @@ static void attend_share(const PrefillProblem *p, int thread_index, int num_thre
 
 /* query [num_queries, num_heads, head_dim], key and value [num_keys, num_kv_heads, head_dim]
  * (heads contiguous, rows strided), out contiguous [num_queries, num_heads, head_dim], all
- * bf16; head_dim a multiple of 32 up to PREFILL_MAX_HEAD_DIM; num_threads >= 1; use_amx only
- * where ft_amx_available said 1. Returns FT_OUT_OF_MEMORY when out of memory. */
+ * bf16; head_dim a multiple of 32 up to PREFILL_MAX_HEAD_DIM; window >= 0 (0: none; else keys
+ * before the first query's window are never read); num_threads >= 1; use_amx only where
+ * ft_amx_available said 1. Returns FT_OUT_OF_MEMORY when out of memory. */
 FtStatus ft_prefill_attention(const void *query, int64_t query_row_stride, const void *key, int64_t key_row_stride,
                               const void *value, int64_t value_row_stride, int64_t num_queries, int64_t num_keys,
-                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, void *out,
-                              int num_threads, int use_amx) {
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
+                              int64_t window, void *out, int num_threads, int use_amx) {
     int64_t padded_keys = (num_keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
     size_t packed_elements = (size_t)(num_kv_heads * padded_keys * head_dim);
     uint16_t *packed = aligned_alloc(64, (2 * packed_elements * sizeof(uint16_t) + 63) / 64 * 64);
@@ -559,7 +584,7 @@ FtStatus ft_prefill_attention(const void *query, int64_t query_row_stride, const
     }
     PrefillProblem problem = {query, query_row_stride, key, key_row_stride, value, value_row_stride,
                               num_queries, num_keys, num_heads, num_kv_heads, head_dim, scale, out,
-                              packed, packed + packed_elements, padded_keys, use_amx};
+                              packed, packed + packed_elements, padded_keys, window, use_amx};
     /* OpenMP resolves to the runtime torch already loaded: its threads, not a second pool
      * competing with them for the cores. */
 #pragma omp parallel num_threads(num_threads)
@@ -585,6 +610,7 @@ typedef struct {
     const int64_t *seq_lens;
     int64_t block_size, rows, num_heads, num_kv_heads, head_dim;
     float scale;
+    int64_t window;
     uint16_t *out;
     int use_amx;
 } PagedDecodes;
@@ -594,14 +620,18 @@ static int64_t padded_length(const PagedDecodes *d, int64_t row) {
 }
 
 /* Packs KEY_BLOCK keys from `first_key` of row `row`'s context at `kv_head` into that head's
- * packed keys and values. */
+ * packed keys and values; nothing for a block wholly before the row's window, which it never reads. */
 static void pack_paged_block(const PagedDecodes *d, int64_t row, int64_t kv_head, int64_t first_key,
                              uint16_t *packed_keys, uint16_t *packed_values) {
-    int64_t kv_width = d->num_kv_heads * d->head_dim;
+    int64_t kv_width = d->num_kv_heads * d->head_dim, seq_len = d->seq_lens[row];
+    int64_t first_seen = window_first_key(seq_len - 1, d->window);
+    if (first_key + KEY_BLOCK <= first_seen) {
+        return;
+    }
     const int64_t *blocks = d->block_table + row * d->max_blocks;
-    HeadRows keys = {d->kv_cache + kv_head * d->head_dim, kv_width, blocks, d->block_size, d->seq_lens[row]};
+    HeadRows keys = {d->kv_cache + kv_head * d->head_dim, kv_width, blocks, d->block_size, first_seen, seq_len};
     HeadRows values = {d->kv_cache + d->num_slots * kv_width + kv_head * d->head_dim, kv_width, blocks,
-                       d->block_size, d->seq_lens[row]};
+                       d->block_size, first_seen, seq_len};
     pack_key_block(&keys, &values, d->head_dim, first_key, packed_keys, packed_values);
 }
 
@@ -610,7 +640,7 @@ static void attend_paged_row(const PagedDecodes *d, int64_t row, int64_t head, c
                              const uint16_t *packed_values) {
     int64_t seq_len = d->seq_lens[row];
     QueryBlock block = {d->query + row * d->query_stride + head * d->head_dim, 0, 1, seq_len - 1, seq_len,
-                        packed_keys, packed_values, d->head_dim, d->scale, d->use_amx,
+                        d->window, packed_keys, packed_values, d->head_dim, d->scale, d->use_amx,
                         d->out + (row * d->num_heads + head) * d->head_dim, 0};
     attend_query_block(&block);
 }
@@ -704,19 +734,20 @@ static FtStatus decode_per_kv_head(const PagedDecodes *d, int num_threads, int64
  * apart, heads contiguous) attending over its sequence's first seq_lens[r] keys, read through
  * block_table [rows, max_blocks] from one layer's bf16 cache [2, num_slots, kv_heads *
  * head_dim] (block_size a multiple of 16), with the prefill kernel's arithmetic: the bits a
- * prefill of the same tokens gives the query's position. Returns FT_OK, FT_OUT_OF_MEMORY,
+ * prefill of the same tokens gives the query's position (window > 0: over its last `window`
+ * keys, the blocks before them never read). Returns FT_OK, FT_OUT_OF_MEMORY,
  * or FT_OUT_OF_BOUNDS (touching nothing) when a block id or length lies outside the cache. */
 FtStatus ft_decode_attention_as_prefill(const uint16_t *query, int64_t query_stride, const uint16_t *kv_cache,
                                         int64_t num_slots, const int64_t *block_table, int64_t max_blocks,
                                         const int64_t *seq_lens, int64_t block_size, int64_t rows, int64_t num_heads,
                                         int64_t num_kv_heads, int64_t head_dim, float scale, uint16_t *out,
-                                        int num_threads, int use_amx) {
+                                        int num_threads, int64_t window, int use_amx) {
     if (block_size % DECODE_AS_PREFILL_BLOCK_MULTIPLE != 0
         || !tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
         return FT_OUT_OF_BOUNDS;
     }
     PagedDecodes decodes = {query, query_stride, kv_cache, num_slots, block_table, max_blocks, seq_lens, block_size,
-                            rows, num_heads, num_kv_heads, head_dim, scale, out, use_amx};
+                            rows, num_heads, num_kv_heads, head_dim, scale, window, out, use_amx};
     int64_t packed_bytes = 0, max_padded = 0;
     for (int64_t r = 0; r < rows; r++) {
         int64_t padded = padded_length(&decodes, r);
