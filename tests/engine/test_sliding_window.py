@@ -195,7 +195,8 @@ def test_bf16_windowed_rows_keep_their_bits_alone_chunked_batched_and_on_a_hit(t
     if not may_claim_batch_invariance("bfloat16"):
         pytest.skip("no bfloat16 batch invariance on this machine (needs AVX512-BF16 kernels)")
     model_type, overrides = WINDOWED_MODELS["mistral"]
-    hf_model = tiny_hf_model(model_type, sliding_window=WINDOW, **overrides)
+    # Heads of 32: the vector kernels take whole 32-dim tiles.
+    hf_model = tiny_hf_model(model_type, sliding_window=WINDOW, head_dim=32, **overrides)
     folder = save_hf_folder(hf_model, str(tmp_path / "mistral"))
 
     def bits(llm, prompts):
