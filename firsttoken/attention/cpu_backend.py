@@ -18,12 +18,13 @@ scaled-dot-product (SDPA) kernels elsewhere; flash-style throughout, no score ma
   longest, and masked.
 - A context whose blocks are one run of consecutive block ids (the pool hands out ascending
   runs) is read in place, as a view of the cache: no per-layer copy of the context.
-- A layer with a sliding window (each query sees its last `sliding_window` keys) runs on the
-  AVX512-BF16/AMX kernels where they apply (prefills, and decode rows with the prefill's
-  arithmetic), from the key block holding its first query's window: the blocks the KV cache
-  manager has freed before it are never read. Soft-capped scores (Gemma 2) and StreamingLLM's
-  sinks run every row on the portable flash kernel, which skips the key tiles before a row's
-  window too; without native kernels, SDPA with a band mask, or plain math for soft-capped scores.
+- A layer with a sliding window (each query sees its last `sliding_window` keys) or soft-capped
+  scores (Gemma 2) runs on the AVX512-BF16/AMX kernels where they apply (prefills, and decode
+  rows with the prefill's arithmetic), from the key block holding its first query's window: the
+  blocks the KV cache manager has freed before it are never read. StreamingLLM's sinks, and
+  such layers where those kernels do not apply, run every row on the portable flash kernel,
+  which skips the key tiles before a row's window too; without native kernels, SDPA with a band
+  mask, or plain math for soft-capped scores.
 """
 
 from __future__ import annotations
@@ -201,6 +202,7 @@ class CPUAttentionBackend:
                     paged.seq_lens,
                     as_prefill=as_prefill,
                     window=layer.sliding_window or 0,
+                    softcap=layer.logit_softcap or 0.0,
                 )
         if (
             paged is not None
@@ -217,7 +219,7 @@ class CPUAttentionBackend:
     def decodes_as_prefill(self, block_size: int, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether decode rows of this dtype and head size take the prefill kernel's arithmetic
         here: on the AVX512-BF16 kernels where they apply, else on the portable flash kernel
-        (which also takes every row of a layer with soft-capped scores or sinks)."""
+        (which also takes every row of a layer with sinks)."""
         if self.native is None:
             return False
         if _takes_vector_bf16_attention(self.native, dtype, head_dim):
@@ -246,7 +248,11 @@ class CPUAttentionBackend:
             keys_values = _keys_values_in_window(key, value, kv_cache, span, window)
             if self.native.prefill_attention_supports(query, *keys_values):
                 return self.native.prefill_attention(
-                    query, *keys_values, torch.get_num_threads(), window=window
+                    query,
+                    *keys_values,
+                    torch.get_num_threads(),
+                    window=window,
+                    softcap=layer.logit_softcap or 0.0,
                 )
         wants_flash = (
             self.decode_as_prefill
@@ -265,9 +271,9 @@ class CPUAttentionBackend:
 
 
 def _vector_bf16_attends(layer: LayerAttention) -> bool:
-    """Whether the AVX512-BF16/AMX kernels attend as the layer does: causal, in a window or not
-    (soft-capped scores and sinks are the portable kernel's)."""
-    return layer.logit_softcap is None and not layer.sink_tokens
+    """Whether the AVX512-BF16/AMX kernels attend as the layer does: causal, in a window or not,
+    scores soft-capped or not (sinks are the portable kernel's)."""
+    return not layer.sink_tokens
 
 
 def _takes_vector_bf16_attention(kernels: native.NativeKernels, dtype: torch.dtype, head_dim: int) -> bool:

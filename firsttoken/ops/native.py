@@ -216,11 +216,13 @@ class NativeKernels:
         num_threads: int,
         use_amx: bool | None = None,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Causal attention of query [n, heads, head_dim] over key and value [m, kv_heads,
         head_dim], m >= n, the queries being the last n of the m positions (new tokens after
         m - n of context); with `window` > 0 each over its last `window` keys (the keys before
-        the first query's window never read). Inputs must pass `prefill_attention_supports`.
+        the first query's window never read); with `softcap` > 0 scaled scores s taken as
+        softcap * tanh(s / softcap). Inputs must pass `prefill_attention_supports`.
         On AMX tiles where the CPU has them (`use_amx` None), else on AVX512-BF16."""
         use_amx = self.has_amx if use_amx is None else use_amx
         if use_amx and not self.has_amx:
@@ -229,11 +231,11 @@ class NativeKernels:
         num_keys, num_kv_heads = key.shape[0], key.shape[1]
         if (
             not 1 <= num_queries <= num_keys or value.shape[0] != num_keys or num_heads % num_kv_heads
-            or window < 0
+            or window < 0 or softcap < 0
         ):
             raise ValueError(
                 f"prefill_attention: {num_queries} queries of {num_heads} heads over {num_keys} keys and "
-                f"{value.shape[0]} values of {num_kv_heads} heads, window {window}"
+                f"{value.shape[0]} values of {num_kv_heads} heads, window {window}, softcap {softcap}"
             )
         out = query.new_empty(num_queries, num_heads, head_dim)
         _check(
@@ -241,7 +243,7 @@ class NativeKernels:
                 query=query.data_ptr(), query_row_stride=query.stride(0), key=key.data_ptr(),
                 key_row_stride=key.stride(0), value=value.data_ptr(), value_row_stride=value.stride(0),
                 num_queries=num_queries, num_keys=num_keys, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                head_dim=head_dim, scale=head_dim**-0.5, window=window, out=out.data_ptr(),
+                head_dim=head_dim, scale=head_dim**-0.5, window=window, softcap=softcap, out=out.data_ptr(),
                 num_threads=max(1, num_threads), use_amx=int(use_amx),
             )
         )
@@ -573,6 +575,7 @@ class NativeKernels:
         seq_lens: torch.Tensor,
         as_prefill: bool = False,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Attention of one new query per sequence, query [rows, heads, head_dim], over the
         first seq_lens[r] keys of sequence r, read in place through block_table (long [rows,
@@ -580,21 +583,23 @@ class NativeKernels:
         `paged_decode_attention_supports`; seq_lens long [rows]. `as_prefill`: with the prefill
         kernel's arithmetic (its 64-key tiles and online softmax; block_size a multiple of
         16), so a row gets the bits a prefill of the same tokens gives its position; else one
-        exact softmax over all keys, a little faster. `window` > 0 (with `as_prefill` only):
-        each row over its last `window` keys, the blocks before them never read."""
+        exact softmax over all keys, a little faster. With `as_prefill` only: `window` > 0,
+        each row over its last `window` keys, the blocks before them never read; `softcap` > 0,
+        scaled scores s taken as softcap * tanh(s / softcap)."""
         rows, num_heads, _ = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         if (
             block_table.shape[0] != rows or seq_lens.shape != (rows,) or num_heads % num_kv_heads
             or block_table.dtype != torch.long or seq_lens.dtype != torch.long
             or (as_prefill and block_size % native_abi.DECODE_AS_PREFILL_BLOCK_MULTIPLE)
-            or window < 0 or (window and not as_prefill)
+            or window < 0 or softcap < 0 or ((window or softcap) and not as_prefill)
         ):
             raise ValueError(
                 f"paged_decode_attention: {rows} queries of {num_heads} heads, block table "
                 f"{tuple(block_table.shape)} {block_table.dtype}, seq_lens {tuple(seq_lens.shape)} "
                 f"{seq_lens.dtype}, "
-                f"{num_kv_heads} KV heads, blocks of {block_size}, window {window} (as_prefill {as_prefill})"
+                f"{num_kv_heads} KV heads, blocks of {block_size}, window {window}, softcap {softcap} "
+                f"(as_prefill {as_prefill})"
             )
         block_table = block_table.contiguous()
         seq_lens = seq_lens.contiguous()
@@ -605,7 +610,7 @@ class NativeKernels:
         }
         if as_prefill:
             status = self._kernels["ft_decode_attention_as_prefill"](
-                **arguments, window=window, use_amx=int(self.has_amx)
+                **arguments, window=window, softcap=softcap, use_amx=int(self.has_amx)
             )
         else:
             status = self._kernels["ft_paged_decode_attention"](**arguments)

@@ -317,7 +317,7 @@ KERNELS = (
             "const void *query, int64_t query_row_stride, const void *key, int64_t key_row_stride, "
             "const void *value, int64_t value_row_stride, int64_t num_queries, int64_t num_keys, "
             "int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window, "
-            "void *out, int num_threads, int use_amx"
+            "float softcap, void *out, int num_threads, int use_amx"
         ),
         requires=Requires.VECTOR_BF16,
     ),
@@ -345,7 +345,7 @@ KERNELS = (
     Kernel("ft_paged_decode_attention", _parameters(_BF16_PAGED_DECODES), requires=Requires.VECTOR_BF16),
     Kernel(
         "ft_decode_attention_as_prefill",
-        _parameters(f"{_BF16_PAGED_DECODES}, int64_t window, int use_amx"),
+        _parameters(f"{_BF16_PAGED_DECODES}, int64_t window, float softcap, int use_amx"),
         requires=Requires.VECTOR_BF16,
     ),
 )

@@ -188,16 +188,18 @@ def test_gemma_gguf_files_without_a_layer_pattern_take_llama_cpps():
         gemma_local_layers(flags, "gemma3", 4)
 
 
-def test_bf16_windowed_rows_keep_their_bits_alone_chunked_batched_and_on_a_hit(tmp_path):
-    """Mistral's window in bfloat16 on the AVX512-BF16/AMX kernels (prefills from the block
-    holding the window, decodes with the prefill's arithmetic): every token and log-prob the same
-    bits alone, in chunks of 8, beside another prompt, and after a prefix-cache hit past the window."""
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_bf16_windowed_rows_keep_their_bits_alone_chunked_batched_and_on_a_hit(name, tmp_path):
+    """Mistral's window, Gemma 2's local layers and soft-capped scores, in bfloat16 on the
+    AVX512-BF16/AMX kernels (prefills from the block holding the window, decodes with the
+    prefill's arithmetic): every token and log-prob the same bits alone, in chunks of 8, beside
+    another prompt, after a prefix-cache hit past the window and on blocks decode steps wrote."""
     if not may_claim_batch_invariance("bfloat16"):
         pytest.skip("no bfloat16 batch invariance on this machine (needs AVX512-BF16 kernels)")
-    model_type, overrides = WINDOWED_MODELS["mistral"]
+    model_type, overrides = WINDOWED_MODELS[name]
     # Heads of 32: the vector kernels take whole 32-dim tiles.
-    hf_model = tiny_hf_model(model_type, sliding_window=WINDOW, head_dim=32, **overrides)
-    folder = save_hf_folder(hf_model, str(tmp_path / "mistral"))
+    hf_model = tiny_hf_model(model_type, sliding_window=WINDOW, **{**overrides, "head_dim": 32})
+    folder = save_hf_folder(hf_model, str(tmp_path / name))
 
     def bits(llm, prompts):
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)

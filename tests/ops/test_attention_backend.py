@@ -223,7 +223,7 @@ def test_bf16_decode_rows_take_the_paged_kernel_and_give_the_same_bits_whatever_
         expected = paged_attention_reference(query[rows], kv_cache, part)
         torch.testing.assert_close(output.float(), expected.float(), atol=2e-2, rtol=2e-2)
         first_rows.append(output[0])
-    assert calls == [{"as_prefill": decode_as_prefill, "window": 0}] * 3
+    assert calls == [{"as_prefill": decode_as_prefill, "window": 0, "softcap": 0.0}] * 3
     assert torch.equal(first_rows[0], first_rows[1])
     assert torch.equal(first_rows[0], first_rows[2])
 

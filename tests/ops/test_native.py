@@ -146,15 +146,17 @@ def test_a_failed_build_leaves_the_torch_ops_and_shows_the_compiler_errors(tmp_p
     assert "a static assertion failed" in log
 
 
-def _causal_attention_reference(query, key, value, window=0):
+def _causal_attention_reference(query, key, value, window=0, softcap=0.0):
     """float32 softmax(Q K^T / sqrt(d)) V, query i seeing keys up to i + (keys - queries) (its
-    last `window` of them, window > 0)."""
+    last `window` of them, window > 0; scaled scores soft-capped, softcap > 0)."""
     num_queries, num_heads, head_dim = query.shape
     num_keys, num_kv_heads = key.shape[0], key.shape[1]
     group = num_heads // num_kv_heads
     scores = (
         torch.einsum("qhd,khd->hqk", query.float(), key.float().repeat_interleave(group, 1)) / head_dim**0.5
     )
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     offsets = torch.arange(num_queries)[:, None] + (num_keys - num_queries) - torch.arange(num_keys)[None, :]
     allowed = (offsets >= 0) & ((offsets < window) if window else True)
     weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
@@ -197,29 +199,39 @@ def _bf16_qkv(num_queries, num_keys, num_heads=9, num_kv_heads=3, head_dim=64, s
     return query, key, value
 
 
-@pytest.mark.parametrize("window", [1, 16, 64, 100])
+# Scores of random unit-variance rows are ~N(0, 1): caps of 1 and 3 bend them visibly.
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (16, 0.0), (64, 0.0), (100, 0.0), (0, 1.0), (16, 3.0)])
 @pytest.mark.parametrize("num_queries,num_keys", [(100, 100), (17, 300), (300, 300), (65, 129)])
-def test_windowed_prefill_attention_matches_plain_math(
-    attention_kernels, use_amx, window, num_queries, num_keys
+def test_windowed_and_soft_capped_prefill_attention_matches_plain_math(
+    attention_kernels, use_amx, window, softcap, num_queries, num_keys
 ):
     query, key, value = _bf16_qkv(num_queries, num_keys, seed=window)
-    output = attention_kernels.prefill_attention(query, key, value, 2, use_amx, window)
-    expected = _causal_attention_reference(query, key, value, window)
+    output = attention_kernels.prefill_attention(query, key, value, 2, use_amx, window, softcap)
+    expected = _causal_attention_reference(query, key, value, window, softcap)
     torch.testing.assert_close(output.float(), expected, atol=2e-2, rtol=2e-2)
+    if softcap:
+        uncapped = _causal_attention_reference(query, key, value, window)
+        assert not torch.allclose(expected, uncapped, atol=5e-2, rtol=5e-2)
 
 
-@pytest.mark.parametrize("window", [16, 70])
-def test_windowed_rows_keep_their_bits_in_any_chunk_and_as_decodes(attention_kernels, use_amx, window):
+@pytest.mark.parametrize("window,softcap", [(16, 0.0), (70, 0.0), (0, 1.0), (70, 3.0)])
+def test_windowed_rows_keep_their_bits_in_any_chunk_and_as_decodes(
+    attention_kernels, use_amx, window, softcap
+):
     """Rows of one 300-token sequence: prefilled whole, in chunks cut off the 32-query and
     64-key tiles, and as decode rows through a paged cache whose blocks before each row's
     window hold NaN (back in the pool, they may hold anything): the same bits each way."""
     num_keys, block_size = 300, 16
     query, key, value = _bf16_qkv(num_keys, num_keys, seed=window)
-    whole = attention_kernels.prefill_attention(query, key, value, 2, use_amx, window)
+    whole = attention_kernels.prefill_attention(query, key, value, 2, use_amx, window, softcap)
     for start, end in ((0, 45), (45, 46), (46, 200), (200, 300)):
         rows = slice(start, end)
-        chunk = attention_kernels.prefill_attention(query[rows], key[:end], value[:end], 2, use_amx, window)
+        chunk = attention_kernels.prefill_attention(
+            query[rows], key[:end], value[:end], 2, use_amx, window, softcap
+        )
         assert torch.equal(chunk, whole[start:end]), (start, end)
+    if use_amx != attention_kernels.has_amx:
+        return  # decode rows take the CPU's own form (AMX where it has it), as the engine's prefills do
     positions = [0, 15, 16, 63, 64, 65, 130, 199, 299]
     num_blocks = num_keys // block_size + 1
     kv_cache = torch.zeros(2, num_blocks, block_size, 3, 64, dtype=torch.bfloat16)
@@ -227,7 +239,7 @@ def test_windowed_rows_keep_their_bits_in_any_chunk_and_as_decodes(attention_ker
     kv_cache[1].view(-1, 3, 64)[:num_keys] = value
     for position in positions:
         poisoned = kv_cache.clone()
-        first_seen = max(0, position - window + 1)
+        first_seen = max(0, position - window + 1) if window else 0
         poisoned.view(2, -1, 3, 64)[:, :first_seen] = float("nan")
         decoded = attention_kernels.paged_decode_attention(
             query[position : position + 1],
@@ -236,6 +248,7 @@ def test_windowed_rows_keep_their_bits_in_any_chunk_and_as_decodes(attention_ker
             torch.tensor([position + 1]),
             as_prefill=True,
             window=window,
+            softcap=softcap,
         )
         assert torch.equal(decoded[0], whole[position]), position
 

@@ -18,6 +18,8 @@
  * a key it sees rescales what they added by exactly 0, so where a row's blocks start does not
  * change its bits.
  *
+ * With a soft-cap C > 0 (Gemma 2), a scaled score s is taken as C tanh(s / C).
+ *
  * Every query row's arithmetic is its own: the same instructions, in the same order, over the
  * same 64-key tiles, whether it shares its block of 32 with other queries or not. So a decode
  * row run here (ft_decode_attention_as_prefill: one query over its paged context) gets the bits
@@ -51,6 +53,7 @@ typedef struct {
     uint16_t *packed_values; /* per KV head: padded_keys * head_dim */
     int64_t padded_keys;
     int64_t window; /* > 0: each query sees its last `window` keys only */
+    float softcap;  /* > 0: scaled scores soft-capped */
     int use_amx;
 } PrefillProblem;
 
@@ -79,6 +82,7 @@ typedef struct {
     int64_t first_position;  /* query r sees keys 0..first_position + r (its window of them) */
     int64_t num_keys;
     int64_t window;          /* > 0: query r sees keys from first_position + r - window + 1 */
+    float softcap;           /* > 0: scaled scores s taken as softcap * tanh(s / softcap) */
     const uint16_t *packed_keys, *packed_values; /* its KV head's, packed */
     int64_t head_dim;
     float scale;
@@ -295,14 +299,26 @@ static inline __m512 exp2_16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(biased, 23)));
 }
 
+/* Raw scores s of one row taken as C tanh(s scale / C) / scale (so scaled, C tanh(s scale / C)),
+ * tanh as 1 - 2 / (2^(2 x log2 e) + 1), its exponent clamped where tanh is +-1 in float32. */
+static void softcap_row(float *row, float scale, float softcap) {
+    __m512 inner = _mm512_set1_ps(2.0f * 1.44269504f * scale / softcap), outer = _mm512_set1_ps(softcap / scale);
+    __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f), limit = _mm512_set1_ps(126.0f);
+    for (int64_t v = 0; v < KEY_BLOCK / 16; v++) {
+        __m512 exponent = _mm512_min_ps(_mm512_mul_ps(_mm512_loadu_ps(row + 16 * v), inner), limit);
+        __m512 tanh = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(exp2_16(exponent), one)));
+        _mm512_storeu_ps(row + 16 * v, _mm512_mul_ps(tanh, outer));
+    }
+}
+
 /* Online softmax over one block of raw scores [QUERY_BLOCK x KEY_BLOCK] (not yet scaled) of
  * the first `rows` queries: keys past each row's causal limit count as absent; updates the
  * running max (of scaled scores), adds the block's exponentials to each row's running sum
  * vector (reduced once, at the end), writes bf16 probabilities and the factor that rescales
  * each row's earlier output. */
 static void softmax_block(float *scores, int64_t rows, int64_t first_position, int64_t first_key, int64_t num_keys,
-                          int64_t window, float scale, float *row_max, float *row_sums, float *rescale,
-                          uint16_t *probabilities) {
+                          int64_t window, float softcap, float scale, float *row_max, float *row_sums,
+                          float *rescale, uint16_t *probabilities) {
     const float log2e = 1.44269504f;
     __m512 masked = _mm512_set1_ps(MASKED_SCORE), scale_log2e = _mm512_set1_ps(scale * log2e);
     float block_max[QUERY_BLOCK] __attribute__((aligned(64)));
@@ -310,6 +326,9 @@ static void softmax_block(float *scores, int64_t rows, int64_t first_position, i
     int64_t first_partial_row = first_key + KEY_BLOCK - 1 - first_position;
     for (int64_t r = 0; r < rows; r++) {
         float *row = scores + r * KEY_BLOCK;
+        if (softcap > 0.0f) { /* before the mask: masked scores stay below every capped one */
+            softcap_row(row, scale, softcap);
+        }
         int64_t skipped = window_first_key(first_position + r, window) - first_key; /* before its window */
         if (r < first_partial_row || first_key + KEY_BLOCK > num_keys || skipped > 0) {
             int64_t last_key = first_position + r;
@@ -508,8 +527,8 @@ static void attend_query_block(const QueryBlock *b) {
     for (int64_t key_block = first_key_block; key_block < num_key_blocks; key_block++) {
         int64_t first_key_tile = key_block * (KEY_BLOCK / TILE_KEYS);
         score_block(b, queries, first_key_tile, scores);
-        softmax_block(scores, rows, b->first_position, key_block * KEY_BLOCK, b->num_keys, b->window, b->scale,
-                      row_max, row_sums, rescale, probabilities);
+        softmax_block(scores, rows, b->first_position, key_block * KEY_BLOCK, b->num_keys, b->window, b->softcap,
+                      b->scale, row_max, row_sums, rescale, probabilities);
         for (int64_t pass = 0; pass < head_dim / 32; pass++) {
             weigh_block(b, probabilities, first_key_tile, pass, products);
             for (int64_t r = 0; r < rows; r++) {
@@ -558,7 +577,7 @@ static void attend_share(const PrefillProblem *p, int thread_index, int num_thre
         int64_t kv_offset = (head / group) * p->padded_keys * head_dim;
         int64_t rows = p->num_queries - first_query < QUERY_BLOCK ? p->num_queries - first_query : QUERY_BLOCK;
         QueryBlock block = {p->query + first_query * p->query_row_stride + head * head_dim, p->query_row_stride, rows,
-                            first_query + p->num_keys - p->num_queries, p->num_keys, p->window,
+                            first_query + p->num_keys - p->num_queries, p->num_keys, p->window, p->softcap,
                             p->packed_keys + kv_offset,
                             p->packed_values + kv_offset, head_dim, p->scale, p->use_amx,
                             p->out + (first_query * p->num_heads + head) * head_dim, p->num_heads * head_dim};
@@ -570,12 +589,12 @@ static void attend_share(const PrefillProblem *p, int thread_index, int num_thre
 /* query [num_queries, num_heads, head_dim], key and value [num_keys, num_kv_heads, head_dim]
  * (heads contiguous, rows strided), out contiguous [num_queries, num_heads, head_dim], all
  * bf16; head_dim a multiple of 32 up to PREFILL_MAX_HEAD_DIM; window >= 0 (0: none; else keys
- * before the first query's window are never read); num_threads >= 1; use_amx only where
- * ft_amx_available said 1. Returns FT_OUT_OF_MEMORY when out of memory. */
+ * before the first query's window are never read); softcap >= 0 (0: none); num_threads >= 1;
+ * use_amx only where ft_amx_available said 1. Returns FT_OUT_OF_MEMORY when out of memory. */
 FtStatus ft_prefill_attention(const void *query, int64_t query_row_stride, const void *key, int64_t key_row_stride,
                               const void *value, int64_t value_row_stride, int64_t num_queries, int64_t num_keys,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale,
-                              int64_t window, void *out, int num_threads, int use_amx) {
+                              int64_t window, float softcap, void *out, int num_threads, int use_amx) {
     int64_t padded_keys = (num_keys + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
     size_t packed_elements = (size_t)(num_kv_heads * padded_keys * head_dim);
     uint16_t *packed = aligned_alloc(64, (2 * packed_elements * sizeof(uint16_t) + 63) / 64 * 64);
@@ -584,7 +603,7 @@ FtStatus ft_prefill_attention(const void *query, int64_t query_row_stride, const
     }
     PrefillProblem problem = {query, query_row_stride, key, key_row_stride, value, value_row_stride,
                               num_queries, num_keys, num_heads, num_kv_heads, head_dim, scale, out,
-                              packed, packed + packed_elements, padded_keys, window, use_amx};
+                              packed, packed + packed_elements, padded_keys, window, softcap, use_amx};
     /* OpenMP resolves to the runtime torch already loaded: its threads, not a second pool
      * competing with them for the cores. */
 #pragma omp parallel num_threads(num_threads)
@@ -611,6 +630,7 @@ typedef struct {
     int64_t block_size, rows, num_heads, num_kv_heads, head_dim;
     float scale;
     int64_t window;
+    float softcap;
     uint16_t *out;
     int use_amx;
 } PagedDecodes;
@@ -640,7 +660,7 @@ static void attend_paged_row(const PagedDecodes *d, int64_t row, int64_t head, c
                              const uint16_t *packed_values) {
     int64_t seq_len = d->seq_lens[row];
     QueryBlock block = {d->query + row * d->query_stride + head * d->head_dim, 0, 1, seq_len - 1, seq_len,
-                        d->window, packed_keys, packed_values, d->head_dim, d->scale, d->use_amx,
+                        d->window, d->softcap, packed_keys, packed_values, d->head_dim, d->scale, d->use_amx,
                         d->out + (row * d->num_heads + head) * d->head_dim, 0};
     attend_query_block(&block);
 }
@@ -735,19 +755,19 @@ static FtStatus decode_per_kv_head(const PagedDecodes *d, int num_threads, int64
  * block_table [rows, max_blocks] from one layer's bf16 cache [2, num_slots, kv_heads *
  * head_dim] (block_size a multiple of 16), with the prefill kernel's arithmetic: the bits a
  * prefill of the same tokens gives the query's position (window > 0: over its last `window`
- * keys, the blocks before them never read). Returns FT_OK, FT_OUT_OF_MEMORY,
+ * keys, the blocks before them never read; softcap > 0: scaled scores soft-capped). Returns FT_OK, FT_OUT_OF_MEMORY,
  * or FT_OUT_OF_BOUNDS (touching nothing) when a block id or length lies outside the cache. */
 FtStatus ft_decode_attention_as_prefill(const uint16_t *query, int64_t query_stride, const uint16_t *kv_cache,
                                         int64_t num_slots, const int64_t *block_table, int64_t max_blocks,
                                         const int64_t *seq_lens, int64_t block_size, int64_t rows, int64_t num_heads,
                                         int64_t num_kv_heads, int64_t head_dim, float scale, uint16_t *out,
-                                        int num_threads, int64_t window, int use_amx) {
+                                        int num_threads, int64_t window, float softcap, int use_amx) {
     if (block_size % DECODE_AS_PREFILL_BLOCK_MULTIPLE != 0
         || !tables_in_bounds(num_slots, block_table, max_blocks, block_size, seq_lens, rows)) {
         return FT_OUT_OF_BOUNDS;
     }
     PagedDecodes decodes = {query, query_stride, kv_cache, num_slots, block_table, max_blocks, seq_lens, block_size,
-                            rows, num_heads, num_kv_heads, head_dim, scale, window, out, use_amx};
+                            rows, num_heads, num_kv_heads, head_dim, scale, window, softcap, out, use_amx};
     int64_t packed_bytes = 0, max_padded = 0;
     for (int64_t r = 0; r < rows; r++) {
         int64_t padded = padded_length(&decodes, r);
