@@ -10,7 +10,7 @@ from firsttoken import LLM, SamplingParams
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.models.loaders.gguf_file import gemma_local_layers
-from firsttoken.models.loaders.hf_folder import arch_from_config
+from firsttoken.models.loaders.hf_folder import arch_from_config, gemma3_text_config
 from firsttoken.ops.kernels import Kernels
 from firsttoken.worker.model_loading import max_model_len
 from tests.conftest import FIXED_THREADS, may_claim_batch_invariance
@@ -220,3 +220,46 @@ def test_bf16_windowed_rows_keep_their_bits_alone_chunked_batched_and_on_a_hit(n
     assert answer.num_cached_tokens > len(PROMPT_IDS)
     assert bits(cached, [next_turn]) == bits(llm, [next_turn])
     assert all_blocks_free(cached)
+
+
+def test_a_gemma3_image_text_folder_serves_its_text_model(tmp_path):
+    """Gemma 3 4B and up ship as image-text checkpoints: the text model's config under
+    text_config, its tensors under language_model.*; the vision tower's are never read. On text,
+    transformers' tokens past the window."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    # No final soft-cap: Gemma 3 has none, and transformers' image-text model would not apply one.
+    overrides = {**WINDOWED_MODELS["gemma3"][1], "final_logit_softcapping": None}
+    text_model = tiny_hf_model("gemma3_text", sliding_window=WINDOW, **overrides)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)  # fmt: skip
+    text_config = text_model.config.to_dict()
+    config = Gemma3Config(text_config=text_config, vision_config=vision, mm_tokens_per_image=4)
+    hf_model = Gemma3ForConditionalGeneration(config).eval()
+    hf_model.model.language_model.load_state_dict(text_model.model.state_dict())
+    folder = save_hf_folder(hf_model, str(tmp_path / "gemma3-image-text"))
+    (output,) = _engine(folder).generate(prompt_token_ids=[PROMPT_IDS], sampling_params=GREEDY)
+    expected, expected_logprobs = hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)
+    assert output.token_ids == expected == hf_greedy(text_model, PROMPT_IDS, NUM_TOKENS)[0]
+    assert_logprobs_close(output.logprobs[0], expected_logprobs, LOGPROB_TOLERANCE)
+
+
+def test_gemma_configs_without_layer_types_take_transformers_layouts():
+    """Older Gemma 2 configs window every other layer from the first; Gemma 3's text_config of an
+    image-text checkpoint may leave out what Gemma3TextConfig defaults (heads, head size, bases,
+    the layout: every 6th layer global)."""
+    gemma2 = dict(model_type="gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, vocab_size=100, sliding_window=16,
+                  hidden_activation="gelu_pytorch_tanh")  # fmt: skip
+    assert arch_from_config(gemma2, "gemma2").sliding_window_layers == (0, 2)
+    image_text = dict(
+        model_type="gemma3",
+        text_config=dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                         vocab_size=262208, sliding_window=1024,
+                         rope_scaling={"factor": 8.0, "rope_type": "linear"}),  # fmt: skip
+    )
+    arch = arch_from_config(gemma3_text_config(image_text), "gemma3")
+    assert (arch.num_heads, arch.num_kv_heads, arch.head_dim) == (8, 4, 256)
+    assert (arch.rope_theta, arch.local_rope_theta, arch.attention_scale) == (1e6, 1e4, 256**-0.5)
+    assert arch.rope_scaling.factor == 8.0 and arch.tie_word_embeddings
+    assert arch.sliding_window_layers == tuple(index for index in range(34) if index % 6 != 5)

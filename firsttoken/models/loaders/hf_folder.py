@@ -22,8 +22,40 @@ def is_hf_folder(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
 
 
+# Gemma 3's text model as transformers' Gemma3TextConfig defines what a multimodal checkpoint's
+# text_config may leave out (Gemma 3 4B, 12B and 27B ship as image-text models).
+_GEMMA3_TEXT_DEFAULTS = {
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "max_position_embeddings": 131_072,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+# The tensors of a multimodal checkpoint's text model, under either naming transformers has
+# saved them by; the vision tower's and the projector's are not read.
+_LANGUAGE_MODEL_PREFIXES = {
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.",
+}
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
 def load_hf_folder(path: str) -> Checkpoint:
     config = _read_json(os.path.join(path, "config.json"))
+    multimodal = config.get("model_type") == "gemma3" and "text_config" in config
+    if multimodal:
+        config = gemma3_text_config(config)
     arch = arch_from_config(config, path)
     weight_files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not weight_files:
@@ -31,7 +63,7 @@ def load_hf_folder(path: str) -> Checkpoint:
     num_tensors = 0
     for weight_file in weight_files:
         with safe_open(weight_file, framework="pt") as handle:
-            num_tensors += len(list(handle.keys()))
+            num_tensors += sum(1 for name in handle.keys() if not name.startswith(_VISION_PREFIXES))
     return Checkpoint(
         source=path,
         format="hf",
@@ -39,8 +71,36 @@ def load_hf_folder(path: str) -> Checkpoint:
         tokenizer=_load_tokenizer(path, config),
         fingerprint=_folder_fingerprint(path, weight_files),
         num_tensors=num_tensors,
-        read_weights=lambda: _iter_weights(weight_files),
+        read_weights=lambda: _read_weights(weight_files, multimodal),
     )
+
+
+def _read_weights(weight_files: list[str], multimodal: bool) -> NamedTensors:
+    weights = _iter_weights(weight_files)
+    return _language_model_weights(weights) if multimodal else weights
+
+
+def gemma3_text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of a Gemma 3 image-text checkpoint, its defaults filled in."""
+    text_config = config["text_config"]
+    tie_word_embeddings = text_config.get("tie_word_embeddings", config.get("tie_word_embeddings", True))
+    return {
+        **_GEMMA3_TEXT_DEFAULTS,
+        **text_config,
+        "model_type": "gemma3_text",
+        "tie_word_embeddings": tie_word_embeddings,
+    }
+
+
+def _language_model_weights(weights: NamedTensors) -> NamedTensors:
+    """A multimodal checkpoint's text-model tensors, named as a text-only checkpoint names them."""
+    for name, tensor in weights:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        prefix = next((prefix for prefix in _LANGUAGE_MODEL_PREFIXES if name.startswith(prefix)), None)
+        if prefix is None:
+            raise ValueError(f"model: unexpected tensor {name} in an image-text checkpoint")
+        yield _LANGUAGE_MODEL_PREFIXES[prefix] + name[len(prefix) :], tensor
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -124,13 +184,19 @@ def _gemma_fields(
 
 
 def _sliding_window_layers(config: dict[str, Any], model_type: str) -> tuple[int, ...] | None:
-    """The layers a window applies to: as `layer_types` lists them, or (older Qwen2/3 configs)
-    those from `max_window_layers` on; None (every layer) for Mistral and Phi-3."""
+    """The layers a window applies to: as `layer_types` lists them, or in older configs those
+    from `max_window_layers` on (Qwen2/3), every other one from the first (Gemma 2), all but
+    every `sliding_window_pattern`-th (Gemma 3, 6 by default); None (every layer) for Mistral
+    and Phi-3."""
     layer_types = config.get("layer_types")
+    num_layers = int(config["num_hidden_layers"])
     if layer_types is not None:
         return tuple(index for index, kind in enumerate(layer_types) if kind == "sliding_attention")
     if model_type in ("qwen2", "qwen3") and "max_window_layers" in config:
-        return tuple(range(int(config["max_window_layers"]), int(config["num_hidden_layers"])))
+        return tuple(range(int(config["max_window_layers"]), num_layers))
+    if model_type in ("gemma2", "gemma3_text"):
+        every = 2 if model_type == "gemma2" else int(config.get("sliding_window_pattern", 6))
+        return tuple(index for index in range(num_layers) if (index + 1) % every != 0)
     return None
 
 
