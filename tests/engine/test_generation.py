@@ -278,13 +278,14 @@ def test_float32_int4_whole_step_decode_gives_the_per_op_bits(model_path):
         ]
 
 
-def test_a_prefaulted_kv_cache_gives_the_same_tokens(model_path, caplog):
+def test_a_prefaulted_kv_cache_gives_the_same_tokens(model_path, engine_for, caplog):
     """prefault_kv_cache writes the cache's zeros at start; nothing a request sees changes."""
     prompts = ["The capital of France is", "List three colors:"]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    lazy = LLM(model_path, dtype="float32", kv_cache_memory_bytes=32 << 20)
+    options = dict(dtype="float32", kv_cache_memory_bytes=32 << 20, chunk_size=512)
+    lazy = engine_for(**options)
     with caplog.at_level("INFO", logger="firsttoken.worker.kv_cache"):
-        written = LLM(model_path, dtype="float32", kv_cache_memory_bytes=32 << 20, prefault_kv_cache=True)
+        written = LLM(model_path, **options, **FIXED_THREADS, prefault_kv_cache=True)
     assert any("KV cache in" in record.getMessage() for record in caplog.records)
     for expected, actual in zip(lazy.generate(prompts, params), written.generate(prompts, params)):
         assert actual.token_ids == expected.token_ids
