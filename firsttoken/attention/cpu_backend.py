@@ -191,9 +191,10 @@ class CPUAttentionBackend:
         paged = metadata.paged_decodes
         layer = options.layer
         if paged is not None and self.native.paged_decode_attention_supports(query, kv_cache):
-            takes_prefill_arithmetic = self.decodes_as_prefill(kv_cache.shape[2], query.dtype, query.shape[2])
-            # A window only on the prefill's arithmetic (the exact kernel has none).
-            as_prefill = takes_prefill_arithmetic and (self.decode_as_prefill or not layer.is_plain)
+            # Windows and caps only on the prefill's arithmetic (the exact kernel has neither).
+            as_prefill = (self.decode_as_prefill or not layer.is_plain) and self.decodes_as_prefill(
+                kv_cache.shape[2], query.dtype, query.shape[2]
+            )
             if layer.is_plain or (as_prefill and _vector_bf16_attends(layer)):
                 return self.native.paged_decode_attention(
                     query,
