@@ -37,7 +37,7 @@ from firsttoken.ops.linear import (
     row_invariant_linear,
 )
 from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin
-from firsttoken.ops.w8a8 import W8A8Linear
+from firsttoken.ops.w8a8 import Int8Weight, W8A8Linear
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -433,11 +433,24 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """Every layer projection in W8A8 (a sharded one's slice inside its all-reduce; maxima
         are for a whole model); the head stays float (one row per sampled token, where integer
-        compute gains nothing, and its logits pick the token)."""
+        compute gains nothing, and its logits pick the token). A W8A8 checkpoint's projections
+        take its levels and scales; those it left float stay float."""
         native_kernels = self.kernels.native
+        row_invariant_float = batch_invariant and native_row_invariant_available(
+            self.embed_weight.dtype, native_kernels
+        )
+        from_checkpoint = any(
+            isinstance(module, Linear) and module.checkpoint_int8 is not None
+            for module in self.layers.modules()
+        )
 
-        def quantized(linear: Linear, activation_max: torch.Tensor | None = None) -> W8A8Linear:
+        def quantized(linear: Linear, activation_max: torch.Tensor | None = None) -> nn.Module:
             bias = linear.bias.data if linear.bias is not None else None
+            if linear.checkpoint_int8 is not None:
+                levels, scales = linear.checkpoint_int8.levels, linear.checkpoint_int8.scales
+                return W8A8Linear(levels, scales, bias, native_kernels)
+            if from_checkpoint:
+                return fastest_linear(linear, None, False, pack_onednn, native_kernels, row_invariant_float)
             return W8A8Linear.from_float(linear.weight.data, bias, native_kernels, activation_max)
 
         if activation_maxima is None:
@@ -445,14 +458,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             for name, owner, attribute in layer_projections(self.layers):
                 setattr(owner, attribute, quantized(getattr(owner, attribute), activation_maxima[name]))
-        row_invariant_float = batch_invariant and native_row_invariant_available(
-            self.embed_weight.dtype, native_kernels
-        )
         self.lm_head = fastest_linear(
             self.lm_head, None, False, pack_onednn, native_kernels, row_invariant_float
         )
-        if isinstance(self.lm_head, PackedLinear):
-            self.lm_head.pad_single_rows = batch_invariant
+        for module in self.modules():
+            if isinstance(module, PackedLinear):
+                module.pad_single_rows = batch_invariant
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up on the way."""
@@ -507,6 +518,8 @@ def _rows_of(linear: Linear, rows: torch.Tensor) -> Linear:
     sliced.weight.data = weight[rows.to(weight.device)].contiguous()
     if linear.bias is not None:
         sliced.bias.data = linear.bias.data[rows.to(weight.device)].contiguous()
+    if linear.checkpoint_int8 is not None:
+        sliced.checkpoint_int8 = linear.checkpoint_int8.rows(rows)
     return sliced
 
 
@@ -515,23 +528,36 @@ def _columns_of(linear: Linear, start: int, end: int) -> Linear:
     weight = linear.weight.data
     sliced = Linear(end - start, weight.shape[0], False, weight.dtype).to(weight.device)
     sliced.weight.data = weight[:, start:end].contiguous()
+    if linear.checkpoint_int8 is not None:
+        sliced.checkpoint_int8 = linear.checkpoint_int8.columns(start, end)
     return sliced
 
 
 _FUSED_PARTS = {"qkv_proj.weight": 3, "qkv_proj.bias": 3, "gate_up_proj.weight": 2}
 
 
+def _parts_of(parameter_name: str) -> int:
+    """How many checkpoint tensors fill the parameter (3 for a fused q|k|v, 2 for gate|up)."""
+    return _FUSED_PARTS.get(".".join(parameter_name.split(".")[-2:]), 1)
+
+
 class WeightLoader:
-    """Maps Hugging Face names onto the fused parameters and checks every one was filled."""
+    """Maps Hugging Face names onto the fused parameters and checks every one was filled.
+
+    A W8A8 checkpoint's projections arrive as int8 levels (`.weight`) and per-channel scales
+    (`.weight_scale`): both are gathered per fused parameter, which then holds their dequantized
+    form and keeps them (`Linear.checkpoint_int8`)."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
         arch = model.arch
         self.q_size, self.kv_size, self.intermediate = arch.q_size, arch.kv_size, arch.intermediate_size
         # Fused parameters are filled in parts: count the parts each one still needs.
-        self.missing_parts = {
-            name: _FUSED_PARTS.get(".".join(name.split(".")[-2:]), 1) for name, _ in model.named_parameters()
-        }
+        self.missing_parts = {name: _parts_of(name) for name, _ in model.named_parameters()}
+        self.int8_levels: dict[str, torch.Tensor] = {}
+        self.int8_scales: dict[str, torch.Tensor] = {}
+        self.missing_int8_parts: dict[str, int] = {}
+        self.missing_scale_parts: dict[str, int] = {}
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in weights:
@@ -539,16 +565,32 @@ class WeightLoader:
         missing = sorted(name for name, parts in self.missing_parts.items() if parts > 0)
         if missing:
             raise ValueError(f"model: checkpoint lacks weights for {missing[:5]}")
+        self._dequantize_int8_weights()
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
-        target, rows = self._target(name)
+        if name.endswith(".weight_zero_point"):
+            if torch.any(tensor != 0):
+                raise ValueError(f"model: {name} is not zero (only symmetric int8 weights are supported)")
+            return
+        is_scale = name.endswith(".weight_scale")
+        target, rows = self._target(name.removesuffix("_scale") if is_scale else name)
         if target is None:
-            if name == "lm_head.weight" and self.model.arch.tie_word_embeddings:
+            if name.startswith("lm_head.") and self.model.arch.tie_word_embeddings:
                 return
             if name.endswith("rotary_emb.inv_freq"):
                 return
             raise ValueError(f"model: unexpected tensor {name} in checkpoint")
         parameter = self.model.get_parameter(target)
+        if is_scale:
+            scales = tensor.reshape(-1).float()
+            self._stage_int8(name, target, rows, scales, self.int8_scales, parameter.shape[:1])
+            self._count_part(self.missing_scale_parts, target, rows)
+            return
+        if tensor.dtype == torch.int8:
+            self._stage_int8(name, target, rows, tensor, self.int8_levels, parameter.shape)
+            self._count_part(self.missing_int8_parts, target, rows)
+            self._count_part(self.missing_parts, target, rows)
+            return
         offset = self.model.arch.norm_weight_offset
         if offset and target.endswith("norm_weight"):
             tensor = tensor.float() + offset  # Gemma's norms weigh by (1 + weight)
@@ -558,8 +600,44 @@ class WeightLoader:
                 f"model: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
             )
         destination.copy_(tensor)
-        # A tensor for the whole of a fused parameter fills every part of it at once.
-        self.missing_parts[target] = self.missing_parts[target] - 1 if rows is not None else 0
+        self._count_part(self.missing_parts, target, rows)
+
+    @staticmethod
+    def _count_part(missing: dict[str, int], target: str, rows: tuple[int, int] | None) -> None:
+        """One more part of `target` filled (a tensor for the whole of a fused one fills all)."""
+        missing.setdefault(target, _parts_of(target))
+        missing[target] = missing[target] - 1 if rows is not None else 0
+
+    def _stage_int8(
+        self,
+        name: str,
+        target: str,
+        rows: tuple[int, int] | None,
+        tensor: torch.Tensor,
+        staged: dict[str, torch.Tensor],
+        shape: torch.Size,
+    ) -> None:
+        """Copy a projection's int8 levels or scales into the fused parameter's staging tensor."""
+        if not isinstance(self.model.get_submodule(target.removesuffix(".weight")), Linear):
+            raise ValueError(f"model: {name} quantizes a tensor that is not a projection's weight")
+        store = staged.setdefault(target, torch.zeros(shape, dtype=tensor.dtype))
+        destination = store if rows is None else store[rows[0] : rows[1]]
+        if destination.shape != tensor.shape:
+            raise ValueError(
+                f"model: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+            )
+        destination.copy_(tensor)
+
+    def _dequantize_int8_weights(self) -> None:
+        """Each int8 projection's float weight from its levels and scales, which it keeps."""
+        for target in sorted(set(self.int8_levels) | set(self.int8_scales)):
+            if self.missing_int8_parts.get(target, _parts_of(target)) > 0:
+                raise ValueError(f"model: {target} mixes int8 and float parts, or has scales without levels")
+            if target not in self.int8_scales or self.missing_scale_parts[target] > 0:
+                raise ValueError(f"model: checkpoint lacks weight_scale for parts of {target}")
+            int8_weight = Int8Weight(self.int8_levels[target], self.int8_scales[target])
+            self.model.get_parameter(target).data.copy_(int8_weight.dequantized())
+            self.model.get_submodule(target.removesuffix(".weight")).checkpoint_int8 = int8_weight
 
     # Hugging Face's post_attention_layernorm is the norm before the MLP, except in Gemma's
     # sandwich, where it norms the attention's output and pre_feedforward_layernorm comes before

@@ -20,11 +20,13 @@ from torch import nn
 
 from firsttoken.ops import native, native_abi
 from firsttoken.ops.native_abi import INT4_GROUP_SIZE
-from firsttoken.ops.w8a8 import quantize_int8
+from firsttoken.ops.w8a8 import Int8Weight, quantize_int8
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), W [out_features, in_features]."""
+    """y = x W^T (+ b), W [out_features, in_features]. `checkpoint_int8`: the levels and scales a
+    W8A8 checkpoint stores for it (its float weight is their dequantized form), which W8A8 takes
+    as they are."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -32,6 +34,7 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
+        self.checkpoint_int8: Int8Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -23,6 +23,7 @@ both quantize with less error. The division is folded into the quantization pass
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,6 +38,24 @@ INT8_LEVELS = 127
 # SmoothQuant's migration strength: 0.5 splits the range evenly between activations and weights
 # (on SmolLM2-135M, 0.5 and 0.65 gave the same perplexity; 0.8 was worse).
 SMOOTHING_ALPHA = 0.5
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A projection's weights as a W8A8 checkpoint stores them: int8 levels [out, in] and float32
+    scales [out], W = levels * scale per output channel."""
+
+    levels: torch.Tensor
+    scales: torch.Tensor
+
+    def rows(self, rows: torch.Tensor) -> Int8Weight:
+        return Int8Weight(self.levels[rows].contiguous(), self.scales[rows].contiguous())
+
+    def columns(self, start: int, end: int) -> Int8Weight:
+        return Int8Weight(self.levels[:, start:end].contiguous(), self.scales)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.levels.float() * self.scales[:, None]
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

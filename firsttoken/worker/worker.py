@@ -26,7 +26,13 @@ from firsttoken.worker.batch_invariance import claims_batch_invariance
 from firsttoken.worker.device import resolve_device, resolve_dtype
 from firsttoken.worker.host_memory import keep_freed_host_memory
 from firsttoken.worker.kv_cache import allocate_kv_caches, num_kv_blocks, prefault_kv_caches
-from firsttoken.worker.model_loading import ModelPlacement, attention_arch_of, load_model, max_model_len
+from firsttoken.worker.model_loading import (
+    ModelPlacement,
+    attention_arch_of,
+    load_model,
+    max_model_len,
+    with_checkpoint_quantization,
+)
 from firsttoken.worker.model_runner import ModelRunner
 from firsttoken.worker.pinned_prefix_kv import PinnedPrefixKV, open_prefix_store
 from firsttoken.worker.pinned_prefix_store import StoredPrefix
@@ -62,6 +68,7 @@ class Worker:
         self.cache_dir = model_config.cache_dir or default_cache_dir()
         self.model_path = resolve_model_path(model_config.model)
         self.checkpoint = open_checkpoint(self.model_path, self.cache_dir)
+        self.config = config = with_checkpoint_quantization(config, self.checkpoint, self.device)
         self.max_model_len = max_model_len(self.checkpoint.arch, model_config.max_model_len)
         shard = rank_group.shard_of(self.checkpoint.arch) if rank_group is not None else None
         self.placement = ModelPlacement(

@@ -19,6 +19,7 @@ from firsttoken.models.sharding import (
     vocab_parallel_embedding,
 )
 from firsttoken.ops.kernels import Kernels
+from firsttoken.ops.w8a8 import Int8Weight
 
 ARCH = ModelArch(
     architecture="llama", vocab_size=101, hidden_size=32, intermediate_size=96, num_layers=1, num_heads=6,
@@ -102,6 +103,36 @@ def test_column_then_row_parallel_mlp_slices_add_up_to_the_full_mlp(world_size):
     x = torch.randn(5, ARCH.hidden_size, dtype=torch.float64)
     partials = [_mlp(world_size, rank)(x) for rank in range(world_size)]
     torch.testing.assert_close(sum(partials), _mlp()(x))
+
+
+def _mlp_of_int8_levels() -> LlamaMLP:
+    """An MLP whose projections hold a W8A8 checkpoint's levels and scales, their float weights
+    the dequantized form."""
+    mlp = _mlp()
+    generator = torch.Generator().manual_seed(1)
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        out_features, in_features = linear.weight.shape
+        levels = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
+        linear.checkpoint_int8 = Int8Weight(levels, torch.rand(out_features, generator=generator) + 0.5)
+        linear.weight.data = linear.checkpoint_int8.dequantized().double()
+    return mlp
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_w8a8_checkpoints_levels_are_sliced_with_their_projections(world_size):
+    """Each rank keeps the levels of the rows (column-parallel) or columns (row-parallel, every
+    scale kept) its float weight holds: they stay its dequantized form."""
+    full = _mlp_of_int8_levels()
+    down_levels = []
+    for rank in range(world_size):
+        mlp = _mlp_of_int8_levels()
+        mlp.shard(shard_for_rank(ARCH, rank, world_size), ARCH, OneRank(rank, world_size))
+        for linear in (mlp.gate_up_proj, mlp.down_proj.linear):
+            torch.testing.assert_close(linear.checkpoint_int8.dequantized().double(), linear.weight.data)
+        down = mlp.down_proj.linear.checkpoint_int8
+        assert torch.equal(down.scales, full.down_proj.checkpoint_int8.scales)
+        down_levels.append(down.levels)
+    assert torch.equal(torch.cat(down_levels, dim=1), full.down_proj.checkpoint_int8.levels)
 
 
 def test_vocab_parallel_embedding_slices_add_up_to_the_full_lookup():

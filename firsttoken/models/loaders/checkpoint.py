@@ -10,7 +10,8 @@ import torch
 from firsttoken.models.arch import ModelArch
 from firsttoken.tokenizer import Tokenizer
 
-# (Hugging Face tensor name, float32/float16/bfloat16 tensor)
+# (Hugging Face tensor name, tensor): float32/float16/bfloat16, or a W8A8 checkpoint's int8 levels
+# (`.weight`) and their scales (`.weight_scale`)
 NamedTensors = Iterator[tuple[str, torch.Tensor]]
 
 
@@ -19,7 +20,8 @@ class Checkpoint:
     """A model's hyperparameters, tokenizer, identity and a way to stream its weights.
 
     Weights use Hugging Face names (`model.layers.0.self_attn.q_proj.weight`) in the
-    rotate-half rope layout, whatever layout the file stored them in.
+    rotate-half rope layout, whatever layout the file stored them in. `quantization`: "w8a8"
+    where the checkpoint stores its projections so (compressed-tensors), None for float weights.
     """
 
     source: str
@@ -30,3 +32,4 @@ class Checkpoint:
     num_tensors: int
     read_weights: Callable[[], NamedTensors]
     rope_frequency_divisors: torch.Tensor | None = None
+    quantization: str | None = None

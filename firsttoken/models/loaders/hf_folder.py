@@ -14,6 +14,7 @@ from tokenizers import Tokenizer as RustTokenizer
 
 from firsttoken.models.arch import SUPPORTED_ARCHITECTURES, ModelArch
 from firsttoken.models.loaders.checkpoint import Checkpoint, NamedTensors
+from firsttoken.models.loaders.compressed_tensors import checkpoint_quantization
 from firsttoken.ops.rotary import RopeScaling
 from firsttoken.tokenizer import Tokenizer
 
@@ -53,6 +54,7 @@ _VISION_PREFIXES = (
 
 def load_hf_folder(path: str) -> Checkpoint:
     config = _read_json(os.path.join(path, "config.json"))
+    quantization = checkpoint_quantization(config, path)
     multimodal = config.get("model_type") == "gemma3" and "text_config" in config
     if multimodal:
         config = gemma3_text_config(config)
@@ -72,6 +74,7 @@ def load_hf_folder(path: str) -> Checkpoint:
         fingerprint=_folder_fingerprint(path, weight_files),
         num_tensors=num_tensors,
         read_weights=lambda: _read_weights(weight_files, multimodal),
+        quantization=quantization,
     )
 
 
