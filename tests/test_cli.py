@@ -80,6 +80,7 @@ def test_out_of_range_value_names_the_field_before_loading_a_model(capsys):
     assert "presence_penalty" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # two generations; bad_words itself is checked by default in the engine and API tests
 @pytest.mark.usefixtures("model_path")  # the embedded model, loaded by the code under test
 def test_bad_word_changes_the_greedy_reply(capsys):
     prompt = ["generate", "The capital of France is", "--temperature", "0", "--max-tokens", "6"]

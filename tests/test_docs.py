@@ -139,6 +139,7 @@ def test_set_up_commands_are_what_ci_runs():
     assert "    python -m pytest -q -m slow" in ci_script, "CI runs the slow tier too (while its time allows)"
 
 
+@pytest.mark.slow  # the README's command is also what CI's fresh install runs first
 @pytest.mark.usefixtures("model_path")  # the embedded model, loaded by the code under test
 def test_main_job_generates_the_answer(capsys):
     main_job = next(line for line in _shell_lines(README) if line.startswith(SET_UP_PREFIX))
@@ -198,6 +199,7 @@ def test_readme_offline_python_blocks_run():
     assert "The capital of France is Paris." in outputs[0]
 
 
+@pytest.mark.slow  # each page's features have their own tests in the default run
 @pytest.mark.usefixtures("model_path")  # the embedded model, loaded by the code under test
 @pytest.mark.parametrize("page", [page for page in DOC_PAGES if _offline_blocks(page)], ids=_page_name)
 def test_doc_offline_python_blocks_run(page):
@@ -214,6 +216,7 @@ def server(model_path):
         yield running
 
 
+@pytest.mark.slow  # each page's features have their own tests in the default run
 @pytest.mark.parametrize("page", [page for page in PAGES if _served_blocks(page)], ids=_page_name)
 def test_served_python_blocks_run_against_a_server(page, server):
     blocks = [block.replace(DOCS_SERVER, server.base_url) for block in _served_blocks(page)]

@@ -82,7 +82,7 @@ def test_forward_flops_of_the_7b_shape():
     assert gpu_check.leading_matches([1, 2, 3], [1, 2, 4]) == 2
 
 
-@pytest.mark.engine  # a subprocess that builds engines on tiny shapes
+@pytest.mark.slow  # a subprocess that builds engines on tiny shapes (~11 s)
 def test_cpu_smoke_run_prints_the_tables_and_passes(tmp_path):
     results_file = tmp_path / "results.json"
     script = os.path.join(REPO, "benchmarks", "gpu_check.py")

@@ -176,6 +176,7 @@ def test_a_pinned_system_prompt_is_pinned_on_every_replica(endpoint):
         assert too_short.status_code == 400 and too_short.json()["error"]["param"] == "system_prompt"
 
 
+@pytest.mark.slow  # a disconnect frees the KV by default in tests/reliability (one server, no Ray)
 def test_a_client_that_goes_away_frees_the_replicas_kv(endpoint):
     body = {
         "model": MODEL_NAME,

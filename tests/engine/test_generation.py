@@ -47,6 +47,9 @@ def test_a_batch_equals_each_prompt_alone(engine_for, batch_size):
     assert all_blocks_free(llm)
 
 
+# Preemption's recompute keeps every bit by default in test_batch_invariance.py; this batch of 8
+# preempted over and over is the slow tier's.
+@pytest.mark.slow
 def test_tiny_kv_budget_preempts_yet_gives_the_same_tokens(model_path, engine_for):
     prompts_llm = engine_for(dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=64)
     prompts = _mixed_prompts(prompts_llm, 8)

@@ -64,8 +64,15 @@ def test_a_forcing_logit_bias_takes_every_token(llm):
     assert output.token_ids == [token_id] * 6
 
 
+# Each penalty reaches the engine by default in tests/server/test_sampling_api.py; here one is
+# checked for reproducibility by default, the others in the slow tier.
 @pytest.mark.parametrize(
-    "penalty", [dict(repetition_penalty=1.3), dict(frequency_penalty=1.0), dict(presence_penalty=1.5)]
+    "penalty",
+    [
+        dict(repetition_penalty=1.3),
+        pytest.param(dict(frequency_penalty=1.0), marks=pytest.mark.slow),
+        pytest.param(dict(presence_penalty=1.5), marks=pytest.mark.slow),
+    ],
 )
 def test_penalties_change_a_seeded_output_reproducibly(llm, penalty):
     (plain,) = llm.generate(["Hello"], SamplingParams(temperature=0.8, seed=3, max_tokens=24))

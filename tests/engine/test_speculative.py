@@ -59,7 +59,11 @@ def _block_bytes(engine: LLM) -> int:
     "params",
     [
         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1),
-        SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True),
+        # Seeded draws are the target's, seed for seed, by default below.
+        pytest.param(
+            SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=40, ignore_eos=True),
+            marks=pytest.mark.slow,
+        ),
         SamplingParams(temperature=0, max_tokens=40, stop=[", fig", "b + a"]),
     ],
     ids=["greedy", "seeded", "stop-strings"],
@@ -176,6 +180,7 @@ def test_sampled_tokens_are_the_targets_draws_seed_for_seed(engines):
     ]
 
 
+@pytest.mark.slow  # a second engine as the draft; drafts and their acceptance are checked by default
 def test_a_draft_model_drafting_for_itself_is_always_right_and_changes_nothing(engines, model_path):
     """The embedded model as its own draft: every proposal accepted, the same bits as without,
     and both engines' blocks all back in their pools."""

@@ -79,6 +79,7 @@ def test_first_token_logprobs_match_within_1e_4(tp2, llm):
             assert abs(top.logprob - reference_top.logprob) < LOGPROB_TOLERANCE
 
 
+@pytest.mark.slow  # speculation and two ranks each run by default; together, in the slow tier
 def test_speculation_on_two_ranks_verifies_proposals_into_one_ranks_tokens(tp2, llm):
     prompts = ["Repeat this list exactly three times: apple, banana, cherry, date, elderberry, fig, grape."]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=0)

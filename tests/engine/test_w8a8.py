@@ -90,6 +90,7 @@ def test_a_cpu_that_cannot_run_it_is_refused_naming_the_field(model_path, monkey
         LLM(model_path, quantization="w8a8", **OPTIONS)
 
 
+@pytest.mark.slow  # a calibration run and a third engine
 @needs_exact_int8
 def test_calibrated_maxima_are_each_projections_largest_inputs_and_smooth_an_engine(
     engine_for, model_path, tmp_path

@@ -31,6 +31,7 @@ def _unpin_all(base_url: str) -> None:
         httpx.delete(base_url + f"/v1/pins/{pin['id']}")
 
 
+@pytest.mark.slow  # the boundary where pins stop is checked by default just below
 def test_no_pin_when_the_cache_cannot_hold_a_request_of_max_model_len(model_path):
     """max_model_len 2048 (128 blocks) beside a 54-block cache: no pin may start, so a request
     that fits the cache is never left waiting behind pins."""

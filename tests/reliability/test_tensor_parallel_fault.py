@@ -47,6 +47,7 @@ def test_a_killed_rank_ends_the_engine_with_an_error_within_seconds(tiny_model):
     _assert_stays_failed_with_every_block_free(llm)
 
 
+@pytest.mark.slow  # waits out a collective's timeout; a killed rank is checked by default
 def test_a_hung_rank_ends_the_engine_once_a_collective_times_out(tiny_model):
     llm = _two_ranks(tiny_model, distributed_timeout_s=3)
     rank = llm.core.executor.rank_processes.processes[0]
