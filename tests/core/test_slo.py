@@ -79,9 +79,15 @@ def run_step(scheduler: Scheduler, clock: SimulatedClock) -> SchedulerOutput:
     return output
 
 
+# Each request id's own range of prompt tokens. (Its string hash mod 1000 gave two of 80 ids the
+# same prompt, a prefix-cache hit, more often than not; which two changed with each process's
+# hash seed, and so did the simulated TTFTs.)
+_FIRST_TOKENS: dict[str, int] = {}
+
+
 def request(req_id: str, num_prompt_tokens: int, arrival: float = 0.0, **kwargs) -> Request:
     # Distinct tokens per request: no prefix is shared unless a test means it.
-    first_token = 1000 + 10_000 * (hash(req_id) % 1000)
+    first_token = _FIRST_TOKENS.setdefault(req_id, 1000 + 10_000 * len(_FIRST_TOKENS))
     return make_request(req_id, num_prompt_tokens, first_token=first_token, arrival=arrival, **kwargs)
 
 
