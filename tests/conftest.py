@@ -83,7 +83,9 @@ TIERS = ("fast", "engine", "server", "browser", "triton", "ray")
 # A test using one of these fixtures (directly or through another fixture) is in that tier.
 TIER_OF_FIXTURE = {"chromium": "browser", "ray_cluster": "ray"}
 # Fixtures that load the embedded model: a test using one runs a real engine.
-MODEL_FIXTURES = frozenset({"model_path", "llm", "engine_for", "hf_model", "hf_tokenizer"})
+MODEL_FIXTURES = frozenset(
+    {"model_path", "llm", "engine_for", "hf_model", "hf_tokenizer", "two_layer_model_path"}
+)
 # Folders whose tests start servers or engines, or build kernels, even without the embedded model.
 SERVER_FOLDERS = frozenset({"server", "reliability", "deploy"})
 ENGINE_FOLDERS = frozenset({"engine", "models", "ops", "worker", "reliability"})
@@ -144,8 +146,9 @@ def llm(model_path):
 
 
 class SharedEngines:
-    """Owns the engines on the embedded model that tests share by their options: one per distinct
-    option set, the least recently asked for dropped beyond MAX_SHARED_ENGINES.
+    """Owns the engines that tests share by their options (the embedded model unless `model`
+    names another): one per distinct option set, the least recently asked for dropped beyond
+    MAX_SHARED_ENGINES.
 
     For tests that only generate and read what came back: a test that pins, resets the prefix
     cache, injects a fault, counts prefix-cache hits or shuts its engine down builds its own."""
@@ -160,7 +163,9 @@ class SharedEngines:
         if "adaptive_threads" not in options:
             options = {**FIXED_THREADS, **options}
         key = repr(sorted(options.items()))
-        engine = self.engines.pop(key, None) or LLM(self.model_path, **options)
+        engine = self.engines.pop(key, None)
+        if engine is None:
+            engine = LLM(**{"model": self.model_path, **options})
         self.engines[key] = engine  # now the most recently asked for
         while len(self.engines) > MAX_SHARED_ENGINES:
             del self.engines[next(iter(self.engines))]
@@ -169,9 +174,19 @@ class SharedEngines:
 
 @pytest.fixture(scope="session")
 def engine_for(model_path) -> SharedEngines:
-    """`engine_for(**options)`: the session's LLM on the embedded model with these options (and
-    a fixed thread count unless `adaptive_threads` is given), started on first use."""
+    """`engine_for(**options)`: the session's LLM on the embedded model (or `model=`) with these
+    options (and a fixed thread count unless `adaptive_threads` is given), started on first use."""
     return SharedEngines(model_path)
+
+
+@pytest.fixture(scope="session")
+def two_layer_model_path(tmp_path_factory) -> str:
+    """A random-weight model of the embedded model's shapes and tokenizer with 2 of its 30
+    layers: the same kernels at a fifth of the step time, for tests of the engine's logic
+    (batching, chunking, caching, preemption) that compare it with itself."""
+    from tests.models.tiny_models import write_smollm2_shaped_folder
+
+    return write_smollm2_shaped_folder(str(tmp_path_factory.mktemp("two-layer-smollm2")))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,6 @@
-"""Chunked prefill gives the same greedy tokens whatever the chunk size, cache hits or not."""
+"""Chunked prefill gives the same greedy tokens whatever the chunk size, cache hits or not (on a
+random-weight model of the embedded model's shapes with 2 layers: the same kernels, a fifth of
+the step time)."""
 
 from __future__ import annotations
 
@@ -28,22 +30,14 @@ def _run(model_path, **options) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def unchunked(model_path):
-    return _run(model_path, enable_chunked_prefill=False, enable_prompt_cache=False)
+def unchunked(two_layer_model_path):
+    return _run(two_layer_model_path, enable_chunked_prefill=False, enable_prompt_cache=False)
 
 
-# Every chunk size with and without the prompt cache, but for unchunked without the cache:
-# the baseline itself. Each case starts an engine: the default run checks every chunk size but
-# one-token chunks once (a step per prompt token: 10-17 s; 7 leaves one-token last chunks), the
-# cache on for half of them and off for the other half; the slow tier checks the rest.
-DEFAULT_CASES = {(7, False), (16, True), (64, False), (512, True), ("auto", True), (None, True)}
+# Every chunk size with and without the prompt cache, but for unchunked without the cache: the
+# baseline itself. Each case starts an engine (a second or less on two layers).
 CASES = [
-    pytest.param(
-        chunk_size,
-        cache,
-        id=f"{chunk_size}-{'cache' if cache else 'no-cache'}",
-        marks=[] if (chunk_size, cache) in DEFAULT_CASES else [pytest.mark.slow],
-    )
+    pytest.param(chunk_size, cache, id=f"{chunk_size}-{'cache' if cache else 'no-cache'}")
     for chunk_size in (1, 7, 16, 64, 512, "auto", None)
     for cache in (False, True)
     if chunk_size is not None or cache
@@ -51,10 +45,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("chunk_size,cache", CASES)
-def test_same_tokens_for_every_chunk_size(model_path, unchunked, chunk_size, cache):
+def test_same_tokens_for_every_chunk_size(two_layer_model_path, unchunked, chunk_size, cache):
     options = dict(enable_prompt_cache=cache)
     if chunk_size is None:
         options["enable_chunked_prefill"] = False
     else:
         options["chunk_size"] = chunk_size
-    assert _run(model_path, **options) == unchunked
+    assert _run(two_layer_model_path, **options) == unchunked

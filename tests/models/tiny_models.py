@@ -65,6 +65,67 @@ def save_hf_folder(model, folder: str) -> str:
     return folder
 
 
+# The embedded SmolLM2-135M's shapes (hidden size, heads, KV heads, MLP width, vocabulary): its
+# kernels' paths exactly, at a fraction of the compute with few layers.
+SMOLLM2_SHAPES = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def write_smollm2_shaped_folder(folder: str, num_layers: int = 2, seed: int = 0) -> str:
+    """A Hugging Face folder of a random-weight model of SmolLM2-135M's shapes with `num_layers`
+    layers and its tokenizer (torch and safetensors only: no transformers import). Greedy
+    replies of its weights vary from token to token (wider embeddings repeat one token)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    shapes = SMOLLM2_SHAPES
+    hidden, inter = shapes["hidden_size"], shapes["intermediate_size"]
+    q_size = shapes["num_attention_heads"] * shapes["head_dim"]
+    kv_size = shapes["num_key_value_heads"] * shapes["head_dim"]
+
+    def random(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * std
+
+    tensors = {
+        "model.embed_tokens.weight": random(shapes["vocab_size"], hidden, std=0.02),
+        "model.norm.weight": 1 + random(hidden, std=0.1),
+    }
+    for layer in range(num_layers):
+        prefix = f"model.layers.{layer}."
+        tensors.update({
+            prefix + "input_layernorm.weight": 1 + random(hidden, std=0.1),
+            prefix + "post_attention_layernorm.weight": 1 + random(hidden, std=0.1),
+            prefix + "self_attn.q_proj.weight": random(q_size, hidden, std=hidden**-0.5),
+            prefix + "self_attn.k_proj.weight": random(kv_size, hidden, std=hidden**-0.5),
+            prefix + "self_attn.v_proj.weight": random(kv_size, hidden, std=hidden**-0.5),
+            prefix + "self_attn.o_proj.weight": random(hidden, q_size, std=q_size**-0.5),
+            prefix + "mlp.gate_proj.weight": random(inter, hidden, std=hidden**-0.5),
+            prefix + "mlp.up_proj.weight": random(inter, hidden, std=hidden**-0.5),
+            prefix + "mlp.down_proj.weight": random(hidden, inter, std=inter**-0.5),
+        })
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump({**shapes, "num_hidden_layers": num_layers}, handle)
+    with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as handle:
+        json.dump(smollm_tokenizer_json(), handle)
+    return folder
+
+
 def _permute_for_gguf(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's converter layout (the inverse of undo_rope_permutation)."""
     rows, rest = weight.shape[0], weight.shape[1:]
