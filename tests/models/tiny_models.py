@@ -36,6 +36,11 @@ def _smollm_tokenizer_text() -> str:
     return open_checkpoint(default_model_path(), cache_dir=_RUN_CACHE_DIR).tokenizer.backend.to_str()
 
 
+@functools.lru_cache(maxsize=1)
+def _smollm_chat_template() -> str:
+    return open_checkpoint(default_model_path(), cache_dir=_RUN_CACHE_DIR).tokenizer.chat_template.source
+
+
 def smollm_tokenizer_json() -> dict:
     """The embedded model's tokenizer, as tokenizer.json content."""
     return json.loads(_smollm_tokenizer_text())
@@ -87,8 +92,8 @@ SMOLLM2_SHAPES = dict(
 
 def write_smollm2_shaped_folder(folder: str, num_layers: int = 2, seed: int = 0) -> str:
     """A Hugging Face folder of a random-weight model of SmolLM2-135M's shapes with `num_layers`
-    layers and its tokenizer (torch and safetensors only: no transformers import). Greedy
-    replies of its weights vary from token to token (wider embeddings repeat one token)."""
+    layers, its tokenizer and chat template (torch and safetensors only: no transformers import).
+    Greedy replies of its weights vary from token to token (wider embeddings repeat one token)."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
@@ -123,6 +128,8 @@ def write_smollm2_shaped_folder(folder: str, num_layers: int = 2, seed: int = 0)
         json.dump({**shapes, "num_hidden_layers": num_layers}, handle)
     with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as handle:
         json.dump(smollm_tokenizer_json(), handle)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w", encoding="utf-8") as handle:
+        json.dump({"chat_template": _smollm_chat_template()}, handle)
     return folder
 
 
