@@ -32,12 +32,16 @@ def _mixed_prompts(llm: LLM, count: int) -> list[list[int]]:
     return prompts
 
 
-# Each prompt also runs alone: 16 take a minute on a 2-core CPU, the slow tier's; 8 (the two long,
-# chunked prompts among them) by default.
-@pytest.mark.parametrize("batch_size", [8, pytest.param(16, marks=pytest.mark.slow)])
-def test_a_batch_equals_each_prompt_alone(engine_for, batch_size):
+# The batching logic on the 2-layer model of the embedded model's shapes (each prompt also runs
+# alone: 16 took a minute on the embedded model on a 2-core CPU).
+@pytest.mark.parametrize("batch_size", [8, 16])
+def test_a_batch_equals_each_prompt_alone(engine_for, two_layer_model_path, batch_size):
     llm = engine_for(
-        dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=64, enable_prompt_cache=False
+        model=two_layer_model_path,
+        dtype="float32",
+        kv_cache_memory_bytes=256 << 20,
+        chunk_size=64,
+        enable_prompt_cache=False,
     )
     prompts = _mixed_prompts(llm, batch_size)
     batched = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
@@ -47,24 +51,16 @@ def test_a_batch_equals_each_prompt_alone(engine_for, batch_size):
     assert all_blocks_free(llm)
 
 
-# Preemption's recompute keeps every bit by default in test_batch_invariance.py; this batch of 8
-# preempted over and over is the slow tier's.
-@pytest.mark.slow
-def test_tiny_kv_budget_preempts_yet_gives_the_same_tokens(model_path, engine_for):
-    prompts_llm = engine_for(dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=64)
+def test_tiny_kv_budget_preempts_yet_gives_the_same_tokens(two_layer_model_path, engine_for):
+    options = dict(model=two_layer_model_path, dtype="float32", chunk_size=64)
+    prompts_llm = engine_for(**options, kv_cache_memory_bytes=256 << 20)
     prompts = _mixed_prompts(prompts_llm, 8)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = [o.token_ids for o in prompts_llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     # 40 blocks of 16 tokens: far less than the 8 requests need together.
-    block_bytes = 2 * 30 * 16 * 3 * 64 * 4
-    small = LLM(
-        model_path,
-        dtype="float32",
-        kv_cache_memory_bytes=40 * block_bytes,
-        chunk_size=64,
-        max_num_seqs=8,
-        **FIXED_THREADS,
-    )
+    num_layers = prompts_llm.core.worker.checkpoint.arch.num_layers
+    block_bytes = 2 * num_layers * 16 * 3 * 64 * 4
+    small = LLM(**options, kv_cache_memory_bytes=40 * block_bytes, max_num_seqs=8, **FIXED_THREADS)
     outputs = small.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outputs] == expected
     assert small.stats().num_preemptions > 0
