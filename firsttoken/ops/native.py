@@ -49,7 +49,7 @@ _SOURCES = [
     for name in (
         "row_kernels.c", "attention.c", "matmul.c", "quantized_matmul.c", "prefill_attention.c",
         "paged_decode_attention.c", "quantized_matmul_bf16.c", "decode_step.c", "portable_decode_step.c",
-        "w8a8_rows.c",
+        "w8a8_rows.c", "w8a8_matmul.c",
     )
 ]
 _HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h", _SOURCE_DIR / "decode_kernels.h"]
@@ -154,6 +154,50 @@ class NativeKernels:
             )
         )
         return levels, scales
+
+    @property
+    def has_w8a8_matmul(self) -> bool:
+        """Whether this build holds the exact int8 matmul (csrc/w8a8_matmul.c: x86 with AVX2)."""
+        return "ft_w8a8_matmul" in self._kernels
+
+    def pack_w8a8_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """int8 levels [out, in] in `w8a8_matmul`'s layout: int16 panels of whole input pairs."""
+        out_features, in_features = weight.shape
+        columns = self._kernels["ft_w8a8_panel_columns"]()
+        panels, pairs = -(-out_features // columns), -(-in_features // 2)
+        packed = torch.empty(panels * pairs * columns * 2, dtype=torch.int16)
+        _check(
+            self._kernels["ft_pack_w8a8_weight"](
+                weight=weight.contiguous().data_ptr(), out_features=out_features, in_features=in_features,
+                packed=packed.data_ptr(),
+            )
+        )
+        return packed
+
+    def w8a8_matmul(
+        self,
+        levels: torch.Tensor,
+        row_scales: torch.Tensor,
+        packed_weight: torch.Tensor,
+        weight_scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """[rows, out] in `dtype`: uint8 levels (level + 128) [rows, in] with float32 row_scales
+        [rows] times the packed int8 weights with float32 weight_scales [out] (+ float32 bias),
+        summed exactly in int32."""
+        rows, in_features = levels.shape
+        out_features = weight_scales.shape[0]
+        out = torch.empty(rows, out_features, dtype=dtype)
+        _check(
+            self._kernels["ft_w8a8_matmul"](
+                levels=levels.data_ptr(), row_scales=row_scales.data_ptr(), weight=packed_weight.data_ptr(),
+                weight_scales=weight_scales.data_ptr(), bias=bias.data_ptr() if bias is not None else None,
+                out=out.data_ptr(), rows=rows, out_features=out_features, in_features=in_features,
+                dtype=_DTYPE_CODES[dtype], num_threads=torch.get_num_threads(),
+            )
+        )
+        return out
 
     def rescale_rows(
         self, sums: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype

@@ -170,6 +170,7 @@ class Requires(enum.Enum):
     ANY_ISA = "any ISA"
     VECTOR_BF16 = "AVX512-BF16"
     AMX = "AMX tiles"
+    AVX2 = "AVX2 (every x86-64 build but generic)"
 
 
 @dataclass(frozen=True)
@@ -310,6 +311,21 @@ KERNELS = (
         ),
     ),
     Kernel("ft_isa_name", (), result="const char *"),
+    Kernel("ft_w8a8_panel_columns", (), result="int", requires=Requires.AVX2),
+    Kernel(
+        "ft_pack_w8a8_weight",
+        _parameters(f"const int8_t *weight, {_PROJECTION}, int16_t *packed"),
+        requires=Requires.AVX2,
+    ),
+    Kernel(
+        "ft_w8a8_matmul",
+        _parameters(
+            "const uint8_t *levels, const float *row_scales, const int16_t *weight, "
+            f"const float *weight_scales, const float *bias, void *out, int64_t rows, {_PROJECTION}, "
+            f"{_DTYPE_THREADS}"
+        ),
+        requires=Requires.AVX2,
+    ),
     Kernel("ft_amx_available", (), result="int", requires=Requires.AMX),
     Kernel(
         "ft_prefill_attention",

@@ -11,7 +11,10 @@ and the bias follow in float.
 The int32 sums make a row's result independent of the other rows in the step and of the
 kernel's blocking. That needs exact sums: without VNNI, oneDNN's int8 kernels add pairs of
 byte products in saturating 16-bit lanes (`vpmaddubsw`), which full-range activations
-overflow, so such CPUs are refused (`w8a8_unsupported_reason`).
+overflow. There the native kernel (csrc/w8a8_matmul.c, x86 builds with AVX2) multiplies int16
+pairs into exact int32 sums instead, with the same scaling after them: the same bits as
+oneDNN's path on a VNNI CPU, though slower than float32 on such CPUs (see docs/cpu.md). Without
+either the quantization is refused (`w8a8_unsupported_reason`).
 
 A few input channels of a layer's activations are far larger than the rest, and with one scale
 per row they leave the other channels few levels. SmoothQuant's migration moves part of that
@@ -125,11 +128,15 @@ def onednn_int8_sums_exact() -> bool:
     return torch.equal(output, expected)
 
 
-def w8a8_unsupported_reason(device: torch.device) -> str | None:
-    """Why W8A8 cannot run here (None where it can): it needs a CPU whose oneDNN int8 kernels sum
-    exactly, which are those with VNNI or AMX-INT8."""
+def w8a8_unsupported_reason(
+    device: torch.device, kernels: native.NativeKernels | None = None
+) -> str | None:
+    """Why W8A8 cannot run here (None where it can): it needs exact int8 sums, from oneDNN on a
+    CPU with VNNI or AMX-INT8, or from `kernels` where they hold the native int8 matmul."""
     if device.type != "cpu":
         return f"w8a8 runs on CPU only, not {device.type}"
+    if kernels is not None and kernels.has_w8a8_matmul:
+        return None
     if not torch.backends.mkldnn.is_available():
         return "w8a8 needs PyTorch built with oneDNN"
     if not onednn_int8_sums_exact():
@@ -137,7 +144,7 @@ def w8a8_unsupported_reason(device: torch.device) -> str | None:
         return (
             f"w8a8 needs exact int8 sums from oneDNN, which take one of {', '.join(INT8_DOT_PRODUCT_FLAGS)} "
             f"(this CPU has {have}; ONEDNN_MAX_CPU_ISA may also hold oneDNN below them): without them "
-            "its int8 kernels saturate"
+            "its int8 kernels saturate; the native kernels' exact int8 matmul needs an x86 CPU with AVX2"
         )
     return None
 
@@ -173,11 +180,12 @@ def rescale_rows(
 
 
 class W8A8Linear(nn.Module):
-    """y = x W^T (+ b) with int8 weights (packed once for oneDNN) and each step's rows quantized
-    to int8 on the way in (after `input_scales`, SmoothQuant's 1 / s, where given); computes in
-    int32, returns the input's dtype. With native kernels the quantization and the rescaling are
-    one pass each (in torch ops they are eight passes, which cost more than the matmul itself:
-    2048 rows, 120 projections, 330 ms against 131 ms)."""
+    """y = x W^T (+ b) with int8 weights (packed once for oneDNN, or for the native int8 matmul
+    where oneDNN's sums are not exact) and each step's rows quantized to int8 on the way in
+    (after `input_scales`, SmoothQuant's 1 / s, where given); computes in int32, returns the
+    input's dtype. With native kernels the quantization and the rescaling are one pass each (in
+    torch ops they are eight passes, which cost more than the matmul itself: 2048 rows, 120
+    projections, 330 ms against 131 ms)."""
 
     def __init__(
         self,
@@ -189,7 +197,12 @@ class W8A8Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.out_features = weight.shape[0]
-        self.register_buffer("packed_weight", torch.ops.onednn.qlinear_prepack(weight, None))
+        self.native_matmul = kernels is not None and kernels.has_w8a8_matmul and not onednn_int8_sums_exact()
+        if self.native_matmul:
+            packed = kernels.pack_w8a8_weight(weight)
+        else:
+            packed = torch.ops.onednn.qlinear_prepack(weight, None)
+        self.register_buffer("packed_weight", packed)
         self.register_buffer("weight_scales", weight_scales.float().contiguous())
         self.register_buffer("weight_zero_points", _no_zero_points(self.out_features))
         self.bias = bias.float().contiguous() if bias is not None else None
@@ -217,6 +230,11 @@ class W8A8Linear(nn.Module):
             levels, row_scales = self.kernels.quantize_rows_int8(flat.contiguous(), self.input_scales)
         else:
             levels, row_scales = quantize_rows(flat, self.input_scales)
+        if self.native_matmul:
+            output = self.kernels.w8a8_matmul(
+                levels, row_scales, self.packed_weight, self.weight_scales, self.bias, x.dtype
+            )
+            return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
         sums = _onednn_int8_matmul(
             levels, self.packed_weight, self.weight_scales, self.weight_zero_points, ACTIVATION_ZERO_POINT
         )

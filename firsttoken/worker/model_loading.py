@@ -93,7 +93,7 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
     )
     if placement.shard is not None and placement.collectives is not None:
         model.shard(placement.shard, placement.collectives)
-    _check_quantization_runs_here(model_config.quantization, device)
+    _check_quantization_runs_here(model_config.quantization, device, native_kernels)
     activation_maxima = (
         load_activation_maxima(model_config.w8a8_activation_stats, model.layers)
         if model_config.w8a8_activation_stats is not None
@@ -134,9 +134,9 @@ def with_checkpoint_quantization(
     config: EngineConfig, checkpoint: Checkpoint, device: torch.device
 ) -> EngineConfig:
     """The config a quantized checkpoint runs under: a W8A8 one (compressed-tensors) as W8A8 on
-    its own levels where `quantization` is unset, or on their dequantized float weights where
-    W8A8 cannot run here (a warning says so; asked for explicitly, W8A8 is refused with the
-    reason instead)."""
+    its own levels where `quantization` is unset and oneDNN sums int8 exactly (VNNI, AMX-INT8),
+    else on their dequantized float weights, with a warning (float32 is faster there than the
+    native exact int8 matmul, which `quantization="w8a8"` asks for explicitly)."""
     model_config = config.model_config
     if checkpoint.quantization != "w8a8":
         return config
@@ -161,9 +161,11 @@ def with_checkpoint_quantization(
     return replace(config, model_config=replace(model_config, quantization="w8a8"))
 
 
-def _check_quantization_runs_here(quantization: str | None, device: torch.device) -> None:
+def _check_quantization_runs_here(
+    quantization: str | None, device: torch.device, native_kernels: NativeKernels | None
+) -> None:
     if quantization == "w8a8":
-        reason = w8a8_unsupported_reason(device)
+        reason = w8a8_unsupported_reason(device, native_kernels)
         if reason is not None:
             raise InvalidInputError("quantization", reason)
 

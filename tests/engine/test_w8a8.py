@@ -10,8 +10,10 @@ import torch.nn.functional as F
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
+from firsttoken.ops import w8a8
 from firsttoken.ops.w8a8 import W8A8Linear, w8a8_unsupported_reason
 from firsttoken.worker import model_loading
+from tests.conftest import FIXED_THREADS
 
 UNSUPPORTED = w8a8_unsupported_reason(torch.device("cpu"))
 needs_exact_int8 = pytest.mark.skipif(UNSUPPORTED is not None, reason=f"{UNSUPPORTED}")
@@ -84,8 +86,33 @@ def test_a_request_gets_the_same_bits_alone_and_beside_others(w8a8_llm):
         assert _bits(alone) == _bits(output)
 
 
+@needs_exact_int8
+def test_without_exact_onednn_sums_the_native_matmul_gives_the_same_bits(
+    engine_for, two_layer_model_path, monkeypatch
+):
+    """Where oneDNN's int8 sums saturate (AVX2 without VNNI) the engine runs W8A8 on the native
+    kernels' int8 matmul; forced here, its replies carry the oneDNN engine's bits (on the 2-layer
+    model of the embedded model's shapes)."""
+    options = dict(OPTIONS, model=two_layer_model_path, quantization="w8a8")
+    on_onednn = engine_for(**options)
+    native_kernels = on_onednn.core.worker.kernels.native
+    if native_kernels is None or not native_kernels.has_w8a8_matmul:
+        pytest.skip("no native int8 matmul in this build (x86 with AVX2 only)")
+    expected = [_bits(output) for output in on_onednn.generate(PROMPTS, GREEDY)]
+    monkeypatch.setattr(w8a8, "onednn_int8_sums_exact", lambda: False)
+    on_native = LLM(**options, **FIXED_THREADS)
+    try:
+        projections = [m for m in on_native.core.worker.model.modules() if isinstance(m, W8A8Linear)]
+        assert projections and all(projection.native_matmul for projection in projections)
+        assert [_bits(output) for output in on_native.generate(PROMPTS, GREEDY)] == expected
+    finally:
+        on_native.shutdown()
+
+
 def test_a_cpu_that_cannot_run_it_is_refused_naming_the_field(model_path, monkeypatch):
-    monkeypatch.setattr(model_loading, "w8a8_unsupported_reason", lambda device: "w8a8 needs VNNI")
+    monkeypatch.setattr(
+        model_loading, "w8a8_unsupported_reason", lambda device, kernels=None: "w8a8 needs VNNI"
+    )
     with pytest.raises(InvalidInputError, match="quantization: w8a8 needs VNNI"):
         LLM(model_path, quantization="w8a8", **OPTIONS)
 

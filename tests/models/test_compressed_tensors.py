@@ -171,7 +171,9 @@ def test_a_w8a8_checkpoint_runs_on_its_own_levels_and_scales(tmp_path):
 
 
 def test_without_exact_int8_sums_the_checkpoint_runs_its_dequantized_weights(tmp_path, monkeypatch):
-    monkeypatch.setattr(model_loading, "w8a8_unsupported_reason", lambda device: "w8a8 needs VNNI")
+    monkeypatch.setattr(
+        model_loading, "w8a8_unsupported_reason", lambda device, kernels=None: "w8a8 needs VNNI"
+    )
     hf_model = tiny_hf_model("llama", tie_word_embeddings=True)
     stored = write_w8a8_folder(hf_model, str(tmp_path / "w8a8"))
     llm = _engine(str(tmp_path / "w8a8"))

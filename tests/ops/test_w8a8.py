@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from firsttoken.ops import w8a8
+from firsttoken.ops import native, w8a8
+from firsttoken.ops.cpu_isa import runnable_cpu_isas
 from firsttoken.ops.w8a8 import (
     ACTIVATION_ZERO_POINT,
     W8A8Linear,
@@ -174,3 +175,56 @@ def test_a_smoothed_projection_is_its_reference_and_closer_to_the_float_one(nati
     if native_kernels is not None:
         on_native = W8A8Linear.from_float(weight, None, native_kernels, activation_max=x.abs().amax(dim=0))
         assert torch.equal(on_native(x), smoothed(x))
+
+
+@pytest.fixture(scope="module", params=runnable_cpu_isas() or ["auto"])
+def isa_kernels(request, tmp_path_factory) -> native.NativeKernels:
+    built = native.load_native_kernels(str(tmp_path_factory.mktemp("native")), request.param)
+    if built is None:
+        pytest.skip("no working C compiler on this machine")
+    if not built.has_w8a8_matmul:
+        pytest.skip(f"the {built.isa} build has no int8 matmul (x86 with AVX2 only)")
+    return built
+
+
+# Shapes of SmolLM2's projections, and odd ones: outputs past a whole panel, an odd input count.
+MATMUL_SHAPES = [(960, 576), (3072, 576), (576, 1536), (33, 65), (7, 3)]
+
+
+@pytest.mark.parametrize("out_features,in_features", MATMUL_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_native_int8_matmul_is_the_integer_product_rescaled(
+    isa_kernels, out_features, in_features, dtype
+):
+    """Exact int32 sums, then oneDNN's scaling order: the bits of oneDNN's path where its sums
+    are exact, and within the float32 roundings of the float64 reference everywhere."""
+    generator = torch.Generator().manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    bias = torch.randn(out_features, generator=generator)
+    levels, scales = quantize_int8(weight)
+    x = _activations(19, in_features, dtype)
+    activation_levels, row_scales = isa_kernels.quantize_rows_int8(x)
+    packed = isa_kernels.pack_w8a8_weight(levels)
+    output = isa_kernels.w8a8_matmul(activation_levels, row_scales, packed, scales, bias, dtype)
+    expected = w8a8_linear_reference(x, levels, scales, bias)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(output, expected, rtol=tolerance, atol=tolerance)
+    if w8a8.onednn_int8_sums_exact():
+        assert torch.equal(output, W8A8Linear(levels, scales, bias, isa_kernels)(x))
+
+
+def test_without_exact_onednn_sums_the_projection_takes_the_native_matmul(isa_kernels, monkeypatch):
+    """Where oneDNN's int8 sums saturate the native kernels' matmul runs it, and W8A8 is not
+    refused: a row's bits are the same at every row count, and where oneDNN is exact here they
+    are its bits."""
+    on_onednn, weight, bias = _linear(True, isa_kernels)
+    monkeypatch.setattr(w8a8, "onednn_int8_sums_exact", lambda: False)
+    assert w8a8_unsupported_reason(torch.device("cpu"), isa_kernels) is None
+    on_native, _, _ = _linear(True, isa_kernels)
+    assert on_native.native_matmul
+    x = _activations(300, 128, torch.float32, seed=7)
+    longest = on_native(x)
+    for rows in (1, 2, 5, 6, 7, 13, 97, 200):
+        assert torch.equal(on_native(x[:rows]), longest[:rows])
+    if not on_onednn.native_matmul:
+        assert torch.equal(longest, on_onednn(x))
