@@ -1,11 +1,26 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.ops import native
+from firsttoken.ops.cpu_isa import runnable_cpu_isas
+
+# The test run's cache (tests/conftest.py points XDG_CACHE_HOME at it before this is imported):
+# each ISA's kernels are built once per run, for every module, test worker and engine alike.
+_RUN_NATIVE_DIR = os.path.join(default_cache_dir(), "native")
+# Every ISA this CPU can run (an AVX-512 machine tests the AVX2 build too).
+RUNNABLE_ISAS = runnable_cpu_isas() or ["auto"]
+
+
+def built_kernels(isa: str = "auto") -> native.NativeKernels | None:
+    """The run's kernels for `isa`; None on a machine without a working C compiler."""
+    return native.load_native_kernels(_RUN_NATIVE_DIR, isa)
 
 
 @pytest.fixture(scope="session")
-def native_kernels(tmp_path_factory) -> native.NativeKernels | None:
+def native_kernels() -> native.NativeKernels | None:
     """The compiled CPU kernels, or None on a machine without a working C compiler."""
-    return native.load_native_kernels(str(tmp_path_factory.mktemp("native")))
+    return built_kernels()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from firsttoken.ops import native
-from firsttoken.ops.cpu_isa import runnable_cpu_isas
+from tests.ops.conftest import RUNNABLE_ISAS, built_kernels
 
 # float32 arithmetic throughout: what is left is summation order and the vector exp (~1e-7).
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -18,10 +18,10 @@ QUERIES_KEYS = [(1, 1), (5, 5), (64, 64), (65, 129), (100, 100), (17, 300), (300
 POSITIONS_ON_TILE_EDGES = [0, 1, 7, 8, 15, 16, 63, 64, 65, 127, 128, 200, 299]
 
 
-@pytest.fixture(scope="module", params=runnable_cpu_isas() or ["auto"])
-def kernels(request, tmp_path_factory) -> native.NativeKernels:
+@pytest.fixture(scope="module", params=RUNNABLE_ISAS)
+def kernels(request) -> native.NativeKernels:
     """The kernels built for each ISA this CPU can run (an AVX-512 machine tests AVX2 too)."""
-    built = native.load_native_kernels(str(tmp_path_factory.mktemp("native")), request.param)
+    built = built_kernels(request.param)
     if built is None:
         pytest.skip("no working C compiler on this machine")
     return built

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from firsttoken.ops import native
-from firsttoken.ops.cpu_isa import runnable_cpu_isas
 from firsttoken.ops.linear import dequantize_int4, pack_int4, quantize_int4, quantize_int8
 from firsttoken.ops.native_abi import DECODE_MAX_ROWS
+from tests.ops.conftest import RUNNABLE_ISAS, built_kernels
 
-ISAS = runnable_cpu_isas() or ["auto"]
+ISAS = RUNNABLE_ISAS
 DTYPES = [torch.float32, torch.bfloat16]
 ROW_COUNTS = [1, 2, 3, 5, DECODE_MAX_ROWS]
 # float32: sums of ~600 products of ~0.05 x ~1 in another order than float64's; bf16: one
@@ -21,8 +21,8 @@ BF16_RELATIVE_STEP = 2**-7
 
 
 @pytest.fixture(scope="module", params=ISAS)
-def kernels(request, tmp_path_factory) -> native.NativeKernels:
-    built = native.load_native_kernels(str(tmp_path_factory.mktemp(f"native-{request.param}")), request.param)
+def kernels(request) -> native.NativeKernels:
+    built = built_kernels(request.param)
     if built is None:
         pytest.skip("no C compiler on this machine")
     return built

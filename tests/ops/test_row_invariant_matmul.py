@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from firsttoken.ops import native
-from firsttoken.ops.cpu_isa import runnable_cpu_isas
+from tests.ops.conftest import RUNNABLE_ISAS, built_kernels
 
 # A float32 sum of up to 1536 products in another order than torch's.
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
@@ -18,9 +18,9 @@ TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (50, 70), (17, 3)]
 
 
-@pytest.fixture(scope="module", params=runnable_cpu_isas() or ["auto"])
-def kernels(request, tmp_path_factory) -> native.NativeKernels:
-    built = native.load_native_kernels(str(tmp_path_factory.mktemp("native")), request.param)
+@pytest.fixture(scope="module", params=RUNNABLE_ISAS)
+def kernels(request) -> native.NativeKernels:
+    built = built_kernels(request.param)
     if built is None:
         pytest.skip("no working C compiler on this machine")
     return built

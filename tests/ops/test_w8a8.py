@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from firsttoken.ops import native, w8a8
-from firsttoken.ops.cpu_isa import runnable_cpu_isas
 from firsttoken.ops.w8a8 import (
     ACTIVATION_ZERO_POINT,
     W8A8Linear,
@@ -21,6 +20,7 @@ from firsttoken.ops.w8a8 import (
     w8a8_linear_reference,
     w8a8_unsupported_reason,
 )
+from tests.ops.conftest import RUNNABLE_ISAS, built_kernels
 
 needs_exact_int8 = pytest.mark.skipif(
     w8a8_unsupported_reason(torch.device("cpu")) is not None,
@@ -177,9 +177,9 @@ def test_a_smoothed_projection_is_its_reference_and_closer_to_the_float_one(nati
         assert torch.equal(on_native(x), smoothed(x))
 
 
-@pytest.fixture(scope="module", params=runnable_cpu_isas() or ["auto"])
-def isa_kernels(request, tmp_path_factory) -> native.NativeKernels:
-    built = native.load_native_kernels(str(tmp_path_factory.mktemp("native")), request.param)
+@pytest.fixture(scope="module", params=RUNNABLE_ISAS)
+def isa_kernels(request) -> native.NativeKernels:
+    built = built_kernels(request.param)
     if built is None:
         pytest.skip("no working C compiler on this machine")
     if not built.has_w8a8_matmul:
