@@ -116,9 +116,10 @@ class ModelConfig:
     quantization: str | None = field(
         default=None,
         metadata=_help("quantization of the projections: weight-only for decode, int8 or int4 (CPU; "
-                       "exact for a Q4_1 GGUF's layers; the LM head stays int8); or w8a8 (CPU with "
-                       "VNNI or AMX-INT8): int8 weights and per-token int8 activations for prefill and "
-                       "decode, the LM head float; default: none",
+                       "exact for a Q4_1 GGUF's layers; the LM head stays int8); or w8a8 (CPU: fast with "
+                       "VNNI or AMX-INT8, exact but slower than float on AVX2): int8 weights and "
+                       "per-token int8 activations for prefill and decode, the LM head float; default: "
+                       "none (w8a8 for a W8A8 compressed-tensors checkpoint)",
                        choices=QUANTIZATIONS),
     )
     quantized_prefill: bool = field(
