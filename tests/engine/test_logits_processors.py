@@ -96,7 +96,9 @@ MIXED = [
 def test_chunking_and_preemption_give_the_same_processed_tokens(engine_for, two_layer_model_path):
     """On the 2-layer model of the embedded model's shapes: the processors' state across chunks
     and recomputes is the engine's logic, not the model's."""
-    llm = engine_for(model=two_layer_model_path, dtype="float32", chunk_size=512)
+    llm = engine_for(
+        model=two_layer_model_path, dtype="float32", chunk_size=512, kv_cache_memory_bytes=64 << 20
+    )
     expected = [output.token_ids for output in llm.generate(PROMPTS, MIXED)]
     # Chunks of 8 tokens and a KV cache of 7 blocks of 16 tokens: the four requests (3 blocks
     # each at the end) cannot all hold their blocks, so the newest are preempted and recomputed.
