@@ -10,6 +10,9 @@ from firsttoken.errors import InvalidInputError
 
 GREEDY_TEMPERATURE = 1e-5
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's
+# A repetition penalty divides positive logits: below this (5e-324 reads as 0 in float32) the
+# quotient, then divided by a temperature down to GREEDY_TEMPERATURE, overflows to infinity.
+MIN_REPETITION_PENALTY = 1e-6
 MAX_LOGIT_BIAS = 100.0
 
 
@@ -137,9 +140,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise InvalidInputError(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
-        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+        if not (self.repetition_penalty >= MIN_REPETITION_PENALTY and math.isfinite(self.repetition_penalty)):
             raise InvalidInputError(
-                "repetition_penalty", f"must be > 0 and finite, got {self.repetition_penalty}"
+                "repetition_penalty",
+                f"must be >= {MIN_REPETITION_PENALTY:g} and finite, got {self.repetition_penalty}",
             )
         _check_int("min_tokens", self.min_tokens)
         if not 0 <= self.min_tokens <= self.max_tokens:

@@ -156,7 +156,8 @@ def find_nucleus(
     cumulative = values.masked_fill(values < floor, float("-inf")).softmax(-1).cumsum(-1)
     crossing = (cumulative < top_p).sum(-1, keepdim=True).clamp(max=width - 1)  # [n, 1]
     nucleus_floor = torch.where(top_p < 1.0, values.gather(1, crossing), float("-inf"))
-    num_kept = (values >= torch.maximum(floor, nucleus_floor)).sum(-1, keepdim=True)
+    # At least the largest: a NaN row keeps nothing above its floor otherwise (see `draw`).
+    num_kept = (values >= torch.maximum(floor, nucleus_floor)).sum(-1, keepdim=True).clamp_(min=1)
     complete = all_complete if width == vocab_size else values[:, -1] < kth_largest[:, 0]
     return Nucleus(token_ids, cumulative, num_kept, complete)
 
@@ -166,7 +167,9 @@ def draw(nucleus: Nucleus, uniform: torch.Tensor) -> torch.Tensor:
     uniform [n, 1] (in (0, 1]) times the kept mass."""
     kept_mass = nucleus.cumulative.gather(1, nucleus.num_kept - 1)  # [n, 1]
     # The first index at or above a target in (0, kept mass] is a kept token of nonzero probability.
-    index = torch.searchsorted(nucleus.cumulative, uniform * kept_mass)  # [n, 1]
+    # A row whose logits held a NaN has NaN sums, which every target lies past: clamped, it draws
+    # a kept token instead of indexing past the row and stopping the engine.
+    index = torch.searchsorted(nucleus.cumulative, uniform * kept_mass).clamp_(max=nucleus.num_kept - 1)
     token_ids = index if nucleus.token_ids is None else nucleus.token_ids.gather(1, index)
     return token_ids.squeeze(1)
 

@@ -28,6 +28,7 @@ BAD_SAMPLING_PARAMS = [
     (dict(frequency_penalty=-2.01), "frequency_penalty"),
     (dict(frequency_penalty=float("nan")), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=5e-324), "repetition_penalty"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty"),
     (dict(min_p=1.5), "min_p"),
     (dict(min_p=-0.1), "min_p"),
@@ -60,7 +61,7 @@ def test_sampling_params_errors_carry_the_field(kwargs, field):
     [
         (dict(presence_penalty=3.0), "[-2, 2]"),
         (dict(frequency_penalty=-3.0), "[-2, 2]"),
-        (dict(repetition_penalty=-1.0), "> 0"),
+        (dict(repetition_penalty=-1.0), ">= 1e-06"),
         (dict(min_p=2.0), "[0, 1]"),
         (dict(logit_bias={3: -150.0}), "[-100, 100]"),
         (dict(min_tokens=20, max_tokens=10), "max_tokens=10"),

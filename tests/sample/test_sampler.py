@@ -17,7 +17,7 @@ from firsttoken.sample.sampler import (
     find_nucleus,
     seeded_uniform,
 )
-from firsttoken.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from firsttoken.sampling_params import GREEDY_TEMPERATURE, MIN_REPETITION_PENALTY, SamplingParams
 from tests.sample.distributions import NUM_DRAWS, SIGNIFICANCE, assert_follows, chi_square_p_value
 
 
@@ -45,6 +45,32 @@ def test_tokens_tied_with_the_crossing_token_are_all_kept():
     top_p = float(probs[0] + probs[1] / 2)  # crosses at the first of the three tied tokens
     assert _finite_token_ids(filter_logits(logits, top_k=-1, top_p=top_p)) == [0, 1, 2, 3]
     assert _finite_token_ids(filter_logits(logits, top_k=2, top_p=1.0)) == [0, 1, 2, 3]
+
+
+def test_a_row_of_nan_logits_draws_a_kept_token_instead_of_failing():
+    """A NaN logit (a broken model, an overflow) makes its row's running sums NaN, which every
+    target lies past: the draw stays on the row's kept candidates and the other rows keep theirs."""
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(3))
+    logits[1, 7] = float("nan")
+    sampler = Sampler(seed=0, device=torch.device("cpu"), vocab_size=logits.shape[-1])
+    cases = [
+        dict(temperature=1.0, top_k=64, seed=1),
+        dict(temperature=1.0, top_k=1, seed=2),
+        dict(temperature=0.0),
+    ]
+    specs = [SampleSpec(SamplingParams(**case), 0, f"r{index}") for index, case in enumerate(cases)]
+    tokens = [sampled.token_id for sampled in sampler.sample(logits, specs)]
+    assert all(0 <= token < logits.shape[-1] for token in tokens)
+    assert tokens[2] == int(logits[2].argmax())
+
+
+def test_the_smallest_repetition_penalty_at_the_lowest_temperature_keeps_logits_finite():
+    """What MIN_REPETITION_PENALTY guards: a penalized logit of 1e4 divided by it and by a
+    temperature just above greedy stays a float32."""
+    largest = torch.tensor(1e4) / MIN_REPETITION_PENALTY / (GREEDY_TEMPERATURE * 1.01)
+    assert torch.isfinite(largest.float())
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=MIN_REPETITION_PENALTY / 2)
 
 
 def test_near_zero_temperature_is_greedy_not_nan():
