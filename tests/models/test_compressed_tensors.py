@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from safetensors.torch import load_file, save_file
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
-from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.models.loaders.hf_folder import load_hf_folder
 from firsttoken.ops.w8a8 import W8A8Linear, w8a8_linear_reference, w8a8_unsupported_reason
 from firsttoken.worker import model_loading
@@ -109,17 +107,6 @@ def emulate_w8a8(hf_model, stored: dict[str, tuple[torch.Tensor, torch.Tensor]])
             return w8a8_linear_reference(x, levels, scales, bias)
 
         linear.forward = forward
-
-
-@pytest.fixture(autouse=True)
-def isolated_conversion_cache(tmp_path, monkeypatch):
-    """A cache of this test's own; the run's built kernels are linked into it."""
-    run_cache = pathlib.Path(default_cache_dir())
-    (run_cache / "native").mkdir(parents=True, exist_ok=True)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    own_cache = pathlib.Path(default_cache_dir())
-    own_cache.mkdir(parents=True)
-    (own_cache / "native").symlink_to(run_cache / "native", target_is_directory=True)
 
 
 def _engine(path: str, **options) -> LLM:
