@@ -536,6 +536,19 @@ def _columns_of(linear: Linear, start: int, end: int) -> Linear:
 _FUSED_PARTS = {"qkv_proj.weight": 3, "qkv_proj.bias": 3, "gate_up_proj.weight": 2}
 
 
+def _part_of(
+    full: torch.Tensor, rows: tuple[int, int] | None, name: str, tensor: torch.Tensor
+) -> torch.Tensor:
+    """The rows of `full` that checkpoint tensor `name` fills (all of it for an unfused one),
+    checked against the tensor's shape."""
+    destination = full if rows is None else full[rows[0] : rows[1]]
+    if destination.shape != tensor.shape:
+        raise ValueError(
+            f"model: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
+        )
+    return destination
+
+
 def _parts_of(parameter_name: str) -> int:
     """How many checkpoint tensors fill the parameter (3 for a fused q|k|v, 2 for gate|up)."""
     return _FUSED_PARTS.get(".".join(parameter_name.split(".")[-2:]), 1)
@@ -594,12 +607,7 @@ class WeightLoader:
         offset = self.model.arch.norm_weight_offset
         if offset and target.endswith("norm_weight"):
             tensor = tensor.float() + offset  # Gemma's norms weigh by (1 + weight)
-        destination = parameter.data if rows is None else parameter.data[rows[0] : rows[1]]
-        if destination.shape != tensor.shape:
-            raise ValueError(
-                f"model: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
-            )
-        destination.copy_(tensor)
+        _part_of(parameter.data, rows, name, tensor).copy_(tensor)
         self._count_part(self.missing_parts, target, rows)
 
     @staticmethod
@@ -620,13 +628,9 @@ class WeightLoader:
         """Copy a projection's int8 levels or scales into the fused parameter's staging tensor."""
         if not isinstance(self.model.get_submodule(target.removesuffix(".weight")), Linear):
             raise ValueError(f"model: {name} quantizes a tensor that is not a projection's weight")
-        store = staged.setdefault(target, torch.zeros(shape, dtype=tensor.dtype))
-        destination = store if rows is None else store[rows[0] : rows[1]]
-        if destination.shape != tensor.shape:
-            raise ValueError(
-                f"model: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
-            )
-        destination.copy_(tensor)
+        if target not in staged:
+            staged[target] = torch.zeros(shape, dtype=tensor.dtype)
+        _part_of(staged[target], rows, name, tensor).copy_(tensor)
 
     def _dequantize_int8_weights(self) -> None:
         """Each int8 projection's float weight from its levels and scales, which it keeps."""
