@@ -4,6 +4,7 @@ writes them once at start."""
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import time
 
@@ -62,19 +63,25 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer.
 
-    Zeroed, so that a padded read of a never-written slot is finite. On the CPU the zeros come
-    from calloc'd pages that the kernel maps lazily: start-up does not touch gigabytes, and
-    memory is committed only as blocks are first written.
+    Zeroed, so that a padded read of a never-written slot is finite. On the CPU the zeros are
+    anonymous mappings of their own, which the kernel fills lazily: start-up does not touch
+    gigabytes, and memory is committed only as blocks are first written. (A calloc would not
+    do: once `keep_freed_host_memory` has tuned malloc, a block that large comes from a heap
+    that earlier engines in the process used, and calloc writes every byte of it.)
     """
     shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
     if device.type != "cpu":
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
     element_size = torch.tensor([], dtype=dtype).element_size()
     num_bytes = element_size * 2 * num_blocks * block_size * arch.num_kv_heads * arch.head_dim
-    return [
-        torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
-        for _ in range(arch.num_layers)
-    ]
+    return [_lazily_zeroed_bytes(num_bytes).view(dtype).view(shape) for _ in range(arch.num_layers)]
+
+
+def _lazily_zeroed_bytes(num_bytes: int) -> torch.Tensor:
+    """A uint8 tensor over a private anonymous mapping; unmapped when the tensor is freed (the
+    numpy array it shares memory with holds the mapping)."""
+    mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8))
 
 
 def prefault_kv_caches(kv_caches: list[torch.Tensor]) -> None:
