@@ -50,9 +50,10 @@ def _options_of(engine: LLM) -> dict:
             "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256, **FIXED_THREADS}
 
 
-def _block_bytes(engine: LLM) -> int:
+def _block_bytes(engine: LLM, num_layers: int = 30) -> int:
     element_bytes = 2 if engine.config.model_config.dtype == "bfloat16" else 4
-    return 2 * 30 * 16 * 3 * 64 * element_bytes  # K and V x layers x block tokens x KV heads x head size
+    # K and V x layers x block tokens x KV heads x head size
+    return 2 * num_layers * 16 * 3 * 64 * element_bytes
 
 
 @pytest.mark.parametrize(
@@ -207,11 +208,15 @@ def test_a_draft_model_drafting_for_itself_is_always_right_and_changes_nothing(e
     assert draft_core.kv_manager.pool.num_free_blocks == draft_core.kv_manager.num_blocks
 
 
-def test_a_sequence_longer_than_the_drafts_cache_decodes_without_proposals(engines, model_path):
+def test_a_sequence_longer_than_the_drafts_cache_decodes_without_proposals(engines, two_layer_model_path):
+    """The draft, a two-layer random-weight model of the embedded model's shapes (its proposals
+    mostly rejected), holds two blocks: past them the target decodes alone, with its own tokens."""
     plain, _ = engines
     options = _options_of(plain)
-    drafted = LLM(**options, speculative_config={"method": "draft", "model": model_path,
-                                                 "draft_kv_cache_memory_bytes": 2 * _block_bytes(plain)})
+    drafted = LLM(**options, speculative_config={
+        "method": "draft", "model": two_layer_model_path,
+        "draft_kv_cache_memory_bytes": 2 * _block_bytes(plain, num_layers=2),
+    })
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = drafted.generate(PROMPTS, params)
     assert [output.token_ids for output in outputs] == [
