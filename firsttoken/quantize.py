@@ -70,9 +70,10 @@ def calibrate(model: str | None, text: str, num_tokens: int, output: str, chat_t
     from firsttoken.engine.llm import LLM
     from firsttoken.worker.activation_stats import save_activation_maxima
 
+    # A batch job on every core: no step-cost model to measure at start for adapting threads.
     llm = LLM(
         model, dtype="float32", enable_prompt_cache=False, chunk_size=CALIBRATION_WINDOW_TOKENS,
-        max_num_batched_tokens=CALIBRATION_WINDOW_TOKENS,
+        max_num_batched_tokens=CALIBRATION_WINDOW_TOKENS, adaptive_threads=False,
     )
     try:
         windows = calibration_prompts(llm, text, num_tokens, chat_template)
