@@ -60,11 +60,12 @@ def open_checkpoint(path: str, cache_dir: str | None = None) -> Checkpoint:
     from firsttoken.models.loaders.gguf_file import file_fingerprint, load_gguf
 
     cache = ConversionCache(cache_dir, file_fingerprint(path))
-    cached = cache.load_checkpoint(path, read_weights=lambda: load_gguf(path).read_weights())
-    if cached is not None:
-        return cached
-    checkpoint = load_gguf(path)
-    cache.save_checkpoint(checkpoint)
+    with cache.converting():
+        cached = cache.load_checkpoint(path, read_weights=lambda: load_gguf(path).read_weights())
+        if cached is not None:
+            return cached
+        checkpoint = load_gguf(path)
+        cache.save_checkpoint(checkpoint)
     return checkpoint
 
 
@@ -91,16 +92,23 @@ def build_model(
         streaming_window,
         sink_tokens,
     )
-    cache = ConversionCache(cache_dir, checkpoint.fingerprint) if checkpoint.format == "gguf" else None
-    cached_weights = cache.load_weights(dtype) if cache else None
-    if cached_weights is None or not _adopt_weights(model, cached_weights):
-        with tqdm(
-            total=checkpoint.num_tensors, desc="Loading weights", unit="tensor", delay=1.0, leave=False
-        ) as bar:
-            model.load_weights(_counting(checkpoint.read_weights(), bar))
-        if cache:
+    if checkpoint.format != "gguf":
+        _load_weights(model, checkpoint)
+        return model.to(device)
+    cache = ConversionCache(cache_dir, checkpoint.fingerprint)
+    with cache.converting():
+        cached_weights = cache.load_weights(dtype)
+        if cached_weights is None or not _adopt_weights(model, cached_weights):
+            _load_weights(model, checkpoint)
             cache.save_weights(dtype, {name: p.data.contiguous() for name, p in model.named_parameters()})
     return model.to(device)
+
+
+def _load_weights(model: LlamaForCausalLM, checkpoint: Checkpoint) -> None:
+    with tqdm(
+        total=checkpoint.num_tensors, desc="Loading weights", unit="tensor", delay=1.0, leave=False
+    ) as bar:
+        model.load_weights(_counting(checkpoint.read_weights(), bar))
 
 
 def _adopt_weights(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor]) -> bool:

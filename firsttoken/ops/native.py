@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from firsttoken.arithmetic import ceil_div
+from firsttoken.cache_lock import building
 from firsttoken.ops import native_abi
 from firsttoken.ops.cpu_info import cpu_flags
 from firsttoken.ops.cpu_isa import CpuIsa, resolve_cpu_isa
@@ -811,8 +812,16 @@ def _built_library(cache_dir: Path, isa: CpuIsa) -> Path:
     library = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if library.exists():
         return library
+    with building(str(library.with_suffix(".lock")), f"the {isa.name} kernels"):
+        if not library.exists():
+            _build_library(compiler_and_flags, abi_header, library)
+    return library
+
+
+def _build_library(compiler_and_flags: list[str], abi_header: str, library: Path) -> None:
+    cache_dir = library.parent
     cache_dir.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent processes never load a half-written file.
+    # Build beside the target and rename: a process never loads a half-written file.
     with tempfile.TemporaryDirectory(dir=cache_dir) as build_dir:
         (Path(build_dir) / _ABI_HEADER_NAME).write_text(abi_header)
         partial = Path(build_dir) / library.name
@@ -822,7 +831,6 @@ def _built_library(cache_dir: Path, isa: CpuIsa) -> Path:
             check=True, capture_output=True, timeout=120,
         )
         os.replace(partial, library)
-    return library
 
 
 def _compile_objects(compiler_and_flags: list[str], build_dir: Path) -> list[Path]:

@@ -13,12 +13,13 @@ import json
 import logging
 import os
 import tempfile
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as RustTokenizer
 
+from firsttoken.cache_lock import building
 from firsttoken.models.arch import ModelArch
 from firsttoken.models.loaders.checkpoint import Checkpoint, NamedTensors
 from firsttoken.ops.rotary import RopeScaling
@@ -39,9 +40,15 @@ class ConversionCache:
     """One folder per converted model file."""
 
     def __init__(self, cache_dir: str | None, fingerprint: str) -> None:
-        self.folder = os.path.join(
-            cache_dir or default_cache_dir(), "converted", f"{fingerprint}-v{FORMAT_VERSION}"
-        )
+        root = cache_dir or default_cache_dir()
+        entry = f"{fingerprint}-v{FORMAT_VERSION}"
+        self.folder = os.path.join(root, "converted", entry)
+        self.lock_file = os.path.join(root, "locks", f"converted-{entry}.lock")
+
+    def converting(self) -> ContextManager[None]:
+        """Hold while checking for and writing this file's entries: one process converts, any
+        other started beside it waits and then reads the result."""
+        return building(self.lock_file, f"the conversion of {os.path.basename(self.folder)}")
 
     def weights_file(self, dtype: torch.dtype) -> str:
         return os.path.join(self.folder, f"weights-{str(dtype).removeprefix('torch.')}.safetensors")
