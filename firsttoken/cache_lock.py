@@ -22,6 +22,15 @@ def building(lock_path: str, what: str) -> Iterator[None]:
     """Hold the lock at `lock_path` (the entry's own) while checking for and building `what`.
     Where the lock cannot be taken (a read-only cache folder), build without it: concurrent
     builders then only repeat work, as each entry is written atomically."""
+    lock = _acquired_lock(lock_path, what)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _acquired_lock(lock_path: str, what: str) -> FileLock | None:
     try:
         os.makedirs(os.path.dirname(lock_path), exist_ok=True)
         lock = FileLock(lock_path)
@@ -32,9 +41,5 @@ def building(lock_path: str, what: str) -> Iterator[None]:
             lock.acquire()
     except OSError as error:
         logger.debug("building %s without a lock (%s)", what, error)
-        yield
-        return
-    try:
-        yield
-    finally:
-        lock.release()
+        return None
+    return lock
