@@ -191,11 +191,28 @@ def two_layer_model_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def hf_model(model_path):
-    """transformers' own GGUF loader and Llama implementation on the same file, float32."""
-    from transformers import AutoModelForCausalLM
+    """transformers' own GGUF loader and Llama implementation on the same file, float32.
 
-    folder, file_name = os.path.split(model_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file_name, dtype=torch.float32)
+    Its GGUF loader takes ~18 s of a core: the first test process of the run to need the model
+    saves the weights it made in the run's cache, and the others read them (~2 s)."""
+    from safetensors.torch import load_model, save_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from firsttoken.cache_lock import building
+
+    saved_folder = os.path.join(os.environ[_RUN_CACHE_ENV], "transformers-reference")
+    saved_weights = os.path.join(saved_folder, "model.safetensors")
+    with building(saved_folder + ".lock", "transformers' reference model"):
+        if os.path.exists(saved_weights):
+            config = AutoConfig.from_pretrained(saved_folder)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            load_model(model, saved_weights)
+        else:
+            folder, file_name = os.path.split(model_path)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file_name, dtype=torch.float32)
+            model.config.save_pretrained(saved_folder)
+            save_model(model, saved_weights + ".partial")
+            os.replace(saved_weights + ".partial", saved_weights)
     return model.eval()
 
 
