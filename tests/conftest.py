@@ -194,7 +194,7 @@ def hf_model(model_path):
     """transformers' own GGUF loader and Llama implementation on the same file, float32.
 
     Its GGUF loader takes ~18 s of a core: the first test process of the run to need the model
-    saves the weights it made in the run's cache, and the others read them (~2 s)."""
+    saves the weights it made in the run's cache, and the others read them (~4 s)."""
     from safetensors.torch import load_model, save_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
