@@ -82,16 +82,7 @@ def build_model(
 ) -> LlamaForCausalLM:
     """The model with its weights loaded; converted GGUF weights are cached per dtype.
     `streaming_window` and `sink_tokens`: StreamingLLM (see LlamaForCausalLM)."""
-    model = LlamaForCausalLM(
-        checkpoint.arch,
-        backend,
-        kernels,
-        dtype,
-        max_positions,
-        checkpoint.rope_frequency_divisors,
-        streaming_window,
-        sink_tokens,
-    )
+    model = unloaded_model(checkpoint, backend, kernels, dtype, max_positions, streaming_window, sink_tokens)
     if checkpoint.format != "gguf":
         _load_weights(model, checkpoint)
         return model.to(device)
@@ -102,6 +93,29 @@ def build_model(
             _load_weights(model, checkpoint)
             cache.save_weights(dtype, {name: p.data.contiguous() for name, p in model.named_parameters()})
     return model.to(device)
+
+
+def unloaded_model(
+    checkpoint: Checkpoint,
+    backend: AttentionBackend,
+    kernels: Kernels,
+    dtype: torch.dtype,
+    max_positions: int,
+    streaming_window: int | None = None,
+    sink_tokens: int = 0,
+) -> LlamaForCausalLM:
+    """The checkpoint's model with its weights allocated (untouched: no memory of theirs is
+    faulted in) but not loaded."""
+    return LlamaForCausalLM(
+        checkpoint.arch,
+        backend,
+        kernels,
+        dtype,
+        max_positions,
+        checkpoint.rope_frequency_divisors,
+        streaming_window,
+        sink_tokens,
+    )
 
 
 def _load_weights(model: LlamaForCausalLM, checkpoint: Checkpoint) -> None:

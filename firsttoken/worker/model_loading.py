@@ -19,13 +19,14 @@ from firsttoken.errors import InvalidInputError
 from firsttoken.models.arch import ModelArch
 from firsttoken.models.llama import LlamaForCausalLM, every_layer_is_plain
 from firsttoken.models.loaders.checkpoint import Checkpoint
-from firsttoken.models.registry import build_model
+from firsttoken.models.registry import build_model, unloaded_model
 from firsttoken.models.sharding import Collectives, ModelShard
 from firsttoken.ops.kernels import Kernels
 from firsttoken.ops.linear import onednn_packing_available
 from firsttoken.ops.native import NativeKernels, load_native_kernels
 from firsttoken.ops.w8a8 import w8a8_unsupported_reason
 from firsttoken.worker.activation_stats import load_activation_maxima
+from firsttoken.worker.shared_weights import SHARED_WEIGHTS, PreparedWeights, WeightsForm
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +47,13 @@ class ModelPlacement:
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """The model a worker runs, with its attention backend and kernels."""
+    """The model a worker runs, with its attention backend and kernels, and the prepared
+    weights it shares with the other engines of its form in this process (None: its own)."""
 
     model: LlamaForCausalLM
     backend: AttentionBackend
     kernels: Kernels
+    shared_weights: PreparedWeights | None
 
 
 def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPlacement) -> LoadedModel:
@@ -80,12 +83,44 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
     kernels = Kernels(
         fused=model_config.fuse_ops, native_kernels=native_kernels, triton_ops=_triton_ops(device)
     )
+    _check_quantization_runs_here(model_config.quantization, device, native_kernels)
+    pack_onednn = onednn_packing_available(placement.dtype, device)
+    form = _weights_form(config, checkpoint, placement, native_kernels, pack_onednn)
+    shared = SHARED_WEIGHTS.find(form) if form is not None else None
+    if shared is not None:
+        model = unloaded_model(
+            checkpoint,
+            backend,
+            kernels,
+            placement.dtype,
+            placement.max_model_len,
+            streaming.window,
+            streaming.sink_tokens,
+        )
+        shared.lend_to(model)
+        return LoadedModel(model, backend, kernels, shared)
+    model = _prepared_model(config, checkpoint, placement, backend, kernels, pack_onednn)
+    prepared = SHARED_WEIGHTS.add(form, model) if form is not None else None
+    return LoadedModel(model, backend, kernels, prepared)
+
+
+def _prepared_model(
+    config: EngineConfig,
+    checkpoint: Checkpoint,
+    placement: ModelPlacement,
+    backend: AttentionBackend,
+    kernels: Kernels,
+    pack_onednn: bool,
+) -> LlamaForCausalLM:
+    """The model loaded, sliced to the placement's shard and its projections prepared."""
+    model_config = config.model_config
+    streaming = config.streaming_llm
     model = build_model(
         checkpoint,
         backend,
         kernels,
         placement.dtype,
-        device,
+        placement.device,
         placement.max_model_len,
         placement.cache_dir,
         streaming.window,
@@ -93,7 +128,6 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
     )
     if placement.shard is not None and placement.collectives is not None:
         model.shard(placement.shard, placement.collectives)
-    _check_quantization_runs_here(model_config.quantization, device, native_kernels)
     activation_maxima = (
         load_activation_maxima(model_config.w8a8_activation_stats, model.layers)
         if model_config.w8a8_activation_stats is not None
@@ -102,12 +136,37 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
     model.prepare_projections(
         model_config.quantization,
         model_config.quantized_prefill,
-        onednn_packing_available(placement.dtype, device),
+        pack_onednn,
         batch_invariant=model_config.batch_invariant,
-        triton_matmuls=device.type == "cuda",
+        triton_matmuls=placement.device.type == "cuda",
         activation_maxima=activation_maxima,
     )
-    return LoadedModel(model, backend, kernels)
+    return model
+
+
+def _weights_form(
+    config: EngineConfig,
+    checkpoint: Checkpoint,
+    placement: ModelPlacement,
+    native_kernels: NativeKernels | None,
+    pack_onednn: bool,
+) -> WeightsForm | None:
+    """The form of the weights this engine prepares; None where they are its own alone (a
+    tensor-parallel slice, or smoothed by a calibration file that may change between starts)."""
+    model_config = config.model_config
+    if placement.shard is not None or model_config.w8a8_activation_stats is not None:
+        return None
+    return WeightsForm(
+        fingerprint=checkpoint.fingerprint,
+        dtype=placement.dtype,
+        device=placement.device,
+        quantization=model_config.quantization,
+        quantized_prefill=model_config.quantized_prefill,
+        batch_invariant=model_config.batch_invariant,
+        fuse_ops=model_config.fuse_ops,
+        native_isa=native_kernels.isa if native_kernels is not None else None,
+        pack_onednn=pack_onednn,
+    )
 
 
 def _check_streaming_runs_here(

@@ -82,6 +82,8 @@ class Worker:
         """Load the model (this rank's slice of it) in its fastest form here."""
         loaded = load_model(self.config, self.checkpoint, self.placement)
         self.model, self.backend, self.kernels = loaded.model, loaded.backend, loaded.kernels
+        # Held while this worker lives: engines started after it share these weights.
+        self.shared_weights = loaded.shared_weights
         self.batch_invariant = claims_batch_invariance(
             self.config, self.model, self.backend, self.kernels, self.dtype, self.device
         )

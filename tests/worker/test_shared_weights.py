@@ -1,0 +1,61 @@
+"""Engines of one model in one process share its prepared weights (firsttoken/worker/shared_weights.py):
+the same tokens as an engine with weights of its own, only between engines whose weights have the
+same form, and none held once the engines are gone."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+
+from firsttoken import LLM, SamplingParams
+from tests.conftest import FIXED_THREADS
+
+SHARING_MESSAGE = "sharing the prepared weights of another engine in this process"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+def _engine(model_path: str, **options) -> LLM:
+    return LLM(model_path, kv_cache_memory_bytes=32 << 20, chunk_size=64, **FIXED_THREADS, **options)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [output.token_ids for output in llm.generate(PROMPTS, GREEDY)]
+
+
+def _shared_in(caplog: pytest.LogCaptureFixture) -> bool:
+    return any(record.getMessage() == SHARING_MESSAGE for record in caplog.records)
+
+
+@pytest.mark.parametrize("options", [{"dtype": "float32"}, {"dtype": "float32", "quantization": "int8"}])
+def test_a_second_engine_shares_the_first_ones_weights_and_gives_its_tokens(
+    two_layer_model_path, caplog, options
+):
+    caplog.set_level(logging.INFO, logger="firsttoken.worker.shared_weights")
+    first = _engine(two_layer_model_path, **options)
+    assert not _shared_in(caplog)
+    second = _engine(two_layer_model_path, max_num_seqs=2, **options)
+    assert _shared_in(caplog)
+    assert _tokens(second) == _tokens(first)
+    # Stepping the second engine left the first one's weights as they were.
+    del second
+    alone = _tokens(first)
+    del first
+    gc.collect()
+    caplog.clear()
+    assert _tokens(_engine(two_layer_model_path, **options)) == alone
+    assert not _shared_in(caplog)
+
+
+def test_engines_with_weights_in_other_forms_build_their_own(two_layer_model_path, caplog):
+    caplog.set_level(logging.INFO, logger="firsttoken.worker.shared_weights")
+    engines = [_engine(two_layer_model_path, dtype="float32")]
+    other_forms = [
+        {"dtype": "bfloat16"},
+        {"dtype": "float32", "quantization": "int8"},
+        {"dtype": "float32", "fuse_ops": False},
+    ]
+    engines += [_engine(two_layer_model_path, **options) for options in other_forms]
+    assert not _shared_in(caplog)
