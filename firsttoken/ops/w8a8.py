@@ -128,6 +128,12 @@ def onednn_int8_sums_exact() -> bool:
     return torch.equal(output, expected)
 
 
+def w8a8_on_native_matmul(kernels: native.NativeKernels | None) -> bool:
+    """Whether W8A8 projections run on the native kernels' int8 matmul: where they have one and
+    oneDNN's sums are not exact (AVX2 without VNNI saturates them)."""
+    return kernels is not None and kernels.has_w8a8_matmul and not onednn_int8_sums_exact()
+
+
 def w8a8_unsupported_reason(
     device: torch.device, kernels: native.NativeKernels | None = None
 ) -> str | None:
@@ -197,7 +203,7 @@ class W8A8Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.out_features = weight.shape[0]
-        self.native_matmul = kernels is not None and kernels.has_w8a8_matmul and not onednn_int8_sums_exact()
+        self.native_matmul = w8a8_on_native_matmul(kernels)
         if self.native_matmul:
             packed = kernels.pack_w8a8_weight(weight)
         else:

@@ -24,7 +24,7 @@ from firsttoken.models.sharding import Collectives, ModelShard
 from firsttoken.ops.kernels import Kernels
 from firsttoken.ops.linear import onednn_packing_available
 from firsttoken.ops.native import NativeKernels, load_native_kernels
-from firsttoken.ops.w8a8 import w8a8_unsupported_reason
+from firsttoken.ops.w8a8 import w8a8_on_native_matmul, w8a8_unsupported_reason
 from firsttoken.worker.activation_stats import load_activation_maxima
 from firsttoken.worker.shared_weights import SHARED_WEIGHTS, PreparedWeights, WeightsForm
 
@@ -166,6 +166,7 @@ def _weights_form(
         fuse_ops=model_config.fuse_ops,
         native_isa=native_kernels.isa if native_kernels is not None else None,
         pack_onednn=pack_onednn,
+        w8a8_native_matmul=model_config.quantization == "w8a8" and w8a8_on_native_matmul(native_kernels),
     )
 
 

@@ -44,6 +44,7 @@ class WeightsForm:
     fuse_ops: bool
     native_isa: str | None
     pack_onednn: bool
+    w8a8_native_matmul: bool
 
 
 class PreparedWeights:
