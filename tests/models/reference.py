@@ -21,6 +21,18 @@ def hf_greedy(hf_model, prompt_ids: list[int], num_tokens: int) -> tuple[list[in
     return generated, first_logprobs
 
 
+def hf_logits_along(hf_model, prompt_ids: list[int], continuation_ids: list[int]) -> torch.Tensor:
+    """transformers' logits [len(continuation_ids), vocab] at each position that chose a
+    continuation token: the prompt's last, then after each continuation token but the last.
+
+    One forward pass of the whole sequence. A continuation is transformers' greedy one exactly
+    when each of its tokens is the argmax of its row (each step's context is then the one greedy
+    decoding would have): the check costs a prefill, not a decode step per token."""
+    with torch.no_grad():
+        sequence = torch.tensor([prompt_ids + continuation_ids[:-1]])
+        return hf_model(sequence).logits[0, len(prompt_ids) - 1 :].float()
+
+
 def assert_logprobs_close(first_token_logprobs, expected_logprobs: torch.Tensor, tolerance: float) -> None:
     """Every returned top alternative's log-prob is within `tolerance` of the reference."""
     assert first_token_logprobs.top_logprobs, "no top logprobs returned"

@@ -9,7 +9,7 @@ import torch
 
 from firsttoken import SamplingParams
 from tests.conftest import FIXED_THREADS, cpu_has_bf16_instructions
-from tests.models.reference import assert_logprobs_close, hf_greedy
+from tests.models.reference import assert_logprobs_close, hf_logits_along
 from tests.prompts import CHAT_CONVERSATION, SHORT_PROMPTS, long_prompt
 
 NUM_TOKENS = 32
@@ -33,8 +33,10 @@ def test_greedy_tokens_and_prefill_logprobs_match_transformers(llm, hf_model, pa
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
     outputs = llm.generate(prompt_token_ids=parity_prompts, sampling_params=params)
     for prompt_ids, output in zip(parity_prompts, outputs):
-        expected_ids, expected_logprobs = hf_greedy(hf_model, prompt_ids, NUM_TOKENS)
+        logits = hf_logits_along(hf_model, prompt_ids, output.token_ids)
+        expected_ids = logits.argmax(dim=-1).tolist()
         assert output.token_ids == expected_ids, f"prompt of {len(prompt_ids)} tokens diverged"
+        expected_logprobs = torch.log_softmax(logits[0], dim=-1)
         first = output.logprobs[0]
         assert_logprobs_close(first, expected_logprobs, LOGPROB_TOLERANCE)
         expected_top = torch.topk(expected_logprobs, TOP_LOGPROBS).indices.tolist()
@@ -81,9 +83,7 @@ def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(llm_bf16, hf_mode
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
     outputs = llm_bf16.generate(prompt_token_ids=parity_prompts, sampling_params=params)
     for prompt_ids, output in zip(parity_prompts, outputs):
-        with torch.no_grad():
-            sequence = torch.tensor([prompt_ids + output.token_ids[:-1]])
-            logits = hf_model_bf16(sequence).logits[0, len(prompt_ids) - 1 :].float()
+        logits = hf_logits_along(hf_model_bf16, prompt_ids, output.token_ids)
         assert_logprobs_close(output.logprobs[0], torch.log_softmax(logits[0], -1), BF16_LOGPROB_TOLERANCE)
         for position, token in enumerate(output.token_ids):
             best = int(logits[position].argmax())
@@ -138,9 +138,7 @@ def test_quantized_decode_stays_close_to_float32_transformers(
     )
     for prompt_ids in parity_prompts[:-1]:
         (output,) = llm.generate(prompt_token_ids=[prompt_ids], sampling_params=params)
-        with torch.no_grad():
-            sequence = torch.tensor([prompt_ids + output.token_ids[:-1]])
-            logits = hf_model(sequence).logits[0, len(prompt_ids) - 1 :].float()
+        logits = hf_logits_along(hf_model, prompt_ids, output.token_ids)
         reference = torch.log_softmax(logits, dim=-1)
         for position, (token, token_logprobs) in enumerate(zip(output.token_ids, output.logprobs)):
             for alternative in token_logprobs.top_logprobs[:5]:
