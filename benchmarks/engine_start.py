@@ -7,6 +7,9 @@ Per warm-up length, taking turns: the engine's start (model already converted an
 already built: what every start but a machine's first pays), the TTFT of its first request and
 the median TTFT of three later ones (fresh prompts each, prompt cache off). A warm-up that pays
 every one-time cost shows a first/later ratio near 1.
+
+Then an engine's start alone against its start beside a live engine of the same form in the
+same process, which lends it its prepared weights (firsttoken/worker/shared_weights.py).
 """
 
 from __future__ import annotations
@@ -48,6 +51,23 @@ def one_start(model: str, warm_up_tokens: int, prompt_len: int, seed: int, dtype
     return {"start_s": start_s, "first_ttft_s": first_s, "later_ttft_s": later_s}
 
 
+def start_alone_and_beside(model: str, dtype: str, repeats: int) -> tuple[float, float]:
+    """Median starts of an engine with no other alive, and beside a live one of the same form."""
+    options = dict(dtype=dtype, chunk_size=512, adaptive_threads=False)
+    alone = []
+    for _ in range(repeats):
+        alone.append(timed(lambda: LLM(model, **options)))
+        gc.collect()
+    live = LLM(model, **options)
+    beside = []
+    for _ in range(repeats):
+        beside.append(timed(lambda: LLM(model, **options)))
+        gc.collect()
+    del live
+    gc.collect()
+    return statistics.median(alone), statistics.median(beside)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warm-up-tokens", type=int, nargs="+", default=[32, 512])
@@ -83,7 +103,15 @@ def main() -> None:
         ["warm-up tokens", "start s", f"start / {baseline}", "first TTFT s", "later TTFT s", "first / later"],
         rows,
     )
-    save_result("engine_start", {"args": vars(args), "medians": medians})
+    alone_s, beside_s = start_alone_and_beside(model, args.dtype, args.repeats)
+    print_table(
+        ["start alone s", "beside a live engine s", "beside / alone"],
+        [[alone_s, beside_s, beside_s / alone_s]],
+    )
+    save_result(
+        "engine_start",
+        {"args": vars(args), "medians": medians, "start_alone_s": alone_s, "start_beside_s": beside_s},
+    )
 
 
 if __name__ == "__main__":
