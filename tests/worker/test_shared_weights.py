@@ -11,10 +11,18 @@ import pytest
 
 from firsttoken import LLM, SamplingParams
 from tests.conftest import FIXED_THREADS
+from tests.models.tiny_models import write_smollm2_shaped_folder
 
 SHARING_MESSAGE = "sharing the prepared weights of another engine in this process"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
+
+
+@pytest.fixture
+def own_model_path(tmp_path) -> str:
+    """A one-layer random-weight model of this test's own: no engine elsewhere in the test
+    process holds its weights."""
+    return write_smollm2_shaped_folder(str(tmp_path / "one-layer"), num_layers=1)
 
 
 def _engine(model_path: str, **options) -> LLM:
@@ -31,12 +39,12 @@ def _shared_in(caplog: pytest.LogCaptureFixture) -> bool:
 
 @pytest.mark.parametrize("options", [{"dtype": "float32"}, {"dtype": "float32", "quantization": "int8"}])
 def test_a_second_engine_shares_the_first_ones_weights_and_gives_its_tokens(
-    two_layer_model_path, caplog, options
+    own_model_path, caplog, options
 ):
     caplog.set_level(logging.INFO, logger="firsttoken.worker.shared_weights")
-    first = _engine(two_layer_model_path, **options)
+    first = _engine(own_model_path, **options)
     assert not _shared_in(caplog)
-    second = _engine(two_layer_model_path, max_num_seqs=2, **options)
+    second = _engine(own_model_path, max_num_seqs=2, **options)
     assert _shared_in(caplog)
     assert _tokens(second) == _tokens(first)
     # Stepping the second engine left the first one's weights as they were.
@@ -45,17 +53,17 @@ def test_a_second_engine_shares_the_first_ones_weights_and_gives_its_tokens(
     del first
     gc.collect()
     caplog.clear()
-    assert _tokens(_engine(two_layer_model_path, **options)) == alone
+    assert _tokens(_engine(own_model_path, **options)) == alone
     assert not _shared_in(caplog)
 
 
-def test_engines_with_weights_in_other_forms_build_their_own(two_layer_model_path, caplog):
+def test_engines_with_weights_in_other_forms_build_their_own(own_model_path, caplog):
     caplog.set_level(logging.INFO, logger="firsttoken.worker.shared_weights")
-    engines = [_engine(two_layer_model_path, dtype="float32")]
+    engines = [_engine(own_model_path, dtype="float32")]
     other_forms = [
         {"dtype": "bfloat16"},
         {"dtype": "float32", "quantization": "int8"},
         {"dtype": "float32", "fuse_ops": False},
     ]
-    engines += [_engine(two_layer_model_path, **options) for options in other_forms]
+    engines += [_engine(own_model_path, **options) for options in other_forms]
     assert not _shared_in(caplog)
