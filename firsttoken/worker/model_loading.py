@@ -98,7 +98,8 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
             streaming.sink_tokens,
         )
         shared.lend_to(model)
-        return LoadedModel(model, backend, kernels, shared)
+        # The weights are on the device already; this moves the model's own rotary tables.
+        return LoadedModel(model.to(device), backend, kernels, shared)
     model = _prepared_model(config, checkpoint, placement, backend, kernels, pack_onednn)
     prepared = SHARED_WEIGHTS.add(form, model) if form is not None else None
     return LoadedModel(model, backend, kernels, prepared)
