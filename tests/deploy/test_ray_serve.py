@@ -1,5 +1,7 @@
-"""The Ray Serve application end to end: a local Ray instance, two replicas of the embedded model
-(one thread and a small KV cache each), the official `openai` client against the ingress.
+"""The Ray Serve application end to end: a local Ray instance, two replicas (one thread and a
+small KV cache each) of the 2-layer random-weight model of the embedded model's shapes and
+tokenizer (what is checked is routing, pins and the API through Ray, not the model's words), the
+official `openai` client against the ingress.
 
 Ray starts once for the module; the replica-killing test runs last, since it replaces one.
 """
@@ -54,7 +56,7 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
-def endpoint(ray_cluster, model_path):
+def endpoint(ray_cluster, two_layer_model_path):
     from ray import serve
 
     from firsttoken.deploy.ray import ReplicasConfig, build_application
@@ -65,7 +67,7 @@ def endpoint(ray_cluster, model_path):
         replicas = ReplicasConfig(num_replicas=2, num_cpus=1, routing_stats_period_s=0.5, sync_interval_s=0.5)
         config = ServerConfig(served_model_names=(MODEL_NAME,))
         serve.run(
-            build_application(model_path, ENGINE_OPTIONS, config, replicas),
+            build_application(two_layer_model_path, ENGINE_OPTIONS, config, replicas),
             name="firsttoken",
             route_prefix="/",
         )

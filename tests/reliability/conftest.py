@@ -1,5 +1,7 @@
 """Servers for the reliability tests: one shared by the package, and servers of their own for
-tests that exhaust or break them."""
+tests that exhaust or break them. They serve the 2-layer random-weight model of the embedded
+model's shapes and tokenizer: what is checked is how the server holds up (limits, refusals,
+disconnects, faults), with the same kernels at a fifth of the step time."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ def shared_config() -> ServerConfig:
 
 
 @pytest.fixture(scope="package")
-def server(model_path):
+def server(two_layer_model_path):
     """The package's server: a short context, a bounded queue, small prefill chunks."""
-    with running_server(model_path, shared_config(), **SHARED_ENGINE_OPTIONS) as running:
+    with running_server(two_layer_model_path, shared_config(), **SHARED_ENGINE_OPTIONS) as running:
         yield running

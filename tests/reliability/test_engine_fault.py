@@ -19,9 +19,9 @@ HANG_LIMIT_S = 120
 
 
 @pytest.fixture
-def server_to_break(model_path):
+def server_to_break(two_layer_model_path):
     """A server of its own: its engine stays dead after the test."""
-    with running_server(model_path, shared_config(), **SHARED_ENGINE_OPTIONS) as running:
+    with running_server(two_layer_model_path, shared_config(), **SHARED_ENGINE_OPTIONS) as running:
         yield running
 
 

@@ -12,14 +12,15 @@ import pytest
 from firsttoken.server.config import ServerConfig
 from tests.server.conftest import MODEL_NAME, running_server
 
-# SmolLM2-135M in float32 takes 720 KiB a 16-token block: about 12 blocks, three requests' worth.
-TINY_KV_BYTES = 9 << 20
+# The 2-layer model of SmolLM2-135M's shapes in float32 takes 48 KiB a 16-token block: about 12
+# blocks, three requests' worth.
+TINY_KV_BYTES = 576 << 10
 MAX_TOKENS = 48
 NUM_CLIENTS = 16
 
 
 @pytest.fixture(scope="module")
-def tiny_kv_server(model_path):
+def tiny_kv_server(two_layer_model_path):
     config = ServerConfig(port=0, served_model_names=(MODEL_NAME,))
     options = dict(
         kv_cache_memory_bytes=TINY_KV_BYTES,
@@ -28,7 +29,7 @@ def tiny_kv_server(model_path):
         max_waiting_requests=4,
         chunk_size=32,
     )
-    with running_server(model_path, config, **options) as running:
+    with running_server(two_layer_model_path, config, **options) as running:
         assert running.engine.stats().num_kv_blocks * 16 < 4 * (MAX_TOKENS + 16), "the cache must be tight"
         yield running
 
