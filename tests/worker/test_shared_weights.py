@@ -4,6 +4,7 @@ same form, and none held once the engines are gone."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import logging
 
@@ -67,3 +68,14 @@ def test_engines_with_weights_in_other_forms_build_their_own(own_model_path, cap
     ]
     engines += [_engine(own_model_path, **options) for options in other_forms]
     assert not _shared_in(caplog)
+
+
+def test_engines_sharing_weights_step_at_once_and_give_their_own_tokens(own_model_path):
+    """Two engines on the same weights, each generating on its own thread at the same time (as a
+    server's engine beside a batch job's): each gives the tokens it gives alone."""
+    first = _engine(own_model_path, dtype="float32")
+    second = _engine(own_model_path, dtype="float32")
+    alone = _tokens(first)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        at_once = [future.result() for future in [pool.submit(_tokens, first), pool.submit(_tokens, second)]]
+    assert at_once == [alone, alone]
