@@ -21,6 +21,8 @@ from tests.engine_state import all_blocks_free
 from tests.prompts import CHAT_CONVERSATION, SHORT_PROMPTS, long_prompt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# A prompt of ~660 tokens: a full 512-row chunk (the compiled ops' size) and a shorter second one.
+CHUNKED_PROMPT_REPEATS = 7
 
 
 def _mixed_prompts(llm: LLM, count: int) -> list[list[int]]:
@@ -203,7 +205,7 @@ def test_fused_ops_give_the_plain_ops_tokens(llm, engine_for):
         pytest.skip("no native kernels on this machine")
     plain = engine_for(dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=512, fuse_ops=False)
     assert plain.core.worker.kernels.native is None
-    prompts = _mixed_prompts(llm, 6) + [llm.tokenizer.encode(long_prompt())]
+    prompts = _mixed_prompts(llm, 6) + [llm.tokenizer.encode(long_prompt(CHUNKED_PROMPT_REPEATS))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
     fused_outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     plain_outputs = plain.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -229,7 +231,7 @@ def test_native_int4_decode_gives_the_per_op_tokens(model_path):
     runner = llm.core.worker.runner
     if runner.whole_step_decode is None:
         pytest.skip("no native int4 decode on this machine (needs a C compiler and AVX512-BF16)")
-    prompts = _mixed_prompts(llm, 4) + [llm.tokenizer.encode(long_prompt())]
+    prompts = _mixed_prompts(llm, 4) + [llm.tokenizer.encode(long_prompt(CHUNKED_PROMPT_REPEATS))]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     native_outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     runner.whole_step_decode = None
@@ -245,11 +247,11 @@ def test_native_int4_decode_gives_the_per_op_tokens(model_path):
             assert abs(ours.top_logprobs[0].logprob - theirs.top_logprobs[0].logprob) < 0.25
 
 
-def test_float32_int4_whole_step_decode_gives_the_per_op_bits(model_path):
-    """On every CPU with native kernels, a float32 int4 engine runs decode-only steps in one
-    native call on the per-op path's own kernels: the same tokens and logprob bits as stepping
-    op by op, batched and alone (no prompt cache, so each pass prefills alike)."""
-    llm = LLM(
+@pytest.fixture(scope="module")
+def float32_int4_engine(model_path) -> LLM:
+    """A float32 engine on the file's 4-bit weights, without a prompt cache (each pass prefills
+    alike); a test that swaps a part of it puts the part back."""
+    return LLM(
         model_path,
         dtype="float32",
         quantization="int4",
@@ -258,18 +260,29 @@ def test_float32_int4_whole_step_decode_gives_the_per_op_bits(model_path):
         chunk_size=512,
         **FIXED_THREADS,
     )
+
+
+def test_float32_int4_whole_step_decode_gives_the_per_op_bits(float32_int4_engine):
+    """On every CPU with native kernels, a float32 int4 engine runs decode-only steps in one
+    native call on the per-op path's own kernels: the same tokens and logprob bits as stepping
+    op by op, batched and alone."""
+    llm = float32_int4_engine
     runner = llm.core.worker.runner
-    if runner.whole_step_decode is None:
+    whole_step_decode = runner.whole_step_decode
+    if whole_step_decode is None:
         pytest.skip("no native kernels on this machine (needs a C compiler)")
     prompts = _mixed_prompts(llm, 3)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     passes = []
-    for whole_step in (runner.whole_step_decode, None):
-        runner.whole_step_decode = whole_step
-        passes.append(
-            llm.generate(prompt_token_ids=prompts, sampling_params=params)
-            + llm.generate(prompt_token_ids=prompts[:1], sampling_params=params)
-        )
+    try:
+        for whole_step in (whole_step_decode, None):
+            runner.whole_step_decode = whole_step
+            passes.append(
+                llm.generate(prompt_token_ids=prompts, sampling_params=params)
+                + llm.generate(prompt_token_ids=prompts[:1], sampling_params=params)
+            )
+    finally:
+        runner.whole_step_decode = whole_step_decode
     for whole, per_op in zip(*passes):
         assert whole.token_ids == per_op.token_ids
         assert [entry.top_logprobs for entry in whole.logprobs] == [
@@ -311,18 +324,11 @@ class _DequantizedLinear(nn.Module):
 FLOAT32_REORDER_LOGPROB_TOLERANCE = 2e-2
 
 
-def test_float32_int4_decode_gives_the_dequantized_weights_tokens(model_path):
+def test_float32_int4_decode_gives_the_dequantized_weights_tokens(float32_int4_engine):
     """float32 + int4 on the portable kernels (int8 LM head) against the same engine with every
     quantized projection replaced by F.linear on its dequantized weights; the short parity
     prompts in one batch (decode steps of 7 rows) and one of them alone (steps of 1 row)."""
-    llm = LLM(
-        model_path,
-        dtype="float32",
-        quantization="int4",
-        kv_cache_memory_bytes=256 << 20,
-        chunk_size=512,
-        **FIXED_THREADS,
-    )
+    llm = float32_int4_engine
     dispatches = [
         module for module in llm.core.worker.model.modules() if isinstance(module, DecodeQuantizedLinear)
     ]
@@ -338,9 +344,14 @@ def test_float32_int4_decode_gives_the_dequantized_weights_tokens(model_path):
         return llm.generate(prompt_token_ids=prompts, sampling_params=params) + alone
 
     quantized_outputs = generate_batched_and_alone()
-    for dispatch in dispatches:
-        dispatch.quantized = _DequantizedLinear(dispatch.quantized)
-    reference_outputs = generate_batched_and_alone()
+    quantized_modules = [dispatch.quantized for dispatch in dispatches]
+    try:
+        for dispatch in dispatches:
+            dispatch.quantized = _DequantizedLinear(dispatch.quantized)
+        reference_outputs = generate_batched_and_alone()
+    finally:
+        for dispatch, quantized in zip(dispatches, quantized_modules):
+            dispatch.quantized = quantized
     for ours, reference in zip(quantized_outputs, reference_outputs, strict=True):
         for mine, theirs in zip(ours.logprobs, reference.logprobs):
             if mine.token_id != theirs.token_id:
