@@ -62,7 +62,7 @@ def _check_stream(
     finished = [event for event in events[:-1] if '"finish_reason":"' in event]
     errors = [event for event in events if '"error"' in event]
     complete = bool(events) and events[-1] == "data: [DONE]" and bool(finished) and not errors
-    tally.record("complete" if complete else "incomplete", None if complete else str(events[-3:]))
+    tally.record("complete" if complete else "incomplete", None if complete else "\n".join(events))
 
 
 def _one_request(http: httpx.Client, rng: random.Random, tally: SoakTally) -> None:
@@ -113,7 +113,7 @@ def _soak(server, duration_s: float) -> SoakTally:
 
 def _assert_clean(server, tally: SoakTally, start) -> None:
     failed = tally.outcomes["5xx"] + tally.outcomes["incomplete"]
-    assert failed == 0, (tally.outcomes, tally.failures[:5])
+    assert failed == 0, f"{tally.outcomes}; the first failures:\n" + "\n".join(tally.failures[:5])
     assert tally.outcomes["complete"] > 0, tally.outcomes
     server.wait_for_idle_kv(since=start)
 
