@@ -131,7 +131,9 @@ def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path):
             [sys.executable, "-m", "firsttoken", "serve", "--port", str(port),
              "--served-model-name", "cli-model",
              "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20), "--chunk-size", "64",
-             "--max-model-len", "128", "--pin-system-prompt", str(tmp_path / "system.txt")],
+             "--max-model-len", "128", "--pin-system-prompt", str(tmp_path / "system.txt"),
+             # One fixed thread: no step-cost measurement at start, no core taken from the others.
+             "--num-threads", "1", "--no-adaptive-threads"],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
     finally:
