@@ -9,20 +9,22 @@ import pytest
 from firsttoken.bench.stage_hooks import STAGES
 from firsttoken.cli import main
 from tests.bench.fake_openai_server import Script, serve_in_thread
+from tests.conftest import TEST_THREADS
 
-# Small engines that skip start-up calibration.
-# A fixed chunk size and thread count: no step-cost measurement at each engine's start.
+# Small engines of the 2-layer random-weight model (what is checked is what the verbs measure,
+# print and write, not the model's words) with a fixed chunk size and thread count: no step-cost
+# measurement at each engine's start.
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20), "--chunk-size", "512"]
-ENGINE_FLAGS += ["--no-adaptive-threads"]
+ENGINE_FLAGS += ["--no-adaptive-threads"] + (["--num-threads", str(TEST_THREADS)] if TEST_THREADS else [])
 SCRIPT = Script(ttft_s=0.080, gaps_s=(0.020, 0.020, 0.020))
 
 
-def test_profile_verb_prints_json_and_writes_a_chrome_trace(tmp_path, capsys, model_path):
+def test_profile_verb_prints_json_and_writes_a_chrome_trace(tmp_path, capsys, two_layer_model_path):
     trace = tmp_path / "trace.json"
     argv = [
         "profile",
         "--model",
-        model_path,
+        two_layer_model_path,
         "--input-len",
         "32",
         "--runs",
@@ -40,12 +42,12 @@ def test_profile_verb_prints_json_and_writes_a_chrome_trace(tmp_path, capsys, mo
     assert {"ttft", "attention", "mlp", "lm_head", "sampling"} <= names
 
 
-def test_latency_verb_reports_medians_of_the_timed_runs(capsys, model_path):
+def test_latency_verb_reports_medians_of_the_timed_runs(capsys, two_layer_model_path):
     argv = [
         "bench",
         "latency",
         "--model",
-        model_path,
+        two_layer_model_path,
         "--input-len",
         "48",
         "--output-len",
@@ -65,12 +67,12 @@ def test_latency_verb_reports_medians_of_the_timed_runs(capsys, model_path):
         assert median[name] == pytest.approx(sorted(run[name] for run in runs)[1])
 
 
-def test_latency_table_names_every_metric(capsys, model_path):
+def test_latency_table_names_every_metric(capsys, two_layer_model_path):
     argv = [
         "bench",
         "latency",
         "--model",
-        model_path,
+        two_layer_model_path,
         "--input-len",
         "16",
         "--output-len",
