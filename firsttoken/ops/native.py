@@ -41,16 +41,19 @@ from firsttoken.cache_lock import building
 from firsttoken.ops import native_abi
 from firsttoken.ops.cpu_info import cpu_flags
 from firsttoken.ops.cpu_isa import CpuIsa, resolve_cpu_isa
+from firsttoken.ops.weight_levels import PackedLevels, WeightLevels
 
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).parent / "csrc"
+# Rows `NativeKernels.find_levels` tries first.
+_LEVELS_PROBE_ROWS = 64
 _SOURCES = [
     _SOURCE_DIR / name
     for name in (
         "row_kernels.c", "attention.c", "matmul.c", "quantized_matmul.c", "prefill_attention.c",
         "paged_decode_attention.c", "quantized_matmul_bf16.c", "decode_step.c", "portable_decode_step.c",
-        "w8a8_rows.c", "w8a8_matmul.c",
+        "w8a8_rows.c", "w8a8_matmul.c", "weight_levels.c",
     )
 ]
 _HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h", _SOURCE_DIR / "decode_kernels.h"]
@@ -493,6 +496,76 @@ class NativeKernels:
                 weight_dtype=_code(packed_weight), bias=None if bias is None else bias.data_ptr(),
                 out_features=out_features, in_features=in_features, out=out.data_ptr(),
                 num_threads=torch.get_num_threads(),
+            )
+        )
+        return out
+
+    def find_levels(self, weight: torch.Tensor) -> WeightLevels | None:
+        """The levels form (ops/weight_levels.py) of a float32 CPU weight [out, in] whose every
+        value it rebuilds bit for bit: 4-bit levels with offsets (Q4_0, Q4_1), else 8-bit ones
+        (Q8_0); None for any other. The first rows go first: a weight of another form fails on
+        them at a small share of the cost."""
+        if (
+            weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2
+            or weight.shape[1] % native_abi.LEVELS_GROUP != 0
+        ):
+            return None
+        weight = weight.contiguous()
+        for level_bits in (4, 8):
+            if self._find_levels(weight[:_LEVELS_PROBE_ROWS], level_bits) is not None:
+                found = self._find_levels(weight, level_bits)
+                if found is not None:
+                    return found
+        return None
+
+    def _find_levels(self, weight: torch.Tensor, level_bits: int) -> WeightLevels | None:
+        """`weight` (contiguous float32 [out, in], in a multiple of `native_abi.LEVELS_GROUP`) as
+        `level_bits` levels that rebuild every value bit for bit, or None where a group has none."""
+        rows, cols = weight.shape
+        groups = cols // native_abi.LEVELS_GROUP
+        levels = torch.empty(rows, cols, dtype=torch.uint8 if level_bits == 4 else torch.int8)
+        scales = torch.empty(rows, groups)
+        offsets = torch.empty(rows, groups)
+        status = self._kernels["ft_find_weight_levels"](
+            weight=weight.data_ptr(), rows=rows, cols=cols, level_bits=level_bits, levels=levels.data_ptr(),
+            scales=scales.data_ptr(), offsets=offsets.data_ptr(), num_threads=torch.get_num_threads(),
+        )
+        if status == native_abi.Status.BAD_SHAPE:
+            return None
+        _check(status)
+        return WeightLevels(level_bits, levels, scales, offsets if level_bits == 4 else None)
+
+    def row_invariant_levels_matmul(
+        self, x: torch.Tensor, packed: PackedLevels, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        """`row_invariant_matmul`'s bits for a weight given as levels (`weight_levels`), packed
+        for this ISA's panel width, reading only its levels and scales: x [rows, in] float32,
+        rows <= `native_abi.LEVELS_MAX_ROWS`."""
+        rows, in_features = x.shape
+        panels, packed_inputs, _ = packed.levels.shape
+        width = self.matmul_panel_width
+        if (
+            x.dtype != torch.float32 or x.stride(1) != 1 or packed_inputs != in_features
+            or rows > native_abi.LEVELS_MAX_ROWS or not (panels - 1) * width < out_features <= panels * width
+            or packed.scales.shape != (panels, in_features // native_abi.LEVELS_GROUP, width)
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)))
+        ):
+            raise ValueError(
+                f"row_invariant_levels_matmul: x {tuple(x.shape)} {x.dtype} (at most "
+                f"{native_abi.LEVELS_MAX_ROWS} rows), levels {tuple(packed.levels.shape)}, scales "
+                f"{tuple(packed.scales.shape)} for {out_features} outputs of panels {width} wide"
+            )
+        out = x.new_empty(rows, out_features)
+        if rows == 0:
+            return out
+        bias = bias.contiguous() if bias is not None else None
+        _check(
+            self._kernels["ft_row_invariant_levels_matmul"](
+                x=x.data_ptr(), x_stride=x.stride(0), rows=rows, levels=packed.levels.data_ptr(),
+                level_bits=packed.bits, scales=packed.scales.data_ptr(),
+                offsets=None if packed.offsets is None else packed.offsets.data_ptr(),
+                bias=None if bias is None else bias.data_ptr(), out_features=out_features,
+                in_features=in_features, out=out.data_ptr(), num_threads=torch.get_num_threads(),
             )
         )
         return out

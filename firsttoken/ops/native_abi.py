@@ -47,6 +47,11 @@ INT4_INPUT_MULTIPLE = 2 * INT4_GROUP_SIZE
 PORTABLE_INT4_INPUT_MULTIPLE = INT4_GROUP_SIZE
 # Both int8 kernels read their inputs 16 at a time.
 INT8_INPUT_MULTIPLE = 16
+# The row-invariant matmul's weights as levels (GGUF's Q4_0/Q4_1/Q8_0 blocks): one scale (and
+# offset) per this many inputs of an output; at most this many rows a call, decode-sized steps
+# being the ones bound by reading the weights.
+LEVELS_GROUP = 32
+LEVELS_MAX_ROWS = 8
 # The `dtype` argument of the kernels that take either (bf16 as its raw uint16 bits).
 DTYPE_FLOAT32 = 0
 DTYPE_BFLOAT16 = 1
@@ -64,6 +69,8 @@ _C_CONSTANTS = {
     "INT4_INPUT_MULTIPLE": INT4_INPUT_MULTIPLE,
     "PORTABLE_INT4_INPUT_MULTIPLE": PORTABLE_INT4_INPUT_MULTIPLE,
     "INT8_INPUT_MULTIPLE": INT8_INPUT_MULTIPLE,
+    "LEVELS_GROUP": LEVELS_GROUP,
+    "LEVELS_MAX_ROWS": LEVELS_MAX_ROWS,
     "DTYPE_FLOAT32": DTYPE_FLOAT32,
     "DTYPE_BFLOAT16": DTYPE_BFLOAT16,
 }
@@ -308,6 +315,21 @@ KERNELS = (
         _parameters(
             "const float *x, int64_t x_stride, int64_t rows, const void *weight, int weight_dtype, "
             f"const float *bias, {_PROJECTION}, float *out, int num_threads"
+        ),
+    ),
+    Kernel(
+        "ft_row_invariant_levels_matmul",
+        _parameters(
+            "const float *x, int64_t x_stride, int64_t rows, const uint8_t *levels, int level_bits, "
+            f"const float *scales, const float *offsets, const float *bias, {_PROJECTION}, float *out, "
+            "int num_threads"
+        ),
+    ),
+    Kernel(
+        "ft_find_weight_levels",
+        _parameters(
+            "const float *weight, int64_t rows, int64_t cols, int level_bits, uint8_t *levels, "
+            "float *scales, float *offsets, int num_threads"
         ),
     ),
     Kernel("ft_isa_name", (), result="const char *"),

@@ -11,8 +11,19 @@
  * TILE_ROWS rows by one panel keeps its sums in registers: on AVX2 6 x 16 = 12 ymm sums, one
  * broadcast of x and two loads of W per k. Threads split the panels (and the rows where
  * panels are few); every element's arithmetic is the same whichever thread runs it.
+ *
+ * Decode-sized steps are bound by reading W. Where W is the dequantization of a GGUF-style
+ * block format (per LEVELS_GROUP inputs of an output: w = level * scale (+ offset), levels of
+ * 4 or 8 bits, scale and offset fp16 values), `ft_row_invariant_levels_matmul` reads the levels
+ * and rebuilds each w in registers with one FMA: level * scale has at most 11 + 8 bits, so it
+ * is exact and the FMA rounds once, as the dequantization's multiply-then-add does. Every w is
+ * the same float, in the same FMA chain: the same bits as the float32 form, at a fifth of
+ * its bytes (4-bit levels).
  */
-#pragma GCC optimize("fp-contract=fast") /* before the includes: see isa.h */
+/* Before the includes (see isa.h). No reassociation: GCC may unroll a fixed-length loop over k
+ * into one block and regroup its chain of adds, and the two weight forms below must give the
+ * same bits. */
+#pragma GCC optimize("no-associative-math", "fp-contract=fast")
 #include "common.h"
 #include "isa.h"
 
@@ -202,6 +213,129 @@ FtStatus ft_row_invariant_matmul(const float *x, int64_t x_stride, int64_t rows,
             int64_t begin = tiles * thread / threads * TILE_ROWS;
             int64_t end = tiles * (thread + 1) / threads * TILE_ROWS;
             multiply_block(&m, begin, end < rows ? end : rows, 0, panels);
+        }
+    }
+    return FT_OK;
+}
+
+/* ---- Weights as levels: what one call multiplies ---- */
+typedef struct {
+    const float *x;
+    int64_t x_stride;
+    const uint8_t *levels;  /* [panels][in_features][PANEL_WIDTH * level_bits / 8] */
+    const float *scales;    /* [panels][in_features / LEVELS_GROUP][PANEL_WIDTH] */
+    const float *offsets;   /* same layout, or NULL: no offset (8-bit levels) */
+    const float *bias;      /* [out_features] or NULL */
+    int64_t out_features;
+    int64_t in_features;
+    float *out;
+} LevelsMatmul;
+
+/* The PANEL_WIDTH weights of input k: 4-bit levels hold column c in the low nibble of byte c
+ * and column VEC_WIDTH + c in its high one; 8-bit levels are signed, a byte per column. */
+ALWAYS_INLINE void level_weights(const int level_bits, const uint8_t *levels, int64_t k, const vfloat scale[2],
+                                 const vfloat offset[2], vfloat w[2]) {
+    if (level_bits == 4) {
+        vint packed = vi_load_u8(levels + k * VEC_WIDTH);
+        w[0] = __builtin_convertvector(packed & 15, vfloat) * scale[0] + offset[0];
+        w[1] = __builtin_convertvector(packed >> 4, vfloat) * scale[1] + offset[1];
+    } else {
+        for (int v = 0; v < PANEL_VECTORS; v++) {
+            vint level = vi_load_i8((const int8_t *)levels + k * PANEL_WIDTH + v * VEC_WIDTH);
+            w[v] = __builtin_convertvector(level, vfloat) * scale[v];
+        }
+    }
+}
+
+/* out[row .. row + rows) of one panel, over all of K in one pass: each sum one FMA chain from
+ * zero in k's order, the bias added last, as multiply_tile computes it. */
+ALWAYS_INLINE void levels_tile(const int rows, const int level_bits, const LevelsMatmul *m, int64_t row,
+                               int64_t panel) {
+    _Static_assert(PANEL_VECTORS == 2, "4-bit levels pack a panel's two vectors in one byte");
+    int64_t column = panel * PANEL_WIDTH;
+    int64_t cols = m->out_features - column < PANEL_WIDTH ? m->out_features - column : PANEL_WIDTH;
+    int64_t groups = m->in_features / LEVELS_GROUP;
+    const uint8_t *levels = m->levels + panel * m->in_features * (PANEL_WIDTH * level_bits / 8);
+    const float *scales = m->scales + panel * groups * PANEL_WIDTH;
+    const float *offsets = m->offsets != NULL ? m->offsets + panel * groups * PANEL_WIDTH : NULL;
+    const float *x = m->x + row * m->x_stride;
+    vfloat sums[TILE_ROWS][PANEL_VECTORS];
+#pragma GCC unroll 16
+    for (int r = 0; r < rows; r++) {
+        for (int v = 0; v < PANEL_VECTORS; v++) {
+            sums[r][v] = vf_splat(0.0f);
+        }
+    }
+    for (int64_t group = 0; group < groups; group++) {
+        vfloat scale[PANEL_VECTORS], offset[PANEL_VECTORS];
+        for (int v = 0; v < PANEL_VECTORS; v++) {
+            scale[v] = vf_load(scales + group * PANEL_WIDTH + v * VEC_WIDTH);
+            offset[v] = offsets != NULL ? vf_load(offsets + group * PANEL_WIDTH + v * VEC_WIDTH) : vf_splat(0.0f);
+        }
+        for (int64_t k = group * LEVELS_GROUP; k < (group + 1) * LEVELS_GROUP; k++) {
+            vfloat w[PANEL_VECTORS];
+            level_weights(level_bits, levels, k, scale, offset, w);
+#pragma GCC unroll 16
+            for (int r = 0; r < rows; r++) {
+                vfloat xr = vf_splat(x[r * m->x_stride + k]);
+                for (int v = 0; v < PANEL_VECTORS; v++) {
+                    sums[r][v] += xr * w[v];
+                }
+            }
+        }
+    }
+    if (m->bias != NULL) {
+        float bias[PANEL_WIDTH] = {0};
+        memcpy(bias, m->bias + column, (size_t)cols * sizeof(float));
+        for (int r = 0; r < rows; r++) {
+            for (int v = 0; v < PANEL_VECTORS; v++) {
+                sums[r][v] += vf_load(bias + v * VEC_WIDTH);
+            }
+        }
+    }
+    store_sums(rows, sums, m->out + row * m->out_features + column, m->out_features, cols);
+}
+
+#define LEVELS_CASE(count)                                \
+    case count:                                           \
+        if (level_bits == 4) {                            \
+            levels_tile(count, 4, m, row, panel);         \
+        } else {                                          \
+            levels_tile(count, 8, m, row, panel);         \
+        }                                                 \
+        break;
+
+static void levels_rows(int rows, int level_bits, const LevelsMatmul *m, int64_t row, int64_t panel) {
+    switch (rows) {
+        LEVELS_CASE(1)
+        LEVELS_CASE(2)
+        LEVELS_CASE(3)
+        LEVELS_CASE(4)
+    }
+}
+
+/* out [rows, out_features] = x [rows, in_features] (rows `x_stride` floats apart) times W^T
+ * rebuilt from its levels (level_bits 4: with offsets; 8: without), plus bias if not NULL: the
+ * bits of ft_row_invariant_matmul on the dequantized W. rows <= LEVELS_MAX_ROWS, in_features
+ * a multiple of LEVELS_GROUP. Threads split the panels. */
+FtStatus ft_row_invariant_levels_matmul(const float *x, int64_t x_stride, int64_t rows, const uint8_t *levels,
+                                        int level_bits, const float *scales, const float *offsets,
+                                        const float *bias, int64_t out_features, int64_t in_features, float *out,
+                                        int num_threads) {
+    if (rows > LEVELS_MAX_ROWS || in_features % LEVELS_GROUP != 0 || (level_bits != 4 && level_bits != 8)) {
+        return FT_BAD_SHAPE;
+    }
+    LevelsMatmul m = {x, x_stride, levels, scales, offsets, bias, out_features, in_features, out};
+    int64_t panels = (out_features + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    int parallel = out_features * in_features >= PARALLEL_MIN_ELEMENTS * 16 && num_threads > 1;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    {
+        int64_t begin, end;
+        thread_rows(panels, &begin, &end);
+        for (int64_t panel = begin; panel < end; panel++) {
+            for (int64_t row = 0; row < rows; row += 4) {
+                levels_rows(rows - row < 4 ? (int)(rows - row) : 4, level_bits, &m, row, panel);
+            }
         }
     }
     return FT_OK;
