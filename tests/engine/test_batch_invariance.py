@@ -17,6 +17,7 @@ import torch
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.ops.linear import NativeRowInvariantLinear
+from firsttoken.ops.native_abi import LEVELS_MAX_ROWS
 from tests.conftest import FIXED_THREADS, may_claim_batch_invariance
 
 PROMPTS = [
@@ -196,9 +197,26 @@ def test_float32_projections_run_on_the_row_invariant_matmul(float32_llm):
         attention, mlp = layer.self_attn, layer.mlp
         projections += [attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj]
     assert all(isinstance(module, NativeRowInvariantLinear) for module in projections)
+    # The file's Q4_1 projections and Q8_0 embedding (the tied head): decode steps read levels.
+    assert [module.levels.bits for module in projections] == [8] + [4] * (len(projections) - 1)
     block_size, head_dim = float32_llm.core.config.cache.block_size, worker.checkpoint.arch.head_dim
     assert worker.runner.backend.decodes_as_prefill(block_size, torch.float32, head_dim)
     assert worker.batch_invariant
+
+
+def test_float32_decode_steps_on_levels_give_the_bits_of_a_prefill(float32_llm):
+    """Decode steps read the projections' levels, prefills their floats: a decoded token's
+    logprobs are the bits it gets when its context is prefilled again."""
+    prompt_ids = float32_llm.tokenizer.encode(PROMPTS[2])
+    decoded = float32_llm.generate(prompt_token_ids=[prompt_ids], sampling_params=GREEDY)[0]
+    for length in (1, 12, len(decoded.token_ids)):
+        context = prompt_ids + decoded.token_ids[: length - 1]
+        assert len(context) > LEVELS_MAX_ROWS  # a prefill on the floats
+        next_one = SamplingParams(temperature=0, max_tokens=1, logprobs=2)
+        recomputed = float32_llm.generate(prompt_token_ids=[context], sampling_params=next_one)[0]
+        token_bits, logprob_bits = _bits(recomputed)
+        assert token_bits == tuple(decoded.token_ids[length - 1 : length])
+        assert logprob_bits == _bits(decoded)[1][length - 1 : length]
 
 
 # On the embedded model (all 30 layers): the smallest and a large case by default, the others slow.

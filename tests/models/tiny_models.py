@@ -93,7 +93,9 @@ SMOLLM2_SHAPES = dict(
 def write_smollm2_shaped_folder(folder: str, num_layers: int = 2, seed: int = 0) -> str:
     """A Hugging Face folder of a random-weight model of SmolLM2-135M's shapes with `num_layers`
     layers, its tokenizer and chat template (torch and safetensors only: no transformers import).
-    Greedy replies of its weights vary from token to token (wider embeddings repeat one token)."""
+    Greedy replies of its weights vary from token to token (wider embeddings repeat one token).
+    As in the embedded model's file, the projections hold Q4_1 blocks' values and the embedding
+    Q8_0 ones (float32 engines' decode steps read them as levels there, their prefills as floats)."""
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
@@ -103,18 +105,28 @@ def write_smollm2_shaped_folder(folder: str, num_layers: int = 2, seed: int = 0)
     q_size = shapes["num_attention_heads"] * shapes["head_dim"]
     kv_size = shapes["num_key_value_heads"] * shapes["head_dim"]
 
-    def random(*shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator) * std
+    def random(*shape: int, std: float, levels: int = 16) -> torch.Tensor:
+        """Random values on the grid of GGUF blocks of 32: Q4_1's (16 levels from each block's
+        least value) or Q8_0's (255 levels around 0), with fp16 scales and offsets."""
+        blocks = (torch.randn(*shape, generator=generator) * std).view(-1, 32)
+        if levels == 16:
+            offsets = blocks.amin(-1, keepdim=True).half().float()
+            scales = ((blocks.amax(-1, keepdim=True) - offsets) / 15).half().float()
+            grid = torch.round((blocks - offsets) / scales).clamp(0, 15) * scales + offsets
+        else:
+            scales = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+            grid = torch.round(blocks / scales).clamp(-127, 127) * scales
+        return grid.view(*shape)
 
     tensors = {
-        "model.embed_tokens.weight": random(shapes["vocab_size"], hidden, std=0.02),
-        "model.norm.weight": 1 + random(hidden, std=0.1),
+        "model.embed_tokens.weight": random(shapes["vocab_size"], hidden, std=0.02, levels=255),
+        "model.norm.weight": 1 + torch.randn(hidden, generator=generator) * 0.1,
     }
     for layer in range(num_layers):
         prefix = f"model.layers.{layer}."
         tensors.update({
-            prefix + "input_layernorm.weight": 1 + random(hidden, std=0.1),
-            prefix + "post_attention_layernorm.weight": 1 + random(hidden, std=0.1),
+            prefix + "input_layernorm.weight": 1 + torch.randn(hidden, generator=generator) * 0.1,
+            prefix + "post_attention_layernorm.weight": 1 + torch.randn(hidden, generator=generator) * 0.1,
             prefix + "self_attn.q_proj.weight": random(q_size, hidden, std=hidden**-0.5),
             prefix + "self_attn.k_proj.weight": random(kv_size, hidden, std=hidden**-0.5),
             prefix + "self_attn.v_proj.weight": random(kv_size, hidden, std=hidden**-0.5),
