@@ -5,10 +5,12 @@
                                          [--threads N] [--skip-engine]
 
 1. The kernel alone on SmolLM2-135M's projections (fused QKV 960x576 = q 576 + k, v 192 each,
-   o 576x576, fused gate/up 3072x576, down 576x1536, LM head 49152x576), float32 weights and
-   bf16-stored ones (widened in registers), against F.linear in float32: median milliseconds
-   of calls taken in turns, and ratios (ours / torch; below 1 is faster). `--isa`: each
-   build this CPU can run (default: all of them).
+   o 576x576, fused gate/up 3072x576, down 576x1536, LM head 49152x576), float32 weights,
+   bf16-stored ones (widened in registers) and, for steps of up to 8 rows, the weights' GGUF
+   levels (the same bits), against F.linear in float32: median milliseconds of calls taken in
+   turns, and ratios (ours / torch; below 1 is faster). The weights are random values on the
+   embedded model's grids (Q4_1 blocks, the LM head Q8_0). `--isa`: each build this CPU can
+   run (default: all of them).
 2. Two float32 engines that differ only in `batch_invariant` (on: every projection and the
    LM head on the kernel; off: torch's F.linear): TTFT per prompt length and decode
    tokens/s after a 128-token prompt, medians in turns, ratios on / off.
@@ -24,6 +26,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import first_token_run, interleaved_medians, print_table, random_prompt, save_result  # noqa: E402
@@ -33,6 +37,8 @@ from firsttoken.models.loaders.conversion_cache import default_cache_dir  # noqa
 from firsttoken.models.registry import default_model_path  # noqa: E402
 from firsttoken.ops.cpu_isa import runnable_cpu_isas  # noqa: E402
 from firsttoken.ops.native import NativeKernels, load_native_kernels  # noqa: E402
+from firsttoken.ops.native_abi import LEVELS_MAX_ROWS  # noqa: E402
+from firsttoken.ops.weight_levels import pack_levels  # noqa: E402
 
 # (name, out_features, in_features)
 SHAPES = [
@@ -63,23 +69,29 @@ def call_medians(calls: dict[str, object], repeats: int) -> dict[str, float]:
 def kernel_rows(native: NativeKernels, row_counts: list[int], repeats: int) -> list[list[object]]:
     table = []
     for name, out_features, in_features in SHAPES:
-        weight = torch.randn(out_features, in_features) / in_features**0.5
+        blocks = GGMLQuantizationType.Q8_0 if name == "lm_head" else GGMLQuantizationType.Q4_1
+        values = (torch.randn(out_features, in_features) / in_features**0.5).numpy()
+        weight = torch.from_numpy(dequantize(quantize(values, blocks), blocks).astype("float32"))
         packed = native.pack_matmul_weight(weight)
         packed_bf16 = native.pack_matmul_weight(weight, torch.bfloat16)
+        packed_levels = pack_levels(native.find_levels(weight), native.matmul_panel_width)
         for rows in row_counts:
             if name == "lm_head" and rows > LM_HEAD_MAX_ROWS:
                 continue
             x = torch.randn(rows, in_features)
             # Fewer turns where one call is long: the ratio, not the count, is what is read.
             turns = max(3, min(repeats, int(repeats * 2e8 / (2 * rows * out_features * in_features))))
-            ms = call_medians(
-                {
-                    "ours": lambda: native.row_invariant_matmul(x, packed, None, out_features),
-                    "ours bf16 W": lambda: native.row_invariant_matmul(x, packed_bf16, None, out_features),
-                    "torch": lambda: F.linear(x, weight),
-                },
-                turns,
-            )
+            calls = {
+                "ours": lambda: native.row_invariant_matmul(x, packed, None, out_features),
+                "ours bf16 W": lambda: native.row_invariant_matmul(x, packed_bf16, None, out_features),
+                "torch": lambda: F.linear(x, weight),
+            }
+            if rows <= LEVELS_MAX_ROWS:
+                calls["ours levels"] = lambda: native.row_invariant_levels_matmul(
+                    x, packed_levels, None, out_features
+                )
+            ms = call_medians(calls, turns)
+            levels_ms = ms.get("ours levels")
             gflops = 2 * rows * out_features * in_features / ms["ours"] / 1e6
             table.append(
                 [
@@ -92,6 +104,7 @@ def kernel_rows(native: NativeKernels, row_counts: list[int], repeats: int) -> l
                     gflops,
                     ms["ours"] / ms["torch"],
                     ms["ours bf16 W"] / ms["torch"],
+                    "-" if levels_ms is None else levels_ms / ms["torch"],
                 ]
             )
     return table
@@ -178,6 +191,7 @@ def main() -> None:
                 "ours GFLOP/s",
                 "ratio",
                 "ratio bf16 W",
+                "ratio levels",
             ],
             table,
         )
