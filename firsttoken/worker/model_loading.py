@@ -22,7 +22,7 @@ from firsttoken.models.loaders.checkpoint import Checkpoint
 from firsttoken.models.registry import build_model, unloaded_model
 from firsttoken.models.sharding import Collectives, ModelShard
 from firsttoken.ops.kernels import Kernels
-from firsttoken.ops.linear import onednn_packing_available
+from firsttoken.ops.linear import NativeRowInvariantLinear, onednn_packing_available
 from firsttoken.ops.native import NativeKernels, load_native_kernels
 from firsttoken.ops.w8a8 import w8a8_on_native_matmul, w8a8_unsupported_reason
 from firsttoken.worker.activation_stats import load_activation_maxima
@@ -142,7 +142,20 @@ def _prepared_model(
         triton_matmuls=placement.device.type == "cuda",
         activation_maxima=activation_maxima,
     )
+    _log_levels(model)
     return model
+
+
+def _log_levels(model: LlamaForCausalLM) -> None:
+    """Says how many row-invariant projections read their weights' GGUF levels in decode steps."""
+    projections = [module for module in model.modules() if isinstance(module, NativeRowInvariantLinear)]
+    with_levels = sum(module.levels is not None for module in projections)
+    if with_levels:
+        logger.info(
+            "float32 decode steps read %d of %d projections as their GGUF levels (the same bits)",
+            with_levels,
+            len(projections),
+        )
 
 
 def _weights_form(
