@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.ops import native
@@ -24,3 +25,21 @@ def built_kernels(isa: str = "auto") -> native.NativeKernels | None:
 def native_kernels() -> native.NativeKernels | None:
     """The compiled CPU kernels, or None on a machine without a working C compiler."""
     return built_kernels()
+
+
+@pytest.fixture(scope="module", params=RUNNABLE_ISAS)
+def kernels(request) -> native.NativeKernels:
+    """The kernels built for each ISA this CPU can run (an AVX-512 machine tests AVX2 too), one
+    module's tests at a time; a module that needs other builds defines its own."""
+    built = built_kernels(request.param)
+    if built is None:
+        pytest.skip("no working C compiler on this machine")
+    return built
+
+
+@pytest.fixture
+def threads():
+    """Restores torch's thread count after a test that sets it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from firsttoken.ops import native
-from tests.ops.conftest import RUNNABLE_ISAS, built_kernels
 
 # float32 arithmetic throughout: what is left is summation order and the vector exp (~1e-7).
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -16,15 +14,6 @@ SHAPES = [(9, 3, 64), (4, 4, 32), (8, 2, 128), (4, 1, 256), (2, 1, 16)]
 # Key counts on and around the 64-key tiles; queries the last n of them.
 QUERIES_KEYS = [(1, 1), (5, 5), (64, 64), (65, 129), (100, 100), (17, 300), (300, 300)]
 POSITIONS_ON_TILE_EDGES = [0, 1, 7, 8, 15, 16, 63, 64, 65, 127, 128, 200, 299]
-
-
-@pytest.fixture(scope="module", params=RUNNABLE_ISAS)
-def kernels(request) -> native.NativeKernels:
-    """The kernels built for each ISA this CPU can run (an AVX-512 machine tests AVX2 too)."""
-    built = built_kernels(request.param)
-    if built is None:
-        pytest.skip("no working C compiler on this machine")
-    return built
 
 
 def _qkv(num_queries, num_keys, num_heads, num_kv_heads, head_dim, dtype, seed=0):

@@ -8,30 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from firsttoken.ops import native
-from tests.ops.conftest import RUNNABLE_ISAS, built_kernels
 
 # A float32 sum of up to 1536 products in another order than torch's.
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 # SmolLM2-135M's projections (out, in): fused QKV, o, fused gate/up, down; and shapes whose
 # outputs end in a partial panel.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (50, 70), (17, 3)]
-
-
-@pytest.fixture(scope="module", params=RUNNABLE_ISAS)
-def kernels(request) -> native.NativeKernels:
-    built = built_kernels(request.param)
-    if built is None:
-        pytest.skip("no working C compiler on this machine")
-    return built
-
-
-@pytest.fixture
-def threads():
-    """Restores torch's thread count after a test that sets it."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def _weights(out_features: int, in_features: int, bias: bool, seed: int = 0):

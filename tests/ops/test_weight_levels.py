@@ -11,31 +11,14 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from firsttoken.ops import native, native_abi
+from firsttoken.ops import native_abi
 from firsttoken.ops.linear import NativeRowInvariantLinear
 from firsttoken.ops.weight_levels import pack_levels
-from tests.ops.conftest import RUNNABLE_ISAS, built_kernels
 
 # GGUF block types whose dequantized values are levels, with the levels' width.
 LEVEL_BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
 # (out, in): SmolLM2-135M's fused QKV and down projections; a partial panel on every ISA.
 SHAPES = [(960, 576), (576, 1536), (50, 64)]
-
-
-@pytest.fixture(scope="module", params=RUNNABLE_ISAS)
-def kernels(request) -> native.NativeKernels:
-    built = built_kernels(request.param)
-    if built is None:
-        pytest.skip("no working C compiler on this machine")
-    return built
-
-
-@pytest.fixture
-def threads():
-    """Restores torch's thread count after a test that sets it."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def gguf_weight(
