@@ -24,9 +24,10 @@ PROMPTS = [
     "What is 17 times 23? Show each step of the multiplication.",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
-# int8 activations and weights moved these first logprobs by up to 0.34 on this 135M model (its
-# perplexity on a long text rises ~4%, see docs/cpu.md); a broken product moves them by whole units.
-FIRST_LOGPROB_TOLERANCE = 0.5
+# Over these replies' 48 tokens int8 activations and weights moved the float engine's logprobs by
+# 0.12-0.15 on average (AVX-512 and AVX2 builds of a Zen 4, AMX); a broken product moves them by
+# whole units.
+MEAN_LOGPROB_SHIFT_LIMIT = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -50,29 +51,36 @@ def test_every_layer_projection_is_w8a8_and_the_head_stays_float(w8a8_llm):
 
 def _teacher_forced_agreement(llm: LLM, prompts_and_replies: list[tuple[list[int], list[int]]]) -> float:
     """The share of the replies' tokens that are `llm`'s own likeliest next token."""
-    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     agreeing = total = 0
-    for prompt, reply in prompts_and_replies:
-        (output,) = llm.generate(prompt_token_ids=[prompt + reply], sampling_params=score)
-        for token_id, entry in zip(reply, output.prompt_logprobs[len(prompt) :], strict=True):
-            agreeing += entry.top_logprobs[0].token_id == token_id
-            total += 1
+    for reply, scored in _score_replies(llm, prompts_and_replies):
+        agreeing += sum(entry.top_logprobs[0].token_id == token_id for token_id, entry in zip(reply, scored))
+        total += len(reply)
     return agreeing / total
 
 
+def _score_replies(llm: LLM, prompts_and_replies: list[tuple[list[int], list[int]]]):
+    """Each reply with `llm`'s scored entries for its tokens, every one in its reply's context."""
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    for prompt, reply in prompts_and_replies:
+        (output,) = llm.generate(prompt_token_ids=[prompt + reply], sampling_params=score)
+        yield reply, output.prompt_logprobs[len(prompt) :]
+
+
 @needs_exact_int8
-def test_first_logprobs_and_the_float_engines_replies_stay_near(w8a8_llm, engine_for):
-    """Not the float engine's exact replies: greedy decoding follows the likeliest token, and on
-    this small model two tokens are often within a few hundredths (the chat answer to "What is
-    the capital of France?" starts with "The" at -1.88 and "L" at -1.97 in float32)."""
-    plain = engine_for(**OPTIONS)
-    quantized_outputs, plain_outputs = w8a8_llm.generate(PROMPTS, GREEDY), plain.generate(PROMPTS, GREEDY)
-    for quantized, full in zip(quantized_outputs, plain_outputs, strict=True):
-        first, expected = quantized.logprobs[0], full.logprobs[0]
-        assert first.token_id == expected.token_id
-        assert abs(first.logprob - expected.logprob) <= FIRST_LOGPROB_TOLERANCE
+def test_logprobs_and_the_float_engines_replies_stay_near(w8a8_llm, engine_for):
+    """Judged over every token of the float engine's replies, not token by token: unsmoothed int8
+    activations of this small model are coarse enough that a float32 rounding elsewhere (another
+    ISA's kernels) moved single logprobs by up to 2.8 and swapped close first tokens (0.72 apart
+    in float32) on one CPU and not on another."""
+    plain_outputs = engine_for(**OPTIONS).generate(PROMPTS, GREEDY)
     replies = [(output.prompt_token_ids, output.token_ids) for output in plain_outputs]
-    # Measured: 89% on a long text (docs/cpu.md); a broken product agrees on almost nothing.
+    shifts = [
+        abs(entry.logprob - expected.logprob)
+        for (_, scored), output in zip(_score_replies(w8a8_llm, replies), plain_outputs, strict=True)
+        for entry, expected in zip(scored, output.logprobs, strict=True)
+    ]
+    assert sum(shifts) / len(shifts) <= MEAN_LOGPROB_SHIFT_LIMIT
+    # Measured: 85% here and 89% on a long text (docs/cpu.md); a broken product agrees on almost nothing.
     assert _teacher_forced_agreement(w8a8_llm, replies) >= 0.75
 
 
