@@ -15,6 +15,7 @@ from firsttoken.config import CPU_ISAS
 from firsttoken.errors import InvalidInputError
 from firsttoken.ops.cpu_info import cpu_flags
 
+
 @dataclass(frozen=True)
 class CpuIsa:
     """A build target: the compiler flags that select it and the CPU flags it needs."""
@@ -31,8 +32,11 @@ ISAS = {
     "avx2": CpuIsa("avx2", ("-march=x86-64-v3", "-mtune=native"), frozenset({"avx2", "fma"})),
     # x86-64-v4: AVX-512 F, BW, DQ, VL; no BF16 (Skylake-SP, Cascade Lake, Ice Lake, Zen 4 without it).
     "avx512": CpuIsa("avx512", ("-march=x86-64-v4", "-mtune=native"), _X86_AVX512),
+    # Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4) has AVX512-VNNI too.
     "avx512_bf16": CpuIsa(
-        "avx512_bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mtune=native"), _X86_AVX512 | {"avx512_bf16"}
+        "avx512_bf16",
+        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mtune=native"),
+        _X86_AVX512 | {"avx512_bf16", "avx512_vnni"},
     ),
 }
 

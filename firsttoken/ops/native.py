@@ -164,12 +164,19 @@ class NativeKernels:
         """Whether this build holds the exact int8 matmul (csrc/w8a8_matmul.c: x86 with AVX2)."""
         return "ft_w8a8_matmul" in self._kernels
 
+    @property
+    def w8a8_matmul_uses_vnni(self) -> bool:
+        """Whether this build's int8 matmul multiplies on AVX512-VNNI (else on AVX2's VPMADDWD)."""
+        return self.has_w8a8_matmul and bool(self._kernels["ft_w8a8_uses_vnni"]())
+
     def pack_w8a8_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """int8 levels [out, in] in `w8a8_matmul`'s layout: int16 panels of whole input pairs."""
+        """int8 levels [out, in] in `w8a8_matmul`'s layout (bytes; panels of outputs, as this
+        build's matmul reads them)."""
         out_features, in_features = weight.shape
-        columns = self._kernels["ft_w8a8_panel_columns"]()
-        panels, pairs = -(-out_features // columns), -(-in_features // 2)
-        packed = torch.empty(panels * pairs * columns * 2, dtype=torch.int16)
+        packed = torch.empty(
+            self._kernels["ft_w8a8_packed_bytes"](out_features=out_features, in_features=in_features),
+            dtype=torch.uint8,
+        )
         _check(
             self._kernels["ft_pack_w8a8_weight"](
                 weight=weight.contiguous().data_ptr(), out_features=out_features, in_features=in_features,

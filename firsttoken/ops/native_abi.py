@@ -194,7 +194,7 @@ class Kernel:
         """The library's function, called with every parameter by name (a missing or unknown
         one is a TypeError); it returns an int (a `Status` where `result` is FtStatus), or
         bytes for a string result."""
-        restype = ctypes.c_char_p if self.result.endswith("*") else ctypes.c_int
+        restype = ctypes.c_char_p if self.result.endswith("*") else _C_SCALARS.get(self.result, ctypes.c_int)
         prototype = ctypes.CFUNCTYPE(restype, *(_python_type(c_type) for _, c_type in self.parameters))
         return prototype((self.name, library), tuple((1, name) for name, _ in self.parameters))
 
@@ -333,16 +333,17 @@ KERNELS = (
         ),
     ),
     Kernel("ft_isa_name", (), result="const char *"),
-    Kernel("ft_w8a8_panel_columns", (), result="int", requires=Requires.AVX2),
+    Kernel("ft_w8a8_uses_vnni", (), result="int", requires=Requires.AVX2),
+    Kernel("ft_w8a8_packed_bytes", _parameters(_PROJECTION), result="int64_t", requires=Requires.AVX2),
     Kernel(
         "ft_pack_w8a8_weight",
-        _parameters(f"const int8_t *weight, {_PROJECTION}, int16_t *packed"),
+        _parameters(f"const int8_t *weight, {_PROJECTION}, void *packed"),
         requires=Requires.AVX2,
     ),
     Kernel(
         "ft_w8a8_matmul",
         _parameters(
-            "const uint8_t *levels, const float *row_scales, const int16_t *weight, "
+            "const uint8_t *levels, const float *row_scales, const void *weight, "
             f"const float *weight_scales, const float *bias, void *out, int64_t rows, {_PROJECTION}, "
             f"{_DTYPE_THREADS}"
         ),

@@ -130,8 +130,13 @@ def onednn_int8_sums_exact() -> bool:
 
 def w8a8_on_native_matmul(kernels: native.NativeKernels | None) -> bool:
     """Whether W8A8 projections run on the native kernels' int8 matmul: where they have one and
-    oneDNN's sums are not exact (AVX2 without VNNI saturates them)."""
-    return kernels is not None and kernels.has_w8a8_matmul and not onednn_int8_sums_exact()
+    oneDNN's sums are not exact (AVX2 without VNNI saturates them), or where it runs on VNNI and
+    oneDNN has no AMX tiles: there it scales and rounds the sums in registers, where oneDNN
+    writes float32 rows that another pass reads back (2048 rows of SmolLM2's projections on 2
+    Zen 4 cores: 0.77-0.86x the time of oneDNN's product and that pass, `benchmarks/w8a8.py`)."""
+    if kernels is None or not kernels.has_w8a8_matmul:
+        return False
+    return not onednn_int8_sums_exact() or (kernels.w8a8_matmul_uses_vnni and "amx_int8" not in cpu_flags())
 
 
 def w8a8_unsupported_reason(

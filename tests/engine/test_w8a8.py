@@ -95,26 +95,29 @@ def test_a_request_gets_the_same_bits_alone_and_beside_others(w8a8_llm):
 
 
 @needs_exact_int8
-def test_without_exact_onednn_sums_the_native_matmul_gives_the_same_bits(
-    engine_for, two_layer_model_path, monkeypatch
-):
-    """Where oneDNN's int8 sums saturate (AVX2 without VNNI) the engine runs W8A8 on the native
-    kernels' int8 matmul; forced here, its replies carry the oneDNN engine's bits (on the 2-layer
-    model of the embedded model's shapes)."""
-    options = dict(OPTIONS, model=two_layer_model_path, quantization="w8a8")
-    on_onednn = engine_for(**options)
-    native_kernels = on_onednn.core.worker.kernels.native
-    if native_kernels is None or not native_kernels.has_w8a8_matmul:
-        pytest.skip("no native int8 matmul in this build (x86 with AVX2 only)")
-    expected = [_bits(output) for output in on_onednn.generate(PROMPTS, GREEDY)]
-    monkeypatch.setattr(w8a8, "onednn_int8_sums_exact", lambda: False)
-    on_native = LLM(**options, **FIXED_THREADS)
-    try:
-        projections = [m for m in on_native.core.worker.model.modules() if isinstance(m, W8A8Linear)]
-        assert projections and all(projection.native_matmul for projection in projections)
-        assert [_bits(output) for output in on_native.generate(PROMPTS, GREEDY)] == expected
-    finally:
-        on_native.shutdown()
+def test_the_native_int8_matmul_gives_the_onednn_engines_bits(two_layer_model_path, monkeypatch):
+    """The engine runs W8A8 on the native kernels' int8 matmul where oneDNN's int8 sums saturate
+    (AVX2 without VNNI) and on VNNI CPUs without AMX; each forced here, the replies carry the same
+    bits (on the 2-layer model of the embedded model's shapes)."""
+    options = dict(OPTIONS, model=two_layer_model_path, quantization="w8a8", **FIXED_THREADS)
+    replies = {}
+    for on_native in (False, True):
+        def chosen(kernels, on_native=on_native):
+            return on_native and kernels is not None and kernels.has_w8a8_matmul
+
+        for module in (w8a8, model_loading):  # the weights' form (shared by engines) and the projections
+            monkeypatch.setattr(module, "w8a8_on_native_matmul", chosen)
+        llm = LLM(**options)
+        try:
+            native_kernels = llm.core.worker.kernels.native
+            if native_kernels is None or not native_kernels.has_w8a8_matmul:
+                pytest.skip("no native int8 matmul in this build (x86 with AVX2 only)")
+            projections = [m for m in llm.core.worker.model.modules() if isinstance(m, W8A8Linear)]
+            assert projections and all(projection.native_matmul == on_native for projection in projections)
+            replies[on_native] = [_bits(output) for output in llm.generate(PROMPTS, GREEDY)]
+        finally:
+            llm.shutdown()
+    assert replies[True] == replies[False]
 
 
 def test_a_cpu_that_cannot_run_it_is_refused_naming_the_field(model_path, monkeypatch):

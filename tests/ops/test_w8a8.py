@@ -210,7 +210,7 @@ def test_the_native_int8_matmul_is_the_integer_product_rescaled(
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(output, expected, rtol=tolerance, atol=tolerance)
     if w8a8.onednn_int8_sums_exact():
-        assert torch.equal(output, W8A8Linear(levels, scales, bias, isa_kernels)(x))
+        assert torch.equal(output, W8A8Linear(levels, scales, bias)(x))
 
 
 def test_without_exact_onednn_sums_the_projection_takes_the_native_matmul(isa_kernels, monkeypatch):

@@ -1,26 +1,241 @@
-/* W8A8 projections on x86 CPUs without exact int8 dot products in oneDNN (AVX2 without VNNI:
- * Zen 2/3, Haswell to Comet Lake; AVX-512 without VNNI: Skylake-SP). There oneDNN adds pairs of
- * byte products in saturating 16-bit lanes (VPMADDUBSW), which full-range levels overflow.
+/* W8A8 projections in the native kernels, with the scaling fused after the integer sums.
  *
- * Here both operands are widened to int16 and VPMADDWD multiplies pairs of them into exact
- * int32 sums (|level| <= 127: a pair's sum is far inside int32, and so is a row's whole sum for
- * any in_features below 130,000). One VPMADDWD does 16 multiply-adds where a float32 FMA does 8,
- * with the weights read at 2 bytes instead of 4.
+ * On CPUs with AVX512-VNNI (Cascade Lake, Ice Lake, Zen 4 and later) VPDPBUSD multiplies the
+ * uint8 activation levels (level + 128, as `ft_quantize_rows_int8` writes them) by the int8
+ * weights four pairs at a time into int32 sums, which are exact: the +128 is taken off each sum
+ * as 128 times its output's weight sum, computed once at packing. Weights are packed as
+ * [panels][in_quads][VNNI_PANEL_COLUMNS][4] int8, one 64-byte vector per 16 outputs and four
+ * inputs, then each output's compensation (int32). oneDNN's int8 matmul sums as exactly there,
+ * but writes float32 rows that a second pass must scale by the rows' scales and round; here that
+ * happens while the sums are in registers.
  *
- * Weights are packed once at load into panels of PANEL_COLUMNS outputs, their inputs in pairs:
- * [panels][in_pairs][PANEL_COLUMNS][2] int16, so one 256-bit load holds 8 outputs' weights for
- * inputs 2p and 2p + 1, and one broadcast of a row's two levels meets them. Each call widens its
- * activation levels (the uint8 of `ft_quantize_rows_int8`, level + 128) once.
+ * On x86 CPUs without exact int8 dot products in oneDNN (AVX2 without VNNI: Zen 2/3, Haswell to
+ * Comet Lake; AVX-512 without VNNI: Skylake-SP) oneDNN adds pairs of byte products in saturating
+ * 16-bit lanes (VPMADDUBSW), which full-range levels overflow. There both operands are widened to
+ * int16 and VPMADDWD multiplies pairs of them into exact int32 sums (|level| <= 127: a pair's sum
+ * is far inside int32, and so is a row's whole sum for any in_features below 130,000). One
+ * VPMADDWD does 16 multiply-adds where a float32 FMA does 8, with the weights read at 2 bytes
+ * instead of 4. Weights are packed as [panels][in_pairs][PANEL_COLUMNS][2] int16, so one 256-bit
+ * load holds 8 outputs' weights for inputs 2p and 2p + 1, and one broadcast of a row's two levels
+ * meets them. Each call widens its activation levels once.
  *
- * The integer sums are exact whatever the tiling and thread count, and the scaling after them
- * runs per element: (float)sum * weight_scale * row_scale (+ bias), rounded once to the output
- * dtype (the order of oneDNN's product followed by `ft_rescale_rows`). A row's result depends
- * on its own inputs only.
+ * Either way the integer sums are exact whatever the tiling and thread count, and the scaling
+ * after them runs per element: (float)sum * weight_scale * row_scale (+ bias), each step rounded
+ * (the build is ISO C: no fused multiply-add), then once to the output dtype: the order of
+ * oneDNN's product followed by `ft_rescale_rows`. A row's result depends on its own inputs only.
  */
 #pragma GCC optimize("no-associative-math")
 #include "common.h"
 
-#if defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+#define VNNI_PANEL_COLUMNS 32
+#define VNNI_TILE_ROWS 12
+/* Rows a thread takes through every panel before the next block: their levels (96 rows x 1536
+ * inputs = 144 KiB) stay in L2 while each panel (32 outputs x 1536 inputs = 48 KiB) meets them. */
+#define VNNI_ROW_BLOCK (8 * VNNI_TILE_ROWS)
+
+typedef struct {
+    const uint8_t *activations; /* [rows][4 * in_quads] */
+    const float *row_scales;
+    const int8_t *weight; /* packed */
+    const int32_t *compensation; /* [panels * VNNI_PANEL_COLUMNS]: 128 * each output's weight sum */
+    const float *weight_scales;
+    const float *bias; /* [out_features] or NULL */
+    int64_t rows;
+    int64_t out_features;
+    int64_t in_quads;
+    void *out;
+    int dtype;
+} VnniMatmul;
+
+static int64_t vnni_panels(int64_t out_features) {
+    return (out_features + VNNI_PANEL_COLUMNS - 1) / VNNI_PANEL_COLUMNS;
+}
+
+int ft_w8a8_uses_vnni(void) {
+    return 1;
+}
+
+int64_t ft_w8a8_packed_bytes(int64_t out_features, int64_t in_features) {
+    int64_t columns = vnni_panels(out_features) * VNNI_PANEL_COLUMNS;
+    return columns * ((in_features + 3) / 4) * 4 + columns * (int64_t)sizeof(int32_t);
+}
+
+/* int8 levels [out_features, in_features] into the panel layout above (zero-padded to whole
+ * panels and input quads), followed by each output's compensation. */
+FtStatus ft_pack_w8a8_weight(const int8_t *weight, int64_t out_features, int64_t in_features, void *packed) {
+    int64_t quads = (in_features + 3) / 4, panels = vnni_panels(out_features);
+    int8_t *levels = packed;
+    int32_t *compensation = (int32_t *)(levels + panels * VNNI_PANEL_COLUMNS * quads * 4);
+    for (int64_t panel = 0; panel < panels; panel++) {
+        for (int64_t column = 0; column < VNNI_PANEL_COLUMNS; column++) {
+            int64_t o = panel * VNNI_PANEL_COLUMNS + column;
+            int32_t sum = 0;
+            for (int64_t k = 0; k < quads * 4; k++) {
+                int8_t level = o < out_features && k < in_features ? weight[o * in_features + k] : 0;
+                levels[((panel * quads + k / 4) * VNNI_PANEL_COLUMNS + column) * 4 + k % 4] = level;
+                sum += level;
+            }
+            compensation[o] = 128 * sum;
+        }
+    }
+    return FT_OK;
+}
+
+/* Columns [column, column + 16) of one row from its exact sums: (float)sum * weight_scale *
+ * row_scale (+ bias), stored in the output dtype; lanes past out_features are left alone. */
+static inline __attribute__((always_inline)) void vnni_store(const VnniMatmul *m, __m512i sums, int64_t row,
+                                                             int64_t column) {
+    int64_t valid = m->out_features - column;
+    __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
+    __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_maskz_loadu_ps(mask, m->weight_scales + column));
+    value = _mm512_mul_ps(value, _mm512_set1_ps(m->row_scales[row]));
+    if (m->bias != NULL) {
+        value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, m->bias + column));
+    }
+    int64_t index = row * m->out_features + column;
+    if (m->dtype == DTYPE_BFLOAT16) {
+        /* Round to nearest even, as float_to_bf16 (the values are finite: exact sums times
+         * finite scales). */
+        __m512i bits = _mm512_castps_si512(value);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+        _mm256_mask_storeu_epi16((uint16_t *)m->out + index, mask, _mm512_cvtepi32_epi16(bits));
+    } else {
+        _mm512_mask_storeu_ps((float *)m->out + index, mask, value);
+    }
+}
+
+/* acc + the four u8 x s8 products of each int32 lane. In assembly so the accumulator stays in
+ * its register: GCC moves and spills the intrinsic's result each step (2.4x slower). */
+static inline __attribute__((always_inline)) __m512i dot_quads(__m512i acc, __m512i activations, __m512i weights) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(activations), "v"(weights));
+    return acc;
+}
+
+/* `rows` rows (a compile-time constant where inlined) by one panel. */
+static inline __attribute__((always_inline)) void vnni_tile(const int rows, const VnniMatmul *m, int64_t row,
+                                                            int64_t panel) {
+    __m512i sums[VNNI_TILE_ROWS][2];
+    for (int r = 0; r < rows; r++) {
+        sums[r][0] = sums[r][1] = _mm512_setzero_si512();
+    }
+    const int8_t *weight = m->weight + panel * m->in_quads * VNNI_PANEL_COLUMNS * 4;
+    const uint8_t *x = m->activations + row * 4 * m->in_quads;
+    for (int64_t quad = 0; quad < m->in_quads; quad++) {
+        __m512i low = _mm512_loadu_si512(weight + quad * VNNI_PANEL_COLUMNS * 4);
+        __m512i high = _mm512_loadu_si512(weight + quad * VNNI_PANEL_COLUMNS * 4 + 64);
+        /* Held in registers: GCC would otherwise load them again before each row's products. */
+        __asm__("" : "+v"(low), "+v"(high));
+#pragma GCC unroll 12
+        for (int r = 0; r < rows; r++) {
+            int32_t levels;
+            memcpy(&levels, x + r * 4 * m->in_quads + 4 * quad, sizeof levels);
+            __m512i broadcast = _mm512_set1_epi32(levels);
+            sums[r][0] = dot_quads(sums[r][0], broadcast, low);
+            sums[r][1] = dot_quads(sums[r][1], broadcast, high);
+        }
+    }
+    int64_t column = panel * VNNI_PANEL_COLUMNS;
+    const int32_t *compensation = m->compensation + column;
+    __m512i compensation_low = _mm512_loadu_si512(compensation);
+    __m512i compensation_high = _mm512_loadu_si512(compensation + 16);
+    for (int r = 0; r < rows; r++) {
+        vnni_store(m, _mm512_sub_epi32(sums[r][0], compensation_low), row + r, column);
+        if (column + 16 < m->out_features) {
+            vnni_store(m, _mm512_sub_epi32(sums[r][1], compensation_high), row + r, column + 16);
+        }
+    }
+}
+
+#define VNNI_TILE_CASE(count)                                                                                         \
+    case count: vnni_tile(count, m, row, panel); break;
+
+static void vnni_rows(int rows, const VnniMatmul *m, int64_t row, int64_t panel) {
+    switch (rows) {
+        VNNI_TILE_CASE(1)
+        VNNI_TILE_CASE(2)
+        VNNI_TILE_CASE(3)
+        VNNI_TILE_CASE(4)
+        VNNI_TILE_CASE(5)
+        VNNI_TILE_CASE(6)
+        VNNI_TILE_CASE(7)
+        VNNI_TILE_CASE(8)
+        VNNI_TILE_CASE(9)
+        VNNI_TILE_CASE(10)
+        VNNI_TILE_CASE(11)
+        VNNI_TILE_CASE(12)
+    }
+}
+
+static void vnni_block(const VnniMatmul *m, int64_t row_begin, int64_t row_end, int64_t panel_begin,
+                       int64_t panel_end) {
+    for (int64_t block = row_begin; block < row_end; block += VNNI_ROW_BLOCK) {
+        int64_t block_end = block + VNNI_ROW_BLOCK < row_end ? block + VNNI_ROW_BLOCK : row_end;
+        for (int64_t panel = panel_begin; panel < panel_end; panel++) {
+            for (int64_t row = block; row < block_end; row += VNNI_TILE_ROWS) {
+                int rows = block_end - row < VNNI_TILE_ROWS ? (int)(block_end - row) : VNNI_TILE_ROWS;
+                vnni_rows(rows, m, row, panel);
+            }
+        }
+    }
+}
+
+/* Rows [begin, end) of uint8 levels [rows, in_features] with each row zero-padded to whole
+ * quads (the padding meets zero weights). */
+static void pad_levels(const uint8_t *levels, int64_t begin, int64_t end, int64_t in_features, int64_t in_quads,
+                       uint8_t *padded) {
+    for (int64_t r = begin; r < end; r++) {
+        memcpy(padded + r * 4 * in_quads, levels + r * in_features, (size_t)in_features);
+        memset(padded + r * 4 * in_quads + in_features, 0, (size_t)(4 * in_quads - in_features));
+    }
+}
+
+/* out [rows, out_features] in `dtype` = the W8A8 product of uint8 activation levels (level + 128)
+ * [rows, in_features] with their row_scales [rows] and the packed int8 weights (ft_pack_w8a8_weight)
+ * with their weight_scales [out_features], plus float32 bias [out_features] unless NULL. */
+FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const void *weight,
+                        const float *weight_scales, const float *bias, void *out, int64_t rows, int64_t out_features,
+                        int64_t in_features, int dtype, int num_threads) {
+    int64_t in_quads = (in_features + 3) / 4, panels = vnni_panels(out_features);
+    uint8_t *padded = NULL;
+    if (in_features % 4 != 0) {
+        padded = malloc((size_t)(rows * 4 * in_quads));
+        if (padded == NULL) {
+            return FT_OUT_OF_MEMORY;
+        }
+    }
+    const int8_t *packed = weight;
+    VnniMatmul m = {padded != NULL ? padded : levels, row_scales, packed,
+                    (const int32_t *)(packed + panels * VNNI_PANEL_COLUMNS * in_quads * 4), weight_scales, bias, rows,
+                    out_features, in_quads, out, dtype};
+    int parallel = rows * out_features * in_features >= PARALLEL_MIN_ELEMENTS * 16 && num_threads > 1;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    {
+        int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        int64_t begin, end;
+        if (padded != NULL) {
+            thread_rows(rows, &begin, &end);
+            pad_levels(levels, begin, end, in_features, in_quads, padded);
+#pragma omp barrier
+        }
+        if (panels >= 4 * threads || rows < 2 * VNNI_TILE_ROWS * threads) {
+            thread_rows(panels, &begin, &end);
+            vnni_block(&m, 0, rows, begin, end);
+        } else {
+            int64_t tiles = (rows + VNNI_TILE_ROWS - 1) / VNNI_TILE_ROWS;
+            int64_t tile_begin = tiles * thread / threads * VNNI_TILE_ROWS;
+            int64_t tile_end = tiles * (thread + 1) / threads * VNNI_TILE_ROWS;
+            vnni_block(&m, tile_begin, tile_end < rows ? tile_end : rows, 0, panels);
+        }
+    }
+    free(padded);
+    return FT_OK;
+}
+
+#elif defined(__AVX2__)
 #include <immintrin.h>
 
 #define PANEL_COLUMNS 16
@@ -42,13 +257,19 @@ typedef struct {
     int dtype;
 } W8A8Matmul;
 
-int ft_w8a8_panel_columns(void) {
-    return PANEL_COLUMNS;
+int ft_w8a8_uses_vnni(void) {
+    return 0;
+}
+
+int64_t ft_w8a8_packed_bytes(int64_t out_features, int64_t in_features) {
+    int64_t panels = (out_features + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
+    return panels * ((in_features + 1) / 2) * PANEL_COLUMNS * 2 * (int64_t)sizeof(int16_t);
 }
 
 /* int8 levels [out_features, in_features] into the panel layout above (zero-padded to whole
  * panels and input pairs): packed holds panels * in_pairs * PANEL_COLUMNS * 2 int16. */
-FtStatus ft_pack_w8a8_weight(const int8_t *weight, int64_t out_features, int64_t in_features, int16_t *packed) {
+FtStatus ft_pack_w8a8_weight(const int8_t *weight, int64_t out_features, int64_t in_features, void *packed_weight) {
+    int16_t *packed = packed_weight;
     int64_t pairs = (in_features + 1) / 2, panels = (out_features + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
     for (int64_t panel = 0; panel < panels; panel++) {
         for (int64_t pair = 0; pair < pairs; pair++) {
@@ -156,7 +377,7 @@ static void widen_levels(const uint8_t *levels, int64_t begin, int64_t end, int6
 /* out [rows, out_features] in `dtype` = the W8A8 product of uint8 activation levels (level + 128)
  * [rows, in_features] with their row_scales [rows] and the packed int8 weights (ft_pack_w8a8_weight)
  * with their weight_scales [out_features], plus float32 bias [out_features] unless NULL. */
-FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const int16_t *weight,
+FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const void *weight,
                         const float *weight_scales, const float *bias, void *out, int64_t rows, int64_t out_features,
                         int64_t in_features, int dtype, int num_threads) {
     int64_t in_pairs = (in_features + 1) / 2;
