@@ -107,6 +107,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    @property
+    def scores_prompts(self) -> bool:
+        """Whether some chunk scores prompt tokens: an LM head and a log-softmax per scored row."""
+        return any(chunk.prompt_logprobs is not None for chunk in self.chunks)
+
 
 @dataclass(frozen=True)
 class ModelOutput:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from firsttoken import SamplingParams
 from firsttoken.worker.thread_governor import ThreadGovernor
 
 STEP_S = 0.05  # predicted (quiet, every thread) step time
@@ -60,3 +61,21 @@ def test_steps_on_another_thread_count_are_ignored():
     for _ in range(100):
         governor.observe(1, 10.0, STEP_S, 0.0)
     assert governor.threads() == 2
+
+
+def test_an_engine_measures_only_the_steps_its_cost_model_predicts(
+    engine_for, two_layer_model_path, monkeypatch
+):
+    """A step that scores prompt tokens pays an LM head per scored row, which the step cost model
+    does not predict: measured, it would read as contention and cost the next steps a thread."""
+    llm = engine_for(model=two_layer_model_path, dtype="float32", adaptive_threads=True, num_threads=2)
+    governor = llm.core.worker.thread_governor
+    observed = []
+    monkeypatch.setattr(
+        governor, "observe", lambda threads, seconds, predicted, now: observed.append(threads)
+    )
+    prompt = [[token_id % 5000 + 100 for token_id in range(300)]]
+    llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=1))
+    assert observed == []
+    llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(observed) == 3  # the prefill and two decodes
