@@ -30,7 +30,8 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
-#define VNNI_PANEL_COLUMNS 32
+#define VNNI_VECTORS 2
+#define VNNI_PANEL_COLUMNS (16 * VNNI_VECTORS)
 #define VNNI_TILE_ROWS 12
 /* Rows a thread takes through every panel before the next block: their levels (96 rows x 1536
  * inputs = 144 KiB) stay in L2 while each panel (32 outputs x 1536 inputs = 48 KiB) meets them. */
@@ -118,34 +119,36 @@ static inline __attribute__((always_inline)) __m512i dot_quads(__m512i acc, __m5
 /* `rows` rows (a compile-time constant where inlined) by one panel. */
 static inline __attribute__((always_inline)) void vnni_tile(const int rows, const VnniMatmul *m, int64_t row,
                                                             int64_t panel) {
-    __m512i sums[VNNI_TILE_ROWS][2];
+    __m512i sums[VNNI_TILE_ROWS][VNNI_VECTORS];
     for (int r = 0; r < rows; r++) {
-        sums[r][0] = sums[r][1] = _mm512_setzero_si512();
+        for (int v = 0; v < VNNI_VECTORS; v++) {
+            sums[r][v] = _mm512_setzero_si512();
+        }
     }
     const int8_t *weight = m->weight + panel * m->in_quads * VNNI_PANEL_COLUMNS * 4;
     const uint8_t *x = m->activations + row * 4 * m->in_quads;
     for (int64_t quad = 0; quad < m->in_quads; quad++) {
-        __m512i low = _mm512_loadu_si512(weight + quad * VNNI_PANEL_COLUMNS * 4);
-        __m512i high = _mm512_loadu_si512(weight + quad * VNNI_PANEL_COLUMNS * 4 + 64);
-        /* Held in registers: GCC would otherwise load them again before each row's products. */
-        __asm__("" : "+v"(low), "+v"(high));
+        __m512i weights[VNNI_VECTORS];
+        for (int v = 0; v < VNNI_VECTORS; v++) {
+            weights[v] = _mm512_loadu_si512(weight + (quad * VNNI_PANEL_COLUMNS + 16 * v) * 4);
+            /* Held in a register: GCC would otherwise load it again before each row's products. */
+            __asm__("" : "+v"(weights[v]));
+        }
 #pragma GCC unroll 12
         for (int r = 0; r < rows; r++) {
             int32_t levels;
             memcpy(&levels, x + r * 4 * m->in_quads + 4 * quad, sizeof levels);
             __m512i broadcast = _mm512_set1_epi32(levels);
-            sums[r][0] = dot_quads(sums[r][0], broadcast, low);
-            sums[r][1] = dot_quads(sums[r][1], broadcast, high);
+            for (int v = 0; v < VNNI_VECTORS; v++) {
+                sums[r][v] = dot_quads(sums[r][v], broadcast, weights[v]);
+            }
         }
     }
     int64_t column = panel * VNNI_PANEL_COLUMNS;
-    const int32_t *compensation = m->compensation + column;
-    __m512i compensation_low = _mm512_loadu_si512(compensation);
-    __m512i compensation_high = _mm512_loadu_si512(compensation + 16);
-    for (int r = 0; r < rows; r++) {
-        vnni_store(m, _mm512_sub_epi32(sums[r][0], compensation_low), row + r, column);
-        if (column + 16 < m->out_features) {
-            vnni_store(m, _mm512_sub_epi32(sums[r][1], compensation_high), row + r, column + 16);
+    for (int v = 0; v < VNNI_VECTORS && column + 16 * v < m->out_features; v++) {
+        __m512i compensation = _mm512_loadu_si512(m->compensation + column + 16 * v);
+        for (int r = 0; r < rows; r++) {
+            vnni_store(m, _mm512_sub_epi32(sums[r][v], compensation), row + r, column + 16 * v);
         }
     }
 }
