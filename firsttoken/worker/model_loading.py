@@ -24,7 +24,7 @@ from firsttoken.models.sharding import Collectives, ModelShard
 from firsttoken.ops.kernels import Kernels
 from firsttoken.ops.linear import NativeRowInvariantLinear, onednn_packing_available
 from firsttoken.ops.native import NativeKernels, load_native_kernels
-from firsttoken.ops.w8a8 import w8a8_on_native_matmul, w8a8_unsupported_reason
+from firsttoken.ops.w8a8 import W8A8Linear, w8a8_on_native_matmul, w8a8_unsupported_reason
 from firsttoken.worker.activation_stats import load_activation_maxima
 from firsttoken.worker.shared_weights import SHARED_WEIGHTS, PreparedWeights, WeightsForm
 
@@ -143,6 +143,7 @@ def _prepared_model(
         activation_maxima=activation_maxima,
     )
     _log_levels(model)
+    _log_w8a8_matmul(model)
     return model
 
 
@@ -156,6 +157,22 @@ def _log_levels(model: LlamaForCausalLM) -> None:
             with_levels,
             len(projections),
         )
+
+
+def _log_w8a8_matmul(model: LlamaForCausalLM) -> None:
+    """Says which int8 matmul W8A8 projections run on: the native one (and on which
+    instructions) or oneDNN's."""
+    projections = [module for module in model.modules() if isinstance(module, W8A8Linear)]
+    if not projections:
+        return
+    first = projections[0]
+    if not first.native_matmul:
+        multiplier = "oneDNN's int8 matmul"
+    elif first.kernels.w8a8_matmul_uses_vnni:
+        multiplier = "the native int8 matmul on AVX512-VNNI"
+    else:
+        multiplier = "the native int8 matmul on AVX2 (VPMADDWD)"
+    logger.info("%d W8A8 projections multiply on %s", len(projections), multiplier)
 
 
 def _weights_form(

@@ -4,6 +4,8 @@ cannot run it."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -95,7 +97,7 @@ def test_a_request_gets_the_same_bits_alone_and_beside_others(w8a8_llm):
 
 
 @needs_exact_int8
-def test_the_native_int8_matmul_gives_the_onednn_engines_bits(two_layer_model_path, monkeypatch):
+def test_the_native_int8_matmul_gives_the_onednn_engines_bits(two_layer_model_path, monkeypatch, caplog):
     """The engine runs W8A8 on the native kernels' int8 matmul where oneDNN's int8 sums saturate
     (AVX2 without VNNI) and on VNNI CPUs without AMX; each forced here, the replies carry the same
     bits (on the 2-layer model of the embedded model's shapes)."""
@@ -107,13 +109,17 @@ def test_the_native_int8_matmul_gives_the_onednn_engines_bits(two_layer_model_pa
 
         for module in (w8a8, model_loading):  # the weights' form (shared by engines) and the projections
             monkeypatch.setattr(module, "w8a8_on_native_matmul", chosen)
-        llm = LLM(**options)
+        with caplog.at_level(logging.INFO, logger="firsttoken.worker.model_loading"):
+            llm = LLM(**options)
         try:
             native_kernels = llm.core.worker.kernels.native
             if native_kernels is None or not native_kernels.has_w8a8_matmul:
                 pytest.skip("no native int8 matmul in this build (x86 with AVX2 only)")
             projections = [m for m in llm.core.worker.model.modules() if isinstance(m, W8A8Linear)]
             assert projections and all(projection.native_matmul == on_native for projection in projections)
+            multiplier = "the native int8 matmul on" if on_native else "oneDNN's int8 matmul"
+            assert f"W8A8 projections multiply on {multiplier}" in caplog.text
+            caplog.clear()
             replies[on_native] = [_bits(output) for output in llm.generate(PROMPTS, GREEDY)]
         finally:
             llm.shutdown()
