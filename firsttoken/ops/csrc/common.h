@@ -144,6 +144,28 @@ static inline void thread_rows(int64_t rows, int64_t *begin, int64_t *end) {
     *end = rows * (thread + 1) / threads;
 }
 
+/* A thread's share of a product tiled as row tiles by panels of outputs. */
+typedef struct {
+    int64_t row_begin, row_end, panel_begin, panel_end;
+} ProductShare;
+
+/* This thread's share inside an OpenMP parallel region: whole panels (every row) where there are
+ * panels enough for every thread or too few rows, else whole tiles of `tile_rows` rows (every
+ * panel). Either way each output is one thread's alone. */
+static inline ProductShare thread_product_share(int64_t rows, int64_t panels, int64_t tile_rows) {
+    int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    ProductShare share = {0, rows, 0, panels};
+    if (panels >= 4 * threads || rows < 2 * tile_rows * threads) {
+        thread_rows(panels, &share.panel_begin, &share.panel_end);
+    } else {
+        int64_t tiles = (rows + tile_rows - 1) / tile_rows;
+        int64_t end = tiles * (thread + 1) / threads * tile_rows;
+        share.row_begin = tiles * thread / threads * tile_rows;
+        share.row_end = end < rows ? end : rows;
+    }
+    return share;
+}
+
 #if defined(__AVX512F__)
 /* e^x for 16 floats: 2^n * e^r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
  * (relative error ~2e-7). */

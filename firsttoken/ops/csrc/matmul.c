@@ -203,17 +203,8 @@ FtStatus ft_row_invariant_matmul(const float *x, int64_t x_stride, int64_t rows,
     int parallel = rows * out_features * in_features >= PARALLEL_MIN_ELEMENTS * 16 && num_threads > 1;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
-        int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-        if (panels >= 4 * threads || rows < 2 * TILE_ROWS * threads) {
-            int64_t begin, end;
-            thread_rows(panels, &begin, &end);
-            multiply_block(&m, 0, rows, begin, end);
-        } else {
-            int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-            int64_t begin = tiles * thread / threads * TILE_ROWS;
-            int64_t end = tiles * (thread + 1) / threads * TILE_ROWS;
-            multiply_block(&m, begin, end < rows ? end : rows, 0, panels);
-        }
+        ProductShare share = thread_product_share(rows, panels, TILE_ROWS);
+        multiply_block(&m, share.row_begin, share.row_end, share.panel_begin, share.panel_end);
     }
     return FT_OK;
 }

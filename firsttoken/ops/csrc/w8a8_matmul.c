@@ -31,17 +31,17 @@
 #include <immintrin.h>
 
 #define VNNI_VECTORS 2
-#define VNNI_PANEL_COLUMNS (16 * VNNI_VECTORS)
-#define VNNI_TILE_ROWS 12
+#define PANEL_COLUMNS (16 * VNNI_VECTORS)
+#define TILE_ROWS 12
 /* Rows a thread takes through every panel before the next block: their levels (96 rows x 1536
  * inputs = 144 KiB) stay in L2 while each panel (32 outputs x 1536 inputs = 48 KiB) meets them. */
-#define VNNI_ROW_BLOCK (8 * VNNI_TILE_ROWS)
+#define ROW_BLOCK (8 * TILE_ROWS)
 
 typedef struct {
     const uint8_t *activations; /* [rows][4 * in_quads] */
     const float *row_scales;
     const int8_t *weight; /* packed */
-    const int32_t *compensation; /* [panels * VNNI_PANEL_COLUMNS]: 128 * each output's weight sum */
+    const int32_t *compensation; /* [panels * PANEL_COLUMNS]: 128 * each output's weight sum */
     const float *weight_scales;
     const float *bias; /* [out_features] or NULL */
     int64_t rows;
@@ -49,10 +49,10 @@ typedef struct {
     int64_t in_quads;
     void *out;
     int dtype;
-} VnniMatmul;
+} W8A8Matmul;
 
 static int64_t vnni_panels(int64_t out_features) {
-    return (out_features + VNNI_PANEL_COLUMNS - 1) / VNNI_PANEL_COLUMNS;
+    return (out_features + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
 }
 
 int ft_w8a8_uses_vnni(void) {
@@ -60,7 +60,7 @@ int ft_w8a8_uses_vnni(void) {
 }
 
 int64_t ft_w8a8_packed_bytes(int64_t out_features, int64_t in_features) {
-    int64_t columns = vnni_panels(out_features) * VNNI_PANEL_COLUMNS;
+    int64_t columns = vnni_panels(out_features) * PANEL_COLUMNS;
     return columns * ((in_features + 3) / 4) * 4 + columns * (int64_t)sizeof(int32_t);
 }
 
@@ -69,14 +69,14 @@ int64_t ft_w8a8_packed_bytes(int64_t out_features, int64_t in_features) {
 FtStatus ft_pack_w8a8_weight(const int8_t *weight, int64_t out_features, int64_t in_features, void *packed) {
     int64_t quads = (in_features + 3) / 4, panels = vnni_panels(out_features);
     int8_t *levels = packed;
-    int32_t *compensation = (int32_t *)(levels + panels * VNNI_PANEL_COLUMNS * quads * 4);
+    int32_t *compensation = (int32_t *)(levels + panels * PANEL_COLUMNS * quads * 4);
     for (int64_t panel = 0; panel < panels; panel++) {
-        for (int64_t column = 0; column < VNNI_PANEL_COLUMNS; column++) {
-            int64_t o = panel * VNNI_PANEL_COLUMNS + column;
+        for (int64_t column = 0; column < PANEL_COLUMNS; column++) {
+            int64_t o = panel * PANEL_COLUMNS + column;
             int32_t sum = 0;
             for (int64_t k = 0; k < quads * 4; k++) {
                 int8_t level = o < out_features && k < in_features ? weight[o * in_features + k] : 0;
-                levels[((panel * quads + k / 4) * VNNI_PANEL_COLUMNS + column) * 4 + k % 4] = level;
+                levels[((panel * quads + k / 4) * PANEL_COLUMNS + column) * 4 + k % 4] = level;
                 sum += level;
             }
             compensation[o] = 128 * sum;
@@ -87,7 +87,7 @@ FtStatus ft_pack_w8a8_weight(const int8_t *weight, int64_t out_features, int64_t
 
 /* Columns [column, column + 16) of one row from its exact sums: (float)sum * weight_scale *
  * row_scale (+ bias), stored in the output dtype; lanes past out_features are left alone. */
-static inline __attribute__((always_inline)) void vnni_store(const VnniMatmul *m, __m512i sums, int64_t row,
+static inline __attribute__((always_inline)) void vnni_store(const W8A8Matmul *m, __m512i sums, int64_t row,
                                                              int64_t column) {
     int64_t valid = m->out_features - column;
     __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
@@ -117,20 +117,20 @@ static inline __attribute__((always_inline)) __m512i dot_quads(__m512i acc, __m5
 }
 
 /* `rows` rows (a compile-time constant where inlined) by one panel. */
-static inline __attribute__((always_inline)) void vnni_tile(const int rows, const VnniMatmul *m, int64_t row,
+static inline __attribute__((always_inline)) void multiply_tile(const int rows, const W8A8Matmul *m, int64_t row,
                                                             int64_t panel) {
-    __m512i sums[VNNI_TILE_ROWS][VNNI_VECTORS];
+    __m512i sums[TILE_ROWS][VNNI_VECTORS];
     for (int r = 0; r < rows; r++) {
         for (int v = 0; v < VNNI_VECTORS; v++) {
             sums[r][v] = _mm512_setzero_si512();
         }
     }
-    const int8_t *weight = m->weight + panel * m->in_quads * VNNI_PANEL_COLUMNS * 4;
+    const int8_t *weight = m->weight + panel * m->in_quads * PANEL_COLUMNS * 4;
     const uint8_t *x = m->activations + row * 4 * m->in_quads;
     for (int64_t quad = 0; quad < m->in_quads; quad++) {
         __m512i weights[VNNI_VECTORS];
         for (int v = 0; v < VNNI_VECTORS; v++) {
-            weights[v] = _mm512_loadu_si512(weight + (quad * VNNI_PANEL_COLUMNS + 16 * v) * 4);
+            weights[v] = _mm512_loadu_si512(weight + (quad * PANEL_COLUMNS + 16 * v) * 4);
             /* Held in a register: GCC would otherwise load it again before each row's products. */
             __asm__("" : "+v"(weights[v]));
         }
@@ -144,7 +144,7 @@ static inline __attribute__((always_inline)) void vnni_tile(const int rows, cons
             }
         }
     }
-    int64_t column = panel * VNNI_PANEL_COLUMNS;
+    int64_t column = panel * PANEL_COLUMNS;
     for (int v = 0; v < VNNI_VECTORS && column + 16 * v < m->out_features; v++) {
         __m512i compensation = _mm512_loadu_si512(m->compensation + column + 16 * v);
         for (int r = 0; r < rows; r++) {
@@ -153,36 +153,23 @@ static inline __attribute__((always_inline)) void vnni_tile(const int rows, cons
     }
 }
 
-#define VNNI_TILE_CASE(count)                                                                                         \
-    case count: vnni_tile(count, m, row, panel); break;
+#define TILE_CASE(count)                                                                                         \
+    case count: multiply_tile(count, m, row, panel); break;
 
-static void vnni_rows(int rows, const VnniMatmul *m, int64_t row, int64_t panel) {
+static void multiply_rows(int rows, const W8A8Matmul *m, int64_t row, int64_t panel) {
     switch (rows) {
-        VNNI_TILE_CASE(1)
-        VNNI_TILE_CASE(2)
-        VNNI_TILE_CASE(3)
-        VNNI_TILE_CASE(4)
-        VNNI_TILE_CASE(5)
-        VNNI_TILE_CASE(6)
-        VNNI_TILE_CASE(7)
-        VNNI_TILE_CASE(8)
-        VNNI_TILE_CASE(9)
-        VNNI_TILE_CASE(10)
-        VNNI_TILE_CASE(11)
-        VNNI_TILE_CASE(12)
-    }
-}
-
-static void vnni_block(const VnniMatmul *m, int64_t row_begin, int64_t row_end, int64_t panel_begin,
-                       int64_t panel_end) {
-    for (int64_t block = row_begin; block < row_end; block += VNNI_ROW_BLOCK) {
-        int64_t block_end = block + VNNI_ROW_BLOCK < row_end ? block + VNNI_ROW_BLOCK : row_end;
-        for (int64_t panel = panel_begin; panel < panel_end; panel++) {
-            for (int64_t row = block; row < block_end; row += VNNI_TILE_ROWS) {
-                int rows = block_end - row < VNNI_TILE_ROWS ? (int)(block_end - row) : VNNI_TILE_ROWS;
-                vnni_rows(rows, m, row, panel);
-            }
-        }
+        TILE_CASE(1)
+        TILE_CASE(2)
+        TILE_CASE(3)
+        TILE_CASE(4)
+        TILE_CASE(5)
+        TILE_CASE(6)
+        TILE_CASE(7)
+        TILE_CASE(8)
+        TILE_CASE(9)
+        TILE_CASE(10)
+        TILE_CASE(11)
+        TILE_CASE(12)
     }
 }
 
@@ -194,48 +181,6 @@ static void pad_levels(const uint8_t *levels, int64_t begin, int64_t end, int64_
         memcpy(padded + r * 4 * in_quads, levels + r * in_features, (size_t)in_features);
         memset(padded + r * 4 * in_quads + in_features, 0, (size_t)(4 * in_quads - in_features));
     }
-}
-
-/* out [rows, out_features] in `dtype` = the W8A8 product of uint8 activation levels (level + 128)
- * [rows, in_features] with their row_scales [rows] and the packed int8 weights (ft_pack_w8a8_weight)
- * with their weight_scales [out_features], plus float32 bias [out_features] unless NULL. */
-FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const void *weight,
-                        const float *weight_scales, const float *bias, void *out, int64_t rows, int64_t out_features,
-                        int64_t in_features, int dtype, int num_threads) {
-    int64_t in_quads = (in_features + 3) / 4, panels = vnni_panels(out_features);
-    uint8_t *padded = NULL;
-    if (in_features % 4 != 0) {
-        padded = malloc((size_t)(rows * 4 * in_quads));
-        if (padded == NULL) {
-            return FT_OUT_OF_MEMORY;
-        }
-    }
-    const int8_t *packed = weight;
-    VnniMatmul m = {padded != NULL ? padded : levels, row_scales, packed,
-                    (const int32_t *)(packed + panels * VNNI_PANEL_COLUMNS * in_quads * 4), weight_scales, bias, rows,
-                    out_features, in_quads, out, dtype};
-    int parallel = rows * out_features * in_features >= PARALLEL_MIN_ELEMENTS * 16 && num_threads > 1;
-#pragma omp parallel num_threads(num_threads) if (parallel)
-    {
-        int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
-        int64_t begin, end;
-        if (padded != NULL) {
-            thread_rows(rows, &begin, &end);
-            pad_levels(levels, begin, end, in_features, in_quads, padded);
-#pragma omp barrier
-        }
-        if (panels >= 4 * threads || rows < 2 * VNNI_TILE_ROWS * threads) {
-            thread_rows(panels, &begin, &end);
-            vnni_block(&m, 0, rows, begin, end);
-        } else {
-            int64_t tiles = (rows + VNNI_TILE_ROWS - 1) / VNNI_TILE_ROWS;
-            int64_t tile_begin = tiles * thread / threads * VNNI_TILE_ROWS;
-            int64_t tile_end = tiles * (thread + 1) / threads * VNNI_TILE_ROWS;
-            vnni_block(&m, tile_begin, tile_end < rows ? tile_end : rows, 0, panels);
-        }
-    }
-    free(padded);
-    return FT_OK;
 }
 
 #elif defined(__AVX2__)
@@ -349,19 +294,6 @@ static void multiply_rows(int rows, const W8A8Matmul *m, int64_t row, int64_t pa
     }
 }
 
-static void multiply_block(const W8A8Matmul *m, int64_t row_begin, int64_t row_end, int64_t panel_begin,
-                           int64_t panel_end) {
-    for (int64_t block = row_begin; block < row_end; block += ROW_BLOCK) {
-        int64_t block_end = block + ROW_BLOCK < row_end ? block + ROW_BLOCK : row_end;
-        for (int64_t panel = panel_begin; panel < panel_end; panel++) {
-            for (int64_t row = block; row < block_end; row += TILE_ROWS) {
-                int rows = block_end - row < TILE_ROWS ? (int)(block_end - row) : TILE_ROWS;
-                multiply_rows(rows, m, row, panel);
-            }
-        }
-    }
-}
-
 /* Rows [begin, end) of uint8 levels (level + 128) [rows, in_features] as int16 levels, each row
  * zero-padded to 2 * in_pairs. */
 static void widen_levels(const uint8_t *levels, int64_t begin, int64_t end, int64_t in_features, int64_t in_pairs,
@@ -377,6 +309,66 @@ static void widen_levels(const uint8_t *levels, int64_t begin, int64_t end, int6
     }
 }
 
+#endif
+
+#if defined(__AVX2__)
+/* Rows [row_begin, row_end) by panels [panel_begin, panel_end): blocks of ROW_BLOCK rows, each
+ * meeting every panel in tiles of TILE_ROWS rows. */
+static void multiply_block(const W8A8Matmul *m, int64_t row_begin, int64_t row_end, int64_t panel_begin,
+                           int64_t panel_end) {
+    for (int64_t block = row_begin; block < row_end; block += ROW_BLOCK) {
+        int64_t block_end = block + ROW_BLOCK < row_end ? block + ROW_BLOCK : row_end;
+        for (int64_t panel = panel_begin; panel < panel_end; panel++) {
+            for (int64_t row = block; row < block_end; row += TILE_ROWS) {
+                int rows = block_end - row < TILE_ROWS ? (int)(block_end - row) : TILE_ROWS;
+                multiply_rows(rows, m, row, panel);
+            }
+        }
+    }
+}
+
+/* This thread's share of the product, inside the parallel region. */
+static void multiply_share(const W8A8Matmul *m, int64_t panels) {
+    ProductShare share = thread_product_share(m->rows, panels, TILE_ROWS);
+    multiply_block(m, share.row_begin, share.row_end, share.panel_begin, share.panel_end);
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* out [rows, out_features] in `dtype` = the W8A8 product of uint8 activation levels (level + 128)
+ * [rows, in_features] with their row_scales [rows] and the packed int8 weights (ft_pack_w8a8_weight)
+ * with their weight_scales [out_features], plus float32 bias [out_features] unless NULL. */
+FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const void *weight,
+                        const float *weight_scales, const float *bias, void *out, int64_t rows, int64_t out_features,
+                        int64_t in_features, int dtype, int num_threads) {
+    int64_t in_quads = (in_features + 3) / 4, panels = vnni_panels(out_features);
+    uint8_t *padded = NULL;
+    if (in_features % 4 != 0) {
+        padded = malloc((size_t)(rows * 4 * in_quads));
+        if (padded == NULL) {
+            return FT_OUT_OF_MEMORY;
+        }
+    }
+    const int8_t *packed = weight;
+    W8A8Matmul m = {padded != NULL ? padded : levels, row_scales, packed,
+                    (const int32_t *)(packed + panels * PANEL_COLUMNS * in_quads * 4), weight_scales, bias, rows,
+                    out_features, in_quads, out, dtype};
+    int parallel = rows * out_features * in_features >= PARALLEL_MIN_ELEMENTS * 16 && num_threads > 1;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    {
+        if (padded != NULL) {
+            int64_t begin, end;
+            thread_rows(rows, &begin, &end);
+            pad_levels(levels, begin, end, in_features, in_quads, padded);
+#pragma omp barrier
+        }
+        multiply_share(&m, panels);
+    }
+    free(padded);
+    return FT_OK;
+}
+
+#elif defined(__AVX2__)
 /* out [rows, out_features] in `dtype` = the W8A8 product of uint8 activation levels (level + 128)
  * [rows, in_features] with their row_scales [rows] and the packed int8 weights (ft_pack_w8a8_weight)
  * with their weight_scales [out_features], plus float32 bias [out_features] unless NULL. */
@@ -393,20 +385,11 @@ FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const vo
     int parallel = rows * out_features * in_features >= PARALLEL_MIN_ELEMENTS * 16 && num_threads > 1;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
-        int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
         int64_t begin, end;
         thread_rows(rows, &begin, &end);
         widen_levels(levels, begin, end, in_features, in_pairs, activations);
 #pragma omp barrier
-        if (panels >= 4 * threads || rows < 2 * TILE_ROWS * threads) {
-            thread_rows(panels, &begin, &end);
-            multiply_block(&m, 0, rows, begin, end);
-        } else {
-            int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-            int64_t tile_begin = tiles * thread / threads * TILE_ROWS;
-            int64_t tile_end = tiles * (thread + 1) / threads * TILE_ROWS;
-            multiply_block(&m, tile_begin, tile_end < rows ? tile_end : rows, 0, panels);
-        }
+        multiply_share(&m, panels);
     }
     free(activations);
     return FT_OK;
