@@ -8,6 +8,7 @@ Ray starts once for the module; the replica-killing test runs last, since it rep
 
 from __future__ import annotations
 
+import json
 import os
 
 import random
@@ -232,7 +233,7 @@ def test_a_killed_replica_fails_its_requests_and_is_replaced(endpoint, ray_clust
             endings.append(events[-2])
         for stream in streams:
             stream.__exit__(None, None, None)
-        errors = [ending for ending in endings if '"error"' in ending]
+        errors = [ending for ending in endings if "error" in json.loads(ending.removeprefix("data: "))]
         assert len(errors) == 1, endings
         assert "engine_unavailable" in errors[0] and "engine replica" in errors[0]
 

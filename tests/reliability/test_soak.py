@@ -4,6 +4,7 @@ choices, clients that leave mid-stream, hostile bodies and health probes. No ans
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -45,6 +46,14 @@ def _check_whole(response: httpx.Response, tally: SoakTally) -> None:
         tally.record(str(response.status_code))
 
 
+def _event_payload(event: str) -> dict | None:
+    try:
+        payload = json.loads(event.removeprefix("data: "))
+    except json.JSONDecodeError:
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
 def _check_stream(
     http: httpx.Client, path: str, body: dict, tally: SoakTally, leave_after: int | None
 ) -> None:
@@ -59,8 +68,17 @@ def _check_stream(
             if leave_after is not None and len(events) >= leave_after:
                 tally.record("left")
                 return
-    finished = [event for event in events[:-1] if '"finish_reason":"' in event]
-    errors = [event for event in events if '"error"' in event]
+    payloads = [_event_payload(event) for event in events[:-1]]
+    if None in payloads:
+        tally.record("incomplete", "\n".join(events))
+        return
+    finished = [
+        payload
+        for payload in payloads
+        if any(choice.get("finish_reason") for choice in payload.get("choices", ()))
+    ]
+    # A sampled token may read "error"; only an error object in the event is a failure.
+    errors = [payload for payload in payloads if "error" in payload]
     complete = bool(events) and events[-1] == "data: [DONE]" and bool(finished) and not errors
     tally.record("complete" if complete else "incomplete", None if complete else "\n".join(events))
 
