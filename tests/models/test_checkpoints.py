@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -137,6 +138,25 @@ def test_gguf_file_matches_transformers_gguf_loader(variant, tmp_path):
     expected_ids, expected_logprobs = hf_greedy(hf_model.eval(), PROMPT_IDS, NUM_TOKENS)
     assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
     assert output.token_ids == expected_ids
+
+
+def test_the_loaders_gguf_reader_reads_the_librarys_fields_and_tensors(model_path):
+    """The loader's reader (the library's, on a plain view of the file map) on the embedded file:
+    every field's contents, every tensor's name, type, shape, offset and bytes."""
+    from gguf import GGUFReader
+
+    from firsttoken.models.loaders.gguf_file import MappedGGUFReader
+
+    library, mapped = GGUFReader(model_path), MappedGGUFReader(model_path)
+    assert {name: field.contents() for name, field in mapped.fields.items()} == {
+        name: field.contents() for name, field in library.fields.items()
+    }
+    assert len(mapped.tensors) == len(library.tensors) > 0
+    for ours, theirs in zip(mapped.tensors, library.tensors):
+        for attribute in ("name", "tensor_type", "data_offset"):
+            assert getattr(ours, attribute) == getattr(theirs, attribute)
+        assert ours.shape.tolist() == theirs.shape.tolist()
+        assert np.array_equal(ours.data, theirs.data)
 
 
 @pytest.mark.slow
