@@ -31,6 +31,7 @@ from firsttoken.worker.model_runner import ModelRunner
 from firsttoken.worker.step_inputs import build_host_step, order_decodes_first
 from tests.cuda.test_cuda_runner import EagerCapture
 from tests.cuda.tiny_engine import TINY_ARCH, random_model
+from tests.cuda.triton_interpreter import SLOW_ON_CPU
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 400
@@ -119,12 +120,8 @@ def _other_prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(TINY_ARCH.vocab_size) for _ in range(rng.randrange(1, 30))] for _ in range(count)]
 
 
-# Under the interpreter (no GPU) every case takes seconds: there the graph runs (their capture
-# replays eager steps anyway) are in the slow tier; on a GPU both run by default.
-_SLOW_ON_CPU = [] if torch.cuda.is_available() else [pytest.mark.slow]
-
-
-@pytest.fixture(scope="module", params=["eager", pytest.param("graphs", marks=_SLOW_ON_CPU)])
+# Under the interpreter the graph runs (their capture replays eager steps anyway) are the slow tier's.
+@pytest.fixture(scope="module", params=["eager", pytest.param("graphs", marks=SLOW_ON_CPU)])
 def invariant(request, device) -> InvariantRunner:
     return InvariantRunner(device, graphs=request.param == "graphs")
 
@@ -140,10 +137,8 @@ def test_alone_the_logits_are_the_same_bits(invariant, alone):
     assert (invariant.capture.num_replays > 0) == (invariant.runner.step_graphs is not None)
 
 
-# 7 and 15 others take the interpreter ~10 s each.
-@pytest.mark.parametrize(
-    "num_others", [1, 3, pytest.param(7, marks=_SLOW_ON_CPU), pytest.param(15, marks=_SLOW_ON_CPU)]
-)
+# Under the interpreter one other prompt by default (3 take ~4 s, 15 ~10 s).
+@pytest.mark.parametrize("num_others", [1, *(pytest.param(count, marks=SLOW_ON_CPU) for count in (3, 7, 15))])
 def test_beside_other_prompts_and_decodes_the_logits_are_the_same_bits(invariant, alone, num_others):
     others = _other_prompts(num_others, seed=num_others)
     decoding = others[: num_others // 2]  # these run their first decode beside the prompt
@@ -162,7 +157,7 @@ def test_beside_other_prompts_and_decodes_the_logits_are_the_same_bits(invariant
     assert torch.equal(invariant.step(chunks)["target"], alone)
 
 
-@pytest.mark.parametrize("chunk_size", [5, 16])
+@pytest.mark.parametrize("chunk_size", [5, pytest.param(16, marks=SLOW_ON_CPU)])
 def test_in_chunks_the_logits_are_the_same_bits(invariant, alone, chunk_size):
     assert torch.equal(_prefill(invariant, f"chunked-{chunk_size}", PROMPT, chunk_size), alone)
 

@@ -27,6 +27,7 @@ from firsttoken.worker.cuda_graphs import Forward
 from firsttoken.worker.kv_cache import allocate_kv_caches
 from firsttoken.worker.model_runner import ModelRunner
 from tests.cuda.tiny_engine import TINY_ARCH, greedy_generate, random_model
+from tests.cuda.triton_interpreter import SLOW_ON_CPU
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 80
@@ -77,14 +78,10 @@ def _runners(device, dtype, arch: ModelArch = TINY_ARCH):
     return reference, reference_caches, runner, caches
 
 
-# Each case takes the interpreter (no GPU) ~15-25 s: there the default run keeps no graphs and
-# mixed graphs, the slow tier the rest; on a GPU all run by default.
-_SLOW_ON_CPU = [] if torch.cuda.is_available() else [pytest.mark.slow]
-
-
+# Each case takes the interpreter ~3-25 s: there the default run keeps no graphs and mixed graphs.
 @pytest.mark.parametrize(
     "max_graph_tokens",
-    [None, pytest.param(0, marks=_SLOW_ON_CPU), 16, pytest.param(64, marks=_SLOW_ON_CPU)],
+    [None, pytest.param(0, marks=SLOW_ON_CPU), 16, pytest.param(64, marks=SLOW_ON_CPU)],
 )
 def test_cuda_runner_gives_the_cpu_paths_greedy_tokens(max_graph_tokens, device):
     """None: no graphs; 0: decode graphs only; 16: steps up to 16 tokens replayed, longer ones
@@ -161,7 +158,10 @@ WINDOWED_ARCHS = {
 }
 
 
-@pytest.mark.parametrize("name", WINDOWED_ARCHS)
+# Under the interpreter a window on every layer is the slow tier's (the mixed case has a window too).
+@pytest.mark.parametrize(
+    "name", ["local-global-softcap", pytest.param("every-layer-windowed", marks=SLOW_ON_CPU)]
+)
 def test_windowed_and_soft_capped_layers_give_the_cpu_paths_greedy_tokens(name, device):
     """Prompts past the window, chunked, a prefix-cache hit, decode graphs replayed."""
     arch = WINDOWED_ARCHS[name]

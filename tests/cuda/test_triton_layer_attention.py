@@ -24,6 +24,7 @@ from firsttoken.attention.triton_kernels import (
     store_kv,
 )
 from tests.cuda.paged_inputs import random_paged_inputs
+from tests.cuda.triton_interpreter import SLOW_ON_CPU
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 # Scores of random unit-variance queries and keys are ~N(0, 1): a cap of 2 bends them visibly.
@@ -59,7 +60,12 @@ def _mixed_step(layer: LayerAttention, dtype: torch.dtype, device: torch.device,
     return output.cpu().float(), expected.float()
 
 
-@pytest.mark.parametrize("name", LAYERS)
+# Under the interpreter the combined kinds by default: each option alone is the slow tier's.
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(name, marks=SLOW_ON_CPU) for name in ("window", "softcap", "sinks")]
+    + ["window-softcap", "one-sink-softcap"],
+)
 def test_each_layer_kind_matches_the_reference_on_a_mixed_step(device, name):
     output, expected = _mixed_step(LAYERS[name], torch.float32, device)
     torch.testing.assert_close(output, expected, atol=2e-5, rtol=2e-5)

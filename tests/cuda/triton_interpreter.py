@@ -20,7 +20,12 @@ torch sees no CUDA device). Four fixes make it compute what the GPU computes:
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
+
+# The marks of a case the interpreter takes long over and whose features cheaper cases of the same
+# test cover: the slow tier's without a GPU; on a GPU every case runs by default.
+SLOW_ON_CPU = [] if torch.cuda.is_available() else [pytest.mark.slow]
 
 
 def patch_interpreter() -> None:
