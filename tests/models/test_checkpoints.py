@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
-from tests.conftest import FIXED_THREADS
+from tests.conftest import FIXED_THREADS, transformers_reading_gguf_quickly
 from tests.models.reference import assert_logprobs_close, hf_greedy
 from tests.models.tiny_models import save_hf_folder, tiny_hf_model, write_gguf
 
@@ -131,9 +131,10 @@ def test_gguf_file_matches_transformers_gguf_loader(variant, tmp_path):
     path = write_gguf(
         tiny_hf_model(model_type, **overrides), str(tmp_path / f"{variant}.gguf"), model_type, qtypes
     )
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        str(tmp_path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
+    with transformers_reading_gguf_quickly():
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            str(tmp_path), gguf_file=os.path.basename(path), dtype=torch.float32
+        )
     output = _firsttoken_run(path)
     expected_ids, expected_logprobs = hf_greedy(hf_model.eval(), PROMPT_IDS, NUM_TOKENS)
     assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
