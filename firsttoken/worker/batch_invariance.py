@@ -18,6 +18,12 @@ from firsttoken.ops.linear import Linear, NativeRowInvariantLinear, PackedLinear
 
 logger = logging.getLogger(__name__)
 
+# The probe's answers in this process, by what oneDNN picks its kernels by (the weight's shape
+# and type, the bias, the padding of one-row inputs, the thread count), never the weights'
+# values: an engine sharing another's weights, or one of another model of the same shapes,
+# starts without probing again (0.6 s of a bf16 start of the embedded model on one thread).
+_ROWS_INVARIANT_BY_KERNEL_CHOICE: dict[tuple, bool] = {}
+
 
 def claims_batch_invariance(
     config: EngineConfig,
@@ -90,8 +96,7 @@ def matmuls_rows_invariant(model: LlamaForCausalLM) -> bool:
     if not projections or any(isinstance(module, Linear) for module in projections):
         return False  # torch's plain matmuls pick their kernel by the row count
     packed = [module for module in projections if isinstance(module, PackedLinear)]
-    shapes = {tuple(module.packed_weight.shape): module for module in packed}
-    if all(rows_invariant(module) for module in shapes.values()):
+    if all(_probed_rows_invariant(module) for module in packed):
         return True
     logger.info(
         "batch_invariant: this CPU's oneDNN bf16 kernels give a row other bits at other batch sizes "
@@ -99,3 +104,16 @@ def matmuls_rows_invariant(model: LlamaForCausalLM) -> bool:
         "start with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 (slower prefill)"
     )
     return False
+
+
+def _probed_rows_invariant(module: PackedLinear) -> bool:
+    kernel_choice = (
+        tuple(module.packed_weight.shape),
+        module.packed_weight.dtype,
+        module.bias is not None,
+        module.pad_single_rows,
+        torch.get_num_threads(),
+    )
+    if kernel_choice not in _ROWS_INVARIANT_BY_KERNEL_CHOICE:
+        _ROWS_INVARIANT_BY_KERNEL_CHOICE[kernel_choice] = rows_invariant(module)
+    return _ROWS_INVARIANT_BY_KERNEL_CHOICE[kernel_choice]

@@ -123,6 +123,29 @@ def test_without_it_one_row_steps_take_onednn_one_row_kernel(engine_options):
     assert not any(isinstance(module, NativeRowInvariantLinear) for module in modules)
 
 
+def test_an_engine_of_kernels_already_probed_claims_without_probing_again(engine_options, monkeypatch):
+    """The oneDNN probe answers once per kernel choice in a process: a second engine of the
+    same shapes and threads claims what the first did, without running it."""
+    from firsttoken.worker import batch_invariance
+
+    monkeypatch.setattr(batch_invariance, "_ROWS_INVARIANT_BY_KERNEL_CHOICE", {})
+    probed = []
+    probe = batch_invariance.rows_invariant
+
+    def counted_probe(module) -> bool:
+        probed.append(module)
+        return probe(module)
+
+    monkeypatch.setattr(batch_invariance, "rows_invariant", counted_probe)
+    first = LLM(**engine_options, enable_prompt_cache=False)
+    if engine_options["dtype"] == "bfloat16":
+        assert probed, "the first engine of these shapes runs the probe"
+    probed.clear()
+    second = LLM(**engine_options, enable_prompt_cache=True)
+    assert second.core.worker.batch_invariant == first.core.worker.batch_invariant
+    assert probed == []
+
+
 def test_quantized_weights_claim_no_invariance(engine_options):
     """Decode steps read the quantized weights and prefills the float ones: a position's bits
     depend on which computed it."""
