@@ -114,3 +114,15 @@ def test_token_bytes_of_special_tokens_are_their_text(tokenizer):
     assert tokenizer.token_bytes(im_end) == b"<|im_end|>"
     with pytest.raises(ValueError):
         tokenizer.token_bytes(tokenizer.vocab_size + 5)
+
+
+def test_a_tokenizer_file_is_parsed_once_per_version(embedded_tokenizer, tmp_path):
+    from firsttoken.tokenizer import read_tokenizer_file
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text(embedded_tokenizer.backend.to_str())
+    first = read_tokenizer_file(str(path))
+    assert read_tokenizer_file(str(path)) is first
+    assert first.encode("The sky is blue.").ids == embedded_tokenizer.backend.encode("The sky is blue.").ids
+    path.write_text(embedded_tokenizer.backend.to_str(pretty=True))  # another version of the file
+    assert read_tokenizer_file(str(path)) is not first

@@ -17,13 +17,12 @@ from typing import Callable, ContextManager
 
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer as RustTokenizer
 
 from firsttoken.cache_lock import building
 from firsttoken.models.arch import ModelArch
 from firsttoken.models.loaders.checkpoint import Checkpoint, NamedTensors
 from firsttoken.ops.rotary import RopeScaling
-from firsttoken.tokenizer import Tokenizer
+from firsttoken.tokenizer import Tokenizer, read_tokenizer_file
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ class ConversionCache:
                 format=meta["format"],
                 arch=ModelArch(**arch_fields),
                 tokenizer=Tokenizer(
-                    RustTokenizer.from_file(tokenizer_file),
+                    read_tokenizer_file(tokenizer_file),
                     eos_token_ids=meta["eos_token_ids"],
                     bos_token_id=meta["bos_token_id"],
                     chat_template=meta["chat_template"],

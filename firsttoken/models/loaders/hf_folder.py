@@ -16,7 +16,7 @@ from firsttoken.models.arch import SUPPORTED_ARCHITECTURES, ModelArch
 from firsttoken.models.loaders.checkpoint import Checkpoint, NamedTensors
 from firsttoken.models.loaders.compressed_tensors import checkpoint_quantization
 from firsttoken.ops.rotary import RopeScaling
-from firsttoken.tokenizer import Tokenizer
+from firsttoken.tokenizer import Tokenizer, read_tokenizer_file
 
 
 def is_hf_folder(path: str) -> bool:
@@ -220,7 +220,7 @@ def _load_tokenizer(path: str, config: dict[str, Any]) -> Tokenizer:
     tokenizer_file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tokenizer_file):
         raise ValueError(f"model: {path} has no tokenizer.json")
-    backend = RustTokenizer.from_file(tokenizer_file)
+    backend = read_tokenizer_file(tokenizer_file)
     tokenizer_config_file = os.path.join(path, "tokenizer_config.json")
     tokenizer_config = _read_json(tokenizer_config_file) if os.path.isfile(tokenizer_config_file) else {}
     generation_config_file = os.path.join(path, "generation_config.json")
