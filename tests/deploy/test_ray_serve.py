@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from firsttoken.server.config import ServerConfig
+from tests.http_client import HTTP
 
 MODEL_NAME = "smollm2"
 ENGINE_OPTIONS = dict(
@@ -87,7 +88,7 @@ def client(endpoint):
 def metric_by_replica(endpoint: str, name: str) -> dict[str, float]:
     """One metric's value per replica label, from /metrics."""
     values = {}
-    for family in text_string_to_metric_families(httpx.get(endpoint + "/metrics").text):
+    for family in text_string_to_metric_families(HTTP.get(endpoint + "/metrics").text):
         for sample in family.samples:
             if sample.name == name:
                 values[sample.labels["replica"]] = sample.value
@@ -123,12 +124,12 @@ def test_chat_completions_and_streaming_through_the_openai_client(client):
 
 
 def test_engine_errors_keep_their_status_and_field(endpoint):
-    response = httpx.post(
+    response = HTTP.post(
         endpoint + "/v1/completions", json={"prompt": "Hi", "max_tokens": 10**6, "model": MODEL_NAME}
     )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "max_tokens"
-    unknown = httpx.post(endpoint + "/v1/completions", json={"prompt": "Hi", "model": "nope"})
+    unknown = HTTP.post(endpoint + "/v1/completions", json={"prompt": "Hi", "model": "nope"})
     assert unknown.status_code == 404
 
 

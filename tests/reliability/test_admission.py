@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from firsttoken.server.config import ServerConfig
+from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, running_server
 
 # SmolLM2-135M in float32 takes 720 KiB a 16-token block: 54 blocks, of which pins may hold 27 by
@@ -23,12 +24,12 @@ def _system_prompt(index: int) -> str:
 
 
 def _pin(base_url: str, index: int) -> httpx.Response:
-    return httpx.post(base_url + "/v1/pins", json={"system_prompt": _system_prompt(index)}, timeout=60)
+    return HTTP.post(base_url + "/v1/pins", json={"system_prompt": _system_prompt(index)}, timeout=60)
 
 
 def _unpin_all(base_url: str) -> None:
-    for pin in httpx.get(base_url + "/v1/pins").json()["data"]:
-        httpx.delete(base_url + f"/v1/pins/{pin['id']}")
+    for pin in HTTP.get(base_url + "/v1/pins").json()["data"]:
+        HTTP.delete(base_url + f"/v1/pins/{pin['id']}")
 
 
 @pytest.mark.slow  # the boundary where pins stop is checked by default just below
@@ -40,7 +41,7 @@ def test_no_pin_when_the_cache_cannot_hold_a_request_of_max_model_len(model_path
         refused = _pin(running.base_url, 0)
         assert refused.status_code == 400, refused.text
         assert "a request of max_model_len (2048 tokens)" in refused.json()["error"]["message"]
-        served = httpx.post(running.base_url + "/v1/completions", json=BIG_REQUEST, timeout=120)
+        served = HTTP.post(running.base_url + "/v1/completions", json=BIG_REQUEST, timeout=120)
         assert served.status_code == 200, served.text
 
 
@@ -64,7 +65,7 @@ def test_pins_stop_where_a_request_of_max_model_len_would_no_longer_fit(pinning_
         num_pinned_blocks = stats.num_kv_blocks - stats.num_free_kv_blocks
         assert num_pinned_blocks + 576 // 16 <= stats.num_kv_blocks
         longest = {"prompt": list(range(1000, 1000 + 576 - 40)), "max_tokens": 40, "ignore_eos": True}
-        served = httpx.post(base_url + "/v1/completions", json=longest, timeout=120)
+        served = HTTP.post(base_url + "/v1/completions", json=longest, timeout=120)
         assert served.status_code == 200, served.text
         after = pinning_server.engine.stats()
         assert after.num_kv_blocks - after.num_free_kv_blocks == num_pinned_blocks
@@ -87,15 +88,15 @@ def test_a_request_waiting_past_max_queue_wait_ends_with_an_error_and_holds_noth
     start = one_slot_server.engine.stats()
     base_url = one_slot_server.base_url
     hog = {"prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", base_url + "/v1/completions", json=hog, timeout=120) as running:
+    with HTTP.stream("POST", base_url + "/v1/completions", json=hog, timeout=120) as running:
         lines = running.iter_lines()
         assert next(line for line in lines if line).startswith("data: {")  # it holds the only slot
-        waited = httpx.post(base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
+        waited = HTTP.post(base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert waited.status_code == 503, waited.text
         assert waited.json()["error"]["code"] == "queue_timeout"
         assert "max_queue_wait_s" in waited.json()["error"]["message"]
         streamed = {"prompt": "Hi", "max_tokens": 4, "stream": True}
-        with httpx.stream("POST", base_url + "/v1/completions", json=streamed, timeout=60) as response:
+        with HTTP.stream("POST", base_url + "/v1/completions", json=streamed, timeout=60) as response:
             events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
         assert events[-1] == "[DONE]"
         assert orjson.loads(events[-2])["error"]["code"] == "queue_timeout"
@@ -110,7 +111,7 @@ def test_a_request_predicted_to_miss_its_ttft_objective_gets_429_and_holds_nothi
     with running_server(model_path, config, ttft_slo_ms=1, slo_policy="refuse", max_model_len=512) as running:
         start = running.engine.stats()
         body = {"prompt": "Once upon a time", "max_tokens": 4}
-        refused = httpx.post(running.base_url + "/v1/completions", json=body, timeout=60)
+        refused = HTTP.post(running.base_url + "/v1/completions", json=body, timeout=60)
         assert refused.status_code == 429, refused.text
         error = refused.json()["error"]
         assert error["code"] == "ttft_slo_unattainable"
@@ -120,11 +121,11 @@ def test_a_request_predicted_to_miss_its_ttft_objective_gets_429_and_holds_nothi
         assert (stats.num_waiting, stats.num_running) == (0, 0)
         assert stats.num_free_kv_blocks == stats.num_kv_blocks
         generous = {**body, "ttft_slo_ms": 600_000}
-        served = httpx.post(running.base_url + "/v1/completions", json=generous, timeout=60)
+        served = HTTP.post(running.base_url + "/v1/completions", json=generous, timeout=60)
         assert served.status_code == 200, served.text
         assert running.metric("firsttoken:num_ttft_slo_refusals_total") == 1
         assert running.metric("firsttoken:ttft_slo_requests_total", outcome="met") == 1
         assert running.metric("firsttoken:ttft_prediction_error_seconds_count") == 1
-        bad = httpx.post(running.base_url + "/v1/completions", json={**body, "ttft_slo_ms": 0}, timeout=60)
+        bad = HTTP.post(running.base_url + "/v1/completions", json={**body, "ttft_slo_ms": 0}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "ttft_slo_ms", bad.text
         running.wait_for_idle_kv(since=start)

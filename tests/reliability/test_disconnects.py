@@ -8,8 +8,8 @@ import socket
 import threading
 import time
 
-import httpx
 
+from tests.http_client import HTTP
 from tests.reliability.conftest import MAX_MODEL_LEN
 
 NUM_PREFILL_LEAVERS = 8
@@ -33,7 +33,7 @@ def _leave_mid_prefill(base_url: str, delay_s: float) -> None:
 def _leave_mid_decode(base_url: str, num_chunks: int) -> None:
     body = {"prompt": "Count to a hundred:", "max_tokens": MAX_MODEL_LEN // 2, "stream": True,
             "ignore_eos": True}  # fmt: skip
-    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as response:
+    with HTTP.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         for _ in range(num_chunks):
             assert next(line for line in lines if line).startswith('data: {"id"')
@@ -60,5 +60,5 @@ def test_a_disconnect_storm_leaves_the_engine_idle(server):
     num_aborted = aborted_after - aborted_before
     # A client gone before its request was read leaves nothing to abort; the rest were running.
     assert NUM_DECODE_LEAVERS + NUM_PREFILL_LEAVERS // 2 <= num_aborted <= len(threads)
-    after = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    after = HTTP.post(server.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert after.status_code == 200

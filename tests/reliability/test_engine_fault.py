@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import threading
 
-import httpx
 import pytest
 
+from tests.http_client import HTTP
 from tests.reliability.conftest import SHARED_ENGINE_OPTIONS, shared_config
 from tests.server.conftest import running_server
 
@@ -43,13 +43,13 @@ def test_an_engine_fault_ends_every_request_in_band(server_to_break, monkeypatch
     def stream(index: int) -> None:
         body = {"prompt": f"Story {index}:", "max_tokens": 100, "ignore_eos": True, "stream": True}
         url = server_to_break.base_url + "/v1/completions"
-        with httpx.stream("POST", url, json=body, timeout=60) as response:
+        with HTTP.stream("POST", url, json=body, timeout=60) as response:
             streams_started.wait()
             outcomes[f"stream {index}"] = [line for line in response.iter_lines() if line]
 
     def whole() -> None:
         body = {"prompt": "Story:", "max_tokens": 100, "ignore_eos": True}
-        outcomes["whole"] = httpx.post(server_to_break.base_url + "/v1/completions", json=body, timeout=60)
+        outcomes["whole"] = HTTP.post(server_to_break.base_url + "/v1/completions", json=body, timeout=60)
 
     threads = [threading.Thread(target=stream, args=(index,)) for index in range(NUM_STREAMS)]
     threads.append(threading.Thread(target=whole))
@@ -66,7 +66,7 @@ def test_an_engine_fault_ends_every_request_in_band(server_to_break, monkeypatch
         assert '"code":"engine_unavailable"' in events[-2], events[-2]
     assert outcomes["whole"].status_code == 503
     assert outcomes["whole"].json()["error"]["code"] == "engine_unavailable"
-    health = httpx.get(server_to_break.base_url + "/health")
+    health = HTTP.get(server_to_break.base_url + "/health")
     assert health.status_code == 503 and health.json()["error"]["type"] == "server_error"
-    refused = httpx.post(server_to_break.base_url + "/v1/completions", json={"prompt": "Hi"}, timeout=10)
+    refused = HTTP.post(server_to_break.base_url + "/v1/completions", json={"prompt": "Hi"}, timeout=10)
     assert refused.status_code == 503

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
+from tests.http_client import HTTP
 from tests.reliability.wire import WireConnection
 
 JSON = {"Content-Type": "application/json"}
@@ -98,7 +98,7 @@ def test_hostile_schema_gets_a_400_naming_the_field(server, path, body, param):
 
 
 def test_invalid_utf8_is_named_as_such(server):
-    response = httpx.post(
+    response = HTTP.post(
         server.base_url + "/v1/completions", content=b'{"prompt": "hi \xff\xfe"}', headers=JSON
     )
     assert response.status_code == 400
@@ -107,7 +107,7 @@ def test_invalid_utf8_is_named_as_such(server):
 
 
 def test_a_trailing_slash_is_not_redirected(server):
-    response = httpx.post(server.base_url + "/tokenize/", json={"prompt": "hi"})
+    response = HTTP.post(server.base_url + "/tokenize/", json={"prompt": "hi"})
     assert response.status_code == 404
     assert "error" in response.json()
 
@@ -118,7 +118,7 @@ FAILING_CALL = {"messages": MESSAGES, "tools": [_tool("f", HUGE_PATTERN)], "tool
 
 def test_a_constraint_failing_mid_generation_is_an_error_not_a_stop(server):
     start = server.engine.stats()
-    response = httpx.post(server.base_url + "/v1/chat/completions", json=FAILING_CALL, timeout=120)
+    response = HTTP.post(server.base_url + "/v1/chat/completions", json=FAILING_CALL, timeout=120)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "generation_failed"
@@ -128,7 +128,7 @@ def test_a_constraint_failing_mid_generation_is_an_error_not_a_stop(server):
 
 def test_a_streamed_constraint_failing_mid_generation_ends_with_an_error_event(server):
     body = {**FAILING_CALL, "stream": True}
-    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as response:
+    with HTTP.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
         events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
     assert events[-1] == "[DONE]"

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-import httpx
 import uvicorn
+from prometheus_client.samples import Sample
 
 from firsttoken.engine import AsyncEngine
 from firsttoken.outputs import EngineStats
@@ -18,6 +18,7 @@ from firsttoken.server.app import create_app
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.http_server import build_server
 from tests.conftest import FIXED_THREADS
+from tests.http_client import HTTP
 
 SERVER_ENGINE_OPTIONS: dict[str, Any] = dict(
     dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=256, max_model_len=2048, **FIXED_THREADS
@@ -35,14 +36,14 @@ class RunningServer:
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample's value from /metrics, parsed with prometheus_client's own parser."""
+        return _sample_value(self.metric_samples(), name, **labels)
+
+    def metric_samples(self) -> list[Sample]:
+        """Every sample /metrics shows now."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = httpx.get(self.base_url + "/metrics").text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    return sample.value
-        raise KeyError(name)
+        text = HTTP.get(self.base_url + "/metrics").text
+        return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
 
     def wait_for_idle_kv(self, timeout_s: float = 30.0, *, since: EngineStats | None = None) -> EngineStats:
         """Wait until /metrics shows no KV block in use and no request, and the engine has every
@@ -56,9 +57,10 @@ class RunningServer:
         start = time.monotonic()
         while True:
             stats = self.engine.stats()
-            usage = self.metric("firsttoken:kv_cache_usage_perc")
-            running = self.metric("firsttoken:num_requests_running")
-            waiting = self.metric("firsttoken:num_requests_waiting")
+            samples = self.metric_samples()
+            usage = _sample_value(samples, "firsttoken:kv_cache_usage_perc")
+            running = _sample_value(samples, "firsttoken:num_requests_running")
+            waiting = _sample_value(samples, "firsttoken:num_requests_waiting")
             elapsed = time.monotonic() - start
             has_stepped = since is None or stats.num_steps > since.num_steps
             all_blocks_free = stats.num_free_kv_blocks == stats.num_kv_blocks
@@ -71,6 +73,13 @@ class RunningServer:
                     f"{'a' if has_stepped else 'no'} step since the test's start, after {elapsed:.2f}s"
                 )
             time.sleep(0.02)
+
+
+def _sample_value(samples: list[Sample], name: str, **labels: str) -> float:
+    for sample in samples:
+        if sample.name == name and all(sample.labels.get(key) == value for key, value in labels.items()):
+            return sample.value
+    raise KeyError(name)
 
 
 @contextlib.contextmanager

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-import httpx
 import pytest
 
 from firsttoken.server.config import ServerConfig
+from tests.http_client import HTTP
 from tests.server.browser import start_chromium, system_browser
 from tests.server.conftest import MODEL_NAME, running_server
 
@@ -263,14 +263,14 @@ def test_the_pin_toggle_pins_the_system_prompt_on_the_server(page, server):
     _by_id(page, "system-prompt").send_keys(SYSTEM_PROMPT)
     _by_id(page, "pin").click()
     _wait(page, lambda d: _by_id(d, "pin-status").text.startswith("Pinned:"))
-    (pin,) = httpx.get(server.base_url + "/v1/pins", headers=AUTH).json()["data"]
+    (pin,) = HTTP.get(server.base_url + "/v1/pins", headers=AUTH).json()["data"]
     assert f"{pin['num_tokens']} tokens" in _by_id(page, "pin-status").text
     assert _by_id(page, "system-prompt").get_attribute("readonly") is not None
     reply = _send_and_wait(page, "What is 2+2?")
     assert int(reply["data"]["cachedTokens"]) >= pin["num_tokens"]
     _by_id(page, "pin").click()
     _wait(page, lambda d: _by_id(d, "pin-status").text == "")
-    assert httpx.get(server.base_url + "/v1/pins", headers=AUTH).json()["data"] == []
+    assert HTTP.get(server.base_url + "/v1/pins", headers=AUTH).json()["data"] == []
     assert _by_id(page, "system-prompt").get_attribute("readonly") is None
     server.wait_for_idle_kv(since=start)
 

@@ -16,6 +16,7 @@ import pytest
 from firsttoken.cli import build_parser
 from firsttoken.config import SUBCONFIGS, flat_name
 from firsttoken.server.cli import engine_options, server_config
+from tests.http_client import HTTP
 
 
 def _serve_flags() -> set[str]:
@@ -146,22 +147,22 @@ def test_serve_process_answers_and_stops_on_ctrl_c(tmp_path):
                 tmp_path / "serve.log"
             ).read_text()
             try:
-                if httpx.get(base_url + "/health").status_code == 200:
+                if HTTP.get(base_url + "/health").status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        assert [model["id"] for model in httpx.get(base_url + "/v1/models").json()["data"]] == ["cli-model"]
+        assert [model["id"] for model in HTTP.get(base_url + "/v1/models").json()["data"]] == ["cli-model"]
         messages = [
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": "When do you open?"},
         ]
-        reply = httpx.post(
+        reply = HTTP.post(
             base_url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=60
         )
         assert reply.status_code == 200 and reply.json()["model"] == "cli-model"
         assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # the pinned blocks
-        assert [pin["id"] for pin in httpx.get(base_url + "/v1/pins").json()["data"]] == ["system-prompt"]
-        assert httpx.get(base_url + "/").headers["content-type"] == "text/html; charset=utf-8"
+        assert [pin["id"] for pin in HTTP.get(base_url + "/v1/pins").json()["data"]] == ["system-prompt"]
+        assert HTTP.get(base_url + "/").headers["content-type"] == "text/html; charset=utf-8"
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 130  # a clean shutdown, then the conventional Ctrl-C status
         assert "Traceback" not in (tmp_path / "serve.log").read_text()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from firsttoken.server.config import ServerConfig
+from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, running_server
 from tests.server.test_tools_api import ASK, TOOLS, _create
 
@@ -34,7 +35,7 @@ def client(server):
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.base_url + path, json={"model": MODEL_NAME, **body}, timeout=300)
+    return HTTP.post(server.base_url + path, json={"model": MODEL_NAME, **body}, timeout=300)
 
 
 def _prompt_ids(server, text: str) -> list[int]:
@@ -87,7 +88,7 @@ def test_streamed_echo_sends_the_prompt_and_its_logprobs_first(server):
     whole = _post(server, "/v1/completions", body).json()["choices"][0]
     text, token_logprobs = "", []
     url = server.base_url + "/v1/completions"
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=300) as response:
+    with HTTP.stream("POST", url, json={**body, "stream": True}, timeout=300) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 choice = json.loads(line[len("data: ") :])["choices"][0]
@@ -175,9 +176,9 @@ def test_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(serv
 
 def test_get_one_model_by_id_including_ids_with_a_slash(server, client):
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
-    card = httpx.get(server.base_url + "/v1/models/" + ORG_MODEL_NAME).json()
+    card = HTTP.get(server.base_url + "/v1/models/" + ORG_MODEL_NAME).json()
     assert (card["id"], card["object"]) == (ORG_MODEL_NAME, "model")
-    missing = httpx.get(server.base_url + "/v1/models/no-such-model")
+    missing = HTTP.get(server.base_url + "/v1/models/no-such-model")
     assert missing.status_code == 404
     error = missing.json()["error"]
     assert error["code"] == "model_not_found" and "no-such-model" in error["message"]

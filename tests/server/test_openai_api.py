@@ -12,6 +12,7 @@ import pytest
 
 from firsttoken import SamplingParams
 from firsttoken.server.config import ServerConfig
+from tests.http_client import HTTP
 from tests.prompts import SHORT_PROMPTS
 from tests.server.conftest import MODEL_NAME, running_server
 
@@ -120,7 +121,7 @@ def test_streamed_chat_without_usage_carries_the_extension_on_its_last_chunk(cli
 
 
 def test_non_streamed_reply_has_server_timing_matching_the_extension(server):
-    response = httpx.post(
+    response = HTTP.post(
         server.base_url + "/v1/completions",
         json={"prompt": SHORT_PROMPTS[1], "max_tokens": 4, "temperature": 0},
         timeout=120,
@@ -142,7 +143,7 @@ def test_non_streamed_reply_has_server_timing_matching_the_extension(server):
 def test_server_timing_of_many_choices_stays_short(server):
     """64 prompts x n=2: the header holds the slowest of each stage, not a set per choice."""
     prompts = [f"Number {index}" for index in range(64)]
-    response = httpx.post(
+    response = HTTP.post(
         server.base_url + "/v1/completions", json={"prompt": prompts, "n": 2, "max_tokens": 1}, timeout=120
     )
     assert response.status_code == 200
@@ -154,7 +155,7 @@ def test_server_timing_of_many_choices_stays_short(server):
 
 
 def test_too_many_choices_get_400_before_any_work(server):
-    response = httpx.post(
+    response = HTTP.post(
         server.base_url + "/v1/completions",
         json={"prompt": [f"Number {index}" for index in range(64)], "n": 16, "max_tokens": 1},
         timeout=60,
@@ -335,7 +336,7 @@ def test_disconnect_during_a_non_streamed_request_aborts(server):
     start = server.engine.stats()
     aborted_before = server.metric("firsttoken:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(
+        HTTP.post(
             server.base_url + "/v1/completions",
             json={"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True},
             timeout=0.5,
@@ -386,7 +387,7 @@ INVALID_REQUESTS = [
 
 @pytest.mark.parametrize("path,body,param", INVALID_REQUESTS)
 def test_invalid_fields_get_400_naming_the_field(server, path, body, param):
-    response = httpx.post(server.base_url + path, json=body, timeout=60)
+    response = HTTP.post(server.base_url + path, json=body, timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -407,7 +408,7 @@ def test_invalid_fields_get_400_naming_the_field(server, path, body, param):
 )
 def test_typed_errors_give_exactly_their_field_as_param(server, path, body, param):
     """The server's checks and its request validators raise InvalidInputError, which names the field."""
-    response = httpx.post(server.base_url + path, json=body, timeout=60)
+    response = HTTP.post(server.base_url + path, json=body, timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param, error
@@ -427,7 +428,7 @@ def test_typed_errors_give_exactly_their_field_as_param(server, path, body, para
     ],
 )
 def test_malformed_bodies_get_400(server, content, headers):
-    response = httpx.post(server.base_url + "/v1/completions", content=content, headers=headers, timeout=60)
+    response = HTTP.post(server.base_url + "/v1/completions", content=content, headers=headers, timeout=60)
     assert response.status_code == 400, response.text
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
@@ -455,7 +456,7 @@ def test_a_lone_surrogate_is_a_400_naming_its_field_and_the_connection_lives_on(
 
 def test_a_body_of_a_million_values_is_refused_before_it_is_parsed(server):
     body = b'{"prompt": [' + b",".join([b"[1]"] * 1_000_000) + b"]}"
-    response = httpx.post(
+    response = HTTP.post(
         server.base_url + "/v1/completions",
         content=body,
         headers={"Content-Type": "application/json"},
@@ -475,9 +476,9 @@ def test_unknown_model_gets_404(client):
 
 
 def test_unknown_route_and_method_answer_in_the_openai_shape(server):
-    missing = httpx.get(server.base_url + "/v1/nothing")
+    missing = HTTP.get(server.base_url + "/v1/nothing")
     assert missing.status_code == 404 and "error" in missing.json()
-    wrong_method = httpx.get(server.base_url + "/v1/completions")
+    wrong_method = HTTP.get(server.base_url + "/v1/completions")
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
 
 
@@ -485,9 +486,9 @@ def test_bad_input_leaves_no_kv_allocated(server):
     """Nothing stays allocated, not even the good prompt admitted beside one the engine refuses."""
     start = server.engine.stats()
     for path, body, _ in INVALID_REQUESTS:
-        assert httpx.post(server.base_url + path, json=body, timeout=60).status_code == 400
+        assert HTTP.post(server.base_url + path, json=body, timeout=60).status_code == 400
     good_and_bad_prompt = {"prompt": [[1, 2, 3], [-1]], "max_tokens": 4}
-    refused = httpx.post(server.base_url + "/v1/completions", json=good_and_bad_prompt, timeout=60)
+    refused = HTTP.post(server.base_url + "/v1/completions", json=good_and_bad_prompt, timeout=60)
     assert refused.status_code == 400, refused.text
     server.wait_for_idle_kv(since=start)
 
@@ -497,9 +498,9 @@ def test_bad_input_leaves_no_kv_allocated(server):
 
 def test_models_health_version(client, server):
     assert [model.id for model in client.models.list()] == [MODEL_NAME, "alias"]
-    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert HTTP.get(server.base_url + "/health").status_code == 200
     assert httpx.head(server.base_url + "/health").status_code == 200
-    assert httpx.get(server.base_url + "/version").json()["version"]
+    assert HTTP.get(server.base_url + "/version").json()["version"]
 
 
 def test_metrics_parse_and_count_ttft(server, client):
@@ -510,7 +511,7 @@ def test_metrics_parse_and_count_ttft(server, client):
 
     families = {
         family.name: family
-        for family in text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text)
+        for family in text_string_to_metric_families(HTTP.get(server.base_url + "/metrics").text)
     }
     for name in (
         "firsttoken:time_to_first_token_seconds",

@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from firsttoken.server.config import ServerConfig
+from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, running_server
 
 API_KEY = "pins-test-key"
@@ -68,7 +69,7 @@ def test_a_pinned_system_prompt_is_listed_reused_and_deleted(server):
     ],
 )
 def test_bad_pin_requests_are_400_naming_the_field(server, body, param, message):
-    response = httpx.post(server.base_url + "/v1/pins", json=body, headers=AUTH)
+    response = HTTP.post(server.base_url + "/v1/pins", json=body, headers=AUTH)
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param
@@ -78,6 +79,6 @@ def test_bad_pin_requests_are_400_naming_the_field(server, body, param, message)
 
 def test_pins_without_a_prompt_cache_are_409(server, monkeypatch):
     monkeypatch.setattr(type(server.engine), "can_pin", property(lambda engine: False))
-    response = httpx.post(server.base_url + "/v1/pins", json={"system_prompt": SYSTEM_PROMPT}, headers=AUTH)
+    response = HTTP.post(server.base_url + "/v1/pins", json={"system_prompt": SYSTEM_PROMPT}, headers=AUTH)
     assert response.status_code == 409
     assert response.json()["error"]["code"] == "prompt_cache_disabled"

@@ -12,6 +12,7 @@ import pytest
 
 from firsttoken import SamplingParams
 from firsttoken.server.config import ServerConfig
+from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, running_server
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -185,7 +186,7 @@ def test_stop_token_ids_end_the_output(client, llm):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_values_and_unimplemented_fields_get_400_naming_the_field(server, path, fields, param):
     body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": CHAT}
-    response = httpx.post(server.base_url + path, json={**body, "max_tokens": 4, **fields}, timeout=60)
+    response = HTTP.post(server.base_url + path, json={**body, "max_tokens": 4, **fields}, timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"].startswith(param) and error["message"].startswith(error["param"]), error
@@ -199,13 +200,13 @@ def test_neutral_values_of_unimplemented_fields_are_accepted(server):
         "tools": [],
         "response_format": {"type": "text"},
     }
-    assert httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    assert HTTP.post(server.base_url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
 
 
 def test_unknown_fields_are_answered_and_named_in_one_warning(server, caplog):
     body = {"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "length_penalty": 1.0}
     with caplog.at_level(logging.WARNING, logger="firsttoken.server.request_checks"):
-        assert httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert HTTP.post(server.base_url + "/v1/completions", json=body, timeout=60).status_code == 200
     assert [record.getMessage() for record in caplog.records] == [
         "ignoring request fields the API does not define: 'use_beam_search', 'length_penalty'"
     ]
@@ -215,7 +216,7 @@ def test_unknown_fields_are_answered_and_named_in_one_warning(server, caplog):
 
 
 def test_tokenize_a_prompt(server, llm):
-    response = httpx.post(server.base_url + "/tokenize", json={"model": MODEL_NAME, "prompt": "Hello world"})
+    response = HTTP.post(server.base_url + "/tokenize", json={"model": MODEL_NAME, "prompt": "Hello world"})
     assert response.status_code == 200
     expected = llm.tokenizer.encode("Hello world")
     assert response.json() == {
@@ -226,10 +227,10 @@ def test_tokenize_a_prompt(server, llm):
 
 
 def test_tokenize_messages_counts_what_chat_completions_bills(server, client):
-    tokenized = httpx.post(server.base_url + "/tokenize", json={"messages": CHAT}).json()
+    tokenized = HTTP.post(server.base_url + "/tokenize", json={"messages": CHAT}).json()
     reply = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=1)
     assert tokenized["count"] == reply.usage.prompt_tokens == len(tokenized["tokens"])
-    without_prompt = httpx.post(
+    without_prompt = HTTP.post(
         server.base_url + "/tokenize", json={"messages": CHAT, "add_generation_prompt": False}
     )
     assert without_prompt.json()["count"] < tokenized["count"]
@@ -237,7 +238,7 @@ def test_tokenize_messages_counts_what_chat_completions_bills(server, client):
 
 def test_tokenize_can_return_token_strings(server, llm):
     body = {"prompt": "Hello world", "return_token_strs": True}
-    token_strs = httpx.post(server.base_url + "/tokenize", json=body).json()["token_strs"]
+    token_strs = HTTP.post(server.base_url + "/tokenize", json=body).json()["token_strs"]
     assert token_strs == [
         llm.tokenizer.id_to_token(token_id) for token_id in llm.tokenizer.encode("Hello world")
     ]
@@ -245,7 +246,7 @@ def test_tokenize_can_return_token_strings(server, llm):
 
 def test_detokenize_reads_ids_back(server, llm):
     token_ids = llm.tokenizer.encode("The capital of France is Paris.")
-    response = httpx.post(server.base_url + "/detokenize", json={"model": MODEL_NAME, "tokens": token_ids})
+    response = HTTP.post(server.base_url + "/detokenize", json={"model": MODEL_NAME, "tokens": token_ids})
     assert response.json() == {"prompt": "The capital of France is Paris."}
 
 
@@ -263,7 +264,7 @@ def test_detokenize_reads_ids_back(server, llm):
     ],
 )
 def test_tokenizer_endpoints_refuse_bad_bodies_naming_the_field(server, path, body, status, param):
-    response = httpx.post(server.base_url + path, json=body)
+    response = HTTP.post(server.base_url + path, json=body)
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
 
@@ -272,5 +273,5 @@ def test_no_cors_headers_unless_origins_are_allowed(server):
     headers = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
     preflight = httpx.options(server.base_url + "/v1/completions", headers=headers)
     assert "access-control-allow-origin" not in preflight.headers
-    answer = httpx.get(server.base_url + "/v1/models", headers={"Origin": "https://app.example"})
+    answer = HTTP.get(server.base_url + "/v1/models", headers={"Origin": "https://app.example"})
     assert "access-control-allow-origin" not in answer.headers

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from firsttoken.server.config import ServerConfig
+from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, RunningServer, running_server
 
 API_KEY = "s3cret-key"
@@ -53,7 +54,7 @@ def server_to_break(model_path):
 
 
 def _post(server, body, headers=AUTH, **kwargs) -> httpx.Response:
-    return httpx.post(server.base_url + "/v1/completions", json=body, headers=headers, timeout=60, **kwargs)
+    return HTTP.post(server.base_url + "/v1/completions", json=body, headers=headers, timeout=60, **kwargs)
 
 
 # -- authentication ---------------------------------------------------------------------------------
@@ -81,7 +82,7 @@ def test_missing_or_wrong_key_gets_401(server, headers):
 )
 def test_the_key_is_checked_before_the_body(server, content):
     """Malformed, oversized or costly bodies without the key are 401s: nothing was read."""
-    response = httpx.post(
+    response = HTTP.post(
         server.base_url + "/v1/completions", content=content, headers={"Content-Type": "application/json"}
     )
     assert response.status_code == 401
@@ -98,15 +99,15 @@ def test_the_right_key_is_accepted_by_the_openai_client(server):
 
 
 def test_health_and_metrics_need_no_key(server):
-    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert HTTP.get(server.base_url + "/health").status_code == 200
     assert httpx.head(server.base_url + "/health").status_code == 200
-    assert httpx.get(server.base_url + "/metrics").status_code == 200
+    assert HTTP.get(server.base_url + "/metrics").status_code == 200
 
 
 @pytest.mark.parametrize("path,body", [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})])
 def test_the_tokenizer_endpoints_need_the_key(server, path, body):
-    assert httpx.post(server.base_url + path, json=body).status_code == 401
-    assert httpx.post(server.base_url + path, json=body, headers=AUTH).status_code == 200
+    assert HTTP.post(server.base_url + path, json=body).status_code == 401
+    assert HTTP.post(server.base_url + path, json=body, headers=AUTH).status_code == 200
 
 
 # -- CORS -------------------------------------------------------------------------------------------
@@ -164,7 +165,7 @@ def test_body_over_the_limit_gets_413(server):
             yield b"x" * 1000
         yield b'"}'
 
-    streamed = httpx.post(
+    streamed = HTTP.post(
         server.base_url + "/v1/completions",
         content=chunks(),
         headers={**AUTH, "Content-Type": "application/json"},
@@ -264,8 +265,8 @@ def _fuzz(server, max_examples: int) -> None:
 
 
 def _unpin_all(server) -> None:
-    for pin in httpx.get(server.base_url + "/v1/pins", headers=AUTH).json()["data"]:
-        assert httpx.delete(f"{server.base_url}/v1/pins/{pin['id']}", headers=AUTH).status_code == 200
+    for pin in HTTP.get(server.base_url + "/v1/pins", headers=AUTH).json()["data"]:
+        assert HTTP.delete(f"{server.base_url}/v1/pins/{pin['id']}", headers=AUTH).status_code == 200
 
 
 @pytest.mark.timeout(300)
@@ -288,14 +289,14 @@ def test_engine_failure_ends_streams_in_band_and_health_turns_503(server_to_brea
 
     monkeypatch.setattr(server_to_break.engine.core, "step", failing_step)
     body = {"prompt": "Hello", "max_tokens": 5, "stream": True}
-    with httpx.stream(
+    with HTTP.stream(
         "POST", server_to_break.base_url + "/v1/completions", json=body, headers=AUTH, timeout=60
     ) as response:
         assert response.status_code == 200
         events = [line for line in response.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
     assert '"code":"engine_unavailable"' in events[-2]
-    assert httpx.get(server_to_break.base_url + "/health").status_code == 503
+    assert HTTP.get(server_to_break.base_url + "/health").status_code == 503
     refused = _post(server_to_break, {"prompt": "Hello", "max_tokens": 5})
     assert refused.status_code == 503
     assert refused.json()["error"]["type"] == "server_error"

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 
 from firsttoken.server.config import ServerConfig
 from firsttoken.server.http_server import DrainingServer
+from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, running_server
 
 LONG_STREAM = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -29,7 +30,7 @@ def _events_after_signals(model_path, body, shutdown_timeout_s: float, num_signa
     """Start `body` streaming, signal the server `num_signals` times, and read the stream to its end."""
     config = ServerConfig(port=0, served_model_names=(MODEL_NAME,), shutdown_timeout_s=shutdown_timeout_s)
     with running_server(model_path, config) as server:
-        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as response:
+        with HTTP.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             events = [next(line for line in lines if line)]
             for _ in range(num_signals):
@@ -102,7 +103,7 @@ def _serve_process(tmp_path, shutdown_timeout_s: float) -> Iterator[tuple[subpro
                 tmp_path / "serve.log"
             ).read_text()
             try:
-                if httpx.get(base_url + "/health").status_code == 200:
+                if HTTP.get(base_url + "/health").status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)

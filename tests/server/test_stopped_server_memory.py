@@ -6,15 +6,15 @@ from __future__ import annotations
 import gc
 import weakref
 
-import httpx
 
 from firsttoken.server.config import ServerConfig
+from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, running_server
 
 
 def test_a_stopped_servers_engine_is_freed(model_path):
     with running_server(model_path, ServerConfig(port=0, served_model_names=(MODEL_NAME,))) as running:
-        reply = httpx.post(
+        reply = HTTP.post(
             running.base_url + "/v1/completions",
             json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2},
             timeout=300,

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
 import jsonschema
 import pytest
 
 from firsttoken.server.config import ServerConfig
+from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, running_server
 
 PERSON = {
@@ -121,7 +121,7 @@ def test_completions_guided_fields(client, stream):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_constraints_get_400_naming_the_field(server, path, fields, param):
     body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": ASK_PERSON}
-    response = httpx.post(server.base_url + path, json={**body, "max_tokens": 4, **fields}, timeout=60)
+    response = HTTP.post(server.base_url + path, json={**body, "max_tokens": 4, **fields}, timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param, error

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
 import pytest
 
 from firsttoken.server.config import ServerConfig
+from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, running_server
 
 WEATHER = {
@@ -158,12 +158,12 @@ def test_auto_parses_what_the_model_writes(client):
 )
 def test_bad_tool_fields_get_400_naming_the_field(server, fields, param):
     body = {"messages": ASK, "max_tokens": 4, **fields}
-    response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+    response = HTTP.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
 
 
 def test_tools_on_completions_are_refused(server):
     body = {"prompt": "hi", "max_tokens": 4, "tools": TOOLS}
-    response = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+    response = HTTP.post(server.base_url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "tools"

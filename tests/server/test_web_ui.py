@@ -11,6 +11,7 @@ import pytest
 
 from firsttoken.server.app import create_app
 from firsttoken.server.config import ServerConfig
+from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, running_server
 
 API_KEY = "page-test-key"
@@ -29,7 +30,7 @@ def _web_files() -> dict[str, str]:
 
 
 def test_the_page_is_served_at_the_root_without_the_api_key(server):
-    response = httpx.get(server.base_url + "/")
+    response = HTTP.get(server.base_url + "/")
     assert response.status_code == 200
     assert response.headers["content-type"] == "text/html; charset=utf-8"
     assert "script-src 'self'" in response.headers["content-security-policy"]
@@ -46,7 +47,7 @@ def test_every_file_the_page_loads_is_served_with_its_type(server):
     assert referenced == set(files) - {"index.html"}
     expected_types = {"js": "text/javascript", "css": "text/css"}
     for name in referenced:
-        response = httpx.get(f"{server.base_url}/web/{name}")
+        response = HTTP.get(f"{server.base_url}/web/{name}")
         assert response.status_code == 200, name
         assert response.headers["content-type"] == expected_types[name.rpartition(".")[2]] + "; charset=utf-8"
         assert response.text == files[name]
@@ -59,7 +60,7 @@ def test_the_page_fetches_nothing_from_elsewhere():
 
 
 def test_an_unknown_page_file_is_404(server):
-    response = httpx.get(server.base_url + "/web/missing.js")
+    response = HTTP.get(server.base_url + "/web/missing.js")
     assert response.status_code == 404
     assert response.json()["error"]["param"] == "name"
 
