@@ -9,9 +9,9 @@ import torch
 from firsttoken.ops import native
 from firsttoken.ops.linear import dequantize_int4, pack_int4, quantize_int4, quantize_int8
 from firsttoken.ops.native_abi import DECODE_MAX_ROWS
-from tests.ops.conftest import RUNNABLE_ISAS, built_kernels
+from tests.ops.conftest import ISAS_UNDER_TEST, built_kernels
 
-ISAS = RUNNABLE_ISAS
+ISAS = ISAS_UNDER_TEST
 DTYPES = [torch.float32, torch.bfloat16]
 ROW_COUNTS = [1, 2, 3, 5, DECODE_MAX_ROWS]
 # float32: sums of ~600 products of ~0.05 x ~1 in another order than float64's; bf16: one
