@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 CALIBRATION_VERSION = 1
 # A cached model whose prediction of the probe step is off by more than this factor is refitted.
 PROBE_TOLERANCE = 2.0
+# A step of this many tokens is timed once: its one-time costs (a new shape's kernel set-up, fresh
+# pages) are a small part of it, and at one thread on a small CPU it is a third of the calibration.
+SINGLE_RUN_TOKENS = 1024
 _GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
 
 
@@ -135,7 +138,10 @@ def fit(shapes: list[StepShape], seconds: list[float]) -> StepCostModel:
 
 def calibrate(runner: StepRunner, limits: CalibrationLimits) -> StepCostModel:
     shapes = calibration_shapes(limits)
-    seconds = [measure(runner, shape, limits) for shape in shapes]
+    seconds = [
+        measure(runner, shape, limits, repeats=1 if shape.num_tokens >= SINGLE_RUN_TOKENS else 2)
+        for shape in shapes
+    ]
     model = fit(shapes, seconds)
     logger.info("step cost model: %s (from %d synthetic steps)", model, len(shapes))
     return model

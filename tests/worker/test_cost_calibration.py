@@ -115,3 +115,13 @@ def test_engines_whose_steps_differ_keep_their_own_step_costs():
         for isa in ("avx2", "avx512", None)
     }
     assert len(names) == 9
+
+
+def test_calibration_times_each_step_twice_but_a_long_prefill_once():
+    executed_tokens = []
+    runner = SimpleNamespace(
+        execute=lambda output: executed_tokens.append(sum(len(chunk.token_ids) for chunk in output.chunks))
+    )
+    cost_calibration.calibrate(runner, _limits(2048, 65536))
+    assert executed_tokens.count(1024) == 1
+    assert [executed_tokens.count(size) for size in (16, 64)] == [2, 2]
