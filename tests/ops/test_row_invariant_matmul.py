@@ -54,13 +54,25 @@ def test_strided_rows_give_the_contiguous_result(kernels):
     assert torch.equal(kernels.row_invariant_matmul(x, packed, bias, 64), expected)
 
 
+# Up to 60 rows: every tile remainder (tiles of 6 rows on AVX2, 12 on AVX-512) and where two
+# threads switch from splitting panels to splitting rows (48 rows); then the rows around each end
+# of an L2 block of rows (96 on AVX2, 192 on AVX-512). Every count to 300 is the slow tier's.
+ROWS_AROUND_BLOCK_ENDS = [rows for end in (96, 192, 288) for rows in range(end - 13, end + 14)]
+COVERING_ROW_COUNTS = sorted({*range(1, 61), *ROWS_AROUND_BLOCK_ENDS, 300})
+
+
+@pytest.mark.parametrize(
+    "row_counts",
+    [COVERING_ROW_COUNTS, pytest.param(range(1, 301), marks=pytest.mark.slow)],
+    ids=["covering", "all"],
+)
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (64, 1536), (50, 70)])
 def test_a_row_has_the_same_bits_at_every_row_count_and_thread_count(
-    kernels, threads, weight_dtype, out_features, in_features
+    kernels, threads, weight_dtype, out_features, in_features, row_counts
 ):
-    """Rows 1..300: every tile remainder, blocks of rows split over threads or not; the first
-    rows and the last are compared, so a row is checked at many positions in its tile."""
+    """Steps of 1 to 300 rows: every tile remainder, blocks of rows split over threads or not; the
+    first rows and the last are compared, so a row is checked at many positions in its tile."""
     weight, bias = _weights(out_features, in_features, True)
     packed = kernels.pack_matmul_weight(weight, weight_dtype)
     x = torch.randn(300, in_features)
@@ -70,7 +82,7 @@ def test_a_row_has_the_same_bits_at_every_row_count_and_thread_count(
     )
     for num_threads in (1, 2):
         torch.set_num_threads(num_threads)
-        for rows in range(1, 301):
+        for rows in row_counts:
             together = kernels.row_invariant_matmul(x[:rows], packed, bias, out_features)
             assert torch.equal(together[:3], alone[: min(rows, 3)]), (num_threads, rows)
             assert torch.equal(together[-2:], alone[max(0, rows - 2) : rows]), (num_threads, rows)
