@@ -57,7 +57,7 @@ def test_strided_rows_give_the_contiguous_result(kernels):
 # Up to 60 rows: every tile remainder (tiles of 6 rows on AVX2, 12 on AVX-512) and where two
 # threads switch from splitting panels to splitting rows (48 rows); then the rows around each end
 # of an L2 block of rows (96 on AVX2, 192 on AVX-512). Every count to 300 is the slow tier's.
-ROWS_AROUND_BLOCK_ENDS = [rows for end in (96, 192, 288) for rows in range(end - 13, end + 14)]
+ROWS_AROUND_BLOCK_ENDS = [rows for end in (96, 192, 288) for rows in range(end - 12, end + 13)]
 COVERING_ROW_COUNTS = sorted({*range(1, 61), *ROWS_AROUND_BLOCK_ENDS, 300})
 
 
