@@ -28,9 +28,9 @@ logger = logging.getLogger(__name__)
 CALIBRATION_VERSION = 1
 # A cached model whose prediction of the probe step is off by more than this factor is refitted.
 PROBE_TOLERANCE = 2.0
-# A step of this many tokens is timed once: its one-time costs (a new shape's kernel set-up, fresh
-# pages) are a small part of it, and at one thread on a small CPU it is a third of the calibration.
-SINGLE_RUN_TOKENS = 1024
+# A step of at least this many tokens is timed once: its one-time costs (a new shape's kernel
+# set-up, fresh pages) are a small part of it, and the largest steps are most of a calibration.
+SINGLE_RUN_TOKENS = 512
 _GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
 
 
