@@ -12,7 +12,7 @@ from firsttoken.config import CPU_ISAS, ModelConfig
 from firsttoken.errors import InvalidInputError
 from firsttoken.ops import cpu_isa, native
 from firsttoken.ops.cpu_info import cpu_flags
-from tests.ops.conftest import AMX_CPU_FLAG, ISAS_UNDER_TEST, built_kernels
+from tests.ops.conftest import AMX_CPU_FLAG, DEFAULT_RUN_ISAS, ISA_PARAMS, built_kernels
 
 
 def test_every_configurable_isa_has_a_build_target():
@@ -50,7 +50,7 @@ def _what_auto_builds_here() -> str | None:
     return runnable[-1] + ("+amx" if AMX_CPU_FLAG in cpu_flags() else "")
 
 
-@pytest.mark.parametrize("isa", ISAS_UNDER_TEST)
+@pytest.mark.parametrize("isa", ISA_PARAMS)
 def test_a_build_reports_the_isa_it_targets(isa):
     kernels = built_kernels(isa)
     if kernels is None:
@@ -61,9 +61,9 @@ def test_a_build_reports_the_isa_it_targets(isa):
     assert kernels.isa == expected
 
 
-# The ISAs under test are built whole by test_a_build_reports_the_isa_it_targets; the others,
-# the widest one `auto` stands in for among them, are compiled without generating code.
-@pytest.mark.parametrize("isa", [name for name in cpu_isa.ISAS if name not in ISAS_UNDER_TEST])
+# The default run's ISAs are built whole by test_a_build_reports_the_isa_it_targets; the others
+# (the widest one `auto` stands in for, those the slow tier tests) are compiled without generating code.
+@pytest.mark.parametrize("isa", [name for name in cpu_isa.ISAS if name not in DEFAULT_RUN_ISAS])
 def test_every_isa_compiles_here_even_one_this_cpu_cannot_run(tmp_path, monkeypatch, isa):
     compiler = shutil.which("gcc")
     if compiler is None:

@@ -9,9 +9,8 @@ import torch
 from firsttoken.ops import native
 from firsttoken.ops.linear import dequantize_int4, pack_int4, quantize_int4, quantize_int8
 from firsttoken.ops.native_abi import DECODE_MAX_ROWS
-from tests.ops.conftest import ISAS_UNDER_TEST, built_kernels
+from tests.ops.conftest import ISA_PARAMS, built_kernels
 
-ISAS = ISAS_UNDER_TEST
 DTYPES = [torch.float32, torch.bfloat16]
 ROW_COUNTS = [1, 2, 3, 5, DECODE_MAX_ROWS]
 # float32: sums of ~600 products of ~0.05 x ~1 in another order than float64's; bf16: one
@@ -20,7 +19,7 @@ FLOAT32_TOLERANCE = 2e-5
 BF16_RELATIVE_STEP = 2**-7
 
 
-@pytest.fixture(scope="module", params=ISAS)
+@pytest.fixture(scope="module", params=ISA_PARAMS)
 def kernels(request) -> native.NativeKernels:
     built = built_kernels(request.param)
     if built is None:

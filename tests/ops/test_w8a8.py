@@ -20,7 +20,7 @@ from firsttoken.ops.w8a8 import (
     w8a8_linear_reference,
     w8a8_unsupported_reason,
 )
-from tests.ops.conftest import ISAS_UNDER_TEST, built_kernels
+from tests.ops.conftest import ISA_PARAMS, built_kernels
 
 needs_exact_int8 = pytest.mark.skipif(
     w8a8_unsupported_reason(torch.device("cpu")) is not None,
@@ -177,7 +177,7 @@ def test_a_smoothed_projection_is_its_reference_and_closer_to_the_float_one(nati
         assert torch.equal(on_native(x), smoothed(x))
 
 
-@pytest.fixture(scope="module", params=ISAS_UNDER_TEST)
+@pytest.fixture(scope="module", params=ISA_PARAMS)
 def isa_kernels(request) -> native.NativeKernels:
     built = built_kernels(request.param)
     if built is None:
