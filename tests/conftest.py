@@ -110,14 +110,26 @@ def tier_of(item: pytest.Item) -> str:
     return "fast"
 
 
+# pytest-xdist hands test files to its workers in collection order. Files of the costliest tiers go
+# first, so that a run ends on short files of the fast tier, not with one worker alone on a long one.
+TIERS_BY_COST = ("ray", "browser", "server", "engine", "triton", "fast", "slow")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test with its tier, so `pytest -m fast` (or engine, ...) selects one; a test
-    marked slow is in no other tier, so that selecting a tier never runs a slow test."""
+    marked slow is in no other tier, so that selecting a tier never runs a slow test. Then order
+    the files by their costliest tier (see TIERS_BY_COST), each file's tests in their order."""
     for item in items:
         if item.get_closest_marker("slow") is not None:
             continue
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(tier_of(item))
+    file_rank: dict[pathlib.Path, int] = {}
+    for item in items:
+        tiers = [marker.name for marker in item.iter_markers() if marker.name in TIERS_BY_COST]
+        rank = min(map(TIERS_BY_COST.index, tiers))
+        file_rank[item.path] = min(rank, file_rank.get(item.path, rank))
+    items.sort(key=lambda item: file_rank[item.path])
 
 
 @pytest.fixture(scope="session")
