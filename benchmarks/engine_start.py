@@ -10,6 +10,10 @@ every one-time cost shows a first/later ratio near 1.
 
 Then an engine's start alone against its start beside a live engine of the same form in the
 same process, which lends it its prepared weights (firsttoken/worker/shared_weights.py).
+
+Last, one part of a float32 start on native kernels: the search for the GGUF levels of every
+projection weight (`NativeKernels.find_levels`, which decode-sized steps then read), on one
+thread, against a copy of the same weights (the least a pass over them costs).
 """
 
 from __future__ import annotations
@@ -20,11 +24,15 @@ import os
 import statistics
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table, random_prompt, save_result, timed  # noqa: E402
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
-from firsttoken.models.registry import default_model_path  # noqa: E402
+from firsttoken.models.loaders.conversion_cache import default_cache_dir  # noqa: E402
+from firsttoken.models.registry import default_model_path, open_checkpoint  # noqa: E402
+from firsttoken.ops.native import load_native_kernels  # noqa: E402
 from firsttoken.worker import startup  # noqa: E402
 
 GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
@@ -68,6 +76,27 @@ def start_alone_and_beside(model: str, dtype: str, repeats: int) -> tuple[float,
     return statistics.median(alone), statistics.median(beside)
 
 
+def levels_search_and_copy(model: str, repeats: int) -> tuple[float, float]:
+    """Median seconds to find the levels of every 2-D weight of `model` in float32, and to copy
+    them, on one thread, taking turns."""
+    kernels = load_native_kernels(os.path.join(default_cache_dir(), "native"))
+    if kernels is None:
+        raise SystemExit("the levels search needs the native kernels, which could not be built here")
+    weights = [
+        tensor.float().contiguous()
+        for name, tensor in open_checkpoint(model).read_weights()
+        if tensor.dim() == 2 and "embed" not in name
+    ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    search, copy = [], []
+    for _ in range(repeats):
+        search.append(timed(lambda: [kernels.find_levels(weight) for weight in weights]))
+        copy.append(timed(lambda: [weight.clone() for weight in weights]))
+    torch.set_num_threads(threads)
+    return statistics.median(search), statistics.median(copy)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warm-up-tokens", type=int, nargs="+", default=[32, 512])
@@ -108,9 +137,20 @@ def main() -> None:
         ["start alone s", "beside a live engine s", "beside / alone"],
         [[alone_s, beside_s, beside_s / alone_s]],
     )
+    search_s, copy_s = levels_search_and_copy(model, args.repeats)
+    print_table(
+        ["levels search s (1 thread)", "copy s", "search / copy"], [[search_s, copy_s, search_s / copy_s]]
+    )
     save_result(
         "engine_start",
-        {"args": vars(args), "medians": medians, "start_alone_s": alone_s, "start_beside_s": beside_s},
+        {
+            "args": vars(args),
+            "medians": medians,
+            "start_alone_s": alone_s,
+            "start_beside_s": beside_s,
+            "levels_search_s": search_s,
+            "weights_copy_s": copy_s,
+        },
     )
 
 

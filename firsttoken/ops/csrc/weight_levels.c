@@ -5,7 +5,7 @@
  *
  * 4-bit levels: Q4_1's least value is the offset (its level is 0) and the scale an fp16 step
  * or two from (max - min) / 15; Q4_0's offset is its value of largest magnitude, -8 times the
- * scale. 8-bit (Q8_0): no offset, the scale near max |w| / 127. The scalar loop reads each value a few times: about as long as one copy.
+ * scale. 8-bit (Q8_0): no offset, the scale near max |w| / 127.
  */
 #pragma GCC optimize("fp-contract=fast") /* the levels matmul's FMA: see isa.h */
 #include "common.h"
@@ -48,18 +48,20 @@ static int is_half(float x) {
     return half_value(half_bits(x)) == x;
 }
 
-/* Levels of one group for `scale`, into `levels`; whether they rebuild every value. */
+/* Levels of one group for `scale`, into `levels`; whether they rebuild every value. Every value
+ * is tried, with no early exit, so that the loop vectorizes: most groups pass on the first scale. */
 static int try_scale(const float *values, float scale, float offset, int level_bits, uint8_t *levels) {
     float lowest = level_bits == 4 ? 0.0f : -128.0f, highest = level_bits == 4 ? 15.0f : 127.0f;
+    float inverse_divisor = scale == 0.0f ? 0.0f : 1.0f;
+    float divisor = scale == 0.0f ? 1.0f : scale;
+    int rebuilt = 1;
     for (int i = 0; i < LEVELS_GROUP; i++) {
-        float level = scale == 0.0f ? 0.0f : nearbyintf((values[i] - offset) / scale);
-        level = level < lowest ? lowest : level > highest ? highest : level;
-        if (!(level * scale + offset == values[i])) {
-            return 0;
-        }
+        float level = nearbyintf((values[i] - offset) / divisor * inverse_divisor);
+        level = !(level >= lowest) ? lowest : level > highest ? highest : level; /* NaN: lowest, never cast */
+        rebuilt &= level * scale + offset == values[i];
         levels[i] = level_bits == 4 ? (uint8_t)level : (uint8_t)(int8_t)level;
     }
-    return 1;
+    return rebuilt;
 }
 
 /* Whether some fp16 scale an fp16 step or two from `estimate` gives levels that rebuild the group. */
