@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from firsttoken.ops.activation import silu_and_mul_reference
+from firsttoken.ops.activation import gelu_tanh_and_mul_reference, silu_and_mul_reference
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
 from firsttoken.ops.norm import add_rms_norm_reference, rms_norm_reference
 from firsttoken.ops.rotary import (
@@ -112,3 +112,15 @@ def test_silu_and_mul(dtype, num_tokens):
     expected = torch.nn.functional.silu(gate) * up
     torch.testing.assert_close(silu_and_mul_reference(gate_up), expected, atol=0, rtol=0)
     torch.testing.assert_close(FUSED.silu_and_mul(gate_up), expected, **FUSED_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_gelu_tanh_and_mul(dtype, num_tokens):
+    from transformers.activations import ACT2FN
+
+    gate_up = torch.randn(num_tokens, 2 * 48).to(dtype)
+    gate, up = gate_up[:, :48], gate_up[:, 48:]
+    expected = ACT2FN["gelu_pytorch_tanh"](gate) * up  # Gemma's hidden activation
+    torch.testing.assert_close(gelu_tanh_and_mul_reference(gate_up), expected, atol=0, rtol=0)
+    torch.testing.assert_close(FUSED.gelu_tanh_and_mul(gate_up), expected, **FUSED_TOLERANCE[dtype])
