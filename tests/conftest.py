@@ -81,7 +81,9 @@ def may_claim_batch_invariance(dtype: str) -> bool:
 MAX_SHARED_ENGINES = 4
 
 TESTS_ROOT = pathlib.Path(__file__).resolve().parent
-TIERS = ("fast", "engine", "server", "browser", "triton", "ray")
+# Costliest first: pytest-xdist hands test files to its workers in collection order, and a run
+# should end on short files of the fast tier, not with one worker alone on a long one.
+TIERS = ("ray", "browser", "server", "engine", "triton", "fast")
 # A test using one of these fixtures (directly or through another fixture) is in that tier.
 TIER_OF_FIXTURE = {"chromium": "browser", "ray_cluster": "ray"}
 # Fixtures that load the embedded model: a test using one runs a real engine.
@@ -110,24 +112,19 @@ def tier_of(item: pytest.Item) -> str:
     return "fast"
 
 
-# pytest-xdist hands test files to its workers in collection order. Files of the costliest tiers go
-# first, so that a run ends on short files of the fast tier, not with one worker alone on a long one.
-TIERS_BY_COST = ("ray", "browser", "server", "engine", "triton", "fast", "slow")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test with its tier, so `pytest -m fast` (or engine, ...) selects one; a test
     marked slow is in no other tier, so that selecting a tier never runs a slow test. Then order
-    the files by their costliest tier (see TIERS_BY_COST), each file's tests in their order."""
+    the files by their costliest tier (TIERS; slow last), each file's tests in their order."""
     for item in items:
         if item.get_closest_marker("slow") is not None:
             continue
         if not any(item.get_closest_marker(tier) for tier in TIERS):
             item.add_marker(tier_of(item))
+    by_cost = (*TIERS, "slow")
     file_rank: dict[pathlib.Path, int] = {}
     for item in items:
-        tiers = [marker.name for marker in item.iter_markers() if marker.name in TIERS_BY_COST]
-        rank = min(map(TIERS_BY_COST.index, tiers))
+        rank = min(by_cost.index(marker.name) for marker in item.iter_markers() if marker.name in by_cost)
         file_rank[item.path] = min(rank, file_rank.get(item.path, rank))
     items.sort(key=lambda item: file_rank[item.path])
 

@@ -52,11 +52,9 @@ static int is_half(float x) {
  * is tried, with no early exit, so that the loop vectorizes: most groups pass on the first scale. */
 static int try_scale(const float *values, float scale, float offset, int level_bits, uint8_t *levels) {
     float lowest = level_bits == 4 ? 0.0f : -128.0f, highest = level_bits == 4 ? 15.0f : 127.0f;
-    float inverse_divisor = scale == 0.0f ? 0.0f : 1.0f;
-    float divisor = scale == 0.0f ? 1.0f : scale;
     int rebuilt = 1;
     for (int i = 0; i < LEVELS_GROUP; i++) {
-        float level = nearbyintf((values[i] - offset) / divisor * inverse_divisor);
+        float level = scale == 0.0f ? 0.0f : nearbyintf((values[i] - offset) / scale);
         level = !(level >= lowest) ? lowest : level > highest ? highest : level; /* NaN: lowest, never cast */
         rebuilt &= level * scale + offset == values[i];
         levels[i] = level_bits == 4 ? (uint8_t)level : (uint8_t)(int8_t)level;
