@@ -174,7 +174,7 @@ def test_a_gguf_file_in_llama_cpps_gemma_layout_gives_transformers_tokens(name, 
     # llama.cpp scales queries by head_dim below 27B (its files carry no query_pre_attn_scalar).
     hf_model = tiny_hf_model(model_type, sliding_window=WINDOW, **{**overrides, "query_pre_attn_scalar": 32})
     path = write_gguf(hf_model, str(tmp_path / f"{name}.gguf"), name, {})
-    llm = _engine(path, cache_dir=str(tmp_path / "cache"))
+    llm = _engine(path)
     (output,) = llm.generate(prompt_token_ids=[PROMPT_IDS], sampling_params=GREEDY)
     expected, expected_logprobs = hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)
     assert output.token_ids == expected

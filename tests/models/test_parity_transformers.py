@@ -18,21 +18,31 @@ TOP_LOGPROBS = 10
 LOGPROB_TOLERANCE = 2e-3
 
 
+# The last parity prompt takes two of the test engines' 512-token chunks: the default run checks
+# chunked prefill and positions past one chunk against transformers; the slow tier, a prompt of four.
+CHUNKED_PROMPT_REPEATS = 7
+
+
 @pytest.fixture(scope="module")
 def parity_prompts(llm):
     chat_text = llm.tokenizer.apply_chat_template(CHAT_CONVERSATION)
-    texts = SHORT_PROMPTS + [chat_text, long_prompt()]
+    texts = SHORT_PROMPTS + [chat_text, long_prompt(CHUNKED_PROMPT_REPEATS)]
     return [llm.tokenizer.encode(text) for text in texts]
 
 
-def test_long_prompt_is_about_1500_tokens(parity_prompts):
-    assert 1300 <= len(parity_prompts[-1]) <= 1800
+@pytest.fixture(scope="module")
+def four_chunk_prompt(llm):
+    return llm.tokenizer.encode(long_prompt())
 
 
-def test_greedy_tokens_and_prefill_logprobs_match_transformers(llm, hf_model, parity_prompts):
+def test_the_last_parity_prompt_takes_two_chunks(parity_prompts):
+    assert 512 < len(parity_prompts[-1]) <= 2 * 512
+
+
+def _assert_greedy_parity(llm, hf_model, prompts: list[list[int]]) -> None:
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
-    outputs = llm.generate(prompt_token_ids=parity_prompts, sampling_params=params)
-    for prompt_ids, output in zip(parity_prompts, outputs):
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for prompt_ids, output in zip(prompts, outputs):
         logits = hf_logits_along(hf_model, prompt_ids, output.token_ids)
         expected_ids = logits.argmax(dim=-1).tolist()
         assert output.token_ids == expected_ids, f"prompt of {len(prompt_ids)} tokens diverged"
@@ -41,6 +51,16 @@ def test_greedy_tokens_and_prefill_logprobs_match_transformers(llm, hf_model, pa
         assert_logprobs_close(first, expected_logprobs, LOGPROB_TOLERANCE)
         expected_top = torch.topk(expected_logprobs, TOP_LOGPROBS).indices.tolist()
         assert [alternative.token_id for alternative in first.top_logprobs][:3] == expected_top[:3]
+
+
+def test_greedy_tokens_and_prefill_logprobs_match_transformers(llm, hf_model, parity_prompts):
+    _assert_greedy_parity(llm, hf_model, parity_prompts)
+
+
+@pytest.mark.slow  # the default run's prompts cover chunked prefill; this one, four chunks
+def test_a_prompt_of_four_chunks_gives_transformers_tokens(llm, hf_model, four_chunk_prompt):
+    assert 1300 <= len(four_chunk_prompt) <= 1800
+    _assert_greedy_parity(llm, hf_model, [four_chunk_prompt])
 
 
 # transformers' own bf16 model is up to 0.26 away from its float32 on these prompts' top-5
@@ -70,8 +90,7 @@ def _slow_without_bf16_instructions(test):
     return test if cpu_has_bf16_instructions() else pytest.mark.slow(test)
 
 
-@_slow_without_bf16_instructions
-def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(llm_bf16, hf_model_bf16, parity_prompts):
+def _assert_bf16_parity(llm_bf16, hf_model_bf16, prompts: list[list[int]]) -> None:
     """Every greedy token of ours is transformers' bf16 argmax given the same context, except
     at near ties: where the two differ, transformers' top two logits are within bf16 rounding.
 
@@ -81,8 +100,8 @@ def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(llm_bf16, hf_mode
     missed is a bug.
     """
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
-    outputs = llm_bf16.generate(prompt_token_ids=parity_prompts, sampling_params=params)
-    for prompt_ids, output in zip(parity_prompts, outputs):
+    outputs = llm_bf16.generate(prompt_token_ids=prompts, sampling_params=params)
+    for prompt_ids, output in zip(prompts, outputs):
         logits = hf_logits_along(hf_model_bf16, prompt_ids, output.token_ids)
         assert_logprobs_close(output.logprobs[0], torch.log_softmax(logits[0], -1), BF16_LOGPROB_TOLERANCE)
         for position, token in enumerate(output.token_ids):
@@ -90,6 +109,18 @@ def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(llm_bf16, hf_mode
             if token != best:
                 gap = float(logits[position, best] - logits[position, token])
                 assert gap <= BF16_NEAR_TIE, f"missed a clear winner at step {position} (gap {gap})"
+
+
+@_slow_without_bf16_instructions
+def test_bfloat16_greedy_tokens_match_transformers_in_bfloat16(llm_bf16, hf_model_bf16, parity_prompts):
+    _assert_bf16_parity(llm_bf16, hf_model_bf16, parity_prompts)
+
+
+@pytest.mark.slow  # the default run's prompts cover chunked prefill; this one, four chunks
+def test_a_bfloat16_prompt_of_four_chunks_matches_transformers_in_bfloat16(
+    llm_bf16, hf_model_bf16, four_chunk_prompt
+):
+    _assert_bf16_parity(llm_bf16, hf_model_bf16, [four_chunk_prompt])
 
 
 def test_bfloat16_logprobs_stay_close_to_float32(llm, llm_bf16, parity_prompts):
