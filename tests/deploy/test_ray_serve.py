@@ -63,19 +63,18 @@ def endpoint(ray_cluster, two_layer_model_path):
 
     from firsttoken.deploy.ray import ReplicasConfig, build_application
 
-    try:
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        replicas = ReplicasConfig(num_replicas=2, num_cpus=1, routing_stats_period_s=0.5, sync_interval_s=0.5)
-        config = ServerConfig(served_model_names=(MODEL_NAME,))
-        serve.run(
-            build_application(two_layer_model_path, ENGINE_OPTIONS, config, replicas),
-            name="firsttoken",
-            route_prefix="/",
-        )
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    # No serve.shutdown() after the module: it waits seconds for each replica to drain, and the
+    # cluster's shutdown (ray_cluster) ends Serve's actors with the rest.
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    replicas = ReplicasConfig(num_replicas=2, num_cpus=1, routing_stats_period_s=0.5, sync_interval_s=0.5)
+    config = ServerConfig(served_model_names=(MODEL_NAME,))
+    serve.run(
+        build_application(two_layer_model_path, ENGINE_OPTIONS, config, replicas),
+        name="firsttoken",
+        route_prefix="/",
+    )
+    return f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
