@@ -104,11 +104,12 @@ def test_a_request_waiting_past_max_queue_wait_ends_with_an_error_and_holds_noth
     one_slot_server.wait_for_idle_kv(timeout_s=10.0, since=start)
 
 
-def test_a_request_predicted_to_miss_its_ttft_objective_gets_429_and_holds_nothing(model_path):
+def test_a_request_predicted_to_miss_its_ttft_objective_gets_429_and_holds_nothing(two_layer_model_path):
     """A 1 ms objective no prefill can meet, under the refuse policy: a 429 with the engine's
-    Retry-After, nothing held; a request carrying a generous objective of its own is served."""
+    Retry-After, nothing held; a request carrying a generous objective of its own is served.
+    (The 2-layer model: the objective needs the step-cost model, measured at start.)"""
     config = ServerConfig(port=0, served_model_names=(MODEL_NAME,))
-    with running_server(model_path, config, ttft_slo_ms=1, slo_policy="refuse", max_model_len=512) as running:
+    with running_server(two_layer_model_path, config, ttft_slo_ms=1, slo_policy="refuse", max_model_len=512) as running:
         start = running.engine.stats()
         body = {"prompt": "Once upon a time", "max_tokens": 4}
         refused = HTTP.post(running.base_url + "/v1/completions", json=body, timeout=60)
