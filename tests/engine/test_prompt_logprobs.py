@@ -46,7 +46,7 @@ def test_prompt_logprobs_match_transformers(llm, hf_model):
 
 def test_prompt_logprobs_of_a_chunked_prompt_past_one_lm_head_slice_match_transformers(llm, hf_model):
     # Longer than the fixture's 512-token chunks and than one slice of the LM head's rows.
-    token_ids = llm.tokenizer.encode(long_prompt(8))
+    token_ids = llm.tokenizer.encode(long_prompt(6))  # 567 tokens
     assert len(token_ids) > 512 > MAX_ROWS_PER_SLICE
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     (output,) = llm.generate(prompt_token_ids=[token_ids], sampling_params=params)
