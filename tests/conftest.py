@@ -60,9 +60,32 @@ def _test_threads() -> int | None:
 TEST_THREADS = _test_threads()
 if TEST_THREADS is not None:
     torch.set_num_threads(TEST_THREADS)  # the tests' own torch ops keep to the share too
+
+
+@contextlib.contextmanager
+def on_this_workers_cores():
+    """Inside, this process may run on TEST_THREADS of its cores only (the pytest-xdist worker's
+    share, by its number), so an engine of default options (a thread per core it may run on,
+    adapting) starts as on a machine of that many cores instead of contending with the other
+    workers for all of them. Outside pytest-xdist, nothing changes."""
+    if TEST_THREADS is None or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    allowed = sorted(os.sched_getaffinity(0))
+    worker_index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    first = worker_index * TEST_THREADS % len(allowed)
+    os.sched_setaffinity(0, (allowed * 2)[first : first + TEST_THREADS])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
 # Test engines with a fixed chunk size keep a fixed thread count: adapting it needs the step-cost
 # model, measured at start (minutes on a busy 2-core machine), which nothing else there reads.
 FIXED_THREADS = {"adaptive_threads": False, "num_threads": TEST_THREADS}
+
+
 def cpu_has_bf16_instructions() -> bool:
     """Whether this CPU computes bf16 in hardware (AVX512-BF16). Elsewhere bf16 runs emulated,
     slower than float32 (for transformers too), and no bf16 engine claims batch invariance."""

@@ -21,6 +21,7 @@ import pytest
 
 from firsttoken.cli import build_parser, main
 from firsttoken.server.cli import server_config
+from tests.conftest import on_this_workers_cores
 from tests.server.conftest import running_server
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -87,11 +88,12 @@ def _run_python_blocks(page: pathlib.Path, blocks: list[str]) -> list[str]:
     """Runs a page's blocks in order in one namespace, as a reader would; returns what each printed."""
     namespace = {"__name__": "docs_snippet"}
     outputs = []
-    for block in blocks:
-        stdout = io.StringIO()
-        with contextlib.redirect_stdout(stdout):
-            exec(compile(block, _page_name(page), "exec"), namespace)
-        outputs.append(stdout.getvalue())
+    with on_this_workers_cores():  # the page's `LLM()` takes this worker's share of the cores
+        for block in blocks:
+            stdout = io.StringIO()
+            with contextlib.redirect_stdout(stdout):
+                exec(compile(block, _page_name(page), "exec"), namespace)
+            outputs.append(stdout.getvalue())
     namespace.clear()
     gc.collect()  # the page's engine goes before the next page builds its own
     return outputs
