@@ -24,7 +24,11 @@ def test_greedy_tokens_are_those_without_an_objective(two_layer_model_path, engi
     # the others (predicted to miss) best effort after them.
     objective_ms = 1000 * statistics.median(output.metrics.ttft_s for output in expected)
     with_objective = LLM(
-        two_layer_model_path, dtype="float32", max_num_batched_tokens=64, ttft_slo_ms=objective_ms, **FIXED_THREADS
+        two_layer_model_path,
+        dtype="float32",
+        max_num_batched_tokens=64,
+        ttft_slo_ms=objective_ms,
+        **FIXED_THREADS,
     )
     outputs = with_objective.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [output.token_ids for output in outputs] == [output.token_ids for output in expected]

@@ -109,7 +109,8 @@ def test_a_request_predicted_to_miss_its_ttft_objective_gets_429_and_holds_nothi
     Retry-After, nothing held; a request carrying a generous objective of its own is served.
     (The 2-layer model: the objective needs the step-cost model, measured at start.)"""
     config = ServerConfig(port=0, served_model_names=(MODEL_NAME,))
-    with running_server(two_layer_model_path, config, ttft_slo_ms=1, slo_policy="refuse", max_model_len=512) as running:
+    options = dict(ttft_slo_ms=1, slo_policy="refuse", max_model_len=512)
+    with running_server(two_layer_model_path, config, **options) as running:
         start = running.engine.stats()
         body = {"prompt": "Once upon a time", "max_tokens": 4}
         refused = HTTP.post(running.base_url + "/v1/completions", json=body, timeout=60)
