@@ -64,17 +64,18 @@ if TEST_THREADS is not None:
 
 @contextlib.contextmanager
 def on_this_workers_cores():
-    """Inside, this process may run on TEST_THREADS of its cores only (the pytest-xdist worker's
-    share, by its number), so an engine of default options (a thread per core it may run on,
-    adapting) starts as on a machine of that many cores instead of contending with the other
-    workers for all of them. Outside pytest-xdist, nothing changes."""
+    """Inside, the calling thread (and the threads it starts) may run on TEST_THREADS of the
+    process's cores only (the pytest-xdist worker's share, by its number), so an engine of default
+    options (a thread per core it may run on, adapting) starts as on a machine of that many cores
+    instead of contending with the other workers for all of them. Outside pytest-xdist, nothing
+    changes."""
     if TEST_THREADS is None or not hasattr(os, "sched_setaffinity"):
         yield
         return
     allowed = sorted(os.sched_getaffinity(0))
     worker_index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     first = worker_index * TEST_THREADS % len(allowed)
-    os.sched_setaffinity(0, (allowed * 2)[first : first + TEST_THREADS])
+    os.sched_setaffinity(0, [allowed[(first + offset) % len(allowed)] for offset in range(TEST_THREADS)])
     try:
         yield
     finally:
