@@ -33,6 +33,7 @@ from firsttoken.ops.cpu_info import physical_core_count  # noqa: E402
 
 if TYPE_CHECKING:
     from firsttoken import LLM
+    from firsttoken.ops.native import NativeKernels
 
 TEST_KV_CACHE_BYTES = 512 * 1024 * 1024
 # pytest-xdist (`-n auto` in pyproject.toml's addopts) runs test files in parallel processes: one
@@ -116,7 +117,7 @@ MODEL_FIXTURES = frozenset(
 )
 # Folders whose tests start servers or engines, or build kernels, even without the embedded model.
 SERVER_FOLDERS = frozenset({"server", "reliability", "deploy"})
-ENGINE_FOLDERS = frozenset({"engine", "models", "ops", "worker", "reliability"})
+ENGINE_FOLDERS = frozenset({"attention", "engine", "models", "ops", "worker", "reliability"})
 
 
 def tier_of(item: pytest.Item) -> str:
@@ -205,6 +206,15 @@ class SharedEngines:
         while len(self.engines) > MAX_SHARED_ENGINES:
             del self.engines[next(iter(self.engines))]
         return engine
+
+
+@pytest.fixture(scope="session")
+def native_kernels() -> NativeKernels | None:
+    """The run's build of the compiled CPU kernels engines use (`auto`), or None on a machine
+    without a working C compiler."""
+    from tests.native_builds import built_kernels
+
+    return built_kernels()
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from firsttoken.config import CPU_ISAS, ModelConfig
 from firsttoken.errors import InvalidInputError
 from firsttoken.ops import cpu_isa, native
 from firsttoken.ops.cpu_info import cpu_flags
-from tests.ops.conftest import AMX_CPU_FLAG, DEFAULT_RUN_ISAS, ISA_PARAMS, built_kernels
+from tests.native_builds import AMX_CPU_FLAG, DEFAULT_RUN_ISAS, ISA_PARAMS, built_kernels
 
 
 def test_every_configurable_isa_has_a_build_target():

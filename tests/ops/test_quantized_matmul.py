@@ -9,7 +9,7 @@ import torch
 from firsttoken.ops import native
 from firsttoken.ops.linear import dequantize_int4, pack_int4, quantize_int4, quantize_int8
 from firsttoken.ops.native_abi import DECODE_MAX_ROWS
-from tests.ops.conftest import ISA_PARAMS, built_kernels
+from tests.native_builds import ISA_PARAMS, built_kernels
 
 DTYPES = [torch.float32, torch.bfloat16]
 ROW_COUNTS = [1, 2, 3, 5, DECODE_MAX_ROWS]

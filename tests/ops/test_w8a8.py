@@ -20,7 +20,7 @@ from firsttoken.ops.w8a8 import (
     w8a8_linear_reference,
     w8a8_unsupported_reason,
 )
-from tests.ops.conftest import ISA_PARAMS, built_kernels
+from tests.native_builds import ISA_PARAMS, built_kernels
 
 needs_exact_int8 = pytest.mark.skipif(
     w8a8_unsupported_reason(torch.device("cpu")) is not None,
