@@ -12,8 +12,7 @@ from firsttoken.ops import native
 from firsttoken.ops.cpu_info import cpu_flags
 from firsttoken.ops.cpu_isa import runnable_cpu_isas
 
-# The test run's cache (tests/conftest.py points XDG_CACHE_HOME at it before this is imported):
-# each ISA's kernels are built once per run, for every module, test worker and engine alike.
+# Each ISA's kernels are built once per run, for every module, test worker and engine alike.
 _RUN_NATIVE_DIR = os.path.join(default_cache_dir(), "native")
 # The CPU flag that gives an `auto` build branches no named ISA has (csrc's AMX tiles).
 AMX_CPU_FLAG = "amx_bf16"
