@@ -23,7 +23,8 @@ from common import interleaved_medians, print_table, save_result, timed  # noqa:
 
 from firsttoken.attention.backend import BatchLayout, SequenceLayout  # noqa: E402
 from firsttoken.attention.reference import write_kv_reference  # noqa: E402
-from firsttoken.attention.cpu_backend import CPUAttentionBackend, _prefill_attention  # noqa: E402
+from firsttoken.attention.backend import PLAIN_ATTENTION  # noqa: E402
+from firsttoken.attention.cpu_backend import CPUAttentionBackend, _FlashOptions, _prefill_attention  # noqa: E402
 from firsttoken.models.loaders.conversion_cache import default_cache_dir  # noqa: E402
 from firsttoken.ops.native import load_native_kernels  # noqa: E402
 
@@ -73,9 +74,10 @@ def main() -> None:
         metadata = backend.build_metadata(layout, slots)
         backend.forward(query, key, value, cache, metadata)  # writes the chunk's K/V
         span = metadata.prefills[0]
+        plain = _FlashOptions(PLAIN_ATTENTION, sink_query=None)
         medians = interleaved_medians(
             {
-                "native": lambda _: timed(lambda: backend._prefill(query, key, value, cache, span)),
+                "native": lambda _: timed(lambda: backend._prefill(query, key, value, cache, span, plain)),
                 "split": lambda _: timed(lambda: _prefill_attention(query, key, value, cache, span)),
             },
             args.repeats,

@@ -28,7 +28,12 @@ from common import print_table  # noqa: E402
 from native_kernels import call_medians  # noqa: E402
 
 from firsttoken.attention.backend import BatchLayout, SequenceLayout  # noqa: E402
-from firsttoken.attention.cpu_backend import PrefillSpan, CPUAttentionBackend, _prefill_attention  # noqa: E402
+from firsttoken.attention.cpu_backend import (  # noqa: E402
+    CPUAttentionBackend,
+    PrefillSpan,
+    _decode_attention,
+    _prefill_attention,
+)
 from firsttoken.models.loaders.conversion_cache import default_cache_dir  # noqa: E402
 from firsttoken.ops.cpu_isa import runnable_cpu_isas  # noqa: E402
 from firsttoken.ops.native import NativeKernels, load_native_kernels  # noqa: E402
@@ -106,7 +111,7 @@ def decode_row(native: NativeKernels, num_context: int, rows: int, dtype: torch.
     ours = CPUAttentionBackend(torch.device("cpu"), native).build_metadata(layout, slot_mapping).paged_decodes
     medians = call_medians(
         {
-            "sdpa": lambda: torch_backend._decode(query, kv_cache, torch_metadata),
+            "sdpa": lambda: _decode_attention(query, kv_cache, torch_metadata, window=None),
             "ours": lambda: native.flash_decode_attention(query, kv_cache, ours.block_table, ours.seq_lens),
         }
     )

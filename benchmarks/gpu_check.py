@@ -808,6 +808,8 @@ def main(argv: list[str] | None = None) -> int:
         f"firsttoken device check: torch {torch.__version__}, transformers {transformers.__version__}, {name}"
     )
     started = time.perf_counter()
+    if args.workdir is not None:
+        os.makedirs(args.workdir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         results, parity = run(plan, device, workdir, args.seed, say)
     status = exit_status(parity, results["batch_invariance"])

@@ -29,6 +29,8 @@ from common import first_token_run, interleaved_medians, print_table, random_pro
 from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.registry import default_model_path, open_checkpoint  # noqa: E402
 
+# Decode is timed after a prompt of this many tokens, whatever --lengths are.
+DECODE_PROMPT_TOKENS = 512
 SHAPES = dict(
     hidden_size=576,
     intermediate_size=1536,
@@ -71,11 +73,12 @@ def write_family(folder: str, model_type: str, overrides: dict) -> str:
 
 def decode_run(llm: LLM, decode_tokens: int) -> Callable[[int], float]:
     """run(i) for `interleaved_medians`: mean seconds per token after the first, after a fresh
-    512-token prompt (seed i)."""
+    DECODE_PROMPT_TOKENS-token prompt (seed i)."""
     params = SamplingParams(temperature=0, max_tokens=decode_tokens + 1, ignore_eos=True)
 
     def run(index: int) -> float:
-        token_times = [time.perf_counter() for _ in llm.stream(random_prompt(512, seed=index), params)]
+        prompt = random_prompt(DECODE_PROMPT_TOKENS, seed=index)
+        token_times = [time.perf_counter() for _ in llm.stream(prompt, params)]
         return statistics.mean(later - earlier for earlier, later in zip(token_times, token_times[1:]))
 
     return run
@@ -95,7 +98,7 @@ def main() -> None:
                 write_family(f"{folder}/{index}", model_type, overrides),
                 dtype=args.dtype,
                 enable_prompt_cache=False,
-                max_model_len=max(args.lengths) + 64,
+                max_model_len=max(*args.lengths, DECODE_PROMPT_TOKENS + args.decode_tokens) + 64,
             )
             for index, (name, (model_type, overrides)) in enumerate(FAMILIES.items())
         }
