@@ -21,9 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import interleaved_medians, print_table, save_result, timed  # noqa: E402
 
-from firsttoken.attention.backend import BatchLayout, SequenceLayout  # noqa: E402
+from firsttoken.attention.backend import PLAIN_ATTENTION, BatchLayout, SequenceLayout  # noqa: E402
 from firsttoken.attention.reference import write_kv_reference  # noqa: E402
-from firsttoken.attention.backend import PLAIN_ATTENTION  # noqa: E402
 from firsttoken.attention.cpu_backend import CPUAttentionBackend, _FlashOptions, _prefill_attention  # noqa: E402
 from firsttoken.models.loaders.conversion_cache import default_cache_dir  # noqa: E402
 from firsttoken.ops.native import load_native_kernels  # noqa: E402
