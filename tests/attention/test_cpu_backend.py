@@ -187,6 +187,31 @@ def test_scattered_context_takes_the_native_kernel_with_the_in_place_bits(seqs, 
     torch.testing.assert_close(outputs[1].float(), expected.float(), atol=TOLERANCE[torch.bfloat16], rtol=0)
 
 
+# Three decodes (70, 200 and 3 cached tokens), a fresh prompt of 40 and a chunk of 17 on 33 cached.
+MIXED_SEQUENCES = [(70, 1), (200, 1), (3, 1), (0, 40), (33, 17)]
+
+
+def _decode_row_beside_others(
+    backend: CPUAttentionBackend, batch: tuple, tolerance: float
+) -> list[torch.Tensor]:
+    """The first decode row's output alone, beside the other two decodes, and beside the prompt
+    and the chunk (`batch`: `_random_batch` of MIXED_SEQUENCES), each step checked against the
+    reference within `tolerance`."""
+    layout, slot_mapping, kv_cache, query, key, value = batch
+    row_starts = [0, 1, 2, 3, 43, 60]
+    first_rows = []
+    for picked in ([0], [0, 1, 2], [0, 3, 4]):
+        rows = torch.cat([torch.arange(row_starts[i], row_starts[i + 1]) for i in picked])
+        sequences = [layout.sequences[i] for i in picked]
+        part = BatchLayout(sequences, sum(1 for s in sequences if s.query_len == 1), layout.block_size)
+        metadata = backend.build_metadata(part, slot_mapping[rows])
+        output = backend.forward(query[rows], key[rows], value[rows], kv_cache, metadata)
+        expected = paged_attention_reference(query[rows], kv_cache, part)
+        torch.testing.assert_close(output.float(), expected.float(), atol=tolerance, rtol=tolerance)
+        first_rows.append(output[0])
+    return first_rows
+
+
 def _decode_kernels_or_skip(native_kernels):
     if native_kernels is None or not native_kernels.has_decode_kernels:
         pytest.skip("no native decode kernels on this machine (needs a C compiler and AVX512-BF16)")
@@ -209,20 +234,8 @@ def test_bf16_decode_rows_take_the_paged_kernel_and_give_the_same_bits_whatever_
         lambda *args, **kwargs: calls.append(kwargs) or attend(*args, **kwargs),
     )
     backend = CPUAttentionBackend(torch.device("cpu"), kernels, decode_as_prefill=decode_as_prefill)
-    layout, slot_mapping, kv_cache, query, key, value = _random_batch(
-        [(70, 1), (200, 1), (3, 1), (0, 40), (33, 17)], 16, 8, 2, head_dim, torch.bfloat16
-    )
-    row_starts = [0, 1, 2, 3, 43, 60]
-    first_rows = []
-    for picked in ([0], [0, 1, 2], [0, 3, 4]):
-        rows = torch.cat([torch.arange(row_starts[i], row_starts[i + 1]) for i in picked])
-        sequences = [layout.sequences[i] for i in picked]
-        part = BatchLayout(sequences, sum(1 for s in sequences if s.query_len == 1), layout.block_size)
-        metadata = backend.build_metadata(part, slot_mapping[rows])
-        output = backend.forward(query[rows], key[rows], value[rows], kv_cache, metadata)
-        expected = paged_attention_reference(query[rows], kv_cache, part)
-        torch.testing.assert_close(output.float(), expected.float(), atol=2e-2, rtol=2e-2)
-        first_rows.append(output[0])
+    batch = _random_batch(MIXED_SEQUENCES, 16, 8, 2, head_dim, torch.bfloat16)
+    first_rows = _decode_row_beside_others(backend, batch, tolerance=2e-2)
     assert calls == [{"as_prefill": decode_as_prefill, "window": 0, "softcap": 0.0}] * 3
     assert torch.equal(first_rows[0], first_rows[1])
     assert torch.equal(first_rows[0], first_rows[2])
@@ -343,23 +356,9 @@ def test_portable_flash_takes_every_row_and_decodes_get_a_prefills_bits(
     )
     backend = CPUAttentionBackend(torch.device("cpu"), kernels, decode_as_prefill=True)
     assert backend.decodes_as_prefill(16, dtype, 64)
-    seqs = [(70, 1), (200, 1), (3, 1), (0, 40), (33, 17)]
-    layout, slot_mapping, kv_cache, query, key, value = _random_batch(
-        seqs, 16, 9, 3, 64, dtype, in_order=in_order
-    )
-    row_starts = [0, 1, 2, 3, 43, 60]
-    first_rows = []
-    for picked in ([0], [0, 1, 2], [0, 3, 4]):
-        rows = torch.cat([torch.arange(row_starts[i], row_starts[i + 1]) for i in picked])
-        sequences = [layout.sequences[i] for i in picked]
-        part = BatchLayout(sequences, sum(1 for s in sequences if s.query_len == 1), layout.block_size)
-        metadata = backend.build_metadata(part, slot_mapping[rows])
-        output = backend.forward(query[rows], key[rows], value[rows], kv_cache, metadata)
-        expected = paged_attention_reference(query[rows], kv_cache, part)
-        torch.testing.assert_close(
-            output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
-        )
-        first_rows.append(output[0])
+    batch = _random_batch(MIXED_SEQUENCES, 16, 9, 3, 64, dtype, in_order=in_order)
+    layout, _, kv_cache, query, _, _ = batch
+    first_rows = _decode_row_beside_others(backend, batch, tolerance=TOLERANCE[dtype])
     assert calls["flash_decode_attention"] == 3
     assert calls["flash_attention"] + calls["flash_attention_paged"] == 2  # the fresh prompt and the chunk
     assert calls["flash_attention_paged"] == (0 if in_order else 1)
