@@ -25,6 +25,7 @@ W8A8_TEXT_NAME = "docs.txt"
 NEEDS_A_PEER = {
     "grammar_engines.py": "xgrammar, which is not a dependency",
     "vs_vllm_cpu.py": "vLLM in a Python of its own",
+    "vs_vllm_cpu_serve.py": "vLLM in a Python of its own",
 }
 # Scripts that need the native prefill attention (AVX512-BF16 or AMX).
 NEEDS_BF16_INSTRUCTIONS = {"chunk_attention.py"}
