@@ -1,16 +1,19 @@
-"""A `firsttoken serve` process on a free local port, started with given engine options, for
-benchmarks that compare server settings (`firsttoken tune`)."""
+"""A server process on a free local port: `firsttoken serve` with given engine options, for
+benchmarks that compare server settings (`firsttoken tune`), or any OpenAI-compatible server's
+command (a peer's, to measure it beside firsttoken)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -23,26 +26,30 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-class ServerProcess:
-    """Owns one server process: started on entry (returns once /health answers), stopped on exit."""
+class LocalServer:
+    """Owns one server process on a free local port: started on entry (returns once /health
+    answers), stopped on exit with every process it started (it leads a process group of its own,
+    so a server's engine processes go with it)."""
 
-    def __init__(self, model: str | None, options: dict[str, Any], start_timeout_s: float = 900.0) -> None:
+    def __init__(
+        self,
+        command_for_port: Callable[[int], list[str]],
+        environment: dict[str, str] | None = None,
+        start_timeout_s: float = 900.0,
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        model_flags = ["--model", model] if model else []
-        self.command = [
-            sys.executable, "-m", "firsttoken", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-            *model_flags, *engine_flags(options),
-        ]  # fmt: skip
+        self.command = command_for_port(self.port)
+        self.environment = {**(environment or os.environ), "PYTHONUNBUFFERED": "1"}
         self.start_timeout_s = start_timeout_s
         self._log = tempfile.TemporaryFile(mode="w+")
         self._process: subprocess.Popen | None = None
 
-    def __enter__(self) -> ServerProcess:
-        environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    def __enter__(self) -> Self:
         self._process = subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT, env=environment
-        )
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, env=self.environment,
+            start_new_session=True,
+        )  # fmt: skip
         self._wait_until_healthy()
         return self
 
@@ -54,11 +61,11 @@ class ServerProcess:
     def stop(self) -> None:
         process = self._process
         if process is not None and process.poll() is None:
-            process.terminate()
+            os.killpg(process.pid, signal.SIGTERM)
             try:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                process.kill()
+                os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
         self._log.close()
 
@@ -76,9 +83,25 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass  # not listening yet
             time.sleep(0.5)
+        message = f"the server did not answer /health within {self.start_timeout_s:g} s: {self._log_tail()}"
         self.stop()
-        raise RuntimeError(f"the server did not answer /health within {self.start_timeout_s:g} s")
+        raise RuntimeError(message)
 
     def _log_tail(self, num_chars: int = 600) -> str:
         self._log.seek(0)
         return self._log.read()[-num_chars:].strip()
+
+
+class ServerProcess(LocalServer):
+    """A `firsttoken serve` process with the given model and engine options."""
+
+    def __init__(self, model: str | None, options: dict[str, Any], start_timeout_s: float = 900.0) -> None:
+        model_flags = ["--model", model] if model else []
+
+        def command_for_port(port: int) -> list[str]:
+            return [
+                sys.executable, "-m", "firsttoken", "serve", "--host", "127.0.0.1", "--port", str(port),
+                *model_flags, *engine_flags(options),
+            ]  # fmt: skip
+
+        super().__init__(command_for_port, start_timeout_s=start_timeout_s)
