@@ -1,18 +1,23 @@
 """CPU prefill and decode speed: firsttoken against this machine's matmul rate and its peers.
 
-    python benchmarks/cpu_speed.py [--lengths 128 512 2048] [--repeats 5] [--skip-peers]
+    python benchmarks/cpu_speed.py [--lengths 128 512 2048] [--repeats 5] [--dtype auto] [--skip-peers]
 
 In one run and one process, every system loaded side by side and timed in turns (so drift in
 this machine's speed hits all of them alike):
-1. torch's bf16 and fp32 matmul rate on this machine (the roofline), before and after;
-2. firsttoken's TTFT at each prompt length (bf16, prompt cache off), its achieved GFLOP/s
-   (2 x non-embedding params x tokens + attention FLOPs, over TTFT) and that as a fraction
-   of the bf16 matmul rate;
-3. the same prompts through transformers (bf16 and fp32) and llama.cpp (llama-cpp-python on
-   the same GGUF file, when installed), as TTFT ratios;
-4. decode tokens/s at batch 1 after a 512-token prompt: firsttoken (bf16, int8 and int4
+1. torch's matmul rate in `--dtype` (and fp32 beside bf16) on this machine (the roofline),
+   before and after;
+2. firsttoken's TTFT at each prompt length (in `--dtype`, prompt cache off), its achieved
+   GFLOP/s (2 x non-embedding params x tokens + attention FLOPs, over TTFT) and that as a
+   fraction of torch's matmul rate in the same dtype;
+3. the same prompts through transformers (in `--dtype`, and fp32 beside bf16) and llama.cpp
+   (llama-cpp-python on the same GGUF file, when installed), as TTFT ratios;
+4. decode tokens/s at batch 1 after a 512-token prompt: firsttoken (`--dtype`, int8 and int4
    weights for decode; int4 also stepping op by op instead of its whole-step native decode)
    against llama.cpp.
+
+`--dtype auto` (the default) is what an engine picks here: bf16 where the CPU multiplies bf16
+natively (AVX512-BF16 or AMX), float32 elsewhere, where bf16 arithmetic is emulated and a bf16
+run measures the emulation.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from common import interleaved_medians, print_table, random_prompt, save_result,
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.registry import default_model_path  # noqa: E402
+from firsttoken.worker.device import resolve_dtype  # noqa: E402
 
 GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
 DECODE_PROMPT_LEN = 512
@@ -131,6 +137,13 @@ def load_transformers(path: str, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(folder, gguf_file=file_name, dtype=dtype).eval()
 
 
+DTYPE_LABELS = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def matmul_rates(dtypes: list[torch.dtype]) -> dict[torch.dtype, float]:
+    return {dtype: matmul_gflops(dtype) for dtype in dtypes}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -138,28 +151,36 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--skip-peers", action="store_true", help="only firsttoken and the matmul rates")
     args = parser.parse_args()
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    label = DTYPE_LABELS[dtype]
+    # float32 is the reference rate beside bf16; bf16's rate is measured only when bf16 runs.
+    matmul_dtypes = [dtype] if dtype == torch.float32 else [dtype, torch.float32]
     path = default_model_path()
     max_len = max(max(args.lengths), DECODE_PROMPT_LEN + args.decode_tokens)
-    engine_options = dict(enable_prompt_cache=False, chunk_size=max_len, max_num_batched_tokens=max_len)
-    llm = LLM(path, dtype="bfloat16", **engine_options)
+    engine_options = dict(
+        dtype=args.dtype, enable_prompt_cache=False, chunk_size=max_len, max_num_batched_tokens=max_len
+    )
+    llm = LLM(path, **engine_options)
     quantized = {
-        quantization: LLM(path, dtype="bfloat16", quantization=quantization, **engine_options)
+        quantization: LLM(path, quantization=quantization, **engine_options)
         for quantization in ("int8", "int4")
     }
     peers: dict[str, object] = {}
     if not args.skip_peers:
-        peers["transformers bf16"] = load_transformers(path, torch.bfloat16)
-        peers["transformers fp32"] = load_transformers(path, torch.float32)
+        for peer_dtype in matmul_dtypes:
+            peers[f"transformers {DTYPE_LABELS[peer_dtype]}"] = load_transformers(path, peer_dtype)
         llama = load_llama_cpp(path, max_len)
         if llama is not None:
             peers["llama.cpp"] = llama
 
-    peaks_bf16, peaks_fp32 = [matmul_gflops(torch.bfloat16)], [matmul_gflops(torch.float32)]
-    ttft: dict[str, dict[int, float]] = {"firsttoken bf16": {}, **{name: {} for name in peers}}
+    ours_name = f"firsttoken {label}"
+    rates_before = matmul_rates(matmul_dtypes)
+    ttft: dict[str, dict[int, float]] = {ours_name: {}, **{name: {} for name in peers}}
     for length in args.lengths:
-        runs = {"firsttoken bf16": firsttoken_ttft_run(llm, length)}
+        runs = {ours_name: firsttoken_ttft_run(llm, length)}
         for name, model in peers.items():
             runs[name] = (
                 llama_cpp_ttft_run(model, length)
@@ -168,21 +189,26 @@ def main() -> None:
             )
         for name, seconds in interleaved_medians(runs, args.repeats).items():
             ttft[name][length] = seconds
-    peaks_bf16.append(matmul_gflops(torch.bfloat16))
-    peaks_fp32.append(matmul_gflops(torch.float32))
-    peak_bf16, peak_fp32 = max(peaks_bf16), max(peaks_fp32)
+    rates_after = matmul_rates(matmul_dtypes)
+    peaks = {each: max(rates_before[each], rates_after[each]) for each in matmul_dtypes}
     print(
-        f"torch matmul 2048^3 (best of before/after): bf16 {peak_bf16:.0f} GFLOP/s "
-        f"({peaks_bf16[0]:.0f}/{peaks_bf16[1]:.0f}), fp32 {peak_fp32:.0f} GFLOP/s, threads "
-        f"{torch.get_num_threads()}"
+        "torch matmul 2048^3 (best of before/after): "
+        + ", ".join(
+            f"{DTYPE_LABELS[each]} {peaks[each]:.0f} GFLOP/s "
+            f"({rates_before[each]:.0f}/{rates_after[each]:.0f})"
+            for each in matmul_dtypes
+        )
+        + f", threads {torch.get_num_threads()}"
     )
 
-    ours = ttft["firsttoken bf16"]
+    ours = ttft[ours_name]
     rows = []
     for length in args.lengths:
         achieved = forward_flops(llm, length) / ours[length] / 1e9
-        rows.append([length, ours[length] * 1000, achieved, achieved / peak_bf16])
-    print_table(["prompt tokens", "TTFT ms", "achieved GFLOP/s", "fraction of bf16 matmul"], rows)
+        rows.append([length, ours[length] * 1000, achieved, achieved / peaks[dtype]])
+    print_table(
+        [f"prompt tokens ({label})", "TTFT ms", "achieved GFLOP/s", f"fraction of {label} matmul"], rows
+    )
     if peers:
         print_table(
             ["prompt tokens", "firsttoken ms"]
@@ -197,7 +223,7 @@ def main() -> None:
         )
 
     decode_runs = {
-        "firsttoken bf16": firsttoken_decode_run(llm, args.decode_tokens),
+        ours_name: firsttoken_decode_run(llm, args.decode_tokens),
         **{
             f"firsttoken {quantization}": firsttoken_decode_run(engine, args.decode_tokens)
             for quantization, engine in quantized.items()
@@ -216,8 +242,8 @@ def main() -> None:
         [[name, rate, rate / baseline if baseline else "-"] for name, rate in decode.items()],
     )
     results = {
-        "peak_bf16_gflops": peak_bf16,
-        "peak_fp32_gflops": peak_fp32,
+        "dtype": label,
+        "matmul_gflops": {DTYPE_LABELS[each]: rate for each, rate in peaks.items()},
         "ttft_s": ttft,
         "decode_tokens_per_s": decode,
     }
