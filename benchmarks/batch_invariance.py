@@ -1,15 +1,18 @@
 """What batch invariance costs: TTFT and decode speed with `batch_invariant` on and off.
 
     python benchmarks/batch_invariance.py [--device cpu|cuda] [--input-lens 128 512 2048] \\
-        [--decode-batches 1 8] [--repeats 7]
+        [--decode-batches 1 8] [--repeats 7] [--dtype auto]
 
-Two engines on the same bf16 model, one with `batch_invariant=True` (the default; on the CPU
+Two engines on the same model and dtype, one with `batch_invariant=True` (the default; on the CPU
 one-row matmuls run as two rows, on CUDA every projection runs on the row-invariant Triton
 matmul and every attention row on the chunk kernel's tiles), one without (oneDNN's one-row
 kernel; on CUDA cuBLAS and SDPA prefills), timed in turns in one process so that drift in this
 machine's speed hits both alike. TTFT: one fresh prompt alone (prefill, LM head, sampling).
 Decode: tokens per second of a batch of streams with 256-token prompts, 32 steps each.
 Prints medians and invariant / plain; the JSON goes to bench_results/.
+`--dtype auto` (the default) is what an engine picks on the device: bf16 on a GPU and on CPUs
+that multiply bf16 natively, float32 on other CPUs (where bf16 arithmetic is emulated). bf16 on
+such a CPU claims no invariance, and the script says so.
 """
 
 from __future__ import annotations
@@ -62,15 +65,17 @@ def main() -> None:
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     args = parser.parse_args()
     options = dict(
-        device=args.device, dtype="bfloat16", enable_prompt_cache=False, kv_cache_memory_bytes=512 << 20
+        device=args.device, dtype=args.dtype, enable_prompt_cache=False, kv_cache_memory_bytes=512 << 20
     )
     engines = {
         "invariant": LLM(**options, batch_invariant=True),
         "plain": LLM(**options, batch_invariant=False),
     }
-    print(f"batch invariance in effect: {engines['invariant'].core.worker.batch_invariant}")
+    worker = engines["invariant"].core.worker
+    print(f"{str(worker.dtype).removeprefix('torch.')}, batch invariance in effect: {worker.batch_invariant}")
     rows, payload = [], {}
     for input_len in args.input_lens:
         medians = interleaved_medians(

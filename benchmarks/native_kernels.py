@@ -1,15 +1,17 @@
 """The hand-written CPU kernels against the torch ops they replace, in one process, in turns.
 
     python benchmarks/native_kernels.py [--lengths 16 128 512 2048] [--repeats 5] [--decode-tokens 64]
+        [--dtype auto]
 
 1. Each kernel alone (bf16, SmolLM2-135M's shapes): add+RMSNorm, SwiGLU and rotary against
    the same op compiled by inductor and in eager torch; causal prefill attention (9 query
    heads, 3 KV heads, head size 64) against SDPA's flash kernel. Medians of 30 calls in turns.
-2. Two bf16 engines that differ only in `native_kernels`: on, norms, rotary, SwiGLU and the KV
-   write are C kernels and prefill attention is ours (AMX tiles or AVX512-BF16); off,
-   the same steps are torch ops (inductor-compiled from 512 tokens, SDPA's flash kernel).
-   TTFT per prompt length and decode tokens/s after a 512-token prompt (bf16 and int4
-   weights), as medians and ratios on / off.
+2. Two engines that differ only in `native_kernels`, in `--dtype` (`auto`: what an engine
+   picks here, bf16 where the CPU multiplies bf16 natively, float32 elsewhere): on, norms,
+   rotary, SwiGLU and the KV write are C kernels and prefill attention is ours; off, the same
+   steps are torch ops (inductor-compiled from 512 tokens, SDPA's flash kernel). TTFT per
+   prompt length and decode tokens/s after a 512-token prompt (float and int4 weights), as
+   medians and ratios on / off.
 """
 
 from __future__ import annotations
@@ -140,6 +142,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 128, 512, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     args = parser.parse_args()
     native = load_native_kernels(os.path.join(default_cache_dir(), "native"))
     if native is None:
@@ -148,7 +151,7 @@ def main() -> None:
     path = default_model_path()
     max_len = max(max(args.lengths), DECODE_PROMPT_LEN + args.decode_tokens + 1)
     options = dict(
-        dtype="bfloat16", enable_prompt_cache=False, chunk_size=max_len, max_num_batched_tokens=max_len
+        dtype=args.dtype, enable_prompt_cache=False, chunk_size=max_len, max_num_batched_tokens=max_len
     )
     engines = {name: LLM(path, native_kernels=on, **options) for name, on in SETTINGS.items()}
     int4_engines = {
@@ -170,7 +173,8 @@ def main() -> None:
     print_table(["prompt tokens", f"TTFT ms, {on}", f"TTFT ms, {off}", "ratio"], rows)
 
     rows, decode_results = [], {}
-    for weights, group in (("bf16", engines), ("int4", int4_engines)):
+    float_weights = str(engines[on].core.worker.dtype).removeprefix("torch.")
+    for weights, group in ((float_weights, engines), ("int4", int4_engines)):
         per_token = interleaved_medians(
             {name: decode_run(llm, args.decode_tokens) for name, llm in group.items()}, args.repeats
         )

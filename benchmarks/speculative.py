@@ -1,13 +1,15 @@
 """What n-gram speculative decoding buys: decode speed and TTFT with and without it.
 
-    python benchmarks/speculative.py [--max-tokens 96] [--batches 1 4] [--repeats 5]
+    python benchmarks/speculative.py [--max-tokens 96] [--batches 1 4] [--repeats 5] [--dtype auto]
 
-Three bf16 engines on the same model, timed in turns in one process: n-gram speculation, a
+Three engines on the same model and dtype, timed in turns in one process: n-gram speculation, a
 draft model (the embedded model drafting for itself: a correctness check, acceptance ~100%,
 not a speed-up) and none. The prompts ask the model to restate or edit text it was given
 (code with comments, a list again), the work prompt lookup exists for; free chat and random
 token prompts show what it costs where little matches. Prints per-request generation time,
 tokens/s, TTFT and the acceptance rate; the JSON goes to bench_results/.
+`--dtype auto` (the default) is what an engine picks on the device: bf16 on a GPU and on CPUs
+that multiply bf16 natively, float32 on other CPUs (where bf16 arithmetic is emulated).
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     args = parser.parse_args()
-    options = {"dtype": "bfloat16", "enable_prompt_cache": False, "kv_cache_memory_bytes": 512 << 20}
+    options = {"dtype": args.dtype, "enable_prompt_cache": False, "kv_cache_memory_bytes": 512 << 20}
     speculative = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                    "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     engines = {
