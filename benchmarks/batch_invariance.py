@@ -22,7 +22,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
+from common import engine_dtype_name, interleaved_medians, print_table, random_prompt, save_result, timed  # noqa: E402
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 
@@ -74,8 +74,9 @@ def main() -> None:
         "invariant": LLM(**options, batch_invariant=True),
         "plain": LLM(**options, batch_invariant=False),
     }
-    worker = engines["invariant"].core.worker
-    print(f"{str(worker.dtype).removeprefix('torch.')}, batch invariance in effect: {worker.batch_invariant}")
+    invariant = engines["invariant"]
+    in_effect = invariant.core.worker.batch_invariant
+    print(f"{engine_dtype_name(invariant)}, batch invariance in effect: {in_effect}")
     rows, payload = [], {}
     for input_len in args.input_lens:
         medians = interleaved_medians(

@@ -1,4 +1,4 @@
-"""Shared helpers of the benchmark scripts: prompts, timing, medians, tables."""
+"""Shared helpers of the benchmark scripts: prompts, timing, medians, tables, engine facts."""
 
 from __future__ import annotations
 
@@ -64,6 +64,11 @@ def _format(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
     return str(value)
+
+
+def engine_dtype_name(llm) -> str:
+    """The dtype an engine computes in, as `dtype="auto"` resolved it ("float32", "bfloat16")."""
+    return str(llm.core.worker.dtype).removeprefix("torch.")
 
 
 def save_result(name: str, payload: dict) -> str:

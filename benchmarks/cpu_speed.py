@@ -34,7 +34,6 @@ from common import interleaved_medians, print_table, random_prompt, save_result,
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.registry import default_model_path  # noqa: E402
-from firsttoken.worker.device import resolve_dtype  # noqa: E402
 
 GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
 DECODE_PROMPT_LEN = 512
@@ -154,10 +153,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--skip-peers", action="store_true", help="only firsttoken and the matmul rates")
     args = parser.parse_args()
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    label = DTYPE_LABELS[dtype]
-    # float32 is the reference rate beside bf16; bf16's rate is measured only when bf16 runs.
-    matmul_dtypes = [dtype] if dtype == torch.float32 else [dtype, torch.float32]
     path = default_model_path()
     max_len = max(max(args.lengths), DECODE_PROMPT_LEN + args.decode_tokens)
     engine_options = dict(
@@ -168,6 +163,10 @@ def main() -> None:
         quantization: LLM(path, quantization=quantization, **engine_options)
         for quantization in ("int8", "int4")
     }
+    dtype = llm.core.worker.dtype
+    label = DTYPE_LABELS[dtype]
+    # float32 is the reference rate beside bf16; bf16's rate is measured only when bf16 runs.
+    matmul_dtypes = [dtype] if dtype == torch.float32 else [dtype, torch.float32]
     peers: dict[str, object] = {}
     if not args.skip_peers:
         for peer_dtype in matmul_dtypes:

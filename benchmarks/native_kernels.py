@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import first_token_run, interleaved_medians, print_table, random_prompt, save_result  # noqa: E402
+from common import (  # noqa: E402
+    engine_dtype_name,
+    first_token_run,
+    interleaved_medians,
+    print_table,
+    random_prompt,
+    save_result,
+)
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.loaders.conversion_cache import default_cache_dir  # noqa: E402
@@ -173,8 +180,7 @@ def main() -> None:
     print_table(["prompt tokens", f"TTFT ms, {on}", f"TTFT ms, {off}", "ratio"], rows)
 
     rows, decode_results = [], {}
-    float_weights = str(engines[on].core.worker.dtype).removeprefix("torch.")
-    for weights, group in ((float_weights, engines), ("int4", int4_engines)):
+    for weights, group in ((engine_dtype_name(engines[on]), engines), ("int4", int4_engines)):
         per_token = interleaved_medians(
             {name: decode_run(llm, args.decode_tokens) for name, llm in group.items()}, args.repeats
         )
