@@ -41,6 +41,7 @@ from firsttoken.cache_lock import building
 from firsttoken.ops import native_abi
 from firsttoken.ops.cpu_info import cpu_flags
 from firsttoken.ops.cpu_isa import CpuIsa, resolve_cpu_isa
+from firsttoken.ops.hadamard import hadamard_norm
 from firsttoken.ops.weight_levels import PackedLevels, WeightLevels
 
 logger = logging.getLogger(__name__)
@@ -142,9 +143,10 @@ class NativeKernels:
         return out
 
     def quantize_rows_int8(
-        self, x: torch.Tensor, column_scales: torch.Tensor | None = None
+        self, x: torch.Tensor, column_scales: torch.Tensor | None = None, hadamard_block: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x contiguous [rows, cols] (times float32 column_scales [cols] where given) -> (uint8
+        """x contiguous [rows, cols] (times float32 column_scales [cols] where given, then turned
+        by the Walsh-Hadamard transform in blocks of `hadamard_block` where above 1) -> (uint8
         levels [rows, cols], float32 scales [rows]), as `firsttoken.ops.w8a8.quantize_rows`."""
         rows, cols = x.shape
         levels = torch.empty(rows, cols, dtype=torch.uint8)
@@ -153,6 +155,7 @@ class NativeKernels:
             self._kernels["ft_quantize_rows_int8"](
                 x=x.data_ptr(),
                 column_scales=column_scales.data_ptr() if column_scales is not None else None,
+                hadamard_block=hadamard_block, hadamard_norm=hadamard_norm(hadamard_block).item(),
                 levels=levels.data_ptr(), scales=scales.data_ptr(), rows=rows, cols=cols,
                 dtype=_code(x), num_threads=torch.get_num_threads(),
             )

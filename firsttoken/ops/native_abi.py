@@ -247,8 +247,8 @@ KERNELS = (
     Kernel(
         "ft_quantize_rows_int8",
         _parameters(
-            "const void *x, const float *column_scales, uint8_t *levels, float *scales, int64_t rows, "
-            f"int64_t cols, {_DTYPE_THREADS}"
+            "const void *x, const float *column_scales, int64_t hadamard_block, float hadamard_norm, "
+            f"uint8_t *levels, float *scales, int64_t rows, int64_t cols, {_DTYPE_THREADS}"
         ),
     ),
     Kernel(

@@ -33,6 +33,7 @@ from torch import nn
 
 from firsttoken.ops import native
 from firsttoken.ops.cpu_info import cpu_flags
+from firsttoken.ops.hadamard import walsh_hadamard_rows
 
 # /proc/cpuinfo flags of the instructions oneDNN's exact int8 kernels use.
 INT8_DOT_PRODUCT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
@@ -79,15 +80,18 @@ def smoothing_factors(activation_max: torch.Tensor, weight: torch.Tensor, alpha:
 
 
 def quantize_rows(
-    x: torch.Tensor, column_scales: torch.Tensor | None = None
+    x: torch.Tensor, column_scales: torch.Tensor | None = None, hadamard_block: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of float `x` [rows, in] (times `column_scales` [in] where given) in symmetric
+    """Each row of float `x` [rows, in] (times `column_scales` [in] where given, then turned by
+    the Walsh-Hadamard transform in blocks of `hadamard_block` where above 1) in symmetric
     int8, stored shifted by the zero point as uint8 (the activation type oneDNN's fast int8
     kernels take): (uint8 [rows, in], float32 scales [rows]) with x ~ (q - 128) * scale. A zero
     row gets scale 1 and all levels 128."""
     x = x.float()
     if column_scales is not None:
         x = x * column_scales
+    if hadamard_block > 1:
+        x = walsh_hadamard_rows(x, hadamard_block)
     row_max = x.abs().amax(dim=1)
     scales = torch.where(row_max > 0, row_max / INT8_LEVELS, torch.ones_like(row_max))
     levels = torch.round(x / scales[:, None]).clamp_(-INT8_LEVELS, INT8_LEVELS)
@@ -100,11 +104,12 @@ def w8a8_linear_reference(
     weight_scales: torch.Tensor,
     bias: torch.Tensor | None,
     input_scales: torch.Tensor | None = None,
+    hadamard_block: int = 1,
 ) -> torch.Tensor:
     """The same quantized product in float64 from the integer levels: what `W8A8Linear` computes,
     up to the float32 roundings of its rescaling."""
     flat = x.reshape(-1, x.shape[-1])
-    levels, row_scales = quantize_rows(flat, input_scales)
+    levels, row_scales = quantize_rows(flat, input_scales, hadamard_block)
     sums = (levels.to(torch.int64) - ACTIVATION_ZERO_POINT) @ weight.to(torch.int64).t()
     output = sums.double() * weight_scales.double()[None, :] * row_scales.double()[:, None]
     if bias is not None:
@@ -194,10 +199,12 @@ def rescale_rows(
 class W8A8Linear(nn.Module):
     """y = x W^T (+ b) with int8 weights (packed once for oneDNN, or for the native int8 matmul
     where oneDNN's sums are not exact) and each step's rows quantized to int8 on the way in
-    (after `input_scales`, SmoothQuant's 1 / s, where given); computes in int32, returns the
-    input's dtype. With native kernels the quantization and the rescaling are one pass each (in
-    torch ops they are eight passes, which cost more than the matmul itself: 2048 rows, 120
-    projections, 330 ms against 131 ms)."""
+    (after `input_scales`, SmoothQuant's 1 / s, where given, or turned by the Walsh-Hadamard
+    transform in blocks of `hadamard_block` where above 1: a rotated model's down_proj, whose
+    W holds the transform's inverse); computes in int32, returns the input's dtype. With native
+    kernels the quantization and the rescaling are one pass each (in torch ops they are eight
+    passes, which cost more than the matmul itself: 2048 rows, 120 projections, 330 ms against
+    131 ms)."""
 
     def __init__(
         self,
@@ -206,6 +213,7 @@ class W8A8Linear(nn.Module):
         bias: torch.Tensor | None,
         kernels: native.NativeKernels | None = None,
         input_scales: torch.Tensor | None = None,
+        hadamard_block: int = 1,
     ) -> None:
         super().__init__()
         self.out_features = weight.shape[0]
@@ -219,6 +227,7 @@ class W8A8Linear(nn.Module):
         self.register_buffer("weight_zero_points", _no_zero_points(self.out_features))
         self.bias = bias.float().contiguous() if bias is not None else None
         self.input_scales = input_scales.float().contiguous() if input_scales is not None else None
+        self.hadamard_block = hadamard_block
         self.kernels = kernels
 
     @classmethod
@@ -228,20 +237,24 @@ class W8A8Linear(nn.Module):
         bias: torch.Tensor | None,
         kernels: native.NativeKernels | None = None,
         activation_max: torch.Tensor | None = None,
+        hadamard_block: int = 1,
     ) -> W8A8Linear:
         """`activation_max` [in]: the inputs' per-channel maxima from a calibration run, which
-        smooth the weight and its inputs (SMOOTHING_ALPHA); None quantizes them as they are."""
+        smooth the weight and its inputs (SMOOTHING_ALPHA); None quantizes them as they are.
+        `hadamard_block`: see the class."""
         if activation_max is None:
-            return cls(*quantize_int8(weight), bias, kernels)
+            return cls(*quantize_int8(weight), bias, kernels, hadamard_block=hadamard_block)
         factors = smoothing_factors(activation_max, weight, SMOOTHING_ALPHA)
         return cls(*quantize_int8(weight.float() * factors), bias, kernels, input_scales=1 / factors)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if self.kernels is not None:
-            levels, row_scales = self.kernels.quantize_rows_int8(flat.contiguous(), self.input_scales)
+            levels, row_scales = self.kernels.quantize_rows_int8(
+                flat.contiguous(), self.input_scales, self.hadamard_block
+            )
         else:
-            levels, row_scales = quantize_rows(flat, self.input_scales)
+            levels, row_scales = quantize_rows(flat, self.input_scales, self.hadamard_block)
         if self.native_matmul:
             output = self.kernels.w8a8_matmul(
                 levels, row_scales, self.packed_weight, self.weight_scales, self.bias, x.dtype

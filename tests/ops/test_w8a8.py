@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from firsttoken.ops import native, w8a8
+from firsttoken.ops.hadamard import BlockHadamard
 from firsttoken.ops.w8a8 import (
     ACTIVATION_ZERO_POINT,
     W8A8Linear,
@@ -64,6 +65,37 @@ def test_native_quantization_gives_the_torch_levels_and_scales(native_kernels, d
     expected_levels, expected_scales = quantize_rows(x)
     assert torch.equal(levels, expected_levels)
     assert torch.equal(scales, expected_scales)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols, block", [(1536, 512), (96, 32), (8, 2)])
+def test_native_quantization_turns_rows_by_the_torch_hadamard_bits(native_kernels, dtype, cols, block):
+    if native_kernels is None:
+        pytest.skip("no C compiler: no native kernels")
+    x = _activations(300, cols, dtype)
+    levels, scales = native_kernels.quantize_rows_int8(x, hadamard_block=block)
+    expected_levels, expected_scales = quantize_rows(x, hadamard_block=block)
+    assert torch.equal(levels, expected_levels)
+    assert torch.equal(scales, expected_scales)
+
+
+def test_a_projection_with_turned_inputs_and_folded_weights_keeps_the_float_product(native_kernels):
+    """An outlier input spread over its block by the transform leaves the other inputs more
+    levels; the weight holds the transform's inverse, so the product is the unturned one's."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(96, 1536, generator=generator) * 0.05
+    x = torch.randn(64, 1536, generator=generator)
+    x[:, 9] *= 60
+    turned_weight = (weight.double() @ BlockHadamard(1536).matrix()).float()
+    kernels = native_kernels if native_kernels is not None and native_kernels.has_w8a8_matmul else None
+    if kernels is None and w8a8_unsupported_reason(torch.device("cpu")) is not None:
+        pytest.skip(w8a8_unsupported_reason(torch.device("cpu")))
+    plain = W8A8Linear.from_float(weight, None, kernels)
+    turned = W8A8Linear.from_float(turned_weight, None, kernels, hadamard_block=512)
+    expected = F.linear(x, weight)
+    assert (turned(x) - expected).abs().mean() < 0.5 * (plain(x) - expected).abs().mean()
+    reference = w8a8_linear_reference(x.double(), *quantize_int8(turned_weight), None, hadamard_block=512)
+    torch.testing.assert_close(turned(x).double(), reference, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

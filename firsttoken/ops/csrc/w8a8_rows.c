@@ -38,8 +38,26 @@ static void quantize_row(const float *row, float scale, int64_t cols, uint8_t *l
     }
 }
 
-static int quantize_rows_range(const void *x, const float *column_scales, uint8_t *levels, float *scales,
-                               int64_t begin, int64_t end, int64_t cols, int dtype) {
+/* In place: `values` [block] times the orthonormal Hadamard matrix of that order (a power of
+ * two), as firsttoken/ops/hadamard.py's `walsh_hadamard_rows` computes it, addition by addition:
+ * butterflies a + b, a - b over pairs 1, 2, 4, ... apart, then times `norm` (1 / sqrt(block)). */
+static void walsh_hadamard_block(float *values, int64_t block, float norm) {
+    for (int64_t half = 1; half < block; half *= 2) {
+        for (int64_t start = 0; start < block; start += 2 * half) {
+            for (int64_t i = start; i < start + half; i++) {
+                float first = values[i], second = values[i + half];
+                values[i] = first + second;
+                values[i + half] = first - second;
+            }
+        }
+    }
+    for (int64_t i = 0; i < block; i++) {
+        values[i] *= norm;
+    }
+}
+
+static int quantize_rows_range(const void *x, const float *column_scales, int64_t hadamard_block, float hadamard_norm,
+                               uint8_t *levels, float *scales, int64_t begin, int64_t end, int64_t cols, int dtype) {
     float *row = malloc((size_t)cols * sizeof(float));
     if (row == NULL) {
         return 0;
@@ -49,6 +67,11 @@ static int quantize_rows_range(const void *x, const float *column_scales, uint8_
         if (column_scales != NULL) {
             for (int64_t c = 0; c < cols; c++) {
                 row[c] *= column_scales[c];
+            }
+        }
+        if (hadamard_block > 1) {
+            for (int64_t start = 0; start < cols; start += hadamard_block) {
+                walsh_hadamard_block(row + start, hadamard_block, hadamard_norm);
             }
         }
         float row_max = row_abs_max(row, cols);
@@ -61,16 +84,20 @@ static int quantize_rows_range(const void *x, const float *column_scales, uint8_
 }
 
 /* Each row of x [rows, cols] (in `dtype`; times column_scales [cols] unless NULL, SmoothQuant's
- * 1 / s) in symmetric int8 with its own scale, absmax / 127 (1 for a zero row): levels uint8
- * [rows, cols] (the int8 level + 128), scales float32 [rows]. */
-FtStatus ft_quantize_rows_int8(const void *x, const float *column_scales, uint8_t *levels, float *scales, int64_t rows,
-                               int64_t cols, int dtype, int num_threads) {
+ * 1 / s; then, where hadamard_block > 1, each block of that many columns turned by the
+ * Walsh-Hadamard transform, a rotated model's down_proj inputs) in symmetric int8 with its own
+ * scale, absmax / 127 (1 for a zero row): levels uint8 [rows, cols] (the int8 level + 128),
+ * scales float32 [rows]. */
+FtStatus ft_quantize_rows_int8(const void *x, const float *column_scales, int64_t hadamard_block, float hadamard_norm,
+                               uint8_t *levels, float *scales, int64_t rows, int64_t cols, int dtype,
+                               int num_threads) {
     int succeeded = 1;
 #pragma omp parallel num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS) reduction(&& : succeeded)
     {
         int64_t begin, end;
         thread_rows(rows, &begin, &end);
-        succeeded = quantize_rows_range(x, column_scales, levels, scales, begin, end, cols, dtype);
+        succeeded = quantize_rows_range(x, column_scales, hadamard_block, hadamard_norm, levels, scales, begin, end,
+                                        cols, dtype);
     }
     return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
 }

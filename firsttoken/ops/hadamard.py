@@ -1,0 +1,88 @@
+"""The Walsh-Hadamard transform of a projection's inputs, in blocks: the run-time part of a
+rotated model's W8A8 (`firsttoken.models.rotation`), where down_proj's inputs turn by an
+orthogonal matrix H whose inverse is folded into its weights.
+
+The transform runs as butterflies (a + b, a - b over pairs 1, 2, 4, ... apart, then times
+1 / sqrt(block)): log2(block) additions per input, each row on its own, so a row's values never
+depend on the other rows of a step. The native kernels do the same additions in the same order
+inside the W8A8 quantization pass (`ft_quantize_rows_int8`), and so give the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+# The widest block: wider spreads an outlier over more inputs, and costs one more addition per
+# input for each doubling.
+MAX_HADAMARD_BLOCK = 512
+
+
+def hadamard_block(features: int) -> int:
+    """The largest power of two dividing `features`, at most MAX_HADAMARD_BLOCK."""
+    block = 1
+    while features % (2 * block) == 0 and 2 * block <= MAX_HADAMARD_BLOCK:
+        block *= 2
+    return block
+
+
+def walsh_hadamard(order: int) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix of `order` (a power of two), symmetric. float64."""
+    matrix = torch.ones(1, 1, dtype=torch.float64)
+    while matrix.shape[0] < order:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
+    return matrix / math.sqrt(order)
+
+
+def hadamard_norm(block: int) -> torch.Tensor:
+    """1 / sqrt(block) in float32, rounded once from float64 (as the native kernels take it)."""
+    return torch.tensor(1.0 / math.sqrt(block), dtype=torch.float32)
+
+
+def walsh_hadamard_rows(x: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 x [rows, cols] with each block of `block` consecutive columns times the
+    orthonormal Hadamard matrix of that order: x H, as butterflies (see the module docstring)."""
+    rows, cols = x.shape
+    values = x.float().reshape(rows, cols // block, block)
+    half = 1
+    while half < block:
+        pairs = values.reshape(rows, cols // block, block // (2 * half), 2, half)
+        first, second = pairs[:, :, :, 0], pairs[:, :, :, 1]
+        values = torch.stack((first + second, first - second), dim=3)
+        half *= 2
+    return values.reshape(rows, cols) * hadamard_norm(block)
+
+
+class BlockHadamard(nn.Module):
+    """x H over the last dimension of `features` inputs, in the input's dtype (computed in
+    float32): H holds the orthonormal Hadamard matrix of order `hadamard_block(features)` down its
+    diagonal."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.features = features
+        self.block = hadamard_block(features)
+
+    def matrix(self) -> torch.Tensor:
+        """H [features, features] (symmetric, orthogonal), float64: to fold into weights."""
+        return torch.block_diag(*[walsh_hadamard(self.block)] * (self.features // self.block))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        turned = walsh_hadamard_rows(x.reshape(-1, self.features), self.block)
+        return turned.reshape(x.shape).to(x.dtype)
+
+
+class HadamardInputs(nn.Module):
+    """A float projection whose inputs turn by `hadamard` first; its weight holds W H, so the
+    product is the unturned projection's. W8A8 quantizes it into one `W8A8Linear` that turns
+    its inputs in the quantization pass."""
+
+    def __init__(self, hadamard: BlockHadamard, projection: nn.Module) -> None:
+        super().__init__()
+        self.hadamard = hadamard
+        self.projection = projection
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projection(self.hadamard(x))
