@@ -6,7 +6,8 @@
 Quality: the text cut into windows of 1024 tokens, each scored in one prefill
 (`prompt_logprobs`): perplexity, and teacher-forced top-1 agreement with float32 (the share of
 positions where an engine's likeliest next token is float32's). "w8a8 smoothed" engines use input
-maxima calibrated as `firsttoken quantize` does, on the 2048 tokens after the scored windows.
+maxima calibrated as `firsttoken quantize` does, on the 2048 tokens after the scored windows;
+"w8a8 rotated" engines turn the model first (`w8a8_rotation`, no calibration).
 Speed: TTFT of one fresh prompt per length, every engine timed in turns; the ratio is to the
 fastest float engine's TTFT.
 
@@ -107,7 +108,8 @@ def main() -> None:
     windows = text_windows(reference, args.text, args.windows)
     stats_path = calibrate(reference, args.text, len(windows) * WINDOW_TOKENS, tempfile.mkdtemp())
     smoothed = {"quantization": "w8a8", "w8a8_activation_stats": stats_path}
-    variants = {**QUANTIZATIONS, "w8a8 smoothed, ": smoothed}
+    rotated = {"quantization": "w8a8", "w8a8_rotation": True}
+    variants = {**QUANTIZATIONS, "w8a8 smoothed, ": smoothed, "w8a8 rotated, ": rotated}
     engines = {
         f"{prefix}{dtype}": reference
         if not options and dtype == REFERENCE

@@ -133,6 +133,13 @@ class ModelConfig:
         metadata=_help("with w8a8: a file of the projections' input maxima from `firsttoken quantize`, "
                        "which smooths activation outliers into the weights (SmoothQuant); default: none"),
     )
+    w8a8_rotation: bool = field(
+        default=False,
+        metadata=_help("with w8a8: turn the residual stream, each head's values and down_proj's inputs by "
+                       "orthogonal matrices first (QuaRot; folded into the weights, but for a Hadamard "
+                       "transform of down_proj's inputs per step), which spreads activation outliers over "
+                       "all channels; needs no calibration; default: off"),
+    )
     cache_dir: str | None = field(
         default=None,
         metadata=_help("folder for converted weights, built kernels and measured step costs; default: "
@@ -162,6 +169,17 @@ class ModelConfig:
             self.w8a8_activation_stats is None or self.quantization == "w8a8",
             "w8a8_activation_stats",
             f"applies to quantization='w8a8' only, not {self.quantization!r}",
+        )
+        _require(
+            not self.w8a8_rotation or self.quantization == "w8a8",
+            "w8a8_rotation",
+            f"applies to quantization='w8a8' only, not {self.quantization!r}",
+        )
+        _require(
+            not (self.w8a8_rotation and self.w8a8_activation_stats is not None),
+            "w8a8_rotation",
+            "and w8a8_activation_stats are two answers to the same outliers: use one (the maxima are "
+            "of the unturned model's inputs)",
         )
         _require(
             self.num_threads is None or self.num_threads >= 1,

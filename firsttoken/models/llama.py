@@ -27,6 +27,7 @@ from firsttoken.models.sharding import (
     vocab_parallel_embedding,
 )
 from firsttoken.ops.kernels import Kernels
+from firsttoken.ops.hadamard import HadamardInputs
 from firsttoken.ops.linear import (
     Linear,
     PackedLinear,
@@ -434,7 +435,8 @@ class LlamaForCausalLM(nn.Module):
         """Every layer projection in W8A8 (a sharded one's slice inside its all-reduce; maxima
         are for a whole model); the head stays float (one row per sampled token, where integer
         compute gains nothing, and its logits pick the token). A W8A8 checkpoint's projections
-        take its levels and scales; those it left float stay float."""
+        take its levels and scales; those it left float stay float. A rotated model's down_proj
+        (`firsttoken.models.rotation`) turns its inputs in its quantization pass."""
         native_kernels = self.kernels.native
         row_invariant_float = batch_invariant and native_row_invariant_available(
             self.embed_weight.dtype, native_kernels
@@ -444,15 +446,24 @@ class LlamaForCausalLM(nn.Module):
             for module in self.layers.modules()
         )
 
-        def quantized(linear: Linear, activation_max: torch.Tensor | None = None) -> nn.Module:
+        def quantized(
+            linear: Linear, activation_max: torch.Tensor | None = None, hadamard_block: int = 1
+        ) -> nn.Module:
             bias = linear.bias.data if linear.bias is not None else None
             if linear.checkpoint_int8 is not None:
                 levels, scales = linear.checkpoint_int8.levels, linear.checkpoint_int8.scales
                 return W8A8Linear(levels, scales, bias, native_kernels)
             if from_checkpoint:
                 return fastest_linear(linear, None, False, pack_onednn, native_kernels, row_invariant_float)
-            return W8A8Linear.from_float(linear.weight.data, bias, native_kernels, activation_max)
+            return W8A8Linear.from_float(
+                linear.weight.data, bias, native_kernels, activation_max, hadamard_block
+            )
 
+        # A rotated model's down_proj: one W8A8Linear, its inputs turned in the quantization pass.
+        for layer in self.layers:
+            if isinstance(layer.mlp.down_proj, HadamardInputs):
+                turned = layer.mlp.down_proj
+                layer.mlp.down_proj = quantized(turned.projection, hadamard_block=turned.hadamard.block)
         if activation_maxima is None:
             replace_linears(self.layers, quantized)
         else:

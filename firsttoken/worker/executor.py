@@ -50,6 +50,11 @@ class Executor:
             raise InvalidInputError(
                 "w8a8_activation_stats", "maxima are for a whole model, not with tensor_parallel_size > 1"
             )
+        if config.model_config.w8a8_rotation:
+            raise InvalidInputError(
+                "w8a8_rotation",
+                "each rank would hold part of each rotation's inputs: tensor_parallel_size 1 only",
+            )
         self.rank_group = group = rank_group(config, 0)
         worker = Worker(config, group)  # its slice is chosen here: a split that cannot be raises
         self.rank_processes = processes = RankProcesses(config, run_rank)

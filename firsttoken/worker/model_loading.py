@@ -20,6 +20,7 @@ from firsttoken.models.arch import ModelArch
 from firsttoken.models.llama import LlamaForCausalLM, every_layer_is_plain
 from firsttoken.models.loaders.checkpoint import Checkpoint
 from firsttoken.models.registry import build_model, unloaded_model
+from firsttoken.models.rotation import rotate_model, rotation_unsupported_reason
 from firsttoken.models.sharding import Collectives, ModelShard
 from firsttoken.ops.kernels import Kernels
 from firsttoken.ops.linear import NativeRowInvariantLinear, onednn_packing_available
@@ -129,6 +130,12 @@ def _prepared_model(
     )
     if placement.shard is not None and placement.collectives is not None:
         model.shard(placement.shard, placement.collectives)
+    if model_config.w8a8_rotation:
+        reason = rotation_unsupported_reason(model)
+        if reason is not None:
+            raise InvalidInputError("w8a8_rotation", reason)
+        rotate_model(model)
+        logger.info("turned the model by orthogonal rotations for W8A8 (QuaRot)")
     activation_maxima = (
         load_activation_maxima(model_config.w8a8_activation_stats, model.layers)
         if model_config.w8a8_activation_stats is not None
@@ -198,6 +205,7 @@ def _weights_form(
         native_isa=native_kernels.isa if native_kernels is not None else None,
         pack_onednn=pack_onednn,
         w8a8_native_matmul=model_config.quantization == "w8a8" and w8a8_on_native_matmul(native_kernels),
+        w8a8_rotation=model_config.w8a8_rotation,
     )
 
 
@@ -241,6 +249,10 @@ def with_checkpoint_quantization(
         raise InvalidInputError(
             "w8a8_activation_stats",
             f"{checkpoint.source} is quantized already (smoothed, if at all, when it was made)",
+        )
+    if model_config.w8a8_rotation:
+        raise InvalidInputError(
+            "w8a8_rotation", f"{checkpoint.source} is quantized already: its levels cannot turn"
         )
     if model_config.quantization is None:
         reason = w8a8_unsupported_reason(device)

@@ -45,6 +45,7 @@ class WeightsForm:
     native_isa: str | None
     pack_onednn: bool
     w8a8_native_matmul: bool
+    w8a8_rotation: bool
 
 
 class PreparedWeights:

@@ -30,6 +30,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=
 # 0.12-0.15 on average (AVX-512 and AVX2 builds of a Zen 4, AMX); a broken product moves them by
 # whole units.
 MEAN_LOGPROB_SHIFT_LIMIT = 0.3
+# The rotated engine's mean shift over the same tokens, as a share of the plain W8A8 engine's:
+# 0.56 on a first-generation Zen (AVX2; 0.066 against 0.119).
+ROTATED_SHIFT_SHARE = 0.75
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +175,62 @@ def test_a_stats_file_for_another_model_is_refused_naming_the_field(model_path, 
     save_activation_maxima(path, {"layers.0.qkv_proj": torch.ones(7)})
     with pytest.raises(InvalidInputError, match="w8a8_activation_stats: .* does not fit this model"):
         LLM(model_path, quantization="w8a8", w8a8_activation_stats=path, **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def rotated_llm(engine_for, native_kernels):
+    """Where W8A8 runs at all: on oneDNN's exact int8 sums or on the native int8 matmul (AVX2)."""
+    reason = w8a8_unsupported_reason(torch.device("cpu"), native_kernels)
+    if reason is not None:
+        pytest.skip(reason)
+    return engine_for(quantization="w8a8", w8a8_rotation=True, **OPTIONS)
+
+
+def test_a_rotated_engine_quantizes_every_projection_behind_its_rotation(rotated_llm):
+    model = rotated_llm.core.worker.model
+    attention, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    assert all(isinstance(projection, W8A8Linear) for projection in projections)
+    assert [projection.hadamard_block for projection in projections] == [1, 1, 1, 512]
+    assert not isinstance(model.lm_head, W8A8Linear)
+    # The final norm's weight moved into the LM head.
+    assert torch.equal(model.norm_weight, torch.ones_like(model.norm_weight))
+
+
+def test_rotation_keeps_the_float_engines_replies_nearer_than_plain_w8a8(rotated_llm, w8a8_llm, engine_for):
+    """Spread over every channel, the outliers leave the others more int8 levels: over the float
+    engine's replies, the rotated engine's logprobs move less."""
+    plain_outputs = engine_for(**OPTIONS).generate(PROMPTS, GREEDY)
+    replies = [(output.prompt_token_ids, output.token_ids) for output in plain_outputs]
+
+    def mean_shift(llm: LLM) -> float:
+        shifts = [
+            abs(entry.logprob - expected.logprob)
+            for (_, scored), output in zip(_score_replies(llm, replies), plain_outputs, strict=True)
+            for entry, expected in zip(scored, output.logprobs, strict=True)
+        ]
+        return sum(shifts) / len(shifts)
+
+    assert mean_shift(rotated_llm) < ROTATED_SHIFT_SHARE * mean_shift(w8a8_llm)
+    assert _teacher_forced_agreement(rotated_llm, replies) >= 0.75
+
+
+def test_a_rotated_request_gets_the_same_bits_alone_and_beside_others(rotated_llm):
+    """The Hadamard transform of down_proj's inputs is a fixed sequence of additions per row."""
+    together = rotated_llm.generate(PROMPTS, GREEDY)
+    for prompt, output in zip(PROMPTS, together, strict=True):
+        (alone,) = rotated_llm.generate([prompt], GREEDY)
+        assert _bits(alone) == _bits(output)
+
+
+def test_rotation_without_w8a8_or_beside_stats_is_refused(model_path):
+    with pytest.raises(InvalidInputError, match="w8a8_rotation: applies to quantization='w8a8' only"):
+        LLM(model_path, w8a8_rotation=True, **OPTIONS)
+    with pytest.raises(InvalidInputError, match="w8a8_rotation: and w8a8_activation_stats"):
+        LLM(
+            model_path, quantization="w8a8", w8a8_rotation=True, w8a8_activation_stats="stats.safetensors",
+            **OPTIONS,
+        )
 
 
 def test_stats_without_w8a8_are_refused(model_path):
