@@ -18,8 +18,8 @@ from tests.conftest import cpu_has_bf16_instructions
 
 ROOT = pathlib.Path(__file__).parents[1]
 BENCHMARKS = ROOT / "benchmarks"
-# The text w8a8.py measures quality on and calibrates with: the docs, for a machine without
-# Debian's GPL-3 text (its default).
+# The text w8a8.py and w8a8_methods.py measure quality on and calibrate with: the docs, for a
+# machine without Debian's GPL-3 text (their default).
 W8A8_TEXT_NAME = "docs.txt"
 # Scripts that need what the tests cannot have: a peer installed beside firsttoken.
 NEEDS_A_PEER = {
@@ -56,6 +56,7 @@ TINY_ARGUMENTS = {
     "ttft_vs_transformers.py": "--lengths 64 --repeats 1",
     "w8a8.py": f"--windows 1 --lengths 64 --repeats 1 --dtypes float32 --text {W8A8_TEXT_NAME}",
     "w8a8_matmul.py": "--rows 16 --repeats 1",
+    "w8a8_methods.py": f"--windows 1 --methods rtn-smoothed rotated-gptq --text {W8A8_TEXT_NAME}",
 }
 # Modules the scripts share, not scripts themselves.
 HELPER_MODULES = {"common.py"}
