@@ -178,8 +178,8 @@ class ModelConfig:
         _require(
             not (self.w8a8_rotation and self.w8a8_activation_stats is not None),
             "w8a8_rotation",
-            "and w8a8_activation_stats are two answers to the same outliers: use one (the maxima are "
-            "of the unturned model's inputs)",
+            "cannot be combined with w8a8_activation_stats (its maxima are of the unturned model's "
+            "inputs): use one",
         )
         _require(
             self.num_threads is None or self.num_threads >= 1,

@@ -28,6 +28,13 @@ def hadamard_block(features: int) -> int:
     return block
 
 
+def check_hadamard_block(features: int, block: int) -> None:
+    """A transform of `features` inputs in blocks of `block`: a power of two dividing them (the
+    native pass turns whole blocks in place; any other block would run past a row)."""
+    if block < 1 or block & (block - 1) or features % block:
+        raise ValueError(f"a Hadamard block of {block} does not tile {features} inputs in powers of two")
+
+
 def walsh_hadamard(order: int) -> torch.Tensor:
     """The orthonormal Sylvester-Hadamard matrix of `order` (a power of two), symmetric. float64."""
     matrix = torch.ones(1, 1, dtype=torch.float64)

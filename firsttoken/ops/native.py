@@ -41,7 +41,7 @@ from firsttoken.cache_lock import building
 from firsttoken.ops import native_abi
 from firsttoken.ops.cpu_info import cpu_flags
 from firsttoken.ops.cpu_isa import CpuIsa, resolve_cpu_isa
-from firsttoken.ops.hadamard import hadamard_norm
+from firsttoken.ops.hadamard import check_hadamard_block, hadamard_norm
 from firsttoken.ops.weight_levels import PackedLevels, WeightLevels
 
 logger = logging.getLogger(__name__)
@@ -149,6 +149,7 @@ class NativeKernels:
         by the Walsh-Hadamard transform in blocks of `hadamard_block` where above 1) -> (uint8
         levels [rows, cols], float32 scales [rows]), as `firsttoken.ops.w8a8.quantize_rows`."""
         rows, cols = x.shape
+        check_hadamard_block(cols, hadamard_block)
         levels = torch.empty(rows, cols, dtype=torch.uint8)
         scales = torch.empty(rows, dtype=torch.float32)
         _check(

@@ -33,7 +33,7 @@ from torch import nn
 
 from firsttoken.ops import native
 from firsttoken.ops.cpu_info import cpu_flags
-from firsttoken.ops.hadamard import walsh_hadamard_rows
+from firsttoken.ops.hadamard import check_hadamard_block, walsh_hadamard_rows
 
 # /proc/cpuinfo flags of the instructions oneDNN's exact int8 kernels use.
 INT8_DOT_PRODUCT_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
@@ -216,6 +216,7 @@ class W8A8Linear(nn.Module):
         hadamard_block: int = 1,
     ) -> None:
         super().__init__()
+        check_hadamard_block(weight.shape[1], hadamard_block)
         self.out_features = weight.shape[0]
         self.native_matmul = w8a8_on_native_matmul(kernels)
         if self.native_matmul:

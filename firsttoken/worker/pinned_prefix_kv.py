@@ -8,7 +8,12 @@ import torch
 
 from firsttoken.config import EngineConfig
 from firsttoken.models.loaders.checkpoint import Checkpoint
-from firsttoken.worker.pinned_prefix_store import KVIdentity, PinnedPrefixStore, StoredPrefix
+from firsttoken.worker.pinned_prefix_store import (
+    KVIdentity,
+    PinnedPrefixStore,
+    StoredPrefix,
+    projections_form,
+)
 
 
 class PinnedPrefixKV:
@@ -64,5 +69,6 @@ def open_prefix_store(
         num_layers=arch.num_layers,
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
+        projections=projections_form(config.model_config.quantization, config.model_config.w8a8_rotation),
     )
     return PinnedPrefixStore(folder, identity)

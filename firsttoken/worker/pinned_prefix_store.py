@@ -1,7 +1,7 @@
 """Pinned prefixes on disk: their KV, tokens and the identity of the engine that computed them.
 
 One safetensors file per pinned prefix. A file is loaded only into an engine with the same
-model content, dtype, block size and KV shape, and only if the block hashes recomputed from
+model content, dtype, projections, block size and KV shape, and only if the block hashes recomputed from
 its tokens equal the stored ones; anything else is refused with a message naming why.
 """
 
@@ -36,6 +36,16 @@ class KVIdentity:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # How the projections computing the KV are held (`projections_form`): quantized weights give
+    # other values, a rotated model's values are in another basis. Files written before it was
+    # recorded were float.
+    projections: str = "float"
+
+
+def projections_form(quantization: str | None, rotated: bool) -> str:
+    """"float", or the quantization, with ", rotated" for a model turned by `w8a8_rotation`."""
+    form = quantization or "float"
+    return f"{form}, rotated" if rotated else form
 
 
 @dataclass(frozen=True)

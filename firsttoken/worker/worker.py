@@ -35,7 +35,7 @@ from firsttoken.worker.model_loading import (
 )
 from firsttoken.worker.model_runner import ModelRunner
 from firsttoken.worker.pinned_prefix_kv import PinnedPrefixKV, open_prefix_store
-from firsttoken.worker.pinned_prefix_store import StoredPrefix
+from firsttoken.worker.pinned_prefix_store import StoredPrefix, projections_form
 from firsttoken.worker.tensor_parallel import RankGroup
 from firsttoken.worker.thread_governor import ThreadGovernor
 
@@ -149,8 +149,12 @@ class Worker:
 
     @property
     def kv_identity(self) -> str:
-        """What makes this worker's KV of a token sequence the same as another's."""
-        return f"{self.checkpoint.fingerprint}|{self.dtype}|{self.config.cache.block_size}"
+        """What makes this worker's KV of a token sequence the same as another's (float projections
+        add nothing, so a float engine's hashes stay those of earlier versions)."""
+        identity = f"{self.checkpoint.fingerprint}|{self.dtype}|{self.config.cache.block_size}"
+        model_config = self.config.model_config
+        projections = projections_form(model_config.quantization, model_config.w8a8_rotation)
+        return identity if projections == "float" else f"{identity}|{projections}"
 
     @property
     def tensor_parallel_size(self) -> int:

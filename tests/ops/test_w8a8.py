@@ -79,6 +79,15 @@ def test_native_quantization_turns_rows_by_the_torch_hadamard_bits(native_kernel
     assert torch.equal(scales, expected_scales)
 
 
+@pytest.mark.parametrize("block", [3, 1024, 0])
+def test_a_hadamard_block_that_does_not_tile_the_inputs_in_powers_of_two_is_refused(native_kernels, block):
+    with pytest.raises(ValueError, match=f"a Hadamard block of {block} does not tile 1536 inputs"):
+        W8A8Linear.from_float(torch.randn(8, 1536), None, hadamard_block=block)
+    if native_kernels is not None:
+        with pytest.raises(ValueError, match="does not tile"):
+            native_kernels.quantize_rows_int8(torch.randn(4, 1536), hadamard_block=block)
+
+
 def test_a_projection_with_turned_inputs_and_folded_weights_keeps_the_float_product(native_kernels):
     """An outlier input spread over its block by the transform leaves the other inputs more
     levels; the weight holds the transform's inverse, so the product is the unturned one's."""
