@@ -43,9 +43,10 @@ def walsh_hadamard(order: int) -> torch.Tensor:
     return matrix / math.sqrt(order)
 
 
-def hadamard_norm(block: int) -> torch.Tensor:
-    """1 / sqrt(block) in float32, rounded once from float64 (as the native kernels take it)."""
-    return torch.tensor(1.0 / math.sqrt(block), dtype=torch.float32)
+def hadamard_norm(block: int) -> float:
+    """1 / sqrt(block) in float64; both the torch transform and the native pass (a C float
+    argument) round it once to float32, so they scale by the same value."""
+    return 1.0 / math.sqrt(block)
 
 
 def walsh_hadamard_rows(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -59,7 +60,7 @@ def walsh_hadamard_rows(x: torch.Tensor, block: int) -> torch.Tensor:
         first, second = pairs[:, :, :, 0], pairs[:, :, :, 1]
         values = torch.stack((first + second, first - second), dim=3)
         half *= 2
-    return values.reshape(rows, cols) * hadamard_norm(block)
+    return values.reshape(rows, cols) * torch.tensor(hadamard_norm(block), dtype=torch.float32)
 
 
 class BlockHadamard(nn.Module):
@@ -71,10 +72,6 @@ class BlockHadamard(nn.Module):
         super().__init__()
         self.features = features
         self.block = hadamard_block(features)
-
-    def matrix(self) -> torch.Tensor:
-        """H [features, features] (symmetric, orthogonal), float64: to fold into weights."""
-        return torch.block_diag(*[walsh_hadamard(self.block)] * (self.features // self.block))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         turned = walsh_hadamard_rows(x.reshape(-1, self.features), self.block)

@@ -156,7 +156,7 @@ class NativeKernels:
             self._kernels["ft_quantize_rows_int8"](
                 x=x.data_ptr(),
                 column_scales=column_scales.data_ptr() if column_scales is not None else None,
-                hadamard_block=hadamard_block, hadamard_norm=hadamard_norm(hadamard_block).item(),
+                hadamard_block=hadamard_block, hadamard_norm=hadamard_norm(hadamard_block),
                 levels=levels.data_ptr(), scales=scales.data_ptr(), rows=rows, cols=cols,
                 dtype=_code(x), num_threads=torch.get_num_threads(),
             )
