@@ -140,6 +140,12 @@ class ModelConfig:
                        "transform of down_proj's inputs per step), which spreads activation outliers over "
                        "all channels; needs no calibration; default: off"),
     )
+    w8a8_weights: str | None = field(
+        default=None,
+        metadata=_help("with w8a8 and w8a8_rotation: a file of the turned projections' int8 weights rounded "
+                       "by GPTQ, from `firsttoken quantize --method gptq`; default: none (rounded to "
+                       "nearest at load)"),
+    )
     cache_dir: str | None = field(
         default=None,
         metadata=_help("folder for converted weights, built kernels and measured step costs; default: "
@@ -180,6 +186,12 @@ class ModelConfig:
             "w8a8_rotation",
             "cannot be combined with w8a8_activation_stats (its maxima are of the unturned model's "
             "inputs): use one",
+        )
+        _require(
+            self.w8a8_weights is None or self.w8a8_rotation,
+            "w8a8_weights",
+            "holds the weights of the model turned by w8a8_rotation: set w8a8_rotation (and "
+            "quantization='w8a8')",
         )
         _require(
             self.num_threads is None or self.num_threads >= 1,

@@ -107,6 +107,28 @@ def test_quantize_writes_every_projections_input_maxima(tmp_path, capsys):
     assert "over" in capsys.readouterr().err
 
 
+def test_quantize_by_gptq_writes_every_turned_projections_int8_levels(
+    two_layer_model_path, tmp_path, capsys
+):
+    import torch
+    from safetensors.torch import load_file
+
+    text = tmp_path / "calibration.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20, encoding="utf-8")
+    output = tmp_path / "weights.safetensors"
+    command = [
+        "quantize", "--model", two_layer_model_path, "--method", "gptq", "--calibration-text", str(text),
+        "--num-tokens", "64", "--output", str(output),
+    ]
+    assert main(command) == 0
+    weights = load_file(str(output))
+    assert len(weights) == 2 * 4 * 2
+    assert weights["layers.1.down_proj.levels"].dtype == torch.int8
+    assert weights["layers.1.down_proj.levels"].shape == (576, 1536)
+    assert weights["layers.1.down_proj.scales"].shape == (576,)
+    assert "GPTQ-rounded int8 weights" in capsys.readouterr().err
+
+
 def test_quantize_refuses_a_token_count_below_one(tmp_path, capsys):
     text = tmp_path / "calibration.txt"
     text.write_text("hello", encoding="utf-8")

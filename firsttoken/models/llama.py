@@ -382,6 +382,7 @@ class LlamaForCausalLM(nn.Module):
         batch_invariant: bool = False,
         triton_matmuls: bool = False,
         activation_maxima: dict[str, torch.Tensor] | None = None,
+        int8_weights: dict[str, Int8Weight] | None = None,
     ) -> None:
         """Every projection and the LM head in its fastest form here (the embedding stays as
         loaded). The LM head is never quantized below int8: its logits pick the token, and a
@@ -391,9 +392,10 @@ class LlamaForCausalLM(nn.Module):
         row-invariant Triton matmul instead of cuBLAS, which picks its kernel by the row count;
         in float32 on native CPU kernels, on the row-invariant native matmul instead of torch's,
         which does too. `activation_maxima` (w8a8): calibrated input maxima per projection
-        (`firsttoken.worker.activation_stats`), which smooth each into its int8 form."""
+        (`firsttoken.worker.activation_stats`), which smooth each into its int8 form;
+        `int8_weights` (w8a8): each projection's levels, rounded offline."""
         if quantization == "w8a8":
-            self._prepare_w8a8(activation_maxima, pack_onednn, batch_invariant)
+            self._prepare_w8a8(activation_maxima, int8_weights, pack_onednn, batch_invariant)
             return
         if batch_invariant and triton_matmuls and quantization is None:
             # Imported here: triton is needed on CUDA only.
@@ -430,13 +432,18 @@ class LlamaForCausalLM(nn.Module):
                 module.pad_single_rows = batch_invariant
 
     def _prepare_w8a8(
-        self, activation_maxima: dict[str, torch.Tensor] | None, pack_onednn: bool, batch_invariant: bool
+        self,
+        activation_maxima: dict[str, torch.Tensor] | None,
+        int8_weights: dict[str, Int8Weight] | None,
+        pack_onednn: bool,
+        batch_invariant: bool,
     ) -> None:
         """Every layer projection in W8A8 (a sharded one's slice inside its all-reduce; maxima
         are for a whole model); the head stays float (one row per sampled token, where integer
         compute gains nothing, and its logits pick the token). A W8A8 checkpoint's projections
-        take its levels and scales; those it left float stay float. A rotated model's down_proj
-        (`firsttoken.models.rotation`) turns its inputs in its quantization pass."""
+        take its levels and scales; those it left float stay float. `int8_weights` (levels
+        rounded offline, `firsttoken.worker.w8a8_weights`) replace rounding to nearest. A rotated
+        model's down_proj (`firsttoken.models.rotation`) turns its inputs in its quantization pass."""
         native_kernels = self.kernels.native
         row_invariant_float = batch_invariant and native_row_invariant_available(
             self.embed_weight.dtype, native_kernels
@@ -446,29 +453,28 @@ class LlamaForCausalLM(nn.Module):
             for module in self.layers.modules()
         )
 
-        def quantized(
-            linear: Linear, activation_max: torch.Tensor | None = None, hadamard_block: int = 1
-        ) -> nn.Module:
+        def quantized(name: str, module: nn.Module) -> nn.Module:
+            if isinstance(module, RowParallelLinear):
+                module.linear = quantized(name, module.linear)
+                return module
+            # A rotated model's down_proj: one W8A8Linear, its inputs turned in the quantization pass.
+            hadamard_block = module.hadamard.block if isinstance(module, HadamardInputs) else 1
+            linear = module.projection if isinstance(module, HadamardInputs) else module
             bias = linear.bias.data if linear.bias is not None else None
-            if linear.checkpoint_int8 is not None:
-                levels, scales = linear.checkpoint_int8.levels, linear.checkpoint_int8.scales
-                return W8A8Linear(levels, scales, bias, native_kernels)
+            stored = linear.checkpoint_int8 if int8_weights is None else int8_weights[name]
+            if stored is not None:
+                return W8A8Linear(
+                    stored.levels, stored.scales, bias, native_kernels, hadamard_block=hadamard_block
+                )
             if from_checkpoint:
                 return fastest_linear(linear, None, False, pack_onednn, native_kernels, row_invariant_float)
+            activation_max = activation_maxima[name] if activation_maxima is not None else None
             return W8A8Linear.from_float(
                 linear.weight.data, bias, native_kernels, activation_max, hadamard_block
             )
 
-        # A rotated model's down_proj: one W8A8Linear, its inputs turned in the quantization pass.
-        for layer in self.layers:
-            if isinstance(layer.mlp.down_proj, HadamardInputs):
-                turned = layer.mlp.down_proj
-                layer.mlp.down_proj = quantized(turned.projection, hadamard_block=turned.hadamard.block)
-        if activation_maxima is None:
-            replace_linears(self.layers, quantized)
-        else:
-            for name, owner, attribute in layer_projections(self.layers):
-                setattr(owner, attribute, quantized(getattr(owner, attribute), activation_maxima[name]))
+        for name, owner, attribute in layer_projections(self.layers):
+            setattr(owner, attribute, quantized(name, getattr(owner, attribute)))
         self.lm_head = fastest_linear(
             self.lm_head, None, False, pack_onednn, native_kernels, row_invariant_float
         )

@@ -9,6 +9,7 @@ A file holds one float32 vector per projection, named as `layer_projections` nam
 from __future__ import annotations
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -51,7 +52,7 @@ def load_activation_maxima(path: str, layers: nn.ModuleList) -> dict[str, torch.
     that projection's inputs (a file from another model, or a sharded one, is refused)."""
     try:
         maxima = load_file(path)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, SafetensorError) as error:
         raise InvalidInputError("w8a8_activation_stats", f"cannot read {path!r}: {error}") from error
     for name, owner, attribute in layer_projections(layers):
         in_features = getattr(owner, attribute).weight.shape[1]

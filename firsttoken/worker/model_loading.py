@@ -28,6 +28,7 @@ from firsttoken.ops.native import NativeKernels, load_native_kernels
 from firsttoken.ops.w8a8 import W8A8Linear, w8a8_on_native_matmul, w8a8_unsupported_reason
 from firsttoken.worker.activation_stats import load_activation_maxima
 from firsttoken.worker.shared_weights import SHARED_WEIGHTS, PreparedWeights, WeightsForm
+from firsttoken.worker.w8a8_weights import load_w8a8_weights
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,11 @@ def _prepared_model(
         if model_config.w8a8_activation_stats is not None
         else None
     )
+    int8_weights = (
+        load_w8a8_weights(model_config.w8a8_weights, model.layers)
+        if model_config.w8a8_weights is not None
+        else None
+    )
     model.prepare_projections(
         model_config.quantization,
         model_config.quantized_prefill,
@@ -148,6 +154,7 @@ def _prepared_model(
         batch_invariant=model_config.batch_invariant,
         triton_matmuls=placement.device.type == "cuda",
         activation_maxima=activation_maxima,
+        int8_weights=int8_weights,
     )
     _log_levels(model)
     _log_w8a8_matmul(model)
@@ -190,9 +197,10 @@ def _weights_form(
     pack_onednn: bool,
 ) -> WeightsForm | None:
     """The form of the weights this engine prepares; None where they are its own alone (a
-    tensor-parallel slice, or smoothed by a calibration file that may change between starts)."""
+    tensor-parallel slice, or from a calibration file that may change between starts)."""
     model_config = config.model_config
-    if placement.shard is not None or model_config.w8a8_activation_stats is not None:
+    calibrated = model_config.w8a8_activation_stats is not None or model_config.w8a8_weights is not None
+    if placement.shard is not None or calibrated:
         return None
     return WeightsForm(
         fingerprint=checkpoint.fingerprint,

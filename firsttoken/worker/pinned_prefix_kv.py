@@ -69,6 +69,6 @@ def open_prefix_store(
         num_layers=arch.num_layers,
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
-        projections=projections_form(config.model_config.quantization, config.model_config.w8a8_rotation),
+        projections=projections_form(config.model_config),
     )
     return PinnedPrefixStore(folder, identity)

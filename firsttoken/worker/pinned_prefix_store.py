@@ -13,12 +13,17 @@ import os
 import re
 import tempfile
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from firsttoken.errors import InvalidInputError
+from firsttoken.models.loaders.gguf_file import file_fingerprint
+
+if TYPE_CHECKING:
+    from firsttoken.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +47,25 @@ class KVIdentity:
     projections: str = "float"
 
 
-def projections_form(quantization: str | None, rotated: bool) -> str:
-    """"float", or the quantization, with ", rotated" for a model turned by `w8a8_rotation`."""
-    form = quantization or "float"
-    return f"{form}, rotated" if rotated else form
+def projections_form(model_config: ModelConfig) -> str:
+    """"float", or the quantization, with ", rotated" for a model turned by `w8a8_rotation` and
+    the content identity of each calibration file that smooths or rounds its weights."""
+    form = model_config.quantization or "float"
+    if model_config.w8a8_rotation:
+        form += ", rotated"
+    for calibration in (model_config.w8a8_activation_stats, model_config.w8a8_weights):
+        if calibration is not None:
+            form += f", calibrated {calibration_identity(calibration)}"
+    return form
+
+
+def calibration_identity(path: str) -> str:
+    """The file's content identity as a model file's is taken (its size, head and tail); an
+    unreadable file's loading refuses it, here it is named by its path."""
+    try:
+        return file_fingerprint(path)[:16]
+    except OSError:
+        return path
 
 
 @dataclass(frozen=True)

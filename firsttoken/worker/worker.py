@@ -153,7 +153,7 @@ class Worker:
         add nothing, so a float engine's hashes stay those of earlier versions)."""
         identity = f"{self.checkpoint.fingerprint}|{self.dtype}|{self.config.cache.block_size}"
         model_config = self.config.model_config
-        projections = projections_form(model_config.quantization, model_config.w8a8_rotation)
+        projections = projections_form(model_config)
         return identity if projections == "float" else f"{identity}|{projections}"
 
     @property

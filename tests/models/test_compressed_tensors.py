@@ -186,6 +186,16 @@ def test_other_quantizations_and_calibrated_maxima_are_refused_on_it(tmp_path):
         _engine(str(tmp_path / "w8a8"), quantization="w8a8", w8a8_activation_stats=str(tmp_path / "x"))
 
 
+@pytest.mark.parametrize("method", ["smoothing", "gptq"])
+def test_calibrating_it_is_refused_naming_the_model(method, tmp_path):
+    from firsttoken.quantize import calibrate
+
+    write_w8a8_folder(tiny_hf_model("llama"), str(tmp_path / "w8a8"))
+    refusal = "model: .* is quantized already: calibrate its float checkpoint"
+    with pytest.raises(InvalidInputError, match=refusal):
+        calibrate(str(tmp_path / "w8a8"), "some text " * 20, 64, str(tmp_path / "out"), method=method)
+
+
 def _with(path: tuple[str, ...], value) -> dict:
     config = json.loads(json.dumps(W8A8_CONFIG))
     owner = config
