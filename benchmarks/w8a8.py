@@ -6,8 +6,11 @@
 Quality: the text cut into windows of 1024 tokens, each scored in one prefill
 (`prompt_logprobs`): perplexity, and teacher-forced top-1 agreement with float32 (the share of
 positions where an engine's likeliest next token is float32's). "w8a8 smoothed" engines use input
-maxima calibrated as `firsttoken quantize` does, on the 2048 tokens after the scored windows;
-"w8a8 rotated" engines turn the model first (`w8a8_rotation`, no calibration).
+maxima calibrated as `firsttoken quantize` does, on the 2048 tokens after the scored windows
+(`--calibration-tokens`);
+"w8a8 rotated" engines turn the model first (`w8a8_rotation`, no calibration); "w8a8 rotated
+gptq" engines multiply the turned weights as `firsttoken quantize --method gptq` rounds them over
+the same 2048 tokens.
 Speed: TTFT of one fresh prompt per length, every engine timed in turns; the ratio is to the
 fastest float engine's TTFT.
 
@@ -32,6 +35,7 @@ from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.registry import default_model_path  # noqa: E402
 from firsttoken.quantize import (  # noqa: E402
     DEFAULT_CALIBRATION_TOKENS,
+    calibrate,
     calibration_prompts,
     record_activation_maxima,
 )
@@ -51,15 +55,20 @@ def text_windows(llm: LLM, path: str, count: int) -> list[list[int]]:
     return [window for window in windows if len(window) == WINDOW_TOKENS][:count]
 
 
-def calibrate(llm: LLM, path: str, skipped_tokens: int, directory: str) -> str:
-    """The input maxima of `llm` over the text's 2048 tokens after `skipped_tokens`, in chat
-    prompts, saved in `directory`; returns the file's path."""
+def calibration_files(
+    llm: LLM, path: str, skipped_tokens: int, num_tokens: int, directory: str
+) -> tuple[str, str]:
+    """Calibrated on the text's `num_tokens` after `skipped_tokens`, in chat prompts, as
+    `firsttoken quantize` runs them, saved in `directory`: the input maxima of `llm`, and the
+    turned weights rounded by GPTQ; returns the two files' paths."""
     with open(path, encoding="utf-8") as handle:
         after_scored = llm.tokenizer.decode(llm.tokenizer.encode(handle.read())[skipped_tokens:])
-    prompts = calibration_prompts(llm, after_scored, DEFAULT_CALIBRATION_TOKENS, chat_template=True)
+    prompts = calibration_prompts(llm, after_scored, num_tokens, chat_template=True)
     stats_path = os.path.join(directory, "w8a8_maxima.safetensors")
     save_activation_maxima(stats_path, record_activation_maxima(llm, prompts))
-    return stats_path
+    weights_path = os.path.join(directory, "w8a8_gptq.safetensors")
+    calibrate(default_model_path(), after_scored, num_tokens, weights_path, method="gptq")
+    return stats_path, weights_path
 
 
 def scored_positions(llm: LLM, windows: list[list[int]]) -> list[tuple[float, int]]:
@@ -95,6 +104,10 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
+        "--calibration-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS,
+        help=f"tokens after the scored windows that calibrate (default: {DEFAULT_CALIBRATION_TOKENS})",
+    )
+    parser.add_argument(
         "--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"]
     )
     args = parser.parse_args()
@@ -106,10 +119,15 @@ def main() -> None:
     dtypes = [REFERENCE, *(dtype for dtype in args.dtypes if dtype != REFERENCE)]
     reference = LLM(default_model_path(), dtype=REFERENCE, **common)
     windows = text_windows(reference, args.text, args.windows)
-    stats_path = calibrate(reference, args.text, len(windows) * WINDOW_TOKENS, tempfile.mkdtemp())
+    stats_path, weights_path = calibration_files(
+        reference, args.text, len(windows) * WINDOW_TOKENS, args.calibration_tokens, tempfile.mkdtemp()
+    )
     smoothed = {"quantization": "w8a8", "w8a8_activation_stats": stats_path}
     rotated = {"quantization": "w8a8", "w8a8_rotation": True}
-    variants = {**QUANTIZATIONS, "w8a8 smoothed, ": smoothed, "w8a8 rotated, ": rotated}
+    gptq = {**rotated, "w8a8_weights": weights_path}
+    variants = {
+        **QUANTIZATIONS, "w8a8 smoothed, ": smoothed, "w8a8 rotated, ": rotated, "w8a8 rotated gptq, ": gptq,
+    }
     engines = {
         f"{prefix}{dtype}": reference
         if not options and dtype == REFERENCE

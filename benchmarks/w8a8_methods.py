@@ -15,12 +15,13 @@ Methods (calibration: the 2048 tokens after the scored windows, in chat prompts,
 `firsttoken quantize` runs them):
 - rtn-smoothed: what `quantization="w8a8"` with `w8a8_activation_stats` runs: SmoothQuant's
   migration (alpha 0.5) from the inputs' maxima, weights rounded to the nearest level.
-- gptq-smoothed: the same, with GPTQ's rounding (Frantar et al., 2022): column by column, each
-  weight column's rounding error is compensated in the columns not yet rounded, weighted by the
-  calibration inputs' second moments.
+- gptq-smoothed: the same, with GPTQ's rounding (Frantar et al., 2022; `firsttoken.ops.gptq`):
+  column by column, each weight column's rounding error is compensated in the columns not yet
+  rounded, weighted by the calibration inputs' second moments.
 - rotated: what `w8a8_rotation` runs: the model turned by QuaRot's rotations
   (`firsttoken.models.rotation`), weights rounded to the nearest level.
-- rotated-gptq: the turned model's weights rounded by GPTQ, on the turned inputs' moments.
+- rotated-gptq: the turned model's weights rounded by GPTQ, on the turned inputs' moments (what
+  `firsttoken quantize --method gptq` writes for `w8a8_weights`).
 """
 
 from __future__ import annotations
@@ -42,15 +43,14 @@ from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.llama import layer_projections  # noqa: E402
 from firsttoken.models.registry import default_model_path  # noqa: E402
 from firsttoken.models.rotation import rotate_model  # noqa: E402
+from firsttoken.ops.gptq import gptq_int8  # noqa: E402
 from firsttoken.ops.hadamard import HadamardInputs  # noqa: E402
 from firsttoken.ops.w8a8 import INT8_LEVELS, SMOOTHING_ALPHA, smoothing_factors  # noqa: E402
 from firsttoken.quantize import DEFAULT_CALIBRATION_TOKENS, calibration_prompts  # noqa: E402
+from firsttoken.worker.activation_stats import ActivationMaxima  # noqa: E402
+from firsttoken.worker.w8a8_weights import InputMoments  # noqa: E402
 
 REFERENCE = "float32"
-# GPTQ's dampening: this share of the mean diagonal is added to the second moments, which keeps
-# their inverse defined where an input channel barely varies (the paper's 1%).
-GPTQ_DAMPENING = 0.01
-GPTQ_BLOCK_COLUMNS = 128
 
 
 @dataclass
@@ -67,33 +67,6 @@ def round_per_row(values: torch.Tensor) -> torch.Tensor:
     back in float."""
     scales = values.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / INT8_LEVELS
     return torch.round(values / scales).clamp(-INT8_LEVELS, INT8_LEVELS) * scales
-
-
-def gptq_round(weight: torch.Tensor, second_moments: torch.Tensor) -> torch.Tensor:
-    """GPTQ: `weight` [out, in] on the symmetric per-output-channel int8 levels of its own scales,
-    each column's rounding error spread over the later columns through the inverse of the
-    inputs' second moments [in, in], so the product with those inputs errs least. float64."""
-    weight = weight.double().clone()
-    scales = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / INT8_LEVELS
-    moments = second_moments.clone()
-    unused = torch.diagonal(moments) == 0
-    moments[unused, unused] = 1
-    weight[:, unused] = 0
-    moments += GPTQ_DAMPENING * torch.diagonal(moments).mean() * torch.eye(len(moments), dtype=moments.dtype)
-    inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(moments)), upper=True)
-    rounded = torch.zeros_like(weight)
-    for start in range(0, weight.shape[1], GPTQ_BLOCK_COLUMNS):
-        end = min(start + GPTQ_BLOCK_COLUMNS, weight.shape[1])
-        block, block_inverse = weight[:, start:end].clone(), inverse[start:end, start:end]
-        errors = torch.zeros_like(block)
-        for column in range(end - start):
-            levels = torch.round(block[:, column] / scales[:, 0]).clamp(-INT8_LEVELS, INT8_LEVELS)
-            rounded[:, start + column] = levels * scales[:, 0]
-            error = block[:, column] - rounded[:, start + column]
-            errors[:, column] = error / block_inverse[column, column]
-            block[:, column:] -= errors[:, column : column + 1] * block_inverse[column : column + 1, column:]
-        weight[:, end:] -= errors @ inverse[start:end, end:]
-    return rounded
 
 
 class EmulatedW8A8(nn.Module):
@@ -136,7 +109,7 @@ def emulated_projection(weight: torch.Tensor, statistics: InputStatistics, metho
     weight = weight * factors
     if method.gptq:
         moments = statistics.second_moments / factors[:, None] / factors[None, :]
-        rounded = gptq_round(weight, moments)
+        rounded = gptq_int8(weight, moments).dequantized().double()
     else:
         rounded = round_per_row(weight)
     return EmulatedW8A8(rounded, factors)
@@ -153,30 +126,16 @@ def projection_slots(llm: LLM) -> dict[str, tuple[nn.Module, str]]:
 
 
 def record_input_statistics(llm: LLM, prompts: list[list[int]]) -> dict[str, InputStatistics]:
-    """Each layer projection's InputStatistics while `llm` prefills the prompts."""
-    statistics: dict[str, InputStatistics] = {}
-
-    def recorder(name: str):
-        def record(module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
-            rows = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
-            maxima, moments = rows.abs().amax(dim=0), rows.t() @ rows
-            seen = statistics.get(name)
-            if seen is not None:
-                maxima, moments = torch.maximum(seen.maxima, maxima), seen.second_moments + moments
-            statistics[name] = InputStatistics(maxima, moments)
-
-        return record
-
-    hooks = [
-        getattr(owner, attribute).register_forward_pre_hook(recorder(name))
-        for name, (owner, attribute) in projection_slots(llm).items()
-    ]
+    """Each layer projection's InputStatistics while `llm` prefills the prompts (the maxima of an
+    unturned model's inputs, which only smoothing reads; the moments of the inputs it multiplies)."""
+    layers = llm.core.worker.model.layers
+    names = {name for name, _, _ in layer_projections(layers)}
+    maxima, moments = ActivationMaxima(layers), InputMoments(layers, names)
     try:
         llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=1))
     finally:
-        for hook in hooks:
-            hook.remove()
-    return statistics
+        recorded_maxima, recorded_moments = maxima.detach(), moments.detach()
+    return {name: InputStatistics(recorded_maxima[name], recorded_moments[name]) for name in names}
 
 
 class EmulatedMethods:
