@@ -1,7 +1,8 @@
 """W8A8's int8 product for every projection of SmolLM2-135M's 30 layers: oneDNN's int8 matmul
 followed by the native pass that scales and rounds its float32 rows, against the native int8
 matmul that scales and rounds in registers (VPDPBUSD where the build has AVX512-VNNI, else
-VPMADDWD), timed in turns. Both give the same bits.
+VPMADDWD; and on AMX-INT8 tiles, timed beside VNNI, where the build has them), timed in turns.
+All give the same bits.
 
     python benchmarks/w8a8_matmul.py [--rows 512 2048] [--repeats 5] [--isa auto]
 
@@ -69,12 +70,14 @@ def main() -> None:
                 )
                 kernels.rescale_rows(sums, row_scales, None, torch.bfloat16)
 
-        def native_matmul() -> None:
+        def native_matmul(use_amx: bool) -> None:
             for in_features, _, packed, scales in layers:
                 levels, row_scales = inputs[in_features]
-                kernels.w8a8_matmul(levels, row_scales, packed, scales, None, torch.bfloat16)
+                kernels.w8a8_matmul(levels, row_scales, packed, scales, None, torch.bfloat16, use_amx=use_amx)
 
-        runs = {f"native int8 matmul ({instructions})": lambda index: timed(native_matmul)}
+        runs = {f"native int8 matmul ({instructions})": lambda index: timed(lambda: native_matmul(False))}
+        if kernels.w8a8_matmul_uses_amx:
+            runs["native int8 matmul (AMX-INT8)"] = lambda index: timed(lambda: native_matmul(True))
         if on_onednn:
             runs["oneDNN int8 matmul + rescale pass"] = lambda index: timed(onednn_then_rescale)
         medians = interleaved_medians(runs, args.repeats)

@@ -173,6 +173,12 @@ class NativeKernels:
         """Whether this build's int8 matmul multiplies on AVX512-VNNI (else on AVX2's VPMADDWD)."""
         return self.has_w8a8_matmul and bool(self._kernels["ft_w8a8_uses_vnni"]())
 
+    @property
+    def w8a8_matmul_uses_amx(self) -> bool:
+        """Whether this build's int8 matmul multiplies whole 32-row tiles on AMX-INT8 (the OS lets
+        the process use the tile registers), the rest on AVX512-VNNI."""
+        return self.has_amx and "ft_w8a8_has_amx" in self._kernels
+
     def pack_w8a8_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """int8 levels [out, in] in `w8a8_matmul`'s layout (bytes; panels of outputs, as this
         build's matmul reads them)."""
@@ -197,10 +203,15 @@ class NativeKernels:
         weight_scales: torch.Tensor,
         bias: torch.Tensor | None,
         dtype: torch.dtype,
+        use_amx: bool | None = None,
     ) -> torch.Tensor:
         """[rows, out] in `dtype`: uint8 levels (level + 128) [rows, in] with float32 row_scales
         [rows] times the packed int8 weights with float32 weight_scales [out] (+ float32 bias),
-        summed exactly in int32."""
+        summed exactly in int32; on AMX-INT8 tiles where the build has them (`use_amx` None) or
+        where asked, else on vectors: the same bits either way."""
+        use_amx = self.w8a8_matmul_uses_amx if use_amx is None else use_amx
+        if use_amx and not self.w8a8_matmul_uses_amx:
+            raise ValueError("w8a8_matmul: use_amx asked for where the build has no AMX-INT8 tiles")
         rows, in_features = levels.shape
         out_features = weight_scales.shape[0]
         out = torch.empty(rows, out_features, dtype=dtype)
@@ -209,7 +220,7 @@ class NativeKernels:
                 levels=levels.data_ptr(), row_scales=row_scales.data_ptr(), weight=packed_weight.data_ptr(),
                 weight_scales=weight_scales.data_ptr(), bias=bias.data_ptr() if bias is not None else None,
                 out=out.data_ptr(), rows=rows, out_features=out_features, in_features=in_features,
-                dtype=_DTYPE_CODES[dtype], num_threads=torch.get_num_threads(),
+                dtype=_DTYPE_CODES[dtype], num_threads=torch.get_num_threads(), use_amx=int(use_amx),
             )
         )
         return out

@@ -177,6 +177,7 @@ class Requires(enum.Enum):
     ANY_ISA = "any ISA"
     VECTOR_BF16 = "AVX512-BF16"
     AMX = "AMX tiles"
+    AMX_INT8 = "AMX-INT8 tiles"
     AVX2 = "AVX2 (every x86-64 build but generic)"
 
 
@@ -345,10 +346,11 @@ KERNELS = (
         _parameters(
             "const uint8_t *levels, const float *row_scales, const void *weight, "
             f"const float *weight_scales, const float *bias, void *out, int64_t rows, {_PROJECTION}, "
-            f"{_DTYPE_THREADS}"
+            f"{_DTYPE_THREADS}, int use_amx"
         ),
         requires=Requires.AVX2,
     ),
+    Kernel("ft_w8a8_has_amx", (), result="int", requires=Requires.AMX_INT8),
     Kernel("ft_amx_available", (), result="int", requires=Requires.AMX),
     Kernel(
         "ft_prefill_attention",

@@ -135,14 +135,19 @@ def onednn_int8_sums_exact() -> bool:
 
 def w8a8_on_native_matmul(kernels: native.NativeKernels | None) -> bool:
     """Whether W8A8 projections run on the native kernels' int8 matmul: where they have one and
-    oneDNN's sums are not exact (AVX2 without VNNI saturates them), or where it runs on VNNI and
-    oneDNN has no AMX tiles: there it scales and rounds the sums in registers, where oneDNN
-    writes float32 rows that another pass reads back (512 and 2048 rows of SmolLM2's projections on
-    2 Zen 4 cores: 0.85-0.92x the time of oneDNN's product and that pass,
-    `benchmarks/w8a8_matmul.py`)."""
+    oneDNN's sums are not exact (AVX2 without VNNI saturates them), where it runs on AMX-INT8
+    tiles, or where it runs on VNNI and oneDNN has no AMX tiles. It scales and rounds the sums
+    while they are in registers or L1, where oneDNN writes float32 rows that another pass reads
+    back (`benchmarks/w8a8_matmul.py`, SmolLM2's projections at 512 and 2048 rows: on 2 Zen 4
+    cores 0.85-0.92x the time of oneDNN's product and that pass; on 2 Sapphire Rapids-class
+    cores, on its AMX tiles, 0.69-0.70x)."""
     if kernels is None or not kernels.has_w8a8_matmul:
         return False
-    return not onednn_int8_sums_exact() or (kernels.w8a8_matmul_uses_vnni and "amx_int8" not in cpu_flags())
+    return (
+        not onednn_int8_sums_exact()
+        or kernels.w8a8_matmul_uses_amx
+        or (kernels.w8a8_matmul_uses_vnni and "amx_int8" not in cpu_flags())
+    )
 
 
 def w8a8_unsupported_reason(

@@ -182,6 +182,8 @@ def _log_w8a8_matmul(model: LlamaForCausalLM) -> None:
     first = projections[0]
     if not first.native_matmul:
         multiplier = "oneDNN's int8 matmul"
+    elif first.kernels.w8a8_matmul_uses_amx:
+        multiplier = "the native int8 matmul on AMX-INT8 (rows short of a 32-row tile on AVX512-VNNI)"
     elif first.kernels.w8a8_matmul_uses_vnni:
         multiplier = "the native int8 matmul on AVX512-VNNI"
     else:

@@ -254,6 +254,48 @@ def test_the_native_int8_matmul_is_the_integer_product_rescaled(
         assert torch.equal(output, W8A8Linear(levels, scales, bias)(x))
 
 
+# Inputs in whole 64-byte tile rows (576, 1536, 128) and not (65: every row on VNNI).
+AMX_SHAPES = [(960, 576), (576, 1536), (33, 128), (40, 65)]
+
+
+@pytest.mark.parametrize("out_features,in_features", AMX_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_amx_tiles_give_the_vnni_bits(isa_kernels, out_features, in_features, dtype):
+    """Whole 32-row tiles on AMX-INT8, the rest on VNNI: the same exact sums and scaling, so the
+    same bits at every row count, tails past a tile and outputs past a panel included."""
+    if not isa_kernels.w8a8_matmul_uses_amx:
+        pytest.skip(f"the {isa_kernels.isa} build on this CPU has no AMX-INT8 tiles")
+    generator = torch.Generator().manual_seed(out_features * in_features)
+    levels, scales = quantize_int8(torch.randn(out_features, in_features, generator=generator))
+    bias = torch.randn(out_features, generator=generator)
+    packed = isa_kernels.pack_w8a8_weight(levels)
+    x = _activations(300, in_features, dtype, seed=out_features)
+    activation_levels, row_scales = isa_kernels.quantize_rows_int8(x)
+    for rows in (1, 31, 32, 33, 64, 100, 300):
+        on_tiles, on_vectors = (
+            isa_kernels.w8a8_matmul(
+                activation_levels[:rows], row_scales[:rows], packed, scales, bias, dtype, use_amx=use_amx
+            )
+            for use_amx in (True, False)
+        )
+        assert torch.equal(on_tiles, on_vectors), rows
+    expected = w8a8_linear_reference(x, levels, scales, bias)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(on_tiles, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_amx_asked_for_without_tiles_is_refused(isa_kernels):
+    if isa_kernels.w8a8_matmul_uses_amx:
+        pytest.skip("this build has AMX-INT8 tiles")
+    levels, scales = quantize_int8(torch.randn(16, 64))
+    activation_levels, row_scales = isa_kernels.quantize_rows_int8(torch.randn(4, 64))
+    with pytest.raises(ValueError, match="use_amx"):
+        isa_kernels.w8a8_matmul(
+            activation_levels, row_scales, isa_kernels.pack_w8a8_weight(levels), scales, None,
+            torch.float32, use_amx=True,
+        )
+
+
 def test_without_exact_onednn_sums_the_projection_takes_the_native_matmul(isa_kernels, monkeypatch):
     """Where oneDNN's int8 sums saturate the native kernels' matmul runs it, and W8A8 is not
     refused: a row's bits are the same at every row count, and where oneDNN is exact here they

@@ -185,6 +185,30 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#if defined(__AMX_TILE__)
+/* The LDTILECFG operand: palette 1, each tile's rows and bytes per row. */
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* All eight tiles at their full 16 rows of 64 bytes, for this thread (each thread configures its
+ * own tiles and releases them when done). */
+static inline void configure_full_tiles(void) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    for (int tile = 0; tile < 8; tile++) {
+        config.rows[tile] = 16;
+        config.colsb[tile] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+#endif
+
 /* Row kernels of row_kernels.c that the decode step reuses; each returns 0 when out of memory. */
 #define FT_INTERNAL __attribute__((visibility("hidden")))
 FT_INTERNAL void normalize_row(const float *x, const float *weight, int64_t cols, float eps, int dtype, float *out);

@@ -211,24 +211,6 @@ int ft_amx_available(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static void configure_tiles(void) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette_id = 1;
-    for (int tile = 0; tile < 8; tile++) {
-        config.rows[tile] = 16;
-        config.colsb[tile] = 64;
-    }
-    _tile_loadconfig(&config);
-}
 
 /* scores [32 x 32] (row stride `score_stride`) = Q block [32 x head_dim] . K^T for keys
  * 32 * key_tile ..+32, on tiles 0-3 (C), 4-5 (A: queries), 6-7 (B: keys). */
@@ -553,7 +535,7 @@ static void attend_query_block(const QueryBlock *b) {
 static void begin_tiles(int use_amx) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (use_amx) {
-        configure_tiles();
+        configure_full_tiles();
     }
 #endif
     (void)use_amx;

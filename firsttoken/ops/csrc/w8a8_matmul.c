@@ -19,6 +19,13 @@
  * load holds 8 outputs' weights for inputs 2p and 2p + 1, and one broadcast of a row's two levels
  * meets them. Each call widens its activation levels once.
  *
+ * On CPUs with AMX-INT8 (Sapphire Rapids and later) the same packed weights are B tiles as they
+ * lie: 16 input quads of a panel's first or last 16 outputs, rows 128 bytes apart. TDPBUSD
+ * multiplies 32 rows (two A tiles of 16 rows by 64 inputs, read from the levels in place) by a
+ * panel into four int32 C tiles; stored to the stack, they meet the compensation and the scaling
+ * of the VNNI path while they are in L1. Rows short of a whole 32 take the VNNI tiles, and so do
+ * inputs that are not whole 64-byte tile rows.
+ *
  * Either way the integer sums are exact whatever the tiling and thread count, and the scaling
  * after them runs per element: (float)sum * weight_scale * row_scale (+ bias), each step rounded
  * (the build is ISO C: no fused multiply-add), then once to the output dtype: the order of
@@ -49,6 +56,7 @@ typedef struct {
     int64_t in_quads;
     void *out;
     int dtype;
+    int use_amx; /* full 32-row tiles on AMX-INT8 */
 } W8A8Matmul;
 
 static int64_t vnni_panels(int64_t out_features) {
@@ -173,6 +181,66 @@ static void multiply_rows(int rows, const W8A8Matmul *m, int64_t row, int64_t pa
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define AMX_TILE_ROWS 32 /* two A tiles */
+#define AMX_STEP_QUADS 16 /* input quads per A tile row (64 bytes) */
+
+int ft_w8a8_has_amx(void) {
+    return 1;
+}
+
+/* Rows [row, row + 32) by one panel on tiles 0-3 (C), 4-5 (A: rows), 6-7 (B: the panel's halves). */
+static void amx_multiply_tile(const W8A8Matmul *m, int64_t row, int64_t panel) {
+    int64_t row_bytes = 4 * m->in_quads, panel_row_bytes = 4 * PANEL_COLUMNS;
+    const int8_t *weight = m->weight + panel * m->in_quads * panel_row_bytes;
+    const uint8_t *x = m->activations + row * row_bytes;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t quad = 0; quad < m->in_quads; quad += AMX_STEP_QUADS) {
+        _tile_loadd(4, x + 4 * quad, row_bytes);
+        _tile_loadd(5, x + 16 * row_bytes + 4 * quad, row_bytes);
+        _tile_loadd(6, weight + quad * panel_row_bytes, panel_row_bytes);
+        _tile_loadd(7, weight + quad * panel_row_bytes + 64, panel_row_bytes);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(1, 4, 7);
+        _tile_dpbusd(2, 5, 6);
+        _tile_dpbusd(3, 5, 7);
+    }
+    int32_t sums[AMX_TILE_ROWS][PANEL_COLUMNS] __attribute__((aligned(64)));
+    _tile_stored(0, sums[0], panel_row_bytes);
+    _tile_stored(1, sums[0] + 16, panel_row_bytes);
+    _tile_stored(2, sums[16], panel_row_bytes);
+    _tile_stored(3, sums[16] + 16, panel_row_bytes);
+    int64_t column = panel * PANEL_COLUMNS;
+    for (int v = 0; v < VNNI_VECTORS && column + 16 * v < m->out_features; v++) {
+        __m512i compensation = _mm512_loadu_si512(m->compensation + column + 16 * v);
+        for (int r = 0; r < AMX_TILE_ROWS; r++) {
+            __m512i sum = _mm512_load_si512(sums[r] + 16 * v);
+            vnni_store(m, _mm512_sub_epi32(sum, compensation), row + r, column + 16 * v);
+        }
+    }
+}
+#define SHARE_ROWS(m) ((m)->use_amx ? AMX_TILE_ROWS : TILE_ROWS)
+#else
+#define SHARE_ROWS(m) TILE_ROWS
+#endif
+
+/* Rows [begin, end) by one panel: whole 32-row tiles on AMX where the call uses it, the rest in
+ * VNNI tiles. */
+static void multiply_panel_rows(const W8A8Matmul *m, int64_t begin, int64_t end, int64_t panel) {
+    int64_t row = begin;
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+    for (; m->use_amx && end - row >= AMX_TILE_ROWS; row += AMX_TILE_ROWS) {
+        amx_multiply_tile(m, row, panel);
+    }
+#endif
+    for (; row < end; row += TILE_ROWS) {
+        multiply_rows(end - row < TILE_ROWS ? (int)(end - row) : TILE_ROWS, m, row, panel);
+    }
+}
+
 /* Rows [begin, end) of uint8 levels [rows, in_features] with each row zero-padded to whole
  * quads (the padding meets zero weights). */
 static void pad_levels(const uint8_t *levels, int64_t begin, int64_t end, int64_t in_features, int64_t in_quads,
@@ -294,6 +362,15 @@ static void multiply_rows(int rows, const W8A8Matmul *m, int64_t row, int64_t pa
     }
 }
 
+#define SHARE_ROWS(m) TILE_ROWS
+
+/* Rows [begin, end) by one panel. */
+static void multiply_panel_rows(const W8A8Matmul *m, int64_t begin, int64_t end, int64_t panel) {
+    for (int64_t row = begin; row < end; row += TILE_ROWS) {
+        multiply_rows(end - row < TILE_ROWS ? (int)(end - row) : TILE_ROWS, m, row, panel);
+    }
+}
+
 /* Rows [begin, end) of uint8 levels (level + 128) [rows, in_features] as int16 levels, each row
  * zero-padded to 2 * in_pairs. */
 static void widen_levels(const uint8_t *levels, int64_t begin, int64_t end, int64_t in_features, int64_t in_pairs,
@@ -313,23 +390,20 @@ static void widen_levels(const uint8_t *levels, int64_t begin, int64_t end, int6
 
 #if defined(__AVX2__)
 /* Rows [row_begin, row_end) by panels [panel_begin, panel_end): blocks of ROW_BLOCK rows, each
- * meeting every panel in tiles of TILE_ROWS rows. */
+ * meeting every panel. */
 static void multiply_block(const W8A8Matmul *m, int64_t row_begin, int64_t row_end, int64_t panel_begin,
                            int64_t panel_end) {
     for (int64_t block = row_begin; block < row_end; block += ROW_BLOCK) {
         int64_t block_end = block + ROW_BLOCK < row_end ? block + ROW_BLOCK : row_end;
         for (int64_t panel = panel_begin; panel < panel_end; panel++) {
-            for (int64_t row = block; row < block_end; row += TILE_ROWS) {
-                int rows = block_end - row < TILE_ROWS ? (int)(block_end - row) : TILE_ROWS;
-                multiply_rows(rows, m, row, panel);
-            }
+            multiply_panel_rows(m, block, block_end, panel);
         }
     }
 }
 
 /* This thread's share of the product, inside the parallel region. */
 static void multiply_share(const W8A8Matmul *m, int64_t panels) {
-    ProductShare share = thread_product_share(m->rows, panels, TILE_ROWS);
+    ProductShare share = thread_product_share(m->rows, panels, SHARE_ROWS(m));
     multiply_block(m, share.row_begin, share.row_end, share.panel_begin, share.panel_end);
 }
 #endif
@@ -337,10 +411,11 @@ static void multiply_share(const W8A8Matmul *m, int64_t panels) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* out [rows, out_features] in `dtype` = the W8A8 product of uint8 activation levels (level + 128)
  * [rows, in_features] with their row_scales [rows] and the packed int8 weights (ft_pack_w8a8_weight)
- * with their weight_scales [out_features], plus float32 bias [out_features] unless NULL. */
+ * with their weight_scales [out_features], plus float32 bias [out_features] unless NULL; on AMX-INT8
+ * tiles where use_amx asks (the caller holds the OS's permission for them) and the build has them. */
 FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const void *weight,
                         const float *weight_scales, const float *bias, void *out, int64_t rows, int64_t out_features,
-                        int64_t in_features, int dtype, int num_threads) {
+                        int64_t in_features, int dtype, int num_threads, int use_amx) {
     int64_t in_quads = (in_features + 3) / 4, panels = vnni_panels(out_features);
     uint8_t *padded = NULL;
     if (in_features % 4 != 0) {
@@ -349,10 +424,15 @@ FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const vo
             return FT_OUT_OF_MEMORY;
         }
     }
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+    use_amx = use_amx && in_quads % AMX_STEP_QUADS == 0;
+#else
+    use_amx = 0;
+#endif
     const int8_t *packed = weight;
     W8A8Matmul m = {padded != NULL ? padded : levels, row_scales, packed,
                     (const int32_t *)(packed + panels * PANEL_COLUMNS * in_quads * 4), weight_scales, bias, rows,
-                    out_features, in_quads, out, dtype};
+                    out_features, in_quads, out, dtype, use_amx};
     int parallel = rows * out_features * in_features >= PARALLEL_MIN_ELEMENTS * 16 && num_threads > 1;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
@@ -362,7 +442,17 @@ FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const vo
             pad_levels(levels, begin, end, in_features, in_quads, padded);
 #pragma omp barrier
         }
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+        if (m.use_amx) {
+            configure_full_tiles();
+        }
+#endif
         multiply_share(&m, panels);
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+        if (m.use_amx) {
+            _tile_release();
+        }
+#endif
     }
     free(padded);
     return FT_OK;
@@ -371,16 +461,18 @@ FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const vo
 #elif defined(__AVX2__)
 /* out [rows, out_features] in `dtype` = the W8A8 product of uint8 activation levels (level + 128)
  * [rows, in_features] with their row_scales [rows] and the packed int8 weights (ft_pack_w8a8_weight)
- * with their weight_scales [out_features], plus float32 bias [out_features] unless NULL. */
+ * with their weight_scales [out_features], plus float32 bias [out_features] unless NULL (use_amx:
+ * no tiles in this build). */
 FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const void *weight,
                         const float *weight_scales, const float *bias, void *out, int64_t rows, int64_t out_features,
-                        int64_t in_features, int dtype, int num_threads) {
+                        int64_t in_features, int dtype, int num_threads, int use_amx) {
     int64_t in_pairs = (in_features + 1) / 2;
     int16_t *activations = malloc((size_t)(rows * 2 * in_pairs) * sizeof(int16_t));
     if (activations == NULL) {
         return FT_OUT_OF_MEMORY;
     }
     W8A8Matmul m = {activations, row_scales, weight, weight_scales, bias, rows, out_features, in_pairs, out, dtype};
+    (void)use_amx;
     int64_t panels = (out_features + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
     int parallel = rows * out_features * in_features >= PARALLEL_MIN_ELEMENTS * 16 && num_threads > 1;
 #pragma omp parallel num_threads(num_threads) if (parallel)
