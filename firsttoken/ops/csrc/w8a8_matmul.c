@@ -93,6 +93,21 @@ FtStatus ft_pack_w8a8_weight(const int8_t *weight, int64_t out_features, int64_t
     return FT_OK;
 }
 
+/* Lanes `mask` of a result vector at out[index], in the output dtype. */
+static inline __attribute__((always_inline)) void store_scaled(const W8A8Matmul *m, __m512 value, __mmask16 mask,
+                                                               int64_t index) {
+    if (m->dtype == DTYPE_BFLOAT16) {
+        /* Round to nearest even, as float_to_bf16 (the values are finite: exact sums times
+         * finite scales). */
+        __m512i bits = _mm512_castps_si512(value);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+        _mm256_mask_storeu_epi16((uint16_t *)m->out + index, mask, _mm512_cvtepi32_epi16(bits));
+    } else {
+        _mm512_mask_storeu_ps((float *)m->out + index, mask, value);
+    }
+}
+
 /* Columns [column, column + 16) of one row from its exact sums: (float)sum * weight_scale *
  * row_scale (+ bias), stored in the output dtype; lanes past out_features are left alone. */
 static inline __attribute__((always_inline)) void vnni_store(const W8A8Matmul *m, __m512i sums, int64_t row,
@@ -104,17 +119,7 @@ static inline __attribute__((always_inline)) void vnni_store(const W8A8Matmul *m
     if (m->bias != NULL) {
         value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, m->bias + column));
     }
-    int64_t index = row * m->out_features + column;
-    if (m->dtype == DTYPE_BFLOAT16) {
-        /* Round to nearest even, as float_to_bf16 (the values are finite: exact sums times
-         * finite scales). */
-        __m512i bits = _mm512_castps_si512(value);
-        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-        _mm256_mask_storeu_epi16((uint16_t *)m->out + index, mask, _mm512_cvtepi32_epi16(bits));
-    } else {
-        _mm512_mask_storeu_ps((float *)m->out + index, mask, value);
-    }
+    store_scaled(m, value, mask, row * m->out_features + column);
 }
 
 /* acc + the four u8 x s8 products of each int32 lane. In assembly so the accumulator stays in
@@ -189,11 +194,44 @@ int ft_w8a8_has_amx(void) {
     return 1;
 }
 
-/* Rows [row, row + 32) by one panel on tiles 0-3 (C), 4-5 (A: rows), 6-7 (B: the panel's halves). */
-static void amx_multiply_tile(const W8A8Matmul *m, int64_t row, int64_t panel) {
+/* A 32-row tile's int32 sums of one panel, stored from the C tiles, waiting to be scaled. */
+typedef struct {
+    int32_t sums[AMX_TILE_ROWS][PANEL_COLUMNS] __attribute__((aligned(64)));
+    int64_t row;
+    int64_t column;
+} TileSums;
+
+/* Rows [begin, end) of a stored tile's outputs: the scaling and rounding of `vnni_store`, each
+ * half-panel's scales, compensation and bias loaded once. */
+static void scale_tile_rows(const W8A8Matmul *m, const TileSums *tile, int begin, int end) {
+    for (int v = 0; v < VNNI_VECTORS && tile->column + 16 * v < m->out_features; v++) {
+        int64_t column = tile->column + 16 * v, valid = m->out_features - column;
+        __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
+        __m512i compensation = _mm512_loadu_si512(m->compensation + column);
+        __m512 weight_scales = _mm512_maskz_loadu_ps(mask, m->weight_scales + column);
+        __m512 bias = m->bias != NULL ? _mm512_maskz_loadu_ps(mask, m->bias + column) : _mm512_setzero_ps();
+        for (int r = begin; r < end; r++) {
+            __m512i sum = _mm512_sub_epi32(_mm512_load_si512(tile->sums[r] + 16 * v), compensation);
+            __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), weight_scales);
+            value = _mm512_mul_ps(value, _mm512_set1_ps(m->row_scales[tile->row + r]));
+            if (m->bias != NULL) {
+                value = _mm512_add_ps(value, bias);
+            }
+            store_scaled(m, value, mask, (tile->row + r) * m->out_features + column);
+        }
+    }
+}
+
+/* Rows [row, row + 32) by one panel on tiles 0-3 (C), 4-5 (A: rows), 6-7 (B: the panel's halves),
+ * into `out`. The vector units scale the previous tile's sums (`pending`, unless NULL) a few rows
+ * per input step while the tiles multiply. */
+static void amx_multiply_tile(const W8A8Matmul *m, int64_t row, int64_t panel, TileSums *out,
+                              const TileSums *pending) {
     int64_t row_bytes = 4 * m->in_quads, panel_row_bytes = 4 * PANEL_COLUMNS;
     const int8_t *weight = m->weight + panel * m->in_quads * panel_row_bytes;
     const uint8_t *x = m->activations + row * row_bytes;
+    int64_t steps = m->in_quads / AMX_STEP_QUADS;
+    int rows_per_step = (int)((AMX_TILE_ROWS + steps - 1) / steps), scaled = 0;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -207,20 +245,34 @@ static void amx_multiply_tile(const W8A8Matmul *m, int64_t row, int64_t panel) {
         _tile_dpbusd(1, 4, 7);
         _tile_dpbusd(2, 5, 6);
         _tile_dpbusd(3, 5, 7);
-    }
-    int32_t sums[AMX_TILE_ROWS][PANEL_COLUMNS] __attribute__((aligned(64)));
-    _tile_stored(0, sums[0], panel_row_bytes);
-    _tile_stored(1, sums[0] + 16, panel_row_bytes);
-    _tile_stored(2, sums[16], panel_row_bytes);
-    _tile_stored(3, sums[16] + 16, panel_row_bytes);
-    int64_t column = panel * PANEL_COLUMNS;
-    for (int v = 0; v < VNNI_VECTORS && column + 16 * v < m->out_features; v++) {
-        __m512i compensation = _mm512_loadu_si512(m->compensation + column + 16 * v);
-        for (int r = 0; r < AMX_TILE_ROWS; r++) {
-            __m512i sum = _mm512_load_si512(sums[r] + 16 * v);
-            vnni_store(m, _mm512_sub_epi32(sum, compensation), row + r, column + 16 * v);
+        if (pending != NULL && scaled < AMX_TILE_ROWS) {
+            int until = scaled + rows_per_step < AMX_TILE_ROWS ? scaled + rows_per_step : AMX_TILE_ROWS;
+            scale_tile_rows(m, pending, scaled, until);
+            scaled = until;
         }
     }
+    _tile_stored(0, out->sums[0], panel_row_bytes);
+    _tile_stored(1, out->sums[0] + 16, panel_row_bytes);
+    _tile_stored(2, out->sums[16], panel_row_bytes);
+    _tile_stored(3, out->sums[16] + 16, panel_row_bytes);
+    out->row = row;
+    out->column = panel * PANEL_COLUMNS;
+}
+
+/* Whole 32-row tiles of rows [begin, end) by one panel, each tile's scaling overlapped with the
+ * next one's products; returns the first row left. */
+static int64_t amx_multiply_panel_rows(const W8A8Matmul *m, int64_t begin, int64_t end, int64_t panel) {
+    TileSums tiles[2];
+    const TileSums *pending = NULL;
+    int64_t row = begin;
+    for (int index = 0; end - row >= AMX_TILE_ROWS; row += AMX_TILE_ROWS, index ^= 1) {
+        amx_multiply_tile(m, row, panel, &tiles[index], pending);
+        pending = &tiles[index];
+    }
+    if (pending != NULL) {
+        scale_tile_rows(m, pending, 0, AMX_TILE_ROWS);
+    }
+    return row;
 }
 #define SHARE_ROWS(m) ((m)->use_amx ? AMX_TILE_ROWS : TILE_ROWS)
 #else
@@ -232,8 +284,8 @@ static void amx_multiply_tile(const W8A8Matmul *m, int64_t row, int64_t panel) {
 static void multiply_panel_rows(const W8A8Matmul *m, int64_t begin, int64_t end, int64_t panel) {
     int64_t row = begin;
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-    for (; m->use_amx && end - row >= AMX_TILE_ROWS; row += AMX_TILE_ROWS) {
-        amx_multiply_tile(m, row, panel);
+    if (m->use_amx) {
+        row = amx_multiply_panel_rows(m, begin, end, panel);
     }
 #endif
     for (; row < end; row += TILE_ROWS) {
