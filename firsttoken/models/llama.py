@@ -151,9 +151,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, arch: ModelArch, kernels: Kernels, dtype: torch.dtype) -> None:
         super().__init__()
         self.kernels = kernels
-        self.activation_and_mul = (
-            kernels.gelu_tanh_and_mul if arch.hidden_activation == "gelu_tanh" else kernels.silu_and_mul
-        )
+        self.silu_gated = arch.hidden_activation != "gelu_tanh"
+        self.activation_and_mul = kernels.silu_and_mul if self.silu_gated else kernels.gelu_tanh_and_mul
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, dtype)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, dtype)
 
@@ -165,7 +164,15 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.activation_and_mul(self.gate_up_proj(hidden)))
+        gate_up = self.gate_up_proj(hidden)
+        if (
+            self.silu_gated
+            and isinstance(self.down_proj, W8A8Linear)
+            and self.down_proj.takes_silu_gated_inputs
+        ):
+            # W8A8 quantizes down_proj's inputs in one native pass: SwiGLU's product is made there.
+            return self.down_proj.forward_silu_gated(gate_up)
+        return self.down_proj(self.activation_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

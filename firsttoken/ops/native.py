@@ -143,18 +143,28 @@ class NativeKernels:
         return out
 
     def quantize_rows_int8(
-        self, x: torch.Tensor, column_scales: torch.Tensor | None = None, hadamard_block: int = 1
+        self,
+        x: torch.Tensor,
+        column_scales: torch.Tensor | None = None,
+        hadamard_block: int = 1,
+        silu_gated: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x contiguous [rows, cols] (times float32 column_scales [cols] where given, then turned
-        by the Walsh-Hadamard transform in blocks of `hadamard_block` where above 1) -> (uint8
-        levels [rows, cols], float32 scales [rows]), as `firsttoken.ops.w8a8.quantize_rows`."""
+        """x contiguous [rows, cols] (where `silu_gated`, x [rows, 2 * cols] is gate | up and its
+        rows are `silu_and_mul`'s, bit for bit; times float32 column_scales [cols] where given,
+        then turned by the Walsh-Hadamard transform in blocks of `hadamard_block` where above 1)
+        -> (uint8 levels [rows, cols], float32 scales [rows]), as
+        `firsttoken.ops.w8a8.quantize_rows`."""
         rows, cols = x.shape
+        if silu_gated:
+            if cols % 2 != 0:
+                raise ValueError(f"quantize_rows_int8: gate | up rows need an even width, got {cols}")
+            cols //= 2
         check_hadamard_block(cols, hadamard_block)
         levels = torch.empty(rows, cols, dtype=torch.uint8)
         scales = torch.empty(rows, dtype=torch.float32)
         _check(
             self._kernels["ft_quantize_rows_int8"](
-                x=x.data_ptr(),
+                x=x.data_ptr(), silu_gated=int(silu_gated),
                 column_scales=column_scales.data_ptr() if column_scales is not None else None,
                 hadamard_block=hadamard_block, hadamard_norm=hadamard_norm(hadamard_block),
                 levels=levels.data_ptr(), scales=scales.data_ptr(), rows=rows, cols=cols,

@@ -253,11 +253,26 @@ class W8A8Linear(nn.Module):
         factors = smoothing_factors(activation_max, weight, SMOOTHING_ALPHA)
         return cls(*quantize_int8(weight.float() * factors), bias, kernels, input_scales=1 / factors)
 
+    @property
+    def takes_silu_gated_inputs(self) -> bool:
+        """Whether `forward_silu_gated` runs here: its quantization pass is native."""
+        return self.kernels is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._project(x, silu_gated=False)
+
+    def forward_silu_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's down projection: self(silu_and_mul(gate_up)) with the same bits, the product
+        made and rounded to the dtype inside the quantization pass, so it is never written out."""
+        if not self.takes_silu_gated_inputs:
+            raise ValueError("forward_silu_gated needs the native kernels' quantization pass")
+        return self._project(gate_up, silu_gated=True)
+
+    def _project(self, x: torch.Tensor, silu_gated: bool) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if self.kernels is not None:
             levels, row_scales = self.kernels.quantize_rows_int8(
-                flat.contiguous(), self.input_scales, self.hadamard_block
+                flat.contiguous(), self.input_scales, self.hadamard_block, silu_gated
             )
         else:
             levels, row_scales = quantize_rows(flat, self.input_scales, self.hadamard_block)

@@ -103,6 +103,29 @@ def test_a_request_gets_the_same_bits_alone_and_beside_others(w8a8_llm):
 
 
 @needs_exact_int8
+@pytest.mark.parametrize("rotated", [False, True])
+def test_swiglu_made_in_the_quantization_pass_gives_the_unfused_bits(
+    two_layer_model_path, monkeypatch, rotated
+):
+    """W8A8's down_proj makes SwiGLU's product inside its quantization pass; the same engine
+    with the product written out first (silu_and_mul, then the pass) replies with the same bits,
+    the rotated one (its down_proj inputs turned in the pass) too."""
+    options = dict(OPTIONS, model=two_layer_model_path, quantization="w8a8", w8a8_rotation=rotated, **FIXED_THREADS)
+    replies = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(W8A8Linear, "takes_silu_gated_inputs", property(lambda self: False))
+        llm = LLM(**options)
+        try:
+            if fused and not llm.core.worker.model.layers[0].mlp.down_proj.takes_silu_gated_inputs:
+                pytest.skip("no native quantization pass in this build")
+            replies[fused] = [_bits(output) for output in llm.generate(PROMPTS, GREEDY)]
+        finally:
+            llm.shutdown()
+    assert replies[True] == replies[False]
+
+
+@needs_exact_int8
 def test_the_native_int8_matmul_gives_the_onednn_engines_bits(two_layer_model_path, monkeypatch, caplog):
     """The engine runs W8A8 on the native kernels' int8 matmul where oneDNN's int8 sums saturate
     (AVX2 without VNNI) and on VNNI CPUs without AMX; each forced here, the replies carry the same

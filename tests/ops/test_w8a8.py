@@ -79,6 +79,28 @@ def test_native_quantization_turns_rows_by_the_torch_hadamard_bits(native_kernel
     assert torch.equal(scales, expected_scales)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("half, block", [(1536, 512), (37, 1)])
+def test_silu_gated_rows_quantize_as_silu_and_mul_s_rows(native_kernels, dtype, half, block):
+    """SwiGLU's product made inside the quantization pass: the levels and scales of the product
+    silu_and_mul writes, read back (column scales and the Hadamard turn applied after it)."""
+    if native_kernels is None:
+        pytest.skip("no C compiler: no native kernels")
+    gate_up = _activations(97, 2 * half, dtype)
+    column_scales = torch.rand(half, generator=torch.Generator().manual_seed(half)) + 0.5
+    fused = native_kernels.quantize_rows_int8(gate_up, column_scales, block, silu_gated=True)
+    unfused = native_kernels.quantize_rows_int8(native_kernels.silu_and_mul(gate_up), column_scales, block)
+    assert torch.equal(fused[0], unfused[0])
+    assert torch.equal(fused[1], unfused[1])
+
+
+def test_silu_gated_rows_of_odd_width_are_refused(native_kernels):
+    if native_kernels is None:
+        pytest.skip("no C compiler: no native kernels")
+    with pytest.raises(ValueError, match="even width"):
+        native_kernels.quantize_rows_int8(torch.randn(4, 65), silu_gated=True)
+
+
 @pytest.mark.parametrize("block", [3, 1024, 0])
 def test_a_hadamard_block_that_does_not_tile_the_inputs_in_powers_of_two_is_refused(native_kernels, block):
     with pytest.raises(ValueError, match=f"a Hadamard block of {block} does not tile 1536 inputs"):

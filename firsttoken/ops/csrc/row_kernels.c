@@ -113,6 +113,16 @@ FT_INTERNAL void silu_row(float *x, int64_t count) {
     }
 }
 
+FT_INTERNAL void silu_and_mul_row(const void *gate_up, int64_t r, int64_t half, int dtype, float *gate, float *up) {
+    load_row(gate_up, r * 2 * half, half, dtype, gate);
+    load_row(gate_up, r * 2 * half + half, half, dtype, up);
+    silu_row(gate, half);
+    round_row(gate, half, dtype);
+    for (int64_t c = 0; c < half; c++) {
+        gate[c] *= up[c];
+    }
+}
+
 FT_INTERNAL int silu_and_mul_rows(const void *gate_up, void *out, int64_t begin, int64_t end, int64_t half, int dtype) {
     float *scratch;
     if (!scratch_rows(half, 2, &scratch)) {
@@ -120,13 +130,7 @@ FT_INTERNAL int silu_and_mul_rows(const void *gate_up, void *out, int64_t begin,
     }
     float *gate = scratch, *up = scratch + half;
     for (int64_t r = begin; r < end; r++) {
-        load_row(gate_up, r * 2 * half, half, dtype, gate);
-        load_row(gate_up, r * 2 * half + half, half, dtype, up);
-        silu_row(gate, half);
-        round_row(gate, half, dtype);
-        for (int64_t c = 0; c < half; c++) {
-            gate[c] *= up[c];
-        }
+        silu_and_mul_row(gate_up, r, half, dtype, gate, up);
         store_row(gate, half, dtype, out, r * half);
     }
     free(scratch);

@@ -56,14 +56,21 @@ static void walsh_hadamard_block(float *values, int64_t block, float norm) {
     }
 }
 
-static int quantize_rows_range(const void *x, const float *column_scales, int64_t hadamard_block, float hadamard_norm,
-                               uint8_t *levels, float *scales, int64_t begin, int64_t end, int64_t cols, int dtype) {
-    float *row = malloc((size_t)cols * sizeof(float));
+static int quantize_rows_range(const void *x, int silu_gated, const float *column_scales, int64_t hadamard_block,
+                               float hadamard_norm, uint8_t *levels, float *scales, int64_t begin, int64_t end,
+                               int64_t cols, int dtype) {
+    float *row = malloc((size_t)(silu_gated ? 2 * cols : cols) * sizeof(float));
     if (row == NULL) {
         return 0;
     }
     for (int64_t r = begin; r < end; r++) {
-        load_row(x, r * cols, cols, dtype, row);
+        if (silu_gated) {
+            /* The values ft_silu_and_mul would store and this pass read back. */
+            silu_and_mul_row(x, r, cols, dtype, row, row + cols);
+            round_row(row, cols, dtype);
+        } else {
+            load_row(x, r * cols, cols, dtype, row);
+        }
         if (column_scales != NULL) {
             for (int64_t c = 0; c < cols; c++) {
                 row[c] *= column_scales[c];
@@ -83,21 +90,22 @@ static int quantize_rows_range(const void *x, const float *column_scales, int64_
     return 1;
 }
 
-/* Each row of x [rows, cols] (in `dtype`; times column_scales [cols] unless NULL, SmoothQuant's
- * 1 / s; then, where hadamard_block > 1, each block of that many columns turned by the
- * Walsh-Hadamard transform, a rotated model's down_proj inputs) in symmetric int8 with its own
- * scale, absmax / 127 (1 for a zero row): levels uint8 [rows, cols] (the int8 level + 128),
- * scales float32 [rows]. */
-FtStatus ft_quantize_rows_int8(const void *x, const float *column_scales, int64_t hadamard_block, float hadamard_norm,
-                               uint8_t *levels, float *scales, int64_t rows, int64_t cols, int dtype,
-                               int num_threads) {
+/* Each row of x [rows, cols] (in `dtype`; where silu_gated, SwiGLU's product of x [rows, 2 * cols],
+ * gate | up, rounded to `dtype` as ft_silu_and_mul stores it; times column_scales [cols] unless
+ * NULL, SmoothQuant's 1 / s; then, where hadamard_block > 1, each block of that many columns
+ * turned by the Walsh-Hadamard transform, a rotated model's down_proj inputs) in symmetric int8
+ * with its own scale, absmax / 127 (1 for a zero row): levels uint8 [rows, cols] (the int8
+ * level + 128), scales float32 [rows]. */
+FtStatus ft_quantize_rows_int8(const void *x, int silu_gated, const float *column_scales, int64_t hadamard_block,
+                               float hadamard_norm, uint8_t *levels, float *scales, int64_t rows, int64_t cols,
+                               int dtype, int num_threads) {
     int succeeded = 1;
 #pragma omp parallel num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS) reduction(&& : succeeded)
     {
         int64_t begin, end;
         thread_rows(rows, &begin, &end);
-        succeeded = quantize_rows_range(x, column_scales, hadamard_block, hadamard_norm, levels, scales, begin, end,
-                                        cols, dtype);
+        succeeded = quantize_rows_range(x, silu_gated, column_scales, hadamard_block, hadamard_norm, levels, scales,
+                                        begin, end, cols, dtype);
     }
     return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
 }
