@@ -249,7 +249,8 @@ KERNELS = (
         "ft_quantize_rows_int8",
         _parameters(
             "const void *x, int silu_gated, const float *column_scales, int64_t hadamard_block, "
-            f"float hadamard_norm, uint8_t *levels, float *scales, int64_t rows, int64_t cols, {_DTYPE_THREADS}"
+            "float hadamard_norm, uint8_t *levels, float *scales, int64_t rows, int64_t cols, "
+            f"{_DTYPE_THREADS}"
         ),
     ),
     Kernel(

@@ -110,7 +110,9 @@ def test_swiglu_made_in_the_quantization_pass_gives_the_unfused_bits(
     """W8A8's down_proj makes SwiGLU's product inside its quantization pass; the same engine
     with the product written out first (silu_and_mul, then the pass) replies with the same bits,
     the rotated one (its down_proj inputs turned in the pass) too."""
-    options = dict(OPTIONS, model=two_layer_model_path, quantization="w8a8", w8a8_rotation=rotated, **FIXED_THREADS)
+    options = dict(
+        OPTIONS, model=two_layer_model_path, quantization="w8a8", w8a8_rotation=rotated, **FIXED_THREADS
+    )
     replies = {}
     for fused in (True, False):
         if not fused:
