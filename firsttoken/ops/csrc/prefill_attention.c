@@ -74,14 +74,17 @@ static inline const uint16_t *head_row(const HeadRows *rows, int64_t index) {
     return rows->base + slot * rows->row_stride;
 }
 
-/* One block of up to QUERY_BLOCK consecutive queries of one head, and what they attend over. */
+/* One block of up to QUERY_BLOCK queries over one KV head's keys: consecutive positions of one
+ * head (a prefill), or one position's query heads that share the KV head (a decode row's
+ * group). A row's result does not depend on the others in its block. */
 typedef struct {
     const uint16_t *queries; /* the first query's head */
     int64_t query_stride;
     int64_t rows;            /* 1..QUERY_BLOCK */
-    int64_t first_position;  /* query r sees keys 0..first_position + r (its window of them) */
+    int64_t first_position;  /* query r sees keys 0..first_position + r * position_step (its window of them) */
+    int64_t position_step;   /* 1: consecutive positions; 0: every row at first_position */
     int64_t num_keys;
-    int64_t window;          /* > 0: query r sees keys from first_position + r - window + 1 */
+    int64_t window;          /* > 0: query r sees keys from its position - window + 1 */
     float softcap;           /* > 0: scaled scores s taken as softcap * tanh(s / softcap) */
     const uint16_t *packed_keys, *packed_values; /* its KV head's, packed */
     int64_t head_dim;
@@ -298,22 +301,22 @@ static void softcap_row(float *row, float scale, float softcap) {
  * running max (of scaled scores), adds the block's exponentials to each row's running sum
  * vector (reduced once, at the end), writes bf16 probabilities and the factor that rescales
  * each row's earlier output. */
-static void softmax_block(float *scores, int64_t rows, int64_t first_position, int64_t first_key, int64_t num_keys,
-                          int64_t window, float softcap, float scale, float *row_max, float *row_sums,
-                          float *rescale, uint16_t *probabilities) {
+static void softmax_block(float *scores, int64_t rows, int64_t first_position, int64_t position_step,
+                          int64_t first_key, int64_t num_keys, int64_t window, float softcap, float scale,
+                          float *row_max, float *row_sums, float *rescale, uint16_t *probabilities) {
     const float log2e = 1.44269504f;
     __m512 masked = _mm512_set1_ps(MASKED_SCORE), scale_log2e = _mm512_set1_ps(scale * log2e);
     float block_max[QUERY_BLOCK] __attribute__((aligned(64)));
-    /* Rows whose causal limit falls inside this block see masked scores; the rest see all. */
-    int64_t first_partial_row = first_key + KEY_BLOCK - 1 - first_position;
     for (int64_t r = 0; r < rows; r++) {
         float *row = scores + r * KEY_BLOCK;
         if (softcap > 0.0f) { /* before the mask: masked scores stay below every capped one */
             softcap_row(row, scale, softcap);
         }
-        int64_t skipped = window_first_key(first_position + r, window) - first_key; /* before its window */
-        if (r < first_partial_row || first_key + KEY_BLOCK > num_keys || skipped > 0) {
-            int64_t last_key = first_position + r;
+        int64_t position = first_position + r * position_step;
+        int64_t skipped = window_first_key(position, window) - first_key; /* before its window */
+        /* Rows whose causal limit falls inside this block see masked scores; the rest see all. */
+        if (position < first_key + KEY_BLOCK - 1 || first_key + KEY_BLOCK > num_keys || skipped > 0) {
+            int64_t last_key = position;
             last_key = last_key < num_keys - 1 ? last_key : num_keys - 1;
             int64_t valid = last_key - first_key + 1;
             for (int64_t v = 0; v < KEY_BLOCK / 16; v++) {
@@ -503,14 +506,14 @@ static void attend_query_block(const QueryBlock *b) {
     }
     memset(row_sums, 0, (size_t)rows * 16 * sizeof(float));
     memset(output, 0, (size_t)(rows * head_dim) * sizeof(float));
-    int64_t last_key = b->first_position + rows - 1;
+    int64_t last_key = b->first_position + (rows - 1) * b->position_step;
     int64_t num_key_blocks = (last_key < b->num_keys ? last_key : b->num_keys - 1) / KEY_BLOCK + 1;
     int64_t first_key_block = window_first_key(b->first_position, b->window) / KEY_BLOCK;
     for (int64_t key_block = first_key_block; key_block < num_key_blocks; key_block++) {
         int64_t first_key_tile = key_block * (KEY_BLOCK / TILE_KEYS);
         score_block(b, queries, first_key_tile, scores);
-        softmax_block(scores, rows, b->first_position, key_block * KEY_BLOCK, b->num_keys, b->window, b->softcap,
-                      b->scale, row_max, row_sums, rescale, probabilities);
+        softmax_block(scores, rows, b->first_position, b->position_step, key_block * KEY_BLOCK, b->num_keys,
+                      b->window, b->softcap, b->scale, row_max, row_sums, rescale, probabilities);
         for (int64_t pass = 0; pass < head_dim / 32; pass++) {
             weigh_block(b, probabilities, first_key_tile, pass, products);
             for (int64_t r = 0; r < rows; r++) {
@@ -559,7 +562,7 @@ static void attend_share(const PrefillProblem *p, int thread_index, int num_thre
         int64_t kv_offset = (head / group) * p->padded_keys * head_dim;
         int64_t rows = p->num_queries - first_query < QUERY_BLOCK ? p->num_queries - first_query : QUERY_BLOCK;
         QueryBlock block = {p->query + first_query * p->query_row_stride + head * head_dim, p->query_row_stride, rows,
-                            first_query + p->num_keys - p->num_queries, p->num_keys, p->window, p->softcap,
+                            first_query + p->num_keys - p->num_queries, 1, p->num_keys, p->window, p->softcap,
                             p->packed_keys + kv_offset,
                             p->packed_values + kv_offset, head_dim, p->scale, p->use_amx,
                             p->out + (first_query * p->num_heads + head) * head_dim, p->num_heads * head_dim};
@@ -637,21 +640,26 @@ static void pack_paged_block(const PagedDecodes *d, int64_t row, int64_t kv_head
     pack_key_block(&keys, &values, d->head_dim, first_key, packed_keys, packed_values);
 }
 
-/* Row `row`'s query at `head` over its packed context: the last position of a prefill. */
-static void attend_paged_row(const PagedDecodes *d, int64_t row, int64_t head, const uint16_t *packed_keys,
-                             const uint16_t *packed_values) {
-    int64_t seq_len = d->seq_lens[row];
-    QueryBlock block = {d->query + row * d->query_stride + head * d->head_dim, 0, 1, seq_len - 1, seq_len,
-                        d->window, d->softcap, packed_keys, packed_values, d->head_dim, d->scale, d->use_amx,
-                        d->out + (row * d->num_heads + head) * d->head_dim, 0};
-    attend_query_block(&block);
+/* Row `row`'s query heads that read `kv_head` over its packed context, in blocks of up to
+ * QUERY_BLOCK heads: each the last position of a prefill. */
+static void attend_paged_group(const PagedDecodes *d, int64_t row, int64_t kv_head, const uint16_t *packed_keys,
+                               const uint16_t *packed_values) {
+    int64_t seq_len = d->seq_lens[row], group = d->num_heads / d->num_kv_heads;
+    for (int64_t first = 0; first < group; first += QUERY_BLOCK) {
+        int64_t head = kv_head * group + first;
+        QueryBlock block = {d->query + row * d->query_stride + head * d->head_dim, d->head_dim,
+                            group - first < QUERY_BLOCK ? group - first : QUERY_BLOCK, seq_len - 1, 0, seq_len,
+                            d->window, d->softcap, packed_keys, packed_values, d->head_dim, d->scale, d->use_amx,
+                            d->out + (row * d->num_heads + head) * d->head_dim, d->head_dim};
+        attend_query_block(&block);
+    }
 }
 
 /* Every context packed first (work split by KV head and key block), then every (row, head)
  * attends: balanced over the threads even for one row, while the packed contexts fit the
  * cores' caches. Returns FT_OUT_OF_MEMORY when out of memory. */
 static FtStatus decode_in_two_phases(const PagedDecodes *d, int num_threads) {
-    int64_t rows = d->rows, head_dim = d->head_dim, group = d->num_heads / d->num_kv_heads;
+    int64_t rows = d->rows, head_dim = d->head_dim;
     /* Row r's packed K (then V) of KV head h start at packed + offsets[r] + h * padded * head_dim. */
     int64_t *offsets = malloc((size_t)(2 * rows + 1) * sizeof(int64_t));
     if (offsets == NULL) {
@@ -687,10 +695,10 @@ static FtStatus decode_in_two_phases(const PagedDecodes *d, int num_threads) {
         begin_tiles(d->use_amx);
         /* dynamic: sequences of different lengths make items of different cost */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < rows * d->num_heads; item++) {
-            int64_t r = item / d->num_heads, head = item % d->num_heads, padded = padded_length(d, r);
-            const uint16_t *packed_keys = packed + offsets[r] + (head / group) * padded * head_dim;
-            attend_paged_row(d, r, head, packed_keys, packed_keys + d->num_kv_heads * padded * head_dim);
+        for (int64_t item = 0; item < rows * d->num_kv_heads; item++) {
+            int64_t r = item / d->num_kv_heads, kv_head = item % d->num_kv_heads, padded = padded_length(d, r);
+            const uint16_t *packed_keys = packed + offsets[r] + kv_head * padded * head_dim;
+            attend_paged_group(d, r, kv_head, packed_keys, packed_keys + d->num_kv_heads * padded * head_dim);
         }
         end_tiles(d->use_amx);
     }
@@ -702,7 +710,7 @@ static FtStatus decode_in_two_phases(const PagedDecodes *d, int num_threads) {
 /* Per (row, KV head): its context packed into this thread's scratch, then the query heads that
  * read it attend while it is still in this core's cache. Returns FT_OUT_OF_MEMORY when out of memory. */
 static FtStatus decode_per_kv_head(const PagedDecodes *d, int num_threads, int64_t max_padded) {
-    int64_t head_dim = d->head_dim, group = d->num_heads / d->num_kv_heads;
+    int64_t head_dim = d->head_dim;
     int all_allocated = 1;
 #pragma omp parallel num_threads(num_threads) reduction(&& : all_allocated)
     {
@@ -717,9 +725,7 @@ static FtStatus decode_per_kv_head(const PagedDecodes *d, int num_threads, int64
                 for (int64_t first_key = 0; first_key < padded_length(d, r); first_key += KEY_BLOCK) {
                     pack_paged_block(d, r, kv_head, first_key, packed_keys, packed_values);
                 }
-                for (int64_t head = kv_head * group; head < (kv_head + 1) * group; head++) {
-                    attend_paged_row(d, r, head, packed_keys, packed_values);
-                }
+                attend_paged_group(d, r, kv_head, packed_keys, packed_values);
             }
             end_tiles(d->use_amx);
         }
