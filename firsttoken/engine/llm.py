@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Iterator, Mapping, Sequence, Union
 
 from firsttoken.config import EngineConfig
 from firsttoken.engine.builder import build_engine_core
@@ -14,7 +14,10 @@ from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta, RequestO
 from firsttoken.sampling_params import SamplingParams
 
 Messages = Sequence[dict[str, Any]]
-PromptInput = Union[str, Sequence[str], None]
+# A prompt is text, or as vLLM takes it a dict: {"prompt": text} or {"prompt_token_ids": ids}.
+Prompt = Union[str, Mapping[str, Any]]
+PromptInput = Union[Prompt, Sequence[Prompt], None]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class LLM:
@@ -159,16 +162,37 @@ def _normalize_prompts(
     if (prompts is None) == (prompt_token_ids is None):
         raise InvalidInputError("prompts", "give either prompts or prompt_token_ids")
     if prompts is not None:
-        texts = [prompts] if isinstance(prompts, str) else list(prompts)
-        for index, text in enumerate(texts):
-            if not isinstance(text, str) or not text:
-                raise InvalidInputError(f"prompts[{index}]", "must be a non-empty string")
-        return texts, [None] * len(texts)
+        entries = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)
+        parsed = [_parse_prompt(index, entry) for index, entry in enumerate(entries)]
+        return [text for text, _ in parsed], [ids for _, ids in parsed]
     token_lists = [list(ids) for ids in prompt_token_ids]
     for index, ids in enumerate(token_lists):
         if not ids:
             raise InvalidInputError(f"prompt_token_ids[{index}]", "must not be empty")
     return [None] * len(token_lists), token_lists
+
+
+def _parse_prompt(index: int, entry: Any) -> tuple[str | None, list[int] | None]:
+    """(text, None) or (None, token ids) from one entry of `prompts`."""
+    field_name = f"prompts[{index}]"
+    if isinstance(entry, Mapping):
+        if len(entry) != 1 or next(iter(entry)) not in PROMPT_KEYS:
+            raise InvalidInputError(
+                field_name,
+                f"a prompt dict holds one key of {PROMPT_KEYS}, got {sorted(map(str, entry))}",
+            )
+        if "prompt" not in entry:
+            ids = entry["prompt_token_ids"]
+            if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence) or not ids:
+                raise InvalidInputError(
+                    f"{field_name}.prompt_token_ids", "must be a non-empty list of token ids"
+                )
+            return None, list(ids)
+        entry = entry["prompt"]
+        field_name = f"{field_name}.prompt"
+    if not isinstance(entry, str) or not entry:
+        raise InvalidInputError(field_name, "must be a non-empty string")
+    return entry, None
 
 
 def _per_prompt(value: Any, count: int, field_name: str) -> list[Any]:

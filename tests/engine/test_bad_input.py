@@ -81,6 +81,24 @@ def test_empty_prompts_are_refused(llm):
     assert all_blocks_free(llm)
 
 
+@pytest.mark.parametrize(
+    "prompts, field",
+    [
+        ({"prompt_token_ids": []}, "prompts[0].prompt_token_ids"),
+        ({"prompt_token_ids": "1 2 3"}, "prompts[0].prompt_token_ids"),
+        ([{"prompt": ""}], "prompts[0].prompt"),
+        (["fine", {"prompt": "x", "multi_modal_data": {}}], "prompts[1]"),
+        ([{"text": "x"}], "prompts[0]"),
+        ([7], "prompts[0]"),
+    ],
+)
+def test_bad_prompt_dicts_name_the_entry(llm, prompts, field):
+    with pytest.raises(InvalidInputError) as raised:
+        llm.generate(prompts)
+    assert raised.value.field == field
+    assert all_blocks_free(llm)
+
+
 def test_prompt_plus_max_tokens_over_max_model_len(model_path):
     llm = LLM(model_path, dtype="float32", kv_cache_memory_bytes=64 << 20, chunk_size=64, max_model_len=64,
               **FIXED_THREADS)

@@ -69,6 +69,20 @@ def test_tiny_kv_budget_preempts_yet_gives_the_same_tokens(two_layer_model_path,
     assert all_blocks_free(small)
 
 
+def test_prompt_dicts_as_vllm_takes_them_give_the_text_and_token_replies(llm):
+    """{"prompt": text} and {"prompt_token_ids": ids}, alone or mixed in a list with plain text."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    text = SHORT_PROMPTS[0]
+    ids = llm.tokenizer.encode(SHORT_PROMPTS[1])
+    expected_text = llm.generate([text], params)[0].token_ids
+    expected_ids = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0].token_ids
+    (alone,) = llm.generate({"prompt_token_ids": ids}, params)
+    assert alone.token_ids == expected_ids and alone.prompt_token_ids == ids
+    mixed = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}, text], params)
+    assert [output.token_ids for output in mixed] == [expected_text, expected_ids, expected_text]
+    assert mixed[0].prompt == text and mixed[1].prompt is None
+
+
 def test_stream_deltas_add_up_to_the_generated_text(llm):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     (expected,) = llm.generate(["Write a haiku about autumn:"], params)
