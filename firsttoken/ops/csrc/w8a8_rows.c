@@ -40,8 +40,34 @@ static void quantize_row(const float *row, float scale, int64_t cols, uint8_t *l
 
 /* In place: `values` [block] times the orthonormal Hadamard matrix of that order (a power of
  * two), as firsttoken/ops/hadamard.py's `walsh_hadamard_rows` computes it, addition by addition:
- * butterflies a + b, a - b over pairs 1, 2, 4, ... apart, then times `norm` (1 / sqrt(block)). */
+ * butterflies a + b, a - b over pairs 1, 2, 4, ... apart, then times `norm` (1 / sqrt(block)).
+ * Vectorized where the block holds whole vectors: pairs closer than a vector meet within one,
+ * each lane beside its partner's copy (lanes swapped by the pair distance); farther pairs are
+ * whole vectors apart. Each element takes the same additions either way. */
 static void walsh_hadamard_block(float *values, int64_t block, float norm) {
+    if (block >= VEC_WIDTH) {
+        vint lanes = vi_lane_indices();
+        for (int64_t half = 1; half < VEC_WIDTH; half *= 2) {
+            vint partners = lanes ^ (int32_t)half, is_first = (lanes & (int32_t)half) == 0;
+            for (int64_t i = 0; i < block; i += VEC_WIDTH) {
+                vfloat v = vf_load(values + i), partner = __builtin_shuffle(v, partners);
+                vf_store(values + i, vf_select(is_first, v + partner, partner - v));
+            }
+        }
+        for (int64_t half = VEC_WIDTH; half < block; half *= 2) {
+            for (int64_t start = 0; start < block; start += 2 * half) {
+                for (int64_t i = start; i < start + half; i += VEC_WIDTH) {
+                    vfloat first = vf_load(values + i), second = vf_load(values + i + half);
+                    vf_store(values + i, first + second);
+                    vf_store(values + i + half, first - second);
+                }
+            }
+        }
+        for (int64_t i = 0; i < block; i += VEC_WIDTH) {
+            vf_store(values + i, vf_load(values + i) * norm);
+        }
+        return;
+    }
     for (int64_t half = 1; half < block; half *= 2) {
         for (int64_t start = 0; start < block; start += 2 * half) {
             for (int64_t i = start; i < start + half; i++) {
