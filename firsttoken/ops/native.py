@@ -185,8 +185,8 @@ class NativeKernels:
 
     @property
     def w8a8_matmul_uses_amx(self) -> bool:
-        """Whether this build's int8 matmul multiplies whole 32-row tiles on AMX-INT8 (the OS lets
-        the process use the tile registers), the rest on AVX512-VNNI."""
+        """Whether this build's int8 matmul multiplies on AMX-INT8 tiles (the OS lets the process
+        use the tile registers): inputs in whole 64-byte tile rows; others on AVX512-VNNI."""
         return self.has_amx and "ft_w8a8_has_amx" in self._kernels
 
     def pack_w8a8_weight(self, weight: torch.Tensor) -> torch.Tensor:

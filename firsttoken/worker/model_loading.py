@@ -183,7 +183,7 @@ def _log_w8a8_matmul(model: LlamaForCausalLM) -> None:
     if not first.native_matmul:
         multiplier = "oneDNN's int8 matmul"
     elif first.kernels.w8a8_matmul_uses_amx:
-        multiplier = "the native int8 matmul on AMX-INT8 (rows short of a 32-row tile on AVX512-VNNI)"
+        multiplier = "the native int8 matmul on AMX-INT8"
     elif first.kernels.w8a8_matmul_uses_vnni:
         multiplier = "the native int8 matmul on AVX512-VNNI"
     else:

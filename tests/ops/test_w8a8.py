@@ -291,8 +291,9 @@ AMX_SHAPES = [(960, 576), (576, 1536), (33, 128), (40, 65)]
 @pytest.mark.parametrize("out_features,in_features", AMX_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_amx_tiles_give_the_vnni_bits(isa_kernels, out_features, in_features, dtype):
-    """Whole 32-row tiles on AMX-INT8, the rest on VNNI: the same exact sums and scaling, so the
-    same bits at every row count, tails past a tile and outputs past a panel included."""
+    """AMX-INT8 tiles (whole 32-row blocks, then tiles configured for the rows left) against the
+    VNNI kernel: the same exact sums and scaling, so the same bits at every row count, tails past
+    a block and outputs past a panel included; inputs not in whole 64-byte rows (65) run on VNNI."""
     if not isa_kernels.w8a8_matmul_uses_amx:
         pytest.skip(f"the {isa_kernels.isa} build on this CPU has no AMX-INT8 tiles")
     generator = torch.Generator().manual_seed(out_features * in_features)

@@ -23,8 +23,9 @@
  * lie: 16 input quads of a panel's first or last 16 outputs, rows 128 bytes apart. TDPBUSD
  * multiplies 32 rows (two A tiles of 16 rows by 64 inputs, read from the levels in place) by a
  * panel into four int32 C tiles; stored to the stack, they meet the compensation and the scaling
- * of the VNNI path while they are in L1. Rows short of a whole 32 take the VNNI tiles, and so do
- * inputs that are not whole 64-byte tile rows.
+ * of the VNNI path while they are in L1. A thread's rows past its last whole 32 (all of a decode
+ * step's, under 32) take tiles configured to that many rows. Inputs that are not whole 64-byte
+ * tile rows take the VNNI kernel.
  *
  * Either way the integer sums are exact whatever the tiling and thread count, and the scaling
  * after them runs per element: (float)sum * weight_scale * row_scale (+ bias), each step rounded
@@ -194,12 +195,35 @@ int ft_w8a8_has_amx(void) {
     return 1;
 }
 
-/* A 32-row tile's int32 sums of one panel, stored from the C tiles, waiting to be scaled. */
+/* A block of up to 32 rows' int32 sums of one panel, stored from the C tiles, waiting to be scaled. */
 typedef struct {
     int32_t sums[AMX_TILE_ROWS][PANEL_COLUMNS] __attribute__((aligned(64)));
     int64_t row;
     int64_t column;
+    int rows;
 } TileSums;
+
+/* This thread's tiles for blocks of `rows` rows (1..32): A tile 4 and C tiles 0-1 hold the first
+ * 16, A tile 5 and C tiles 2-3 the rest (unconfigured, and unused, for 16 or fewer); B tiles 6-7
+ * 16 input quads of 16 outputs. */
+static void configure_row_tiles(int rows) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    int first = rows < 16 ? rows : 16, second = rows - first;
+    static const int first_tiles[] = {0, 1, 4}, second_tiles[] = {2, 3, 5}, weight_tiles[] = {6, 7};
+    for (int i = 0; i < 3; i++) {
+        config.rows[first_tiles[i]] = (uint8_t)first;
+        config.colsb[first_tiles[i]] = 64;
+        config.rows[second_tiles[i]] = (uint8_t)second;
+        config.colsb[second_tiles[i]] = second > 0 ? 64 : 0;
+    }
+    for (int i = 0; i < 2; i++) {
+        config.rows[weight_tiles[i]] = 16;
+        config.colsb[weight_tiles[i]] = 64;
+    }
+    _tile_loadconfig(&config);
+}
 
 /* Rows [begin, end) of a stored tile's outputs: the scaling and rounding of `vnni_store`, each
  * half-panel's scales, compensation and bias loaded once. */
@@ -210,7 +234,7 @@ static void scale_tile_rows(const W8A8Matmul *m, const TileSums *tile, int begin
         __m512i compensation = _mm512_loadu_si512(m->compensation + column);
         __m512 weight_scales = _mm512_maskz_loadu_ps(mask, m->weight_scales + column);
         __m512 bias = m->bias != NULL ? _mm512_maskz_loadu_ps(mask, m->bias + column) : _mm512_setzero_ps();
-        for (int r = begin; r < end; r++) {
+        for (int r = begin; r < end && r < tile->rows; r++) {
             __m512i sum = _mm512_sub_epi32(_mm512_load_si512(tile->sums[r] + 16 * v), compensation);
             __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), weight_scales);
             value = _mm512_mul_ps(value, _mm512_set1_ps(m->row_scales[tile->row + r]));
@@ -222,29 +246,34 @@ static void scale_tile_rows(const W8A8Matmul *m, const TileSums *tile, int begin
     }
 }
 
-/* Rows [row, row + 32) by one panel on tiles 0-3 (C), 4-5 (A: rows), 6-7 (B: the panel's halves),
- * into `out`. The vector units scale the previous tile's sums (`pending`, unless NULL) a few rows
- * per input step while the tiles multiply. */
-static void amx_multiply_tile(const W8A8Matmul *m, int64_t row, int64_t panel, TileSums *out,
+/* Rows [row, row + rows) by one panel (tiles configured for `rows`) on tiles 0-3 (C), 4-5 (A:
+ * rows), 6-7 (B: the panel's halves), into `out`. The vector units scale the previous block's
+ * sums (`pending`, unless NULL) a few rows per input step while the tiles multiply. */
+static void amx_multiply_tile(const W8A8Matmul *m, int64_t row, int rows, int64_t panel, TileSums *out,
                               const TileSums *pending) {
     int64_t row_bytes = 4 * m->in_quads, panel_row_bytes = 4 * PANEL_COLUMNS;
     const int8_t *weight = m->weight + panel * m->in_quads * panel_row_bytes;
     const uint8_t *x = m->activations + row * row_bytes;
     int64_t steps = m->in_quads / AMX_STEP_QUADS;
     int rows_per_step = (int)((AMX_TILE_ROWS + steps - 1) / steps), scaled = 0;
+    int second_half = rows > 16;
     _tile_zero(0);
     _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    if (second_half) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
     for (int64_t quad = 0; quad < m->in_quads; quad += AMX_STEP_QUADS) {
         _tile_loadd(4, x + 4 * quad, row_bytes);
-        _tile_loadd(5, x + 16 * row_bytes + 4 * quad, row_bytes);
         _tile_loadd(6, weight + quad * panel_row_bytes, panel_row_bytes);
         _tile_loadd(7, weight + quad * panel_row_bytes + 64, panel_row_bytes);
         _tile_dpbusd(0, 4, 6);
         _tile_dpbusd(1, 4, 7);
-        _tile_dpbusd(2, 5, 6);
-        _tile_dpbusd(3, 5, 7);
+        if (second_half) {
+            _tile_loadd(5, x + 16 * row_bytes + 4 * quad, row_bytes);
+            _tile_dpbusd(2, 5, 6);
+            _tile_dpbusd(3, 5, 7);
+        }
         if (pending != NULL && scaled < AMX_TILE_ROWS) {
             int until = scaled + rows_per_step < AMX_TILE_ROWS ? scaled + rows_per_step : AMX_TILE_ROWS;
             scale_tile_rows(m, pending, scaled, until);
@@ -253,42 +282,43 @@ static void amx_multiply_tile(const W8A8Matmul *m, int64_t row, int64_t panel, T
     }
     _tile_stored(0, out->sums[0], panel_row_bytes);
     _tile_stored(1, out->sums[0] + 16, panel_row_bytes);
-    _tile_stored(2, out->sums[16], panel_row_bytes);
-    _tile_stored(3, out->sums[16] + 16, panel_row_bytes);
+    if (second_half) {
+        _tile_stored(2, out->sums[16], panel_row_bytes);
+        _tile_stored(3, out->sums[16] + 16, panel_row_bytes);
+    }
     out->row = row;
     out->column = panel * PANEL_COLUMNS;
+    out->rows = rows;
 }
 
-/* Whole 32-row tiles of rows [begin, end) by one panel, each tile's scaling overlapped with the
- * next one's products; returns the first row left. */
-static int64_t amx_multiply_panel_rows(const W8A8Matmul *m, int64_t begin, int64_t end, int64_t panel) {
+/* Rows [begin, end) by one panel in blocks of 32 rows, the last of what is left (the tiles are
+ * configured for it), each block's scaling overlapped with the next one's products. */
+static void amx_multiply_panel_rows(const W8A8Matmul *m, int64_t begin, int64_t end, int64_t panel) {
     TileSums tiles[2];
     const TileSums *pending = NULL;
-    int64_t row = begin;
-    for (int index = 0; end - row >= AMX_TILE_ROWS; row += AMX_TILE_ROWS, index ^= 1) {
-        amx_multiply_tile(m, row, panel, &tiles[index], pending);
+    for (int64_t row = begin, index = 0; row < end; row += AMX_TILE_ROWS, index ^= 1) {
+        int rows = end - row < AMX_TILE_ROWS ? (int)(end - row) : AMX_TILE_ROWS;
+        amx_multiply_tile(m, row, rows, panel, &tiles[index], pending);
         pending = &tiles[index];
     }
     if (pending != NULL) {
         scale_tile_rows(m, pending, 0, AMX_TILE_ROWS);
     }
-    return row;
 }
 #define SHARE_ROWS(m) ((m)->use_amx ? AMX_TILE_ROWS : TILE_ROWS)
 #else
 #define SHARE_ROWS(m) TILE_ROWS
 #endif
 
-/* Rows [begin, end) by one panel: whole 32-row tiles on AMX where the call uses it, the rest in
- * VNNI tiles. */
+/* Rows [begin, end) by one panel: on AMX tiles where the call uses them, else in VNNI tiles. */
 static void multiply_panel_rows(const W8A8Matmul *m, int64_t begin, int64_t end, int64_t panel) {
-    int64_t row = begin;
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
     if (m->use_amx) {
-        row = amx_multiply_panel_rows(m, begin, end, panel);
+        amx_multiply_panel_rows(m, begin, end, panel);
+        return;
     }
 #endif
-    for (; row < end; row += TILE_ROWS) {
+    for (int64_t row = begin; row < end; row += TILE_ROWS) {
         multiply_rows(end - row < TILE_ROWS ? (int)(end - row) : TILE_ROWS, m, row, panel);
     }
 }
@@ -453,9 +483,25 @@ static void multiply_block(const W8A8Matmul *m, int64_t row_begin, int64_t row_e
     }
 }
 
-/* This thread's share of the product, inside the parallel region. */
+/* This thread's share of the product, inside the parallel region. On AMX: its whole 32-row
+ * blocks under the full tile configuration, then the rows left under one for that many. */
 static void multiply_share(const W8A8Matmul *m, int64_t panels) {
     ProductShare share = thread_product_share(m->rows, panels, SHARE_ROWS(m));
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+    if (m->use_amx) {
+        int64_t whole_end = share.row_begin + (share.row_end - share.row_begin) / AMX_TILE_ROWS * AMX_TILE_ROWS;
+        if (whole_end > share.row_begin) {
+            configure_full_tiles();
+            multiply_block(m, share.row_begin, whole_end, share.panel_begin, share.panel_end);
+        }
+        if (share.row_end > whole_end) {
+            configure_row_tiles((int)(share.row_end - whole_end));
+            multiply_block(m, whole_end, share.row_end, share.panel_begin, share.panel_end);
+        }
+        _tile_release();
+        return;
+    }
+#endif
     multiply_block(m, share.row_begin, share.row_end, share.panel_begin, share.panel_end);
 }
 #endif
@@ -494,17 +540,7 @@ FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const vo
             pad_levels(levels, begin, end, in_features, in_quads, padded);
 #pragma omp barrier
         }
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-        if (m.use_amx) {
-            configure_full_tiles();
-        }
-#endif
         multiply_share(&m, panels);
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-        if (m.use_amx) {
-            _tile_release();
-        }
-#endif
     }
     free(padded);
     return FT_OK;
