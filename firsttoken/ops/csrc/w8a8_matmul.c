@@ -188,6 +188,7 @@ static void multiply_rows(int rows, const W8A8Matmul *m, int64_t row, int64_t pa
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define W8A8_AMX 1
 #define AMX_TILE_ROWS 32 /* two A tiles */
 #define AMX_STEP_QUADS 16 /* input quads per A tile row (64 bytes) */
 
@@ -305,23 +306,7 @@ static void amx_multiply_panel_rows(const W8A8Matmul *m, int64_t begin, int64_t 
         scale_tile_rows(m, pending, 0, AMX_TILE_ROWS);
     }
 }
-#define SHARE_ROWS(m) ((m)->use_amx ? AMX_TILE_ROWS : TILE_ROWS)
-#else
-#define SHARE_ROWS(m) TILE_ROWS
 #endif
-
-/* Rows [begin, end) by one panel: on AMX tiles where the call uses them, else in VNNI tiles. */
-static void multiply_panel_rows(const W8A8Matmul *m, int64_t begin, int64_t end, int64_t panel) {
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-    if (m->use_amx) {
-        amx_multiply_panel_rows(m, begin, end, panel);
-        return;
-    }
-#endif
-    for (int64_t row = begin; row < end; row += TILE_ROWS) {
-        multiply_rows(end - row < TILE_ROWS ? (int)(end - row) : TILE_ROWS, m, row, panel);
-    }
-}
 
 /* Rows [begin, end) of uint8 levels [rows, in_features] with each row zero-padded to whole
  * quads (the padding meets zero weights). */
@@ -444,15 +429,6 @@ static void multiply_rows(int rows, const W8A8Matmul *m, int64_t row, int64_t pa
     }
 }
 
-#define SHARE_ROWS(m) TILE_ROWS
-
-/* Rows [begin, end) by one panel. */
-static void multiply_panel_rows(const W8A8Matmul *m, int64_t begin, int64_t end, int64_t panel) {
-    for (int64_t row = begin; row < end; row += TILE_ROWS) {
-        multiply_rows(end - row < TILE_ROWS ? (int)(end - row) : TILE_ROWS, m, row, panel);
-    }
-}
-
 /* Rows [begin, end) of uint8 levels (level + 128) [rows, in_features] as int16 levels, each row
  * zero-padded to 2 * in_pairs. */
 static void widen_levels(const uint8_t *levels, int64_t begin, int64_t end, int64_t in_features, int64_t in_pairs,
@@ -471,6 +447,20 @@ static void widen_levels(const uint8_t *levels, int64_t begin, int64_t end, int6
 #endif
 
 #if defined(__AVX2__)
+/* Rows [begin, end) by one panel: on AMX tiles where the call uses them, else in this ISA's
+ * tiles of TILE_ROWS rows. */
+static void multiply_panel_rows(const W8A8Matmul *m, int64_t begin, int64_t end, int64_t panel) {
+#if W8A8_AMX
+    if (m->use_amx) {
+        amx_multiply_panel_rows(m, begin, end, panel);
+        return;
+    }
+#endif
+    for (int64_t row = begin; row < end; row += TILE_ROWS) {
+        multiply_rows(end - row < TILE_ROWS ? (int)(end - row) : TILE_ROWS, m, row, panel);
+    }
+}
+
 /* Rows [row_begin, row_end) by panels [panel_begin, panel_end): blocks of ROW_BLOCK rows, each
  * meeting every panel. */
 static void multiply_block(const W8A8Matmul *m, int64_t row_begin, int64_t row_end, int64_t panel_begin,
@@ -486,8 +476,8 @@ static void multiply_block(const W8A8Matmul *m, int64_t row_begin, int64_t row_e
 /* This thread's share of the product, inside the parallel region. On AMX: its whole 32-row
  * blocks under the full tile configuration, then the rows left under one for that many. */
 static void multiply_share(const W8A8Matmul *m, int64_t panels) {
-    ProductShare share = thread_product_share(m->rows, panels, SHARE_ROWS(m));
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if W8A8_AMX
+    ProductShare share = thread_product_share(m->rows, panels, m->use_amx ? AMX_TILE_ROWS : TILE_ROWS);
     if (m->use_amx) {
         int64_t whole_end = share.row_begin + (share.row_end - share.row_begin) / AMX_TILE_ROWS * AMX_TILE_ROWS;
         if (whole_end > share.row_begin) {
@@ -501,6 +491,8 @@ static void multiply_share(const W8A8Matmul *m, int64_t panels) {
         _tile_release();
         return;
     }
+#else
+    ProductShare share = thread_product_share(m->rows, panels, TILE_ROWS);
 #endif
     multiply_block(m, share.row_begin, share.row_end, share.panel_begin, share.panel_end);
 }
@@ -522,7 +514,7 @@ FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const vo
             return FT_OUT_OF_MEMORY;
         }
     }
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if W8A8_AMX
     use_amx = use_amx && in_quads % AMX_STEP_QUADS == 0;
 #else
     use_amx = 0;
