@@ -130,8 +130,8 @@ def test_swiglu_made_in_the_quantization_pass_gives_the_unfused_bits(
 @needs_exact_int8
 def test_the_native_int8_matmul_gives_the_onednn_engines_bits(two_layer_model_path, monkeypatch, caplog):
     """The engine runs W8A8 on the native kernels' int8 matmul where oneDNN's int8 sums saturate
-    (AVX2 without VNNI) and on VNNI CPUs without AMX; each forced here, the replies carry the same
-    bits (on the 2-layer model of the embedded model's shapes)."""
+    (AVX2 without VNNI), on VNNI CPUs and on AMX-INT8 tiles; each forced here, the replies carry the
+    same bits as oneDNN's (on the 2-layer model of the embedded model's shapes)."""
     options = dict(OPTIONS, model=two_layer_model_path, quantization="w8a8", **FIXED_THREADS)
     replies = {}
     for on_native in (False, True):
