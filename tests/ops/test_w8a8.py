@@ -67,21 +67,13 @@ def test_native_quantization_gives_the_torch_levels_and_scales(native_kernels, d
     assert torch.equal(scales, expected_scales)
 
 
-@pytest.fixture(scope="module", params=ISA_PARAMS)
-def kernels_of_each_isa(request) -> native.NativeKernels:
-    built = built_kernels(request.param)
-    if built is None:
-        pytest.skip("no working C compiler on this machine")
-    return built
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cols, block", [(1536, 512), (96, 32), (8, 2), (24, 8)])
-def test_native_quantization_turns_rows_by_the_torch_hadamard_bits(kernels_of_each_isa, dtype, cols, block):
+def test_native_quantization_turns_rows_by_the_torch_hadamard_bits(kernels, dtype, cols, block):
     """Blocks of whole vectors take the vectorized butterflies (pairs closer than a vector
     swapped within one), smaller ones the scalar loop: the torch bits either way."""
     x = _activations(300, cols, dtype)
-    levels, scales = kernels_of_each_isa.quantize_rows_int8(x, hadamard_block=block)
+    levels, scales = kernels.quantize_rows_int8(x, hadamard_block=block)
     expected_levels, expected_scales = quantize_rows(x, hadamard_block=block)
     assert torch.equal(levels, expected_levels)
     assert torch.equal(scales, expected_scales)
