@@ -140,7 +140,7 @@ def w8a8_on_native_matmul(kernels: native.NativeKernels | None) -> bool:
     while they are in registers or L1, where oneDNN writes float32 rows that another pass reads
     back (`benchmarks/w8a8_matmul.py`, SmolLM2's projections at 512 and 2048 rows: on 2 Zen 4
     cores 0.85-0.92x the time of oneDNN's product and that pass; on 2 Sapphire Rapids-class
-    cores, on its AMX tiles, 0.69-0.70x)."""
+    cores, on its AMX tiles, 0.60-0.69x)."""
     if kernels is None or not kernels.has_w8a8_matmul:
         return False
     return (
