@@ -13,6 +13,7 @@ from firsttoken.attention.backend import AttentionBackend
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.models.loaders.checkpoint import Checkpoint, NamedTensors
 from firsttoken.models.loaders.conversion_cache import ConversionCache
+from firsttoken.models.loaders.file_identity import file_fingerprint
 from firsttoken.models.loaders.hf_cache import cached_model_path, looks_like_repo_id
 from firsttoken.models.loaders.hf_folder import is_hf_folder, load_hf_folder
 from firsttoken.ops.kernels import Kernels
@@ -57,7 +58,7 @@ def open_checkpoint(path: str, cache_dir: str | None = None) -> Checkpoint:
     if os.path.isdir(path):
         raise ValueError(f"model: folder {path} has no config.json (expected a Hugging Face model folder)")
     # Imported here: the gguf package is needed only for GGUF files.
-    from firsttoken.models.loaders.gguf_file import file_fingerprint, load_gguf
+    from firsttoken.models.loaders.gguf_file import load_gguf
 
     cache = ConversionCache(cache_dir, file_fingerprint(path))
     with cache.converting():

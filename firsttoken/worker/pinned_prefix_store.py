@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from firsttoken.errors import InvalidInputError
-from firsttoken.models.loaders.gguf_file import file_fingerprint
+from firsttoken.models.loaders.file_identity import file_fingerprint
 
 if TYPE_CHECKING:
     from firsttoken.config import ModelConfig

@@ -82,6 +82,22 @@ def test_forward_flops_of_the_7b_shape():
     assert gpu_check.leading_matches([1, 2, 3], [1, 2, 4]) == 2
 
 
+def test_the_engine_imports_without_the_packages_the_gpu_image_lacks(tmp_path):
+    """The default tier's guard for the smoke run below: an import of gguf or of the server's
+    packages on the engine's path fails here in seconds instead of in the slow tier."""
+    script = tmp_path / "import_engine.py"
+    script.write_text("from firsttoken import LLM, SamplingParams\n")
+    completed = subprocess.run(
+        [sys.executable, "-c", _RUN_WITHOUT % str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO},
+        cwd=tmp_path,
+    )
+    assert completed.returncode == 0, completed.stderr
+
+
 @pytest.mark.slow  # a subprocess that builds engines on tiny shapes (~11 s)
 def test_cpu_smoke_run_prints_the_tables_and_passes(tmp_path):
     results_file = tmp_path / "results.json"

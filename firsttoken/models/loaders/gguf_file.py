@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from typing import Any
@@ -15,6 +14,7 @@ from gguf.quants import dequantize
 
 from firsttoken.models.arch import SUPPORTED_ARCHITECTURES, ModelArch
 from firsttoken.models.loaders.checkpoint import Checkpoint, NamedTensors
+from firsttoken.models.loaders.file_identity import file_fingerprint
 from firsttoken.models.loaders.gguf_tokenizer import GGUFVocab, build_tokenizer
 from firsttoken.ops.rotary import RopeScaling
 from firsttoken.tokenizer import Tokenizer
@@ -117,17 +117,6 @@ def load_gguf(path: str) -> Checkpoint:
         read_weights=lambda: _iter_weights(tensors, arch, gguf_arch),
         rope_frequency_divisors=divisors,
     )
-
-
-def file_fingerprint(path: str) -> str:
-    """Content identity of a model file: its size and the hash of its head and tail."""
-    size = os.path.getsize(path)
-    digest = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as handle:
-        digest.update(handle.read(1 << 20))
-        handle.seek(max(0, size - (1 << 20)))
-        digest.update(handle.read(1 << 20))
-    return digest.hexdigest()[:32]
 
 
 class MappedGGUFReader(GGUFReader):
