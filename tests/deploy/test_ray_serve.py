@@ -153,11 +153,17 @@ def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(client, endpoint
 
 
 def test_random_prefixes_spread_over_both_replicas(client, endpoint):
+    """A miss goes to the replica holding fewer prefix blocks. Earlier tests may have left one
+    replica holding many more, so the misses first go to the other one until the two hold about
+    as many; the cap (60 prompts of ~5 blocks each) bounds that catch-up, not the rule."""
     before = metric_by_replica(endpoint, "firsttoken:router_requests_total")
-    for seed in range(100, 110):
+    routed: dict[str, float] = {}
+    for num_sent, seed in enumerate(range(100, 160), start=1):
         client.completions.create(model=MODEL_NAME, prompt=prefix_text(seed, num_words=60), max_tokens=1)
-    routed = counts_since(before, metric_by_replica(endpoint, "firsttoken:router_requests_total"))
-    assert sum(routed.values()) == 10
+        routed = counts_since(before, metric_by_replica(endpoint, "firsttoken:router_requests_total"))
+        if len(routed) == 2 and min(routed.values()) >= 3:
+            break
+    assert sum(routed.values()) == num_sent
     assert len(routed) == 2 and min(routed.values()) >= 3, routed
 
 
