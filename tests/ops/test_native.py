@@ -9,7 +9,6 @@ import torch
 
 from firsttoken.attention.reference import write_kv_reference
 from firsttoken.ops import native
-from firsttoken.ops.activation import silu_and_mul_reference
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
 from firsttoken.ops.norm import add_rms_norm_reference, rms_norm_reference
 from firsttoken.ops.rotary import apply_rotary_reference, cos_sin_table, inverse_frequencies, rotary_cos_sin
@@ -53,15 +52,6 @@ def test_norms_match_reference(kernels, dtype, rows):
     expected_normed, expected_summed = add_rms_norm_reference(x, residual, weight, 1e-6)
     torch.testing.assert_close(summed, expected_summed, atol=0, rtol=0)
     torch.testing.assert_close(normed, expected_normed, **TOLERANCE[dtype])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", ROW_COUNTS)
-def test_silu_and_mul_matches_reference(kernels, dtype, rows):
-    gate_up = (4 * torch.randn(rows, 2 * 1536)).to(dtype)
-    torch.testing.assert_close(
-        kernels.silu_and_mul(gate_up), silu_and_mul_reference(gate_up), **TOLERANCE[dtype]
-    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

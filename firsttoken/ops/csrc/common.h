@@ -212,10 +212,9 @@ static inline void configure_full_tiles(void) {
 /* Row kernels of row_kernels.c that the decode step reuses; each returns 0 when out of memory. */
 #define FT_INTERNAL __attribute__((visibility("hidden")))
 FT_INTERNAL void normalize_row(const float *x, const float *weight, int64_t cols, float eps, int dtype, float *out);
-FT_INTERNAL void silu_row(float *x, int64_t count);
-/* Row r of SwiGLU's product to_dtype(silu(gate)) * up, from gate_up [rows, 2 * half], into `gate`
- * (`up`: scratch), in float32 before its rounding to `dtype`. */
-FT_INTERNAL void silu_and_mul_row(const void *gate_up, int64_t r, int64_t half, int dtype, float *gate, float *up);
+/* Row r of SwiGLU's product to_dtype(to_dtype(silu(gate)) * up), from gate_up [rows, 2 * half],
+ * into `product` [half] (float32 holding the dtype's values). */
+FT_INTERNAL void silu_and_mul_row(const void *gate_up, int64_t r, int64_t half, int dtype, float *product);
 FT_INTERNAL int rms_norm_rows(const void *x, const void *weight, void *out, int64_t begin, int64_t end, int64_t cols,
                               float eps, int dtype);
 FT_INTERNAL int add_rms_norm_rows(const void *x, const void *residual, const void *weight, void *out, void *summed,

@@ -57,14 +57,24 @@ static inline vfloat vf_load_bf16(const uint16_t *source) {
     return (vfloat)widened;
 }
 
-/* Rounded to bf16 to nearest even, as torch does; NaN stays a quiet NaN. */
-static inline void vf_store_bf16(uint16_t *destination, vfloat v) {
+/* The bf16 bits of each lane rounded to nearest even, as torch rounds; NaN stays a quiet NaN. */
+static inline vuint vf_bf16_bits(vfloat v) {
     vuint bits = (vuint)v;
     vuint is_nan = (vuint)((bits & 0x7fffffffu) > 0x7f800000u);
     vuint rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
     vuint quiet_nan = (bits >> 16) | 0x40u;
-    vbf16 narrowed = __builtin_convertvector((rounded & ~is_nan) | (quiet_nan & is_nan), vbf16);
+    return (rounded & ~is_nan) | (quiet_nan & is_nan);
+}
+
+/* Rounded to bf16 (vf_bf16_bits) and stored. */
+static inline void vf_store_bf16(uint16_t *destination, vfloat v) {
+    vbf16 narrowed = __builtin_convertvector(vf_bf16_bits(v), vbf16);
     memcpy(destination, &narrowed, sizeof narrowed);
+}
+
+/* Each lane rounded to bf16's values (vf_bf16_bits), kept in float32. */
+static inline vfloat vf_round_bf16(vfloat v) {
+    return (vfloat)(vf_bf16_bits(v) << 16);
 }
 
 /* Loads VEC_WIDTH values stored in `dtype` (DTYPE_FLOAT32 or DTYPE_BFLOAT16) at `index`. */

@@ -10,6 +10,7 @@
  * Built at run time by firsttoken/ops/native.py with the machine's C compiler.
  */
 #include "common.h"
+#include "isa.h"
 
 static int scratch_rows(int64_t count, int64_t rows, float **scratch) {
     *scratch = malloc((size_t)(count * rows) * sizeof(float));
@@ -95,43 +96,70 @@ FtStatus ft_add_rms_norm(const void *x, const void *residual, const void *weight
     return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
-/* x / (1 + e^-x), in place. */
-FT_INTERNAL void silu_row(float *x, int64_t count) {
-    int64_t c = 0;
-#if defined(__AVX512F__)
-    for (; c + 16 <= count; c += 16) {
-        __m512 value = _mm512_loadu_ps(x + c);
-        __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), value)));
-        /* 1 / d: a 14-bit estimate and one Newton step (~1 ulp), far cheaper than a division. */
-        __m512 estimate = _mm512_rcp14_ps(denominator);
-        estimate = _mm512_mul_ps(estimate, _mm512_fnmadd_ps(denominator, estimate, _mm512_set1_ps(2.0f)));
-        _mm512_storeu_ps(x + c, _mm512_mul_ps(value, estimate));
-    }
-#endif
-    for (; c < count; c++) {
-        x[c] = x[c] / (1.0f + expf(-x[c]));
-    }
+/* x / (1 + e^-x); 0 below -88, as vf_silu gives there. */
+static inline float silu_value(float x) {
+    return x < -88.0f ? 0.0f : x / (1.0f + expf(-x));
 }
 
-FT_INTERNAL void silu_and_mul_row(const void *gate_up, int64_t r, int64_t half, int dtype, float *gate, float *up) {
-    load_row(gate_up, r * 2 * half, half, dtype, gate);
-    load_row(gate_up, r * 2 * half + half, half, dtype, up);
-    silu_row(gate, half);
-    round_row(gate, half, dtype);
-    for (int64_t c = 0; c < half; c++) {
-        gate[c] *= up[c];
+/* x / (1 + e^-x) lane by lane; 0 where e^-x overflows (x below -88.7: x / inf). */
+static inline vfloat vf_silu(vfloat x) {
+#if defined(__AVX512F__)
+    __m512 value = (__m512)x;
+    __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), value)));
+    /* 1 / d: a 14-bit estimate and one Newton step (~1 ulp), far cheaper than a division; its
+     * inf * 0 would make an overflowed d's lanes NaN, so those take 0. */
+    __mmask16 finite = _mm512_cmp_ps_mask(denominator, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+    __m512 estimate = _mm512_rcp14_ps(denominator);
+    estimate = _mm512_maskz_mul_ps(finite, estimate, _mm512_fnmadd_ps(denominator, estimate, _mm512_set1_ps(2.0f)));
+    return (vfloat)_mm512_mul_ps(value, estimate);
+#else
+    /* isa.h's e^x stops at e^88: below -88 (where the exact values are under 1e-36) take 0. */
+    return vf_select(x < -88.0f, vf_splat(0.0f), x / (vf_splat(1.0f) + vf_exp(-x)));
+#endif
+}
+
+/* Each lane rounded to bf16's values, kept in float32: as round_row rounds. */
+static inline vfloat round_lanes_bf16(vfloat v) {
+#if VECTOR_BF16
+    return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16_bf16((__m512)v)), 16);
+#else
+    return vf_round_bf16(v);
+#endif
+}
+
+/* One pass, in registers: each vector of gates and ups loaded, multiplied and rounded as the
+ * torch reference's three ops round them. */
+FT_INTERNAL void silu_and_mul_row(const void *gate_up, int64_t r, int64_t half, int dtype, float *product) {
+    int64_t gate = r * 2 * half, up = gate + half, c = 0;
+    if (dtype == DTYPE_BFLOAT16) {
+        const uint16_t *bits = gate_up;
+        for (; c + VEC_WIDTH <= half; c += VEC_WIDTH) {
+            vfloat silu = round_lanes_bf16(vf_silu(vf_load_bf16(bits + gate + c)));
+            vf_store(product + c, round_lanes_bf16(silu * vf_load_bf16(bits + up + c)));
+        }
+        for (; c < half; c++) {
+            float silu = round_to(silu_value(bf16_to_float(bits[gate + c])), dtype);
+            product[c] = round_to(silu * bf16_to_float(bits[up + c]), dtype);
+        }
+    } else {
+        const float *values = gate_up;
+        for (; c + VEC_WIDTH <= half; c += VEC_WIDTH) {
+            vf_store(product + c, vf_silu(vf_load(values + gate + c)) * vf_load(values + up + c));
+        }
+        for (; c < half; c++) {
+            product[c] = silu_value(values[gate + c]) * values[up + c];
+        }
     }
 }
 
 FT_INTERNAL int silu_and_mul_rows(const void *gate_up, void *out, int64_t begin, int64_t end, int64_t half, int dtype) {
     float *scratch;
-    if (!scratch_rows(half, 2, &scratch)) {
+    if (!scratch_rows(half, 1, &scratch)) {
         return 0;
     }
-    float *gate = scratch, *up = scratch + half;
     for (int64_t r = begin; r < end; r++) {
-        silu_and_mul_row(gate_up, r, half, dtype, gate, up);
-        store_row(gate, half, dtype, out, r * half);
+        silu_and_mul_row(gate_up, r, half, dtype, scratch);
+        store_row(scratch, half, dtype, out, r * half);
     }
     free(scratch);
     return 1;

@@ -85,15 +85,14 @@ static void walsh_hadamard_block(float *values, int64_t block, float norm) {
 static int quantize_rows_range(const void *x, int silu_gated, const float *column_scales, int64_t hadamard_block,
                                float hadamard_norm, uint8_t *levels, float *scales, int64_t begin, int64_t end,
                                int64_t cols, int dtype) {
-    float *row = malloc((size_t)(silu_gated ? 2 * cols : cols) * sizeof(float));
+    float *row = malloc((size_t)cols * sizeof(float));
     if (row == NULL) {
         return 0;
     }
     for (int64_t r = begin; r < end; r++) {
         if (silu_gated) {
             /* The values ft_silu_and_mul would store and this pass read back. */
-            silu_and_mul_row(x, r, cols, dtype, row, row + cols);
-            round_row(row, cols, dtype);
+            silu_and_mul_row(x, r, cols, dtype, row);
         } else {
             load_row(x, r * cols, cols, dtype, row);
         }
