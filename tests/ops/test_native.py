@@ -10,7 +10,6 @@ import torch
 from firsttoken.attention.reference import write_kv_reference
 from firsttoken.ops import native
 from firsttoken.ops.kernels import FUSED_MIN_TOKENS, Kernels
-from firsttoken.ops.norm import add_rms_norm_reference, rms_norm_reference
 from firsttoken.ops.rotary import apply_rotary_reference, cos_sin_table, inverse_frequencies, rotary_cos_sin
 
 # The kernels round where the references round; what is left is float32 summation order
@@ -39,19 +38,6 @@ def use_amx(request, attention_kernels) -> bool:
     if request.param == "amx" and not attention_kernels.has_amx:
         pytest.skip("no AMX tiles on this CPU")
     return request.param == "amx"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", ROW_COUNTS)
-def test_norms_match_reference(kernels, dtype, rows):
-    x, residual = (torch.randn(rows, 576).to(dtype) for _ in range(2))
-    weight = torch.randn(576).to(dtype)
-    expected = rms_norm_reference(x, weight, 1e-5)
-    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), expected, **TOLERANCE[dtype])
-    normed, summed = kernels.add_rms_norm(x, residual, weight, 1e-6)
-    expected_normed, expected_summed = add_rms_norm_reference(x, residual, weight, 1e-6)
-    torch.testing.assert_close(summed, expected_summed, atol=0, rtol=0)
-    torch.testing.assert_close(normed, expected_normed, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,14 +17,40 @@ static int scratch_rows(int64_t count, int64_t rows, float **scratch) {
     return *scratch != NULL;
 }
 
-/* weight * to_dtype(x * rsqrt(mean(x^2) + eps)), x already in float32 (and in the dtype's values). */
+/* Each lane rounded to bf16's values, kept in float32: as round_row rounds. */
+static inline vfloat round_lanes_bf16(vfloat v) {
+#if VECTOR_BF16
+    return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16_bf16((__m512)v)), 16);
+#else
+    return vf_round_bf16(v);
+#endif
+}
+
+/* weight * to_dtype(x * rsqrt(mean(x^2) + eps)), x already in float32 (and in the dtype's values).
+ * The squares are summed lane by lane, then across the lanes in vf_sum's fixed order. */
 FT_INTERNAL void normalize_row(const float *x, const float *weight, int64_t cols, float eps, int dtype, float *out) {
-    float sum_of_squares = 0.0f;
-    for (int64_t c = 0; c < cols; c++) {
-        sum_of_squares += x[c] * x[c];
+    vfloat lane_sums = vf_splat(0.0f);
+    int64_t c = 0;
+    for (; c + VEC_WIDTH <= cols; c += VEC_WIDTH) {
+        vfloat value = vf_load(x + c);
+        lane_sums = lane_sums + value * value;
+    }
+    float sum_of_squares = vf_sum(lane_sums);
+    for (int64_t tail = c; tail < cols; tail++) {
+        sum_of_squares += x[tail] * x[tail];
     }
     float inverse_rms = 1.0f / sqrtf(sum_of_squares / (float)cols + eps);
-    for (int64_t c = 0; c < cols; c++) {
+    c = 0;
+    if (dtype == DTYPE_BFLOAT16) {
+        for (; c + VEC_WIDTH <= cols; c += VEC_WIDTH) {
+            vf_store(out + c, vf_load(weight + c) * round_lanes_bf16(vf_load(x + c) * inverse_rms));
+        }
+    } else {
+        for (; c + VEC_WIDTH <= cols; c += VEC_WIDTH) {
+            vf_store(out + c, vf_load(weight + c) * (vf_load(x + c) * inverse_rms));
+        }
+    }
+    for (; c < cols; c++) {
         out[c] = weight[c] * round_to(x[c] * inverse_rms, dtype);
     }
 }
@@ -115,15 +141,6 @@ static inline vfloat vf_silu(vfloat x) {
 #else
     /* isa.h's e^x stops at e^88: below -88 (where the exact values are under 1e-36) take 0. */
     return vf_select(x < -88.0f, vf_splat(0.0f), x / (vf_splat(1.0f) + vf_exp(-x)));
-#endif
-}
-
-/* Each lane rounded to bf16's values, kept in float32: as round_row rounds. */
-static inline vfloat round_lanes_bf16(vfloat v) {
-#if VECTOR_BF16
-    return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16_bf16((__m512)v)), 16);
-#else
-    return vf_round_bf16(v);
 #endif
 }
 
