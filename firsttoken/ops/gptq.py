@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from firsttoken.ops.w8a8 import INT8_LEVELS, Int8Weight
+from firsttoken.ops.w8a8 import INT8_LEVELS, Int8Weight, int8_weight_scales
 
 # Added to the second moments' diagonal, as a share of its mean: keeps their inverse defined
 # where an input channel barely varies (the paper's 1%; 0.1% gave the same quality on SmolLM2).
@@ -28,7 +28,7 @@ def gptq_int8(weight: torch.Tensor, second_moments: torch.Tensor) -> Int8Weight:
     second moments are `second_moments` [in, in]. Input channels that never varied (a zero
     diagonal) get zero weights: they contribute nothing to the product. Computes in float64."""
     # float32 scales, as rounding to nearest stores them, used as they are stored.
-    scales = (weight.detach().float().abs().amax(dim=1).clamp(min=1e-12) / INT8_LEVELS).double()
+    scales = int8_weight_scales(weight).double()
     weight = weight.detach().double().clone()
     moments = second_moments.to(weight.device, torch.float64).clone()
     dead = torch.diagonal(moments) == 0

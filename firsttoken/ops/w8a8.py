@@ -62,11 +62,16 @@ class Int8Weight:
         return self.levels.float() * self.scales[:, None]
 
 
+def int8_weight_scales(weight: torch.Tensor) -> torch.Tensor:
+    """Each output channel's symmetric int8 scale (float32 [out]): its largest magnitude / 127."""
+    return weight.detach().float().abs().amax(dim=1).clamp(min=1e-12) / INT8_LEVELS
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8, the weights of W8A8 and of weight-only int8: (int8
     [out, in], float32 scales [out]) with W ~ q * scale."""
     weight = weight.float()
-    scales = weight.abs().amax(dim=1).clamp(min=1e-12) / INT8_LEVELS
+    scales = int8_weight_scales(weight)
     quantized = torch.round(weight / scales[:, None]).clamp(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
     return quantized, scales
 
