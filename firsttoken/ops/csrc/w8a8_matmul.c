@@ -94,33 +94,70 @@ FtStatus ft_pack_w8a8_weight(const int8_t *weight, int64_t out_features, int64_t
     return FT_OK;
 }
 
-/* Lanes `mask` of a result vector at out[index], in the output dtype. */
-static inline __attribute__((always_inline)) void store_scaled(const W8A8Matmul *m, __m512 value, __mmask16 mask,
-                                                               int64_t index) {
-    if (m->dtype == DTYPE_BFLOAT16) {
-        /* Round to nearest even, as float_to_bf16 (the values are finite: exact sums times
-         * finite scales). */
-        __m512i bits = _mm512_castps_si512(value);
-        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-        bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-        _mm256_mask_storeu_epi16((uint16_t *)m->out + index, mask, _mm512_cvtepi32_epi16(bits));
-    } else {
-        _mm512_mask_storeu_ps((float *)m->out + index, mask, value);
+/* A panel's scaling constants, held in registers while its rows are scaled: loaded once per
+ * panel and tile, where reading them through the call's struct after each store would reload
+ * them (the stores may alias anything). */
+typedef struct {
+    __m512i compensation[VNNI_VECTORS];
+    __m512 weight_scales[VNNI_VECTORS];
+    __m512 bias[VNNI_VECTORS];
+    __mmask16 masks[VNNI_VECTORS];
+    int vectors; /* those holding outputs below out_features */
+    int has_bias;
+    int dtype;
+    int64_t out_features;
+    void *out; /* the panel's first column of output row 0 */
+} PanelScaling;
+
+static inline __attribute__((always_inline)) PanelScaling panel_scaling(const W8A8Matmul *m, int64_t column) {
+    PanelScaling panel = {.vectors = 0, .has_bias = m->bias != NULL, .dtype = m->dtype,
+                          .out_features = m->out_features};
+    panel.out = m->dtype == DTYPE_BFLOAT16 ? (void *)((uint16_t *)m->out + column) : (void *)((float *)m->out + column);
+    for (int v = 0; v < VNNI_VECTORS; v++) {
+        int64_t first = column + 16 * v, valid = m->out_features - first;
+        valid = valid < 0 ? 0 : valid;
+        panel.masks[v] = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
+        panel.vectors += valid > 0;
+        panel.compensation[v] = _mm512_loadu_si512(m->compensation + first);
+        panel.weight_scales[v] = _mm512_maskz_loadu_ps(panel.masks[v], m->weight_scales + first);
+        panel.bias[v] = panel.has_bias ? _mm512_maskz_loadu_ps(panel.masks[v], m->bias + first) : _mm512_setzero_ps();
     }
+    return panel;
 }
 
-/* Columns [column, column + 16) of one row from its exact sums: (float)sum * weight_scale *
- * row_scale (+ bias), stored in the output dtype; lanes past out_features are left alone. */
-static inline __attribute__((always_inline)) void vnni_store(const W8A8Matmul *m, __m512i sums, int64_t row,
-                                                             int64_t column) {
-    int64_t valid = m->out_features - column;
-    __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
-    __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_maskz_loadu_ps(mask, m->weight_scales + column));
-    value = _mm512_mul_ps(value, _mm512_set1_ps(m->row_scales[row]));
-    if (m->bias != NULL) {
-        value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(mask, m->bias + column));
+/* float32 lanes rounded to nearest even bf16, as float_to_bf16 (the values are finite: exact
+ * sums times finite scales). */
+static inline __attribute__((always_inline)) __m256i round_to_bf16(__m512 value) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(value);
+#else
+    __m512i bits = _mm512_castps_si512(value);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    return _mm512_cvtepi32_epi16(bits);
+#endif
+}
+
+/* One row of a panel from its exact sums (before compensation): (float)sum * weight_scale *
+ * row_scale (+ bias), stored in `dtype` (a constant where inlined); lanes past out_features are
+ * left alone. */
+static inline __attribute__((always_inline)) void store_panel_row(const PanelScaling *panel, const int dtype,
+                                                                  const __m512i sums[VNNI_VECTORS], float row_scale,
+                                                                  int64_t row) {
+    __m512 scale = _mm512_set1_ps(row_scale);
+    for (int v = 0; v < panel->vectors; v++) {
+        __m512 value = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[v], panel->compensation[v]));
+        value = _mm512_mul_ps(_mm512_mul_ps(value, panel->weight_scales[v]), scale);
+        if (panel->has_bias) {
+            value = _mm512_add_ps(value, panel->bias[v]);
+        }
+        int64_t index = row * panel->out_features + 16 * v;
+        if (dtype == DTYPE_BFLOAT16) {
+            _mm256_mask_storeu_epi16((uint16_t *)panel->out + index, panel->masks[v], round_to_bf16(value));
+        } else {
+            _mm512_mask_storeu_ps((float *)panel->out + index, panel->masks[v], value);
+        }
     }
-    store_scaled(m, value, mask, row * m->out_features + column);
 }
 
 /* acc + the four u8 x s8 products of each int32 lane. In assembly so the accumulator stays in
@@ -158,11 +195,12 @@ static inline __attribute__((always_inline)) void multiply_tile(const int rows, 
             }
         }
     }
-    int64_t column = panel * PANEL_COLUMNS;
-    for (int v = 0; v < VNNI_VECTORS && column + 16 * v < m->out_features; v++) {
-        __m512i compensation = _mm512_loadu_si512(m->compensation + column + 16 * v);
-        for (int r = 0; r < rows; r++) {
-            vnni_store(m, _mm512_sub_epi32(sums[r][v], compensation), row + r, column + 16 * v);
+    PanelScaling scaling = panel_scaling(m, panel * PANEL_COLUMNS);
+    for (int r = 0; r < rows; r++) {
+        if (scaling.dtype == DTYPE_BFLOAT16) {
+            store_panel_row(&scaling, DTYPE_BFLOAT16, sums[r], m->row_scales[row + r], row + r);
+        } else {
+            store_panel_row(&scaling, DTYPE_FLOAT32, sums[r], m->row_scales[row + r], row + r);
         }
     }
 }
@@ -226,24 +264,28 @@ static void configure_row_tiles(int rows) {
     _tile_loadconfig(&config);
 }
 
-/* Rows [begin, end) of a stored tile's outputs: the scaling and rounding of `vnni_store`, each
- * half-panel's scales, compensation and bias loaded once. */
-static void scale_tile_rows(const W8A8Matmul *m, const TileSums *tile, int begin, int end) {
-    for (int v = 0; v < VNNI_VECTORS && tile->column + 16 * v < m->out_features; v++) {
-        int64_t column = tile->column + 16 * v, valid = m->out_features - column;
-        __mmask16 mask = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
-        __m512i compensation = _mm512_loadu_si512(m->compensation + column);
-        __m512 weight_scales = _mm512_maskz_loadu_ps(mask, m->weight_scales + column);
-        __m512 bias = m->bias != NULL ? _mm512_maskz_loadu_ps(mask, m->bias + column) : _mm512_setzero_ps();
-        for (int r = begin; r < end && r < tile->rows; r++) {
-            __m512i sum = _mm512_sub_epi32(_mm512_load_si512(tile->sums[r] + 16 * v), compensation);
-            __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), weight_scales);
-            value = _mm512_mul_ps(value, _mm512_set1_ps(m->row_scales[tile->row + r]));
-            if (m->bias != NULL) {
-                value = _mm512_add_ps(value, bias);
-            }
-            store_scaled(m, value, mask, (tile->row + r) * m->out_features + column);
+/* Rows [begin, end) of a stored tile's outputs in `dtype` (a constant where inlined). */
+static inline __attribute__((always_inline)) void scale_tile_rows_as(const int dtype, const W8A8Matmul *m,
+                                                                     const TileSums *tile, int begin, int end) {
+    PanelScaling scaling = panel_scaling(m, tile->column);
+    const float *row_scales = m->row_scales;
+    int64_t first_row = tile->row;
+    int rows_end = end < tile->rows ? end : tile->rows;
+    for (int r = begin; r < rows_end; r++) {
+        __m512i sums[VNNI_VECTORS];
+        for (int v = 0; v < VNNI_VECTORS; v++) {
+            sums[v] = _mm512_load_si512(tile->sums[r] + 16 * v);
         }
+        store_panel_row(&scaling, dtype, sums, row_scales[first_row + r], first_row + r);
+    }
+}
+
+/* Rows [begin, end) of a stored tile's outputs, as `multiply_tile` stores its own. */
+static void scale_tile_rows(const W8A8Matmul *m, const TileSums *tile, int begin, int end) {
+    if (m->dtype == DTYPE_BFLOAT16) {
+        scale_tile_rows_as(DTYPE_BFLOAT16, m, tile, begin, end);
+    } else {
+        scale_tile_rows_as(DTYPE_FLOAT32, m, tile, begin, end);
     }
 }
 
