@@ -90,16 +90,20 @@ def quantize_rows(
     """Each row of float `x` [rows, in] (times `column_scales` [in] where given, then turned by
     the Walsh-Hadamard transform in blocks of `hadamard_block` where above 1) in symmetric
     int8, stored shifted by the zero point as uint8 (the activation type oneDNN's fast int8
-    kernels take): (uint8 [rows, in], float32 scales [rows]) with x ~ (q - 128) * scale. A zero
-    row gets scale 1 and all levels 128."""
+    kernels take): (uint8 [rows, in], float32 scales [rows]) with x ~ (q - 128) * scale, the
+    levels round(x * (127 / absmax)). A zero row gets scale 1 and all levels 128."""
     x = x.float()
     if column_scales is not None:
         x = x * column_scales
     if hadamard_block > 1:
         x = walsh_hadamard_rows(x, hadamard_block)
     row_max = x.abs().amax(dim=1)
-    scales = torch.where(row_max > 0, row_max / INT8_LEVELS, torch.ones_like(row_max))
-    levels = torch.round(x / scales[:, None]).clamp_(-INT8_LEVELS, INT8_LEVELS)
+    nonzero = row_max > 0
+    scales = torch.where(nonzero, row_max / INT8_LEVELS, torch.ones_like(row_max))
+    # Times the inverse, as vLLM's kernels take it: a division per element costs the native
+    # pass a quarter of its time. (127 / tensor would be 127 * (1 / tensor), another rounding.)
+    inverse_scales = torch.where(nonzero, torch.full_like(row_max, INT8_LEVELS) / row_max, torch.ones_like(row_max))
+    levels = torch.round(x * inverse_scales[:, None]).clamp_(-INT8_LEVELS, INT8_LEVELS)
     return levels.add_(ACTIVATION_ZERO_POINT).to(torch.uint8), scales
 
 

@@ -23,17 +23,17 @@ static float row_abs_max(const float *row, int64_t cols) {
     return result;
 }
 
-/* round-half-even(x / scale) clamped to +-127, + 128, as bytes. Clamping before rounding gives
- * the same levels as after: the bounds are whole numbers. */
-static void quantize_row(const float *row, float scale, int64_t cols, uint8_t *levels) {
+/* round-half-even(x * inverse_scale) clamped to +-127, + 128, as bytes. Clamping before
+ * rounding gives the same levels as after: the bounds are whole numbers. */
+static void quantize_row(const float *row, float inverse_scale, int64_t cols, uint8_t *levels) {
     int64_t c = 0;
     for (; c + VEC_WIDTH <= cols; c += VEC_WIDTH) {
-        vfloat level = vf_min(vf_max(vf_load(row + c) / scale, vf_splat(-127.0f)), vf_splat(127.0f));
+        vfloat level = vf_min(vf_max(vf_load(row + c) * inverse_scale, vf_splat(-127.0f)), vf_splat(127.0f));
         vbyte bytes = __builtin_convertvector(vi_round_even(level) + 128, vbyte);
         memcpy(levels + c, &bytes, sizeof bytes);
     }
     for (; c < cols; c++) {
-        float level = fminf(fmaxf(nearbyintf(row[c] / scale), -127.0f), 127.0f);
+        float level = fminf(fmaxf(nearbyintf(row[c] * inverse_scale), -127.0f), 127.0f);
         levels[c] = (uint8_t)(int32_t)(level + 128.0f);
     }
 }
@@ -107,9 +107,8 @@ static int quantize_rows_range(const void *x, int silu_gated, const float *colum
             }
         }
         float row_max = row_abs_max(row, cols);
-        float scale = row_max > 0.0f ? row_max / 127.0f : 1.0f;
-        quantize_row(row, scale, cols, levels + r * cols);
-        scales[r] = scale;
+        quantize_row(row, row_max > 0.0f ? 127.0f / row_max : 1.0f, cols, levels + r * cols);
+        scales[r] = row_max > 0.0f ? row_max / 127.0f : 1.0f;
     }
     free(row);
     return 1;
@@ -119,8 +118,8 @@ static int quantize_rows_range(const void *x, int silu_gated, const float *colum
  * gate | up, rounded to `dtype` as ft_silu_and_mul stores it; times column_scales [cols] unless
  * NULL, SmoothQuant's 1 / s; then, where hadamard_block > 1, each block of that many columns
  * turned by the Walsh-Hadamard transform, a rotated model's down_proj inputs) in symmetric int8
- * with its own scale, absmax / 127 (1 for a zero row): levels uint8 [rows, cols] (the int8
- * level + 128), scales float32 [rows]. */
+ * with its own scale, absmax / 127 (1 for a zero row), the levels x * (127 / absmax) rounded:
+ * levels uint8 [rows, cols] (the int8 level + 128), scales float32 [rows]. */
 FtStatus ft_quantize_rows_int8(const void *x, int silu_gated, const float *column_scales, int64_t hadamard_block,
                                float hadamard_norm, uint8_t *levels, float *scales, int64_t rows, int64_t cols,
                                int dtype, int num_threads) {
