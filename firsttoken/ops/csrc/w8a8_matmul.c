@@ -411,8 +411,38 @@ FtStatus ft_pack_w8a8_weight(const int8_t *weight, int64_t out_features, int64_t
     return FT_OK;
 }
 
+/* Eight outputs at out[index] from their exact sums: (float)sum * weight_scale * row_scale
+ * (+ bias), in the output dtype (bf16 rounded to nearest even, as float_to_bf16: the values are
+ * finite). */
+static inline __attribute__((always_inline)) void store_eight(const W8A8Matmul *m, __m256i sums, __m256 row_scale,
+                                                              int64_t column, int64_t index) {
+    __m256 value = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_loadu_ps(m->weight_scales + column));
+    value = _mm256_mul_ps(value, row_scale);
+    if (m->bias != NULL) {
+        value = _mm256_add_ps(value, _mm256_loadu_ps(m->bias + column));
+    }
+    if (m->dtype == DTYPE_BFLOAT16) {
+        __m256i bits = _mm256_castps_si256(value);
+        __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+        bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+        /* Packing works within 128-bit halves: the two halves' low quarters hold the eight. */
+        __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+        _mm_storeu_si128((__m128i *)((uint16_t *)m->out + index), _mm256_castsi256_si128(packed));
+    } else {
+        _mm256_storeu_ps((float *)m->out + index, value);
+    }
+}
+
 static inline __attribute__((always_inline)) void store_tile_row(const W8A8Matmul *m, __m256i sums[2], int64_t row,
                                                                  int64_t column, int64_t cols) {
+    if (cols == PANEL_COLUMNS) {
+        __m256 row_scale = _mm256_set1_ps(m->row_scales[row]);
+        for (int v = 0; v < 2; v++) {
+            store_eight(m, sums[v], row_scale, column + 8 * v, row * m->out_features + column + 8 * v);
+        }
+        return;
+    }
+    /* The last panel's outputs past out_features: element by element, in the same operations. */
     float values[PANEL_COLUMNS];
     float row_scale = m->row_scales[row];
     for (int v = 0; v < 2; v++) {
