@@ -164,6 +164,9 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.gate_up_proj, W8A8Linear) and self.gate_up_proj.makes_swiglu_product:
+            # W8A8's int8 matmul stores SwiGLU's product from its epilogue: gate | up is never written.
+            return self.down_proj(self.gate_up_proj(hidden))
         gate_up = self.gate_up_proj(hidden)
         if (
             self.silu_gated
@@ -460,9 +463,9 @@ class LlamaForCausalLM(nn.Module):
             for module in self.layers.modules()
         )
 
-        def quantized(name: str, module: nn.Module) -> nn.Module:
+        def quantized(name: str, module: nn.Module, swiglu_output: bool) -> nn.Module:
             if isinstance(module, RowParallelLinear):
-                module.linear = quantized(name, module.linear)
+                module.linear = quantized(name, module.linear, swiglu_output)
                 return module
             # A rotated model's down_proj: one W8A8Linear, its inputs turned in the quantization pass.
             hadamard_block = module.hadamard.block if isinstance(module, HadamardInputs) else 1
@@ -471,17 +474,19 @@ class LlamaForCausalLM(nn.Module):
             stored = linear.checkpoint_int8 if int8_weights is None else int8_weights[name]
             if stored is not None:
                 return W8A8Linear(
-                    stored.levels, stored.scales, bias, native_kernels, hadamard_block=hadamard_block
+                    stored.levels, stored.scales, bias, native_kernels, hadamard_block=hadamard_block,
+                    swiglu_output=swiglu_output,
                 )
             if from_checkpoint:
                 return fastest_linear(linear, None, False, pack_onednn, native_kernels, row_invariant_float)
             activation_max = activation_maxima[name] if activation_maxima is not None else None
             return W8A8Linear.from_float(
-                linear.weight.data, bias, native_kernels, activation_max, hadamard_block
+                linear.weight.data, bias, native_kernels, activation_max, hadamard_block, swiglu_output
             )
 
         for name, owner, attribute in layer_projections(self.layers):
-            setattr(owner, attribute, quantized(name, getattr(owner, attribute)))
+            swiglu_output = attribute == "gate_up_proj" and owner.silu_gated
+            setattr(owner, attribute, quantized(name, getattr(owner, attribute), swiglu_output))
         self.lm_head = fastest_linear(
             self.lm_head, None, False, pack_onednn, native_kernels, row_invariant_float
         )

@@ -189,10 +189,21 @@ class NativeKernels:
         use the tile registers): inputs in whole 64-byte tile rows; others on AVX512-VNNI."""
         return self.has_amx and "ft_w8a8_has_amx" in self._kernels
 
-    def pack_w8a8_weight(self, weight: torch.Tensor) -> torch.Tensor:
+    @property
+    def w8a8_matmul_makes_swiglu(self) -> bool:
+        """Whether this build's int8 matmul can store SwiGLU's product of a gate | up projection
+        (`silu_gated`): its AVX512-VNNI and AMX-INT8 kernels can."""
+        return self.w8a8_matmul_uses_vnni
+
+    def pack_w8a8_weight(self, weight: torch.Tensor, silu_gated: bool = False) -> torch.Tensor:
         """int8 levels [out, in] in `w8a8_matmul`'s layout (bytes; panels of outputs, as this
-        build's matmul reads them)."""
+        build's matmul reads them). `silu_gated`: the rows are gate | up halves, paired in the
+        panels for `w8a8_matmul(silu_gated=True)`."""
         out_features, in_features = weight.shape
+        if silu_gated and not self.w8a8_matmul_makes_swiglu:
+            raise ValueError(f"pack_w8a8_weight: the {self.isa} build's int8 matmul makes no SwiGLU product")
+        if silu_gated and out_features % 2 != 0:
+            raise ValueError(f"pack_w8a8_weight: gate | up rows need an even count, got {out_features}")
         packed = torch.empty(
             self._kernels["ft_w8a8_packed_bytes"](out_features=out_features, in_features=in_features),
             dtype=torch.uint8,
@@ -200,7 +211,7 @@ class NativeKernels:
         _check(
             self._kernels["ft_pack_w8a8_weight"](
                 weight=weight.contiguous().data_ptr(), out_features=out_features, in_features=in_features,
-                packed=packed.data_ptr(),
+                silu_gated=int(silu_gated), packed=packed.data_ptr(),
             )
         )
         return packed
@@ -214,24 +225,30 @@ class NativeKernels:
         bias: torch.Tensor | None,
         dtype: torch.dtype,
         use_amx: bool | None = None,
+        silu_gated: bool = False,
     ) -> torch.Tensor:
         """[rows, out] in `dtype`: uint8 levels (level + 128) [rows, in] with float32 row_scales
         [rows] times the packed int8 weights with float32 weight_scales [out] (+ float32 bias),
         summed exactly in int32; on AMX-INT8 tiles where the build has them (`use_amx` None) or
-        where asked, else on vectors: the same bits either way."""
+        where asked, else on vectors: the same bits either way. `silu_gated` (weights packed so):
+        [rows, out / 2], `silu_and_mul` of that gate | up product, bit for bit."""
         use_amx = self.w8a8_matmul_uses_amx if use_amx is None else use_amx
         if use_amx and not self.w8a8_matmul_uses_amx:
             raise ValueError("w8a8_matmul: use_amx asked for where the build has no AMX-INT8 tiles")
+        if silu_gated and not self.w8a8_matmul_makes_swiglu:
+            raise ValueError(f"w8a8_matmul: the {self.isa} build's int8 matmul makes no SwiGLU product")
         rows, in_features = levels.shape
         out_features = weight_scales.shape[0]
-        out = torch.empty(rows, out_features, dtype=dtype)
+        out = torch.empty(rows, out_features // 2 if silu_gated else out_features, dtype=dtype)
         _check(
             self._kernels["ft_w8a8_matmul"](
                 levels=levels.data_ptr(), row_scales=row_scales.data_ptr(), weight=packed_weight.data_ptr(),
                 weight_scales=weight_scales.data_ptr(), bias=bias.data_ptr() if bias is not None else None,
                 out=out.data_ptr(), rows=rows, out_features=out_features, in_features=in_features,
                 dtype=_DTYPE_CODES[dtype], num_threads=torch.get_num_threads(), use_amx=int(use_amx),
-            )
+                silu_gated=int(silu_gated),
+            ),
+            bad_shape=f"w8a8_matmul: SwiGLU's gate | up outputs need an even count, got {out_features}",
         )
         return out
 

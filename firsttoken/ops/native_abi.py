@@ -339,7 +339,7 @@ KERNELS = (
     Kernel("ft_w8a8_packed_bytes", _parameters(_PROJECTION), result="int64_t", requires=Requires.AVX2),
     Kernel(
         "ft_pack_w8a8_weight",
-        _parameters(f"const int8_t *weight, {_PROJECTION}, void *packed"),
+        _parameters(f"const int8_t *weight, {_PROJECTION}, int silu_gated, void *packed"),
         requires=Requires.AVX2,
     ),
     Kernel(
@@ -347,7 +347,7 @@ KERNELS = (
         _parameters(
             "const uint8_t *levels, const float *row_scales, const void *weight, "
             f"const float *weight_scales, const float *bias, void *out, int64_t rows, {_PROJECTION}, "
-            f"{_DTYPE_THREADS}, int use_amx"
+            f"{_DTYPE_THREADS}, int use_amx, int silu_gated"
         ),
         requires=Requires.AVX2,
     ),

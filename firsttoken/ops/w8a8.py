@@ -102,7 +102,9 @@ def quantize_rows(
     scales = torch.where(nonzero, row_max / INT8_LEVELS, torch.ones_like(row_max))
     # Times the inverse, as vLLM's kernels take it: a division per element costs the native
     # pass a quarter of its time. (127 / tensor would be 127 * (1 / tensor), another rounding.)
-    inverse_scales = torch.where(nonzero, torch.full_like(row_max, INT8_LEVELS) / row_max, torch.ones_like(row_max))
+    inverse_scales = torch.where(
+        nonzero, torch.full_like(row_max, INT8_LEVELS) / row_max, torch.ones_like(row_max)
+    )
     levels = torch.round(x * inverse_scales[:, None]).clamp_(-INT8_LEVELS, INT8_LEVELS)
     return levels.add_(ACTIVATION_ZERO_POINT).to(torch.uint8), scales
 
@@ -218,7 +220,11 @@ class W8A8Linear(nn.Module):
     W holds the transform's inverse); computes in int32, returns the input's dtype. With native
     kernels the quantization and the rescaling are one pass each (in torch ops they are eight
     passes, which cost more than the matmul itself: 2048 rows, 120 projections, 330 ms against
-    131 ms)."""
+    131 ms).
+
+    `swiglu_output`: the rows are SwiGLU's gate | up halves; where the native int8 matmul can
+    (`makes_swiglu_product`), it returns silu(gate) * up [.., out / 2] (`silu_and_mul`'s bits)
+    from its epilogue, so gate | up is never written out nor read back."""
 
     def __init__(
         self,
@@ -228,18 +234,25 @@ class W8A8Linear(nn.Module):
         kernels: native.NativeKernels | None = None,
         input_scales: torch.Tensor | None = None,
         hadamard_block: int = 1,
+        swiglu_output: bool = False,
     ) -> None:
         super().__init__()
         check_hadamard_block(weight.shape[1], hadamard_block)
-        self.out_features = weight.shape[0]
         self.native_matmul = w8a8_on_native_matmul(kernels)
+        self.makes_swiglu_product = (
+            swiglu_output
+            and self.native_matmul
+            and kernels.w8a8_matmul_makes_swiglu
+            and weight.shape[0] % 2 == 0
+        )
+        self.out_features = weight.shape[0] // 2 if self.makes_swiglu_product else weight.shape[0]
         if self.native_matmul:
-            packed = kernels.pack_w8a8_weight(weight)
+            packed = kernels.pack_w8a8_weight(weight, silu_gated=self.makes_swiglu_product)
         else:
             packed = torch.ops.onednn.qlinear_prepack(weight, None)
         self.register_buffer("packed_weight", packed)
         self.register_buffer("weight_scales", weight_scales.float().contiguous())
-        self.register_buffer("weight_zero_points", _no_zero_points(self.out_features))
+        self.register_buffer("weight_zero_points", _no_zero_points(weight.shape[0]))
         self.bias = bias.float().contiguous() if bias is not None else None
         self.input_scales = input_scales.float().contiguous() if input_scales is not None else None
         self.hadamard_block = hadamard_block
@@ -253,14 +266,21 @@ class W8A8Linear(nn.Module):
         kernels: native.NativeKernels | None = None,
         activation_max: torch.Tensor | None = None,
         hadamard_block: int = 1,
+        swiglu_output: bool = False,
     ) -> W8A8Linear:
         """`activation_max` [in]: the inputs' per-channel maxima from a calibration run, which
         smooth the weight and its inputs (SMOOTHING_ALPHA); None quantizes them as they are.
-        `hadamard_block`: see the class."""
+        `hadamard_block`, `swiglu_output`: see the class."""
         if activation_max is None:
-            return cls(*quantize_int8(weight), bias, kernels, hadamard_block=hadamard_block)
+            return cls(
+                *quantize_int8(weight), bias, kernels,
+                hadamard_block=hadamard_block, swiglu_output=swiglu_output,
+            )
         factors = smoothing_factors(activation_max, weight, SMOOTHING_ALPHA)
-        return cls(*quantize_int8(weight.float() * factors), bias, kernels, input_scales=1 / factors)
+        return cls(
+            *quantize_int8(weight.float() * factors), bias, kernels, input_scales=1 / factors,
+            swiglu_output=swiglu_output,
+        )
 
     @property
     def takes_silu_gated_inputs(self) -> bool:
@@ -287,7 +307,8 @@ class W8A8Linear(nn.Module):
             levels, row_scales = quantize_rows(flat, self.input_scales, self.hadamard_block)
         if self.native_matmul:
             output = self.kernels.w8a8_matmul(
-                levels, row_scales, self.packed_weight, self.weight_scales, self.bias, x.dtype
+                levels, row_scales, self.packed_weight, self.weight_scales, self.bias, x.dtype,
+                silu_gated=self.makes_swiglu_product,
             )
             return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
         sums = _onednn_int8_matmul(

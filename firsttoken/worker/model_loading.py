@@ -204,6 +204,7 @@ def _weights_form(
     calibrated = model_config.w8a8_activation_stats is not None or model_config.w8a8_weights is not None
     if placement.shard is not None or calibrated:
         return None
+    w8a8_native_matmul = model_config.quantization == "w8a8" and w8a8_on_native_matmul(native_kernels)
     return WeightsForm(
         fingerprint=checkpoint.fingerprint,
         dtype=placement.dtype,
@@ -214,7 +215,8 @@ def _weights_form(
         fuse_ops=model_config.fuse_ops,
         native_isa=native_kernels.isa if native_kernels is not None else None,
         pack_onednn=pack_onednn,
-        w8a8_native_matmul=model_config.quantization == "w8a8" and w8a8_on_native_matmul(native_kernels),
+        w8a8_native_matmul=w8a8_native_matmul,
+        w8a8_swiglu_product=w8a8_native_matmul and native_kernels.w8a8_matmul_makes_swiglu,
         w8a8_rotation=model_config.w8a8_rotation,
     )
 

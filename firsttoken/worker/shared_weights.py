@@ -45,6 +45,8 @@ class WeightsForm:
     native_isa: str | None
     pack_onednn: bool
     w8a8_native_matmul: bool
+    # gate | up packed for the int8 matmul's SwiGLU epilogue (returning the product, not gate | up).
+    w8a8_swiglu_product: bool
     w8a8_rotation: bool
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
-from firsttoken.ops import w8a8
+from firsttoken.ops import native, w8a8
 from firsttoken.ops.w8a8 import W8A8Linear, w8a8_unsupported_reason
 from firsttoken.worker import model_loading
 from tests.conftest import FIXED_THREADS
@@ -152,6 +152,30 @@ def test_the_native_int8_matmul_gives_the_onednn_engines_bits(two_layer_model_pa
             assert f"W8A8 projections multiply on {multiplier}" in caplog.text
             caplog.clear()
             replies[on_native] = [_bits(output) for output in llm.generate(PROMPTS, GREEDY)]
+        finally:
+            llm.shutdown()
+    assert replies[True] == replies[False]
+
+
+@needs_exact_int8
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_swiglu_epilogue_gives_the_engines_bits_without_it(two_layer_model_path, monkeypatch, dtype):
+    """Where the int8 matmul stores SwiGLU's product (AVX512-VNNI, AMX-INT8), the replies carry
+    the bits of the engine that writes gate | up and makes the product in down_proj's
+    quantization pass."""
+    options = dict(OPTIONS, model=two_layer_model_path, quantization="w8a8", dtype=dtype, **FIXED_THREADS)
+    replies = {}
+    for fused in (True, False):
+        if not fused:
+            without = property(lambda self: False)
+            monkeypatch.setattr(native.NativeKernels, "w8a8_matmul_makes_swiglu", without)
+        llm = LLM(**options)
+        try:
+            gate_up_proj = llm.core.worker.model.layers[0].mlp.gate_up_proj
+            if fused and not gate_up_proj.makes_swiglu_product:
+                pytest.skip("this CPU's int8 matmul makes no SwiGLU product (AVX512-VNNI or AMX-INT8)")
+            assert gate_up_proj.makes_swiglu_product == fused
+            replies[fused] = [_bits(output) for output in llm.generate(PROMPTS, GREEDY)]
         finally:
             llm.shutdown()
     assert replies[True] == replies[False]
@@ -394,6 +418,9 @@ def test_an_engine_multiplies_the_gptq_files_levels_behind_its_rotation(
             expected = w8a8.w8a8_linear_reference(
                 x.double(), levels, scales, projection.bias, hadamard_block=projection.hadamard_block
             )
+            if projection.makes_swiglu_product:
+                gate, up = expected.chunk(2, dim=-1)
+                expected = torch.nn.functional.silu(gate) * up
             # Rounded to nearest, a level in ten moves by one: that would move these by 1e-3.
             torch.testing.assert_close(projection(x).double(), expected, rtol=1e-5, atol=1e-5)
         assert layers[0].mlp.down_proj.hadamard_block == 512

@@ -308,6 +308,45 @@ def test_amx_tiles_give_the_vnni_bits(isa_kernels, out_features, in_features, dt
     torch.testing.assert_close(on_tiles, expected, rtol=tolerance, atol=tolerance)
 
 
+# SwiGLU's gate | up projections: SmolLM2's (1536 features of 576 inputs), a last panel of 8
+# features (40), fewer features than a panel (8), inputs not in whole tile rows (65).
+SWIGLU_SHAPES = [(1536, 576), (40, 128), (8, 64), (48, 65)]
+
+
+@pytest.mark.parametrize("features,in_features", SWIGLU_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_swiglu_epilogue_gives_silu_and_mul_s_bits(isa_kernels, features, in_features, dtype):
+    """Gates paired with their ups in each panel, the epilogue's silu(gate) * up: the bits of
+    silu_and_mul over the plain gate | up product, on tiles and on vectors, at every row count."""
+    if not isa_kernels.w8a8_matmul_makes_swiglu:
+        pytest.skip(f"the {isa_kernels.isa} build's int8 matmul makes no SwiGLU product")
+    generator = torch.Generator().manual_seed(features + in_features)
+    levels, scales = quantize_int8(torch.randn(2 * features, in_features, generator=generator))
+    bias = torch.randn(2 * features, generator=generator)
+    plain, gated = (isa_kernels.pack_w8a8_weight(levels, silu_gated=paired) for paired in (False, True))
+    x = _activations(100, in_features, dtype, seed=features)
+    activation_levels, row_scales = isa_kernels.quantize_rows_int8(x)
+    for use_amx in (True, False) if isa_kernels.w8a8_matmul_uses_amx else (False,):
+        for rows in (1, 31, 33, 100):
+            args = (activation_levels[:rows], row_scales[:rows])
+            gate_up = isa_kernels.w8a8_matmul(*args, plain, scales, bias, dtype, use_amx=use_amx)
+            product = isa_kernels.w8a8_matmul(
+                *args, gated, scales, bias, dtype, use_amx=use_amx, silu_gated=True
+            )
+            assert product.shape == (rows, features)
+            assert torch.equal(product, isa_kernels.silu_and_mul(gate_up)), (use_amx, rows)
+
+
+def test_swiglu_pairs_need_an_even_count_and_a_build_that_makes_them(isa_kernels):
+    levels, _ = quantize_int8(torch.randn(9, 64))
+    if not isa_kernels.w8a8_matmul_makes_swiglu:
+        with pytest.raises(ValueError, match="makes no SwiGLU product"):
+            isa_kernels.pack_w8a8_weight(levels[:8], silu_gated=True)
+        return
+    with pytest.raises(ValueError, match="even count, got 9"):
+        isa_kernels.pack_w8a8_weight(levels, silu_gated=True)
+
+
 def test_amx_asked_for_without_tiles_is_refused(isa_kernels):
     if isa_kernels.w8a8_matmul_uses_amx:
         pytest.skip("this build has AMX-INT8 tiles")

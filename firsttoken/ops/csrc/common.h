@@ -183,6 +183,22 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+
+/* x / (1 + e^-x) for 16 floats; 0 where e^-x overflows (x below -88.7: x / inf). The same bits
+ * under any build options (the W8A8 matmul's epilogue is built without contraction or
+ * reassociation, the row kernels with both): only explicit FMAs, and the result is held as it
+ * is, so a caller's silu * up is never reassociated into x * up * (1 / d). */
+static inline __m512 silu16(__m512 x) {
+    __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+    /* 1 / d: a 14-bit estimate and one Newton step (~1 ulp), far cheaper than a division; its
+     * inf * 0 would make an overflowed d's lanes NaN, so those take 0. */
+    __mmask16 finite = _mm512_cmp_ps_mask(denominator, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+    __m512 estimate = _mm512_rcp14_ps(denominator);
+    estimate = _mm512_maskz_mul_ps(finite, estimate, _mm512_fnmadd_ps(denominator, estimate, _mm512_set1_ps(2.0f)));
+    __m512 silu = _mm512_mul_ps(x, estimate);
+    __asm__("" : "+v"(silu));
+    return silu;
+}
 #endif
 
 #if defined(__AMX_TILE__)

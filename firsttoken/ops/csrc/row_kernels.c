@@ -122,50 +122,47 @@ FtStatus ft_add_rms_norm(const void *x, const void *residual, const void *weight
     return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
-/* x / (1 + e^-x); 0 below -88, as the portable vf_silu (the exact values there are under 1e-36). */
-static inline float silu_value(float x) {
-    return x < -88.0f ? 0.0f : x / (1.0f + expf(-x));
-}
-
 /* x / (1 + e^-x) lane by lane; 0 where e^-x overflows (x below -88.7: x / inf). */
 static inline vfloat vf_silu(vfloat x) {
 #if defined(__AVX512F__)
-    __m512 value = (__m512)x;
-    __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), value)));
-    /* 1 / d: a 14-bit estimate and one Newton step (~1 ulp), far cheaper than a division; its
-     * inf * 0 would make an overflowed d's lanes NaN, so those take 0. */
-    __mmask16 finite = _mm512_cmp_ps_mask(denominator, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
-    __m512 estimate = _mm512_rcp14_ps(denominator);
-    estimate = _mm512_maskz_mul_ps(finite, estimate, _mm512_fnmadd_ps(denominator, estimate, _mm512_set1_ps(2.0f)));
-    return (vfloat)_mm512_mul_ps(value, estimate);
+    return (vfloat)silu16((__m512)x);
 #else
     /* isa.h's e^x stops at e^88: below -88 (where the exact values are under 1e-36) take 0. */
     return vf_select(x < -88.0f, vf_splat(0.0f), x / (vf_splat(1.0f) + vf_exp(-x)));
 #endif
 }
 
-/* One pass, in registers: each vector of gates and ups loaded, multiplied and rounded as the
- * torch reference's three ops round them. */
-FT_INTERNAL void silu_and_mul_row(const void *gate_up, int64_t r, int64_t half, int dtype, float *product) {
-    int64_t gate = r * 2 * half, up = gate + half, c = 0;
+/* Columns [c, c + VEC_WIDTH) of one row: gates and ups multiplied and rounded as the torch
+ * reference's three ops round them. */
+static inline void silu_and_mul_vector(const void *gate_up, int64_t gate, int64_t up, int64_t c, int dtype,
+                                       float *product) {
     if (dtype == DTYPE_BFLOAT16) {
         const uint16_t *bits = gate_up;
-        for (; c + VEC_WIDTH <= half; c += VEC_WIDTH) {
-            vfloat silu = round_lanes_bf16(vf_silu(vf_load_bf16(bits + gate + c)));
-            vf_store(product + c, round_lanes_bf16(silu * vf_load_bf16(bits + up + c)));
-        }
-        for (; c < half; c++) {
-            float silu = round_to(silu_value(bf16_to_float(bits[gate + c])), dtype);
-            product[c] = round_to(silu * bf16_to_float(bits[up + c]), dtype);
-        }
+        vfloat silu = round_lanes_bf16(vf_silu(vf_load_bf16(bits + gate + c)));
+        vf_store(product + c, round_lanes_bf16(silu * vf_load_bf16(bits + up + c)));
     } else {
         const float *values = gate_up;
-        for (; c + VEC_WIDTH <= half; c += VEC_WIDTH) {
-            vf_store(product + c, vf_silu(vf_load(values + gate + c)) * vf_load(values + up + c));
-        }
-        for (; c < half; c++) {
-            product[c] = silu_value(values[gate + c]) * values[up + c];
-        }
+        vf_store(product + c, vf_silu(vf_load(values + gate + c)) * vf_load(values + up + c));
+    }
+}
+
+/* One pass, in registers. The columns past the last whole vector go through a zero-padded
+ * vector: every column takes the same arithmetic (the W8A8 matmul's SwiGLU epilogue gives
+ * these bits whatever the width). */
+FT_INTERNAL void silu_and_mul_row(const void *gate_up, int64_t r, int64_t half, int dtype, float *product) {
+    int64_t gate = r * 2 * half, up = gate + half, c = 0;
+    for (; c + VEC_WIDTH <= half; c += VEC_WIDTH) {
+        silu_and_mul_vector(gate_up, gate, up, c, dtype, product);
+    }
+    int64_t tail = half - c;
+    if (tail > 0) {
+        size_t element = dtype == DTYPE_BFLOAT16 ? sizeof(uint16_t) : sizeof(float);
+        float padded[2 * VEC_WIDTH] = {0}, padded_product[VEC_WIDTH];
+        memcpy(padded, (const char *)gate_up + (size_t)(gate + c) * element, (size_t)tail * element);
+        memcpy((char *)padded + VEC_WIDTH * element, (const char *)gate_up + (size_t)(up + c) * element,
+               (size_t)tail * element);
+        silu_and_mul_vector(padded, 0, VEC_WIDTH, 0, dtype, padded_product);
+        memcpy(product + c, padded_product, (size_t)tail * sizeof(float));
     }
 }
 

@@ -7,7 +7,9 @@
  * [panels][in_quads][VNNI_PANEL_COLUMNS][4] int8, one 64-byte vector per 16 outputs and four
  * inputs, then each output's compensation (int32). oneDNN's int8 matmul sums as exactly there,
  * but writes float32 rows that a second pass must scale by the rows' scales and round; here that
- * happens while the sums are in registers.
+ * happens while the sums are in registers. SwiGLU's gate | up projection can go further (packed
+ * `silu_gated`): each panel pairs 16 features' gates with their ups, and the epilogue stores
+ * silu(gate) * up, so the gate | up rows are never written and read back.
  *
  * On x86 CPUs without exact int8 dot products in oneDNN (AVX2 without VNNI: Zen 2/3, Haswell to
  * Comet Lake; AVX-512 without VNNI: Skylake-SP) oneDNN adds pairs of byte products in saturating
@@ -60,6 +62,7 @@ typedef struct {
     void *out;
     int dtype;
     int use_amx; /* full 32-row tiles on AMX-INT8 */
+    int silu_gated; /* panels pair gates with ups (ft_pack_w8a8_weight); out is SwiGLU's product */
 } W8A8Matmul;
 
 static int64_t vnni_panels(int64_t out_features) {
@@ -77,20 +80,38 @@ int64_t ft_w8a8_packed_bytes(int64_t out_features, int64_t in_features) {
 
 /* int8 levels [out_features, in_features] into the panel layout above (zero-padded to whole
  * panels and input quads), followed by each output's compensation. */
-FtStatus ft_pack_w8a8_weight(const int8_t *weight, int64_t out_features, int64_t in_features, void *packed) {
+/* The output (weight row) a panel's column holds: in order, or where silu_gated, the panel's
+ * first 16 columns 16 gates and its last 16 the ups of the same features (gate | up halves of
+ * out_features); -1 for padding. */
+static int64_t panel_column_output(int64_t panel, int64_t column, int64_t out_features, int silu_gated) {
+    if (!silu_gated) {
+        int64_t o = panel * PANEL_COLUMNS + column;
+        return o < out_features ? o : -1;
+    }
+    int64_t half = out_features / 2, feature = panel * 16 + column % 16;
+    return feature < half ? feature + (column / 16) * half : -1;
+}
+
+/* int8 levels [out_features, in_features] into the panel layout above (zero-padded to whole
+ * panels and input quads), followed by each panel column's compensation. */
+FtStatus ft_pack_w8a8_weight(const int8_t *weight, int64_t out_features, int64_t in_features, int silu_gated,
+                             void *packed) {
+    if (silu_gated && out_features % 2 != 0) {
+        return FT_BAD_SHAPE;
+    }
     int64_t quads = (in_features + 3) / 4, panels = vnni_panels(out_features);
     int8_t *levels = packed;
     int32_t *compensation = (int32_t *)(levels + panels * PANEL_COLUMNS * quads * 4);
     for (int64_t panel = 0; panel < panels; panel++) {
         for (int64_t column = 0; column < PANEL_COLUMNS; column++) {
-            int64_t o = panel * PANEL_COLUMNS + column;
+            int64_t o = panel_column_output(panel, column, out_features, silu_gated);
             int32_t sum = 0;
             for (int64_t k = 0; k < quads * 4; k++) {
-                int8_t level = o < out_features && k < in_features ? weight[o * in_features + k] : 0;
+                int8_t level = o >= 0 && k < in_features ? weight[o * in_features + k] : 0;
                 levels[((panel * quads + k / 4) * PANEL_COLUMNS + column) * 4 + k % 4] = level;
                 sum += level;
             }
-            compensation[o] = 128 * sum;
+            compensation[panel * PANEL_COLUMNS + column] = 128 * sum;
         }
     }
     return FT_OK;
@@ -106,21 +127,27 @@ typedef struct {
     __mmask16 masks[VNNI_VECTORS];
     int vectors; /* those holding outputs below out_features */
     int has_bias;
-    int dtype;
-    int64_t out_features;
+    int silu_gated;
+    int64_t row_stride; /* the output's elements per row */
     void *out; /* the panel's first column of output row 0 */
 } PanelScaling;
 
-static inline __attribute__((always_inline)) PanelScaling panel_scaling(const W8A8Matmul *m, int64_t column) {
-    PanelScaling panel = {.vectors = 0, .has_bias = m->bias != NULL, .dtype = m->dtype,
-                          .out_features = m->out_features};
-    panel.out = m->dtype == DTYPE_BFLOAT16 ? (void *)((uint16_t *)m->out + column) : (void *)((float *)m->out + column);
+static inline __attribute__((always_inline)) PanelScaling panel_scaling(const W8A8Matmul *m, int64_t panel_index) {
+    PanelScaling panel = {.vectors = 0, .has_bias = m->bias != NULL, .silu_gated = m->silu_gated};
+    /* Where silu_gated, the panel's 16 features' gates (weight rows `feature`) and ups
+     * (`half + feature`) make 16 product columns. */
+    int64_t half = m->out_features / 2;
+    panel.row_stride = m->silu_gated ? half : m->out_features;
+    int64_t out_column = m->silu_gated ? panel_index * 16 : panel_index * PANEL_COLUMNS;
+    panel.out = m->dtype == DTYPE_BFLOAT16 ? (void *)((uint16_t *)m->out + out_column)
+                                           : (void *)((float *)m->out + out_column);
     for (int v = 0; v < VNNI_VECTORS; v++) {
-        int64_t first = column + 16 * v, valid = m->out_features - first;
+        int64_t first = m->silu_gated ? v * half + out_column : out_column + 16 * v;
+        int64_t valid = m->silu_gated ? half - out_column : m->out_features - first;
         valid = valid < 0 ? 0 : valid;
         panel.masks[v] = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
         panel.vectors += valid > 0;
-        panel.compensation[v] = _mm512_loadu_si512(m->compensation + first);
+        panel.compensation[v] = _mm512_loadu_si512(m->compensation + panel_index * PANEL_COLUMNS + 16 * v);
         panel.weight_scales[v] = _mm512_maskz_loadu_ps(panel.masks[v], m->weight_scales + first);
         panel.bias[v] = panel.has_bias ? _mm512_maskz_loadu_ps(panel.masks[v], m->bias + first) : _mm512_setzero_ps();
     }
@@ -140,24 +167,45 @@ static inline __attribute__((always_inline)) __m256i round_to_bf16(__m512 value)
 #endif
 }
 
+/* Each lane rounded to bf16's values, kept in float32. */
+static inline __attribute__((always_inline)) __m512 bf16_lanes(__m512 value) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_to_bf16(value)), 16));
+}
+
+/* silu(gate) * up as ft_silu_and_mul makes it from the product's gate | up row in `dtype` (a
+ * constant where inlined): for bf16, gate and up as stored, silu and the product each rounded. */
+static inline __attribute__((always_inline)) __m512 swiglu_lanes(const int dtype, __m512 gate, __m512 up) {
+    if (dtype == DTYPE_BFLOAT16) {
+        return _mm512_mul_ps(bf16_lanes(silu16(bf16_lanes(gate))), bf16_lanes(up));
+    }
+    return _mm512_mul_ps(silu16(gate), up);
+}
+
 /* One row of a panel from its exact sums (before compensation): (float)sum * weight_scale *
- * row_scale (+ bias), stored in `dtype` (a constant where inlined); lanes past out_features are
- * left alone. */
+ * row_scale (+ bias), stored in `dtype` (a constant where inlined), or where silu_gated their
+ * SwiGLU product; lanes past the outputs are left alone. */
 static inline __attribute__((always_inline)) void store_panel_row(const PanelScaling *panel, const int dtype,
                                                                   const __m512i sums[VNNI_VECTORS], float row_scale,
                                                                   int64_t row) {
-    __m512 scale = _mm512_set1_ps(row_scale);
+    __m512 scale = _mm512_set1_ps(row_scale), values[VNNI_VECTORS];
     for (int v = 0; v < panel->vectors; v++) {
         __m512 value = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[v], panel->compensation[v]));
-        value = _mm512_mul_ps(_mm512_mul_ps(value, panel->weight_scales[v]), scale);
+        values[v] = _mm512_mul_ps(_mm512_mul_ps(value, panel->weight_scales[v]), scale);
         if (panel->has_bias) {
-            value = _mm512_add_ps(value, panel->bias[v]);
+            values[v] = _mm512_add_ps(values[v], panel->bias[v]);
         }
-        int64_t index = row * panel->out_features + 16 * v;
+    }
+    int stored = panel->vectors;
+    if (panel->silu_gated && stored > 0) {
+        values[0] = swiglu_lanes(dtype, values[0], values[1]);
+        stored = 1;
+    }
+    for (int v = 0; v < stored; v++) {
+        int64_t index = row * panel->row_stride + 16 * v;
         if (dtype == DTYPE_BFLOAT16) {
-            _mm256_mask_storeu_epi16((uint16_t *)panel->out + index, panel->masks[v], round_to_bf16(value));
+            _mm256_mask_storeu_epi16((uint16_t *)panel->out + index, panel->masks[v], round_to_bf16(values[v]));
         } else {
-            _mm512_mask_storeu_ps((float *)panel->out + index, panel->masks[v], value);
+            _mm512_mask_storeu_ps((float *)panel->out + index, panel->masks[v], values[v]);
         }
     }
 }
@@ -197,12 +245,14 @@ static inline __attribute__((always_inline)) void multiply_tile(const int rows, 
             }
         }
     }
-    PanelScaling scaling = panel_scaling(m, panel * PANEL_COLUMNS);
+    PanelScaling scaling = panel_scaling(m, panel);
+    const float *row_scales = m->row_scales;
+    int dtype = m->dtype;
     for (int r = 0; r < rows; r++) {
-        if (scaling.dtype == DTYPE_BFLOAT16) {
-            store_panel_row(&scaling, DTYPE_BFLOAT16, sums[r], m->row_scales[row + r], row + r);
+        if (dtype == DTYPE_BFLOAT16) {
+            store_panel_row(&scaling, DTYPE_BFLOAT16, sums[r], row_scales[row + r], row + r);
         } else {
-            store_panel_row(&scaling, DTYPE_FLOAT32, sums[r], m->row_scales[row + r], row + r);
+            store_panel_row(&scaling, DTYPE_FLOAT32, sums[r], row_scales[row + r], row + r);
         }
     }
 }
@@ -244,7 +294,7 @@ int ft_w8a8_has_amx(void) {
 typedef struct {
     int32_t sums[AMX_TILE_ROWS][PANEL_COLUMNS] __attribute__((aligned(64)));
     int64_t row;
-    int64_t column;
+    int64_t panel;
     int rows;
 } TileSums;
 
@@ -273,7 +323,7 @@ static void configure_row_tiles(int rows) {
 /* A stored tile's outputs in `dtype` (a constant where inlined). */
 static inline __attribute__((always_inline)) void scale_tile_as(const int dtype, const W8A8Matmul *m,
                                                                 const TileSums *tile) {
-    PanelScaling scaling = panel_scaling(m, tile->column);
+    PanelScaling scaling = panel_scaling(m, tile->panel);
     const float *row_scales = m->row_scales;
     int64_t first_row = tile->row;
     int rows = tile->rows;
@@ -328,7 +378,7 @@ static void amx_multiply_tile(const W8A8Matmul *m, int64_t row, int rows, int64_
         _tile_stored(3, out->sums[16] + 16, panel_row_bytes);
     }
     out->row = row;
-    out->column = panel * PANEL_COLUMNS;
+    out->panel = panel;
     out->rows = rows;
 }
 
@@ -386,8 +436,13 @@ int64_t ft_w8a8_packed_bytes(int64_t out_features, int64_t in_features) {
 }
 
 /* int8 levels [out_features, in_features] into the panel layout above (zero-padded to whole
- * panels and input pairs): packed holds panels * in_pairs * PANEL_COLUMNS * 2 int16. */
-FtStatus ft_pack_w8a8_weight(const int8_t *weight, int64_t out_features, int64_t in_features, void *packed_weight) {
+ * panels and input pairs): packed holds panels * in_pairs * PANEL_COLUMNS * 2 int16. This
+ * build's epilogue does not make SwiGLU's product: silu_gated is refused. */
+FtStatus ft_pack_w8a8_weight(const int8_t *weight, int64_t out_features, int64_t in_features, int silu_gated,
+                             void *packed_weight) {
+    if (silu_gated) {
+        return FT_BAD_SHAPE;
+    }
     int16_t *packed = packed_weight;
     int64_t pairs = (in_features + 1) / 2, panels = (out_features + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
     for (int64_t panel = 0; panel < panels; panel++) {
@@ -568,10 +623,15 @@ static void multiply_share(const W8A8Matmul *m, int64_t panels) {
 /* out [rows, out_features] in `dtype` = the W8A8 product of uint8 activation levels (level + 128)
  * [rows, in_features] with their row_scales [rows] and the packed int8 weights (ft_pack_w8a8_weight)
  * with their weight_scales [out_features], plus float32 bias [out_features] unless NULL; on AMX-INT8
- * tiles where use_amx asks (the caller holds the OS's permission for them) and the build has them. */
+ * tiles where use_amx asks (the caller holds the OS's permission for them) and the build has them.
+ * Where silu_gated (weights packed so), out is [rows, out_features / 2]: SwiGLU's product of that
+ * gate | up product, the bits ft_silu_and_mul makes of it. */
 FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const void *weight,
                         const float *weight_scales, const float *bias, void *out, int64_t rows, int64_t out_features,
-                        int64_t in_features, int dtype, int num_threads, int use_amx) {
+                        int64_t in_features, int dtype, int num_threads, int use_amx, int silu_gated) {
+    if (silu_gated && out_features % 2 != 0) {
+        return FT_BAD_SHAPE;
+    }
     int64_t in_quads = (in_features + 3) / 4, panels = vnni_panels(out_features);
     uint8_t *padded = NULL;
     if (in_features % 4 != 0) {
@@ -588,7 +648,7 @@ FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const vo
     const int8_t *packed = weight;
     W8A8Matmul m = {padded != NULL ? padded : levels, row_scales, packed,
                     (const int32_t *)(packed + panels * PANEL_COLUMNS * in_quads * 4), weight_scales, bias, rows,
-                    out_features, in_quads, out, dtype, use_amx};
+                    out_features, in_quads, out, dtype, use_amx, silu_gated};
     int parallel = rows * out_features * in_features >= PARALLEL_MIN_ELEMENTS * 16 && num_threads > 1;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
@@ -611,7 +671,10 @@ FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const vo
  * no tiles in this build). */
 FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const void *weight,
                         const float *weight_scales, const float *bias, void *out, int64_t rows, int64_t out_features,
-                        int64_t in_features, int dtype, int num_threads, int use_amx) {
+                        int64_t in_features, int dtype, int num_threads, int use_amx, int silu_gated) {
+    if (silu_gated) {
+        return FT_BAD_SHAPE;
+    }
     int64_t in_pairs = (in_features + 1) / 2;
     int16_t *activations = malloc((size_t)(rows * 2 * in_pairs) * sizeof(int16_t));
     if (activations == NULL) {
