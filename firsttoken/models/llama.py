@@ -38,7 +38,7 @@ from firsttoken.ops.linear import (
     row_invariant_linear,
 )
 from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin
-from firsttoken.ops.w8a8 import Int8Weight, W8A8Linear
+from firsttoken.ops.w8a8 import Int8Rows, Int8Weight, W8A8Linear
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -98,8 +98,8 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """`sink_rotary` (StreamingLLM): cos and sin at each token's position in the sinks-plus-
         window cache, which rotate the sink queries."""
-        num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, q + 2 kv]
+        num_tokens = qkv.shape[0]
         # Queries and keys are rotated together: one pass over their heads.
         if self.q_norm_weight is None:
             query_key = qkv[:, : self.q_size + self.kv_size].view(
@@ -215,21 +215,29 @@ class LlamaDecoderLayer(nn.Module):
         attn_metadata: Any,
         sink_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.kernels.rms_norm(hidden, self.input_norm_weight, self.eps)
-        else:
-            hidden, residual = self.kernels.add_rms_norm(hidden, residual, self.input_norm_weight, self.eps)
+        hidden, residual = self._norm_for(self.self_attn.qkv_proj, hidden, residual, self.input_norm_weight)
         hidden = self.self_attn(hidden, rotary, attn_metadata, sink_rotary)
         if self.attention_output_norm_weight is not None:
             hidden = self.kernels.rms_norm(hidden, self.attention_output_norm_weight, self.eps)
-        hidden, residual = self.kernels.add_rms_norm(
-            hidden, residual, self.post_attention_norm_weight, self.eps
+        hidden, residual = self._norm_for(
+            self.mlp.gate_up_proj, hidden, residual, self.post_attention_norm_weight
         )
         hidden = self.mlp(hidden)
         if self.mlp_output_norm_weight is not None:
             hidden = self.kernels.rms_norm(hidden, self.mlp_output_norm_weight, self.eps)
         return hidden, residual
+
+
+    def _norm_for(
+        self, projection: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+    ) -> tuple[torch.Tensor | Int8Rows, torch.Tensor]:
+        """The RMSNorm before `projection`, after adding the residual where there is one: (its
+        rows, the new residual). A W8A8 projection takes them quantized by the norm's own pass."""
+        if isinstance(projection, W8A8Linear) and projection.takes_normed_rows(hidden, residual, weight):
+            return projection.quantize_normed(hidden, residual, weight, self.eps)
+        if residual is None:
+            return self.kernels.rms_norm(hidden, weight, self.eps), hidden
+        return self.kernels.add_rms_norm(hidden, residual, weight, self.eps)
 
 
 class LlamaForCausalLM(nn.Module):

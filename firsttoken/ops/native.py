@@ -173,6 +173,35 @@ class NativeKernels:
         )
         return levels, scales
 
+    def rms_norm_quantize_int8(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        column_scales: torch.Tensor | None = None,
+        hadamard_block: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`quantize_rows_int8(rms_norm(x + residual))` (residual None: of rms_norm(x)) in one pass,
+        the normed rows never written: (levels, scales, x + residual as `add_rms_norm` returns it,
+        or x where residual is None). x, residual contiguous [rows, cols]."""
+        rows, cols = x.shape
+        check_hadamard_block(cols, hadamard_block)
+        levels = torch.empty(rows, cols, dtype=torch.uint8)
+        scales = torch.empty(rows, dtype=torch.float32)
+        summed = torch.empty_like(x) if residual is not None else x
+        _check(
+            self._kernels["ft_rms_norm_quantize_int8"](
+                x=x.data_ptr(), residual=residual.data_ptr() if residual is not None else None,
+                weight=weight.data_ptr(), summed=summed.data_ptr(), eps=eps,
+                column_scales=column_scales.data_ptr() if column_scales is not None else None,
+                hadamard_block=hadamard_block, hadamard_norm=hadamard_norm(hadamard_block),
+                levels=levels.data_ptr(), scales=scales.data_ptr(), rows=rows, cols=cols,
+                dtype=_code(x), num_threads=torch.get_num_threads(),
+            )
+        )
+        return levels, scales, summed
+
     @property
     def has_w8a8_matmul(self) -> bool:
         """Whether this build holds the exact int8 matmul (csrc/w8a8_matmul.c: x86 with AVX2)."""

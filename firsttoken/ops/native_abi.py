@@ -254,6 +254,14 @@ KERNELS = (
         ),
     ),
     Kernel(
+        "ft_rms_norm_quantize_int8",
+        _parameters(
+            "const void *x, const void *residual, const void *weight, void *summed, float eps, "
+            "const float *column_scales, int64_t hadamard_block, float hadamard_norm, uint8_t *levels, "
+            f"float *scales, int64_t rows, int64_t cols, {_DTYPE_THREADS}"
+        ),
+    ),
+    Kernel(
         "ft_rescale_rows",
         _parameters(
             "const float *sums, const float *row_scales, const float *bias, void *out, int64_t rows, "

@@ -212,6 +212,16 @@ def rescale_rows(
     return output.to(dtype)
 
 
+@dataclass(frozen=True)
+class Int8Rows:
+    """Rows quantized for one W8A8 projection (its input scales and Hadamard turn applied) by
+    the pass before it: what its own quantization pass would make of them."""
+
+    levels: torch.Tensor  # uint8 [rows, in]: the int8 level + 128
+    scales: torch.Tensor  # float32 [rows]
+    dtype: torch.dtype  # the activations' dtype: the projection's output dtype
+
+
 class W8A8Linear(nn.Module):
     """y = x W^T (+ b) with int8 weights (packed once for oneDNN, or for the native int8 matmul
     where oneDNN's sums are not exact) and each step's rows quantized to int8 on the way in
@@ -287,7 +297,34 @@ class W8A8Linear(nn.Module):
         """Whether `forward_silu_gated` runs here: its quantization pass is native."""
         return self.kernels is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_normed_rows(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor
+    ) -> bool:
+        """Whether `quantize_normed` runs for these rows: native kernels, rows they take."""
+        tensors = (x, norm_weight) if residual is None else (x, residual, norm_weight)
+        return (
+            self.kernels is not None
+            and x.dim() == 2
+            and all(
+                native.supports(tensor) and tensor.dtype == x.dtype and tensor.is_contiguous()
+                for tensor in tensors
+            )
+        )
+
+    def quantize_normed(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[Int8Rows, torch.Tensor]:
+        """This projection's input from the RMSNorm before it, straight from the norm's pass: the
+        levels its own quantization pass would make of rms_norm(x + residual) (of rms_norm(x)
+        where residual is None), and x + residual (x) as `add_rms_norm` returns it."""
+        levels, row_scales, summed = self.kernels.rms_norm_quantize_int8(
+            x, residual, norm_weight, eps, self.input_scales, self.hadamard_block
+        )
+        return Int8Rows(levels, row_scales, x.dtype), summed
+
+    def forward(self, x: torch.Tensor | Int8Rows) -> torch.Tensor:
+        if isinstance(x, Int8Rows):
+            return self._multiply(x.levels, x.scales, x.dtype)
         return self._project(x, silu_gated=False)
 
     def forward_silu_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -305,17 +342,19 @@ class W8A8Linear(nn.Module):
             )
         else:
             levels, row_scales = quantize_rows(flat, self.input_scales, self.hadamard_block)
+        output = self._multiply(levels, row_scales, x.dtype)
+        return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
+
+    def _multiply(self, levels: torch.Tensor, row_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, out] in `dtype` from the quantized rows."""
         if self.native_matmul:
-            output = self.kernels.w8a8_matmul(
-                levels, row_scales, self.packed_weight, self.weight_scales, self.bias, x.dtype,
+            return self.kernels.w8a8_matmul(
+                levels, row_scales, self.packed_weight, self.weight_scales, self.bias, dtype,
                 silu_gated=self.makes_swiglu_product,
             )
-            return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
         sums = _onednn_int8_matmul(
             levels, self.packed_weight, self.weight_scales, self.weight_zero_points, ACTIVATION_ZERO_POINT
         )
         if self.kernels is not None:
-            output = self.kernels.rescale_rows(sums, row_scales, self.bias, x.dtype)
-        else:
-            output = rescale_rows(sums, row_scales, self.bias, x.dtype)
-        return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
+            return self.kernels.rescale_rows(sums, row_scales, self.bias, dtype)
+        return rescale_rows(sums, row_scales, self.bias, dtype)

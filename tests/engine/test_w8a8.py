@@ -181,6 +181,27 @@ def test_the_swiglu_epilogue_gives_the_engines_bits_without_it(two_layer_model_p
     assert replies[True] == replies[False]
 
 
+@needs_exact_int8
+def test_quantizing_in_the_norms_gives_the_engines_bits_without_it(two_layer_model_path, monkeypatch):
+    """qkv_proj and gate_up_proj take their inputs quantized by the RMSNorm's pass before them:
+    the replies carry the bits of the engine that writes the normed rows and quantizes them."""
+    options = dict(
+        OPTIONS, model=two_layer_model_path, quantization="w8a8", dtype="bfloat16", **FIXED_THREADS
+    )
+    replies = {}
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(W8A8Linear, "takes_normed_rows", lambda self, x, residual, weight: False)
+        llm = LLM(**options)
+        try:
+            if fused and llm.core.worker.kernels.native is None:
+                pytest.skip("no native kernels: no norm pass to quantize in")
+            replies[fused] = [_bits(output) for output in llm.generate(PROMPTS, GREEDY)]
+        finally:
+            llm.shutdown()
+    assert replies[True] == replies[False]
+
+
 def test_a_cpu_that_cannot_run_it_is_refused_naming_the_field(model_path, monkeypatch):
     monkeypatch.setattr(
         model_loading, "w8a8_unsupported_reason", lambda device, kernels=None: "w8a8 needs VNNI"

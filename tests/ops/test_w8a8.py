@@ -94,6 +94,32 @@ def test_silu_gated_rows_quantize_as_silu_and_mul_s_rows(native_kernels, dtype, 
     assert torch.equal(fused[1], unfused[1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [576, 37])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_quantizing_in_the_norm_s_pass_gives_the_norm_then_quantization_bits(
+    kernels, dtype, cols, with_residual
+):
+    """rms_norm (after the residual add) quantized in one pass: the levels and scales of the
+    norm's stored rows quantized, with column scales and a Hadamard turn, and the sum
+    add_rms_norm returns."""
+    generator = torch.Generator().manual_seed(cols)
+    x, residual = _activations(97, cols, dtype), _activations(97, cols, dtype, seed=1)
+    weight = (torch.rand(cols, generator=generator) + 0.5).to(dtype)
+    column_scales = torch.rand(cols, generator=generator) + 0.5
+    if with_residual:
+        normed, expected_sum = kernels.add_rms_norm(x, residual, weight, 1e-5)
+    else:
+        normed, expected_sum = kernels.rms_norm(x, weight, 1e-5), x
+    for scales, block in ((None, 1), (column_scales, 1), (None, 64 if cols % 64 == 0 else 1)):
+        levels, row_scales, summed = kernels.rms_norm_quantize_int8(
+            x, residual if with_residual else None, weight, 1e-5, scales, block
+        )
+        expected_levels, expected_scales = kernels.quantize_rows_int8(normed, scales, block)
+        assert torch.equal(levels, expected_levels) and torch.equal(row_scales, expected_scales)
+        assert torch.equal(summed, expected_sum)
+
+
 def test_silu_gated_rows_of_odd_width_are_refused(native_kernels):
     if native_kernels is None:
         pytest.skip("no C compiler: no native kernels")

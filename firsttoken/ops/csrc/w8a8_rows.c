@@ -82,6 +82,26 @@ static void walsh_hadamard_block(float *values, int64_t block, float norm) {
     }
 }
 
+/* One row in float32 (holding values of the activations' dtype) quantized in place of the
+ * pass over stored rows: times column_scales unless NULL, turned in blocks of hadamard_block
+ * where above 1, then its levels (row is overwritten) and its scale. */
+static void quantize_float_row(float *row, const float *column_scales, int64_t hadamard_block, float hadamard_norm,
+                               int64_t cols, uint8_t *levels, float *scale) {
+    if (column_scales != NULL) {
+        for (int64_t c = 0; c < cols; c++) {
+            row[c] *= column_scales[c];
+        }
+    }
+    if (hadamard_block > 1) {
+        for (int64_t start = 0; start < cols; start += hadamard_block) {
+            walsh_hadamard_block(row + start, hadamard_block, hadamard_norm);
+        }
+    }
+    float row_max = row_abs_max(row, cols);
+    quantize_row(row, row_max > 0.0f ? 127.0f / row_max : 1.0f, cols, levels);
+    *scale = row_max > 0.0f ? row_max / 127.0f : 1.0f;
+}
+
 static int quantize_rows_range(const void *x, int silu_gated, const float *column_scales, int64_t hadamard_block,
                                float hadamard_norm, uint8_t *levels, float *scales, int64_t begin, int64_t end,
                                int64_t cols, int dtype) {
@@ -96,19 +116,7 @@ static int quantize_rows_range(const void *x, int silu_gated, const float *colum
         } else {
             load_row(x, r * cols, cols, dtype, row);
         }
-        if (column_scales != NULL) {
-            for (int64_t c = 0; c < cols; c++) {
-                row[c] *= column_scales[c];
-            }
-        }
-        if (hadamard_block > 1) {
-            for (int64_t start = 0; start < cols; start += hadamard_block) {
-                walsh_hadamard_block(row + start, hadamard_block, hadamard_norm);
-            }
-        }
-        float row_max = row_abs_max(row, cols);
-        quantize_row(row, row_max > 0.0f ? 127.0f / row_max : 1.0f, cols, levels + r * cols);
-        scales[r] = row_max > 0.0f ? row_max / 127.0f : 1.0f;
+        quantize_float_row(row, column_scales, hadamard_block, hadamard_norm, cols, levels + r * cols, scales + r);
     }
     free(row);
     return 1;
@@ -130,6 +138,56 @@ FtStatus ft_quantize_rows_int8(const void *x, int silu_gated, const float *colum
         thread_rows(rows, &begin, &end);
         succeeded = quantize_rows_range(x, silu_gated, column_scales, hadamard_block, hadamard_norm, levels, scales,
                                         begin, end, cols, dtype);
+    }
+    return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
+}
+
+static int norm_quantize_rows_range(const void *x, const void *residual, const void *weight, void *summed, float eps,
+                                    const float *column_scales, int64_t hadamard_block, float hadamard_norm,
+                                    uint8_t *levels, float *scales, int64_t begin, int64_t end, int64_t cols,
+                                    int dtype) {
+    float *scratch = malloc((size_t)(3 * cols) * sizeof(float));
+    if (scratch == NULL) {
+        return 0;
+    }
+    float *weight_f = scratch, *row = scratch + cols, *normed = scratch + 2 * cols;
+    load_row(weight, 0, cols, dtype, weight_f);
+    for (int64_t r = begin; r < end; r++) {
+        load_row(x, r * cols, cols, dtype, row);
+        if (residual != NULL) {
+            /* add_rms_norm's sum, rounded and stored as it stores it; normed below from it. */
+            float *residual_row = normed;
+            load_row(residual, r * cols, cols, dtype, residual_row);
+            for (int64_t c = 0; c < cols; c++) {
+                row[c] += residual_row[c];
+            }
+            round_row(row, cols, dtype);
+            store_row(row, cols, dtype, summed, r * cols);
+        }
+        normalize_row(row, weight_f, cols, eps, dtype, normed);
+        /* The norm's row as stored in `dtype` and read back by the quantization pass. */
+        round_row(normed, cols, dtype);
+        quantize_float_row(normed, column_scales, hadamard_block, hadamard_norm, cols, levels + r * cols, scales + r);
+    }
+    free(scratch);
+    return 1;
+}
+
+/* A W8A8 projection's input straight from its RMSNorm: rms_norm(x + residual) (residual NULL:
+ * rms_norm(x)) quantized as ft_quantize_rows_int8 quantizes the norm's stored rows (column_scales,
+ * hadamard_block as there), the same levels and scales without the normed rows written and read
+ * back; summed = x + residual as ft_add_rms_norm stores it (untouched where residual is NULL). */
+FtStatus ft_rms_norm_quantize_int8(const void *x, const void *residual, const void *weight, void *summed, float eps,
+                                   const float *column_scales, int64_t hadamard_block, float hadamard_norm,
+                                   uint8_t *levels, float *scales, int64_t rows, int64_t cols, int dtype,
+                                   int num_threads) {
+    int succeeded = 1;
+#pragma omp parallel num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS) reduction(&& : succeeded)
+    {
+        int64_t begin, end;
+        thread_rows(rows, &begin, &end);
+        succeeded = norm_quantize_rows_range(x, residual, weight, summed, eps, column_scales, hadamard_block,
+                                             hadamard_norm, levels, scales, begin, end, cols, dtype);
     }
     return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
 }
