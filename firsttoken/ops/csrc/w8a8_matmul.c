@@ -5,7 +5,7 @@
  * weights four pairs at a time into int32 sums, which are exact: the +128 is taken off each sum
  * as 128 times its output's weight sum, computed once at packing. Weights are packed as
  * [panels][in_quads][VNNI_PANEL_COLUMNS][4] int8, one 64-byte vector per 16 outputs and four
- * inputs, then each output's compensation (int32). oneDNN's int8 matmul sums as exactly there,
+ * inputs, then each panel column's compensation (int32). oneDNN's int8 matmul sums as exactly there,
  * but writes float32 rows that a second pass must scale by the rows' scales and round; here that
  * happens while the sums are in registers. SwiGLU's gate | up projection can go further (packed
  * `silu_gated`): each panel pairs 16 features' gates with their ups, and the epilogue stores
