@@ -227,7 +227,6 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.kernels.rms_norm(hidden, self.mlp_output_norm_weight, self.eps)
         return hidden, residual
 
-
     def _norm_for(
         self, projection: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     ) -> tuple[torch.Tensor | Int8Rows, torch.Tensor]:
