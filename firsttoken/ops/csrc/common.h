@@ -233,6 +233,8 @@ FT_INTERNAL void normalize_row(const float *x, const float *weight, int64_t cols
 FT_INTERNAL void silu_and_mul_row(const void *gate_up, int64_t r, int64_t half, int dtype, float *product);
 FT_INTERNAL int rms_norm_rows(const void *x, const void *weight, void *out, int64_t begin, int64_t end, int64_t cols,
                               float eps, int dtype);
+FT_INTERNAL void add_residual_row(const void *x, const void *residual, int64_t r, int64_t cols, int dtype, float *row,
+                                  float *residual_row, void *summed);
 FT_INTERNAL int add_rms_norm_rows(const void *x, const void *residual, const void *weight, void *out, void *summed,
                                   int64_t begin, int64_t end, int64_t cols, float eps, int dtype);
 FT_INTERNAL int silu_and_mul_rows(const void *gate_up, void *out, int64_t begin, int64_t end, int64_t half, int dtype);

@@ -85,6 +85,19 @@ FtStatus ft_rms_norm(const void *x, const void *weight, void *out, int64_t rows,
     return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
+/* row = x[r] + residual[r], rounded to `dtype` and stored to summed[r] as add_rms_norm returns
+ * it (residual_row: cols floats of scratch). */
+FT_INTERNAL void add_residual_row(const void *x, const void *residual, int64_t r, int64_t cols, int dtype, float *row,
+                                  float *residual_row, void *summed) {
+    load_row(x, r * cols, cols, dtype, row);
+    load_row(residual, r * cols, cols, dtype, residual_row);
+    for (int64_t c = 0; c < cols; c++) {
+        row[c] += residual_row[c];
+    }
+    round_row(row, cols, dtype);
+    store_row(row, cols, dtype, summed, r * cols);
+}
+
 FT_INTERNAL int add_rms_norm_rows(const void *x, const void *residual, const void *weight, void *out, void *summed,
                              int64_t begin, int64_t end, int64_t cols, float eps, int dtype) {
     float *scratch;
@@ -95,13 +108,7 @@ FT_INTERNAL int add_rms_norm_rows(const void *x, const void *residual, const voi
     float *normed = scratch + 3 * cols;
     load_row(weight, 0, cols, dtype, weight_f);
     for (int64_t r = begin; r < end; r++) {
-        load_row(x, r * cols, cols, dtype, row);
-        load_row(residual, r * cols, cols, dtype, residual_row);
-        for (int64_t c = 0; c < cols; c++) {
-            row[c] += residual_row[c];
-        }
-        round_row(row, cols, dtype);
-        store_row(row, cols, dtype, summed, r * cols);
+        add_residual_row(x, residual, r, cols, dtype, row, residual_row, summed);
         normalize_row(row, weight_f, cols, eps, dtype, normed);
         store_row(normed, cols, dtype, out, r * cols);
     }

@@ -153,16 +153,11 @@ static int norm_quantize_rows_range(const void *x, const void *residual, const v
     float *weight_f = scratch, *row = scratch + cols, *normed = scratch + 2 * cols;
     load_row(weight, 0, cols, dtype, weight_f);
     for (int64_t r = begin; r < end; r++) {
-        load_row(x, r * cols, cols, dtype, row);
         if (residual != NULL) {
-            /* add_rms_norm's sum, rounded and stored as it stores it; normed below from it. */
-            float *residual_row = normed;
-            load_row(residual, r * cols, cols, dtype, residual_row);
-            for (int64_t c = 0; c < cols; c++) {
-                row[c] += residual_row[c];
-            }
-            round_row(row, cols, dtype);
-            store_row(row, cols, dtype, summed, r * cols);
+            /* `normed` is free until the norm below: scratch for the residual's row. */
+            add_residual_row(x, residual, r, cols, dtype, row, normed, summed);
+        } else {
+            load_row(x, r * cols, cols, dtype, row);
         }
         normalize_row(row, weight_f, cols, eps, dtype, normed);
         /* The norm's row as stored in `dtype` and read back by the quantization pass. */
