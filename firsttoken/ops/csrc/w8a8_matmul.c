@@ -39,6 +39,15 @@
 #pragma GCC optimize("no-associative-math")
 #include "common.h"
 
+/* Whether a product is worth waking the other threads for: the weights' bytes, as the quantized
+ * matmuls judge it, or the products. A decode step's few rows still stream every weight from
+ * memory, which two cores read faster than one (SmolLM2's qkv_proj, o_proj and down_proj for one
+ * row stayed on one thread under the products' count alone). */
+static inline int worth_threads(int64_t rows, int64_t out_features, int64_t in_features) {
+    return out_features * in_features >= 4 * PARALLEL_MIN_ELEMENTS
+           || rows * out_features * in_features >= 16 * PARALLEL_MIN_ELEMENTS;
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
@@ -78,8 +87,6 @@ int64_t ft_w8a8_packed_bytes(int64_t out_features, int64_t in_features) {
     return columns * ((in_features + 3) / 4) * 4 + columns * (int64_t)sizeof(int32_t);
 }
 
-/* int8 levels [out_features, in_features] into the panel layout above (zero-padded to whole
- * panels and input quads), followed by each output's compensation. */
 /* The output (weight row) a panel's column holds: in order, or where silu_gated, the panel's
  * first 16 columns 16 gates and its last 16 the ups of the same features (gate | up halves of
  * out_features); -1 for padding. */
@@ -649,7 +656,7 @@ FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const vo
     W8A8Matmul m = {padded != NULL ? padded : levels, row_scales, packed,
                     (const int32_t *)(packed + panels * PANEL_COLUMNS * in_quads * 4), weight_scales, bias, rows,
                     out_features, in_quads, out, dtype, use_amx, silu_gated};
-    int parallel = rows * out_features * in_features >= PARALLEL_MIN_ELEMENTS * 16 && num_threads > 1;
+    int parallel = worth_threads(rows, out_features, in_features) && num_threads > 1;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
         if (padded != NULL) {
@@ -683,7 +690,7 @@ FtStatus ft_w8a8_matmul(const uint8_t *levels, const float *row_scales, const vo
     W8A8Matmul m = {activations, row_scales, weight, weight_scales, bias, rows, out_features, in_pairs, out, dtype};
     (void)use_amx;
     int64_t panels = (out_features + PANEL_COLUMNS - 1) / PANEL_COLUMNS;
-    int parallel = rows * out_features * in_features >= PARALLEL_MIN_ELEMENTS * 16 && num_threads > 1;
+    int parallel = worth_threads(rows, out_features, in_features) && num_threads > 1;
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
         int64_t begin, end;
