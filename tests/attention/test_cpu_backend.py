@@ -241,6 +241,38 @@ def test_bf16_decode_rows_take_the_paged_kernel_and_give_the_same_bits_whatever_
     assert torch.equal(first_rows[0], first_rows[2])
 
 
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    # groups of 1 to 7 query heads; heads of 96 and 128 dims take a group in passes of two
+    [(9, 3, 64), (16, 4, 32), (5, 5, 64), (8, 2, 96), (7, 1, 128), (12, 3, 128)],
+)
+def test_exact_paged_decode_rows_give_the_same_bits_alone_as_in_a_batch(
+    native_kernels, num_heads, num_kv_heads, head_dim
+):
+    """The exact paged kernel attends a lone row head by head and a wide batch a KV head's
+    whole group at a time (each key read once for all its query heads): every head's bits
+    are the same either way, and the plain math's to bf16's tolerance."""
+    kernels = _decode_kernels_or_skip(native_kernels)
+    context_lengths = [0, 1, 14, 15, 16, 30, 32, 99, 256, 299, 63, 4]
+    layout, _, kv_cache, query, _, _ = _random_batch(
+        [(length, 1) for length in context_lengths], 16, num_heads, num_kv_heads, head_dim, torch.bfloat16,
+        seed=head_dim + num_heads,
+    )
+    block_table = torch.zeros(len(context_lengths), max(len(s.block_table) for s in layout.sequences), dtype=torch.long)
+    for row, sequence in enumerate(layout.sequences):
+        block_table[row, : len(sequence.block_table)] = torch.tensor(sequence.block_table)
+    # the new token's K/V: what the cache holds at its slot (zeros here), as the reference reads it
+    seq_lens = torch.tensor(context_lengths) + 1
+    batched = kernels.paged_decode_attention(query, kv_cache, block_table, seq_lens)
+    for row in range(len(context_lengths)):
+        alone = kernels.paged_decode_attention(
+            query[row : row + 1], kv_cache, block_table[row : row + 1], seq_lens[row : row + 1]
+        )
+        assert torch.equal(alone[0], batched[row]), row
+    expected = paged_attention_reference(query, kv_cache, layout)
+    torch.testing.assert_close(batched.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
 POSITIONS_ON_TILE_EDGES = [0, 1, 15, 16, 31, 32, 63, 64, 65, 127, 128, 200, 299]
 
 

@@ -80,10 +80,14 @@ FT_INTERNAL PagedContext paged_context(const uint16_t *kv_cache, int64_t num_slo
                                        int64_t max_blocks, int64_t block_size, const int64_t *seq_lens,
                                        int64_t sequence, int64_t head);
 
-/* One query head (head_dim a multiple of DECODE_HEAD_DIM_MULTIPLE up to DECODE_MAX_HEAD_DIM)
- * over its paged context into `destination`; `scores` holds seq_len + 16 floats. */
-FT_INTERNAL void attend_paged(const uint16_t *query, const PagedContext *context, int64_t head_dim, float scale,
-                              float *scores, uint16_t *destination);
+/* Query heads attend_paged_heads takes in one pass over a context (fewer for heads over 64). */
+#define PAGED_HEADS_PER_PASS 4
+
+/* `heads` query heads that read one KV head (head_dim a multiple of DECODE_HEAD_DIM_MULTIPLE up to
+ * DECODE_MAX_HEAD_DIM; queries and destinations head_dim apart) over its paged context into
+ * `destinations`; `scores` holds PAGED_HEADS_PER_PASS * (seq_len + 16) floats. */
+FT_INTERNAL void attend_paged_heads(const uint16_t *queries, int64_t heads, const PagedContext *context,
+                                    int64_t head_dim, float scale, float *scores, uint16_t *destinations);
 #endif
 
 #endif

@@ -31,7 +31,7 @@ typedef struct {
     uint16_t *paired;  /* [rows, widest input] */
     float *row_scales; /* [2 * max groups] */
     float *rows;       /* [2 * hidden]: the last residual add */
-    float *scores;     /* [max seq_len] */
+    float *scores;     /* [PAGED_HEADS_PER_PASS * (max seq_len + 16)] */
 } ThreadScratch;
 
 static void note_failure(Activations *a) {
@@ -88,13 +88,15 @@ static void rotate_and_store(const DecodeModel *m, const DecodeLayer *layer, con
 static void attend(const DecodeModel *m, const DecodeLayer *layer, const DecodeBatch *b, Activations *a, int64_t rows,
                    ThreadScratch *t) {
     int64_t head_dim = m->head_dim, qkv_width = (m->num_heads + 2 * m->num_kv_heads) * head_dim;
+    int64_t heads_per_item = decode_heads_per_item(rows, m->num_heads, m->num_kv_heads, omp_get_num_threads());
+    int64_t items_per_row = m->num_heads / heads_per_item;
 #pragma omp for schedule(static)
-    for (int64_t item = 0; item < rows * m->num_heads; item++) {
-        int64_t sequence = item / m->num_heads, head = item % m->num_heads;
+    for (int64_t item = 0; item < rows * items_per_row; item++) {
+        int64_t sequence = item / items_per_row, head = item % items_per_row * heads_per_item;
         PagedContext context = paged_context(layer->kv_cache, m->num_slots, m->num_heads, m->num_kv_heads, head_dim,
                                              b->block_table, b->max_blocks, b->block_size, b->seq_lens, sequence, head);
-        attend_paged(a->qkv + sequence * qkv_width + head * head_dim, &context, head_dim, m->attention_scale,
-                     t->scores, a->attended + item * head_dim);
+        attend_paged_heads(a->qkv + sequence * qkv_width + head * head_dim, heads_per_item, &context, head_dim,
+                           m->attention_scale, t->scores, a->attended + (sequence * m->num_heads + head) * head_dim);
     }
 }
 
@@ -143,7 +145,7 @@ static int thread_scratch(const DecodeModel *m, const DecodeBatch *b, ThreadScra
     }
     /* in floats; the paired inputs (bf16) take half a float each, rounded up */
     int64_t counts[5] = {b->num_sequences * max_groups, (b->num_sequences * widest + 1) / 2, 2 * max_groups,
-                         2 * m->hidden_size, max_seq_len + 16};
+                         2 * m->hidden_size, PAGED_HEADS_PER_PASS * (max_seq_len + 16)};
     int64_t total = 0;
     for (int i = 0; i < 5; i++) {
         total += counts[i];
