@@ -173,9 +173,26 @@ static void pack_values(const HeadRows *values, int64_t head_dim, int64_t first_
     }
 }
 
-/* The KEY_BLOCK keys from `first_key` of one KV head, both packings. */
+/* The K and V rows of the KEY_BLOCK keys from `first_key` of one KV head fetched toward L2 (keys
+ * and values share first and count). Inlined: GCC drops a call to a function whose only effect
+ * is prefetching, as it would a pure one's. */
+static inline __attribute__((always_inline)) void prefetch_key_block(const HeadRows *keys, const HeadRows *values, int64_t head_dim, int64_t first_key) {
+    int64_t end = first_key + KEY_BLOCK < keys->count ? first_key + KEY_BLOCK : keys->count;
+    for (int64_t key = first_key > keys->first ? first_key : keys->first; key < end; key++) {
+        const char *key_row = (const char *)head_row(keys, key), *value_row = (const char *)head_row(values, key);
+        for (int64_t offset = 0; offset < head_dim * (int64_t)sizeof(uint16_t); offset += 64) {
+            _mm_prefetch(key_row + offset, _MM_HINT_T1);
+            _mm_prefetch(value_row + offset, _MM_HINT_T1);
+        }
+    }
+}
+
+/* The KEY_BLOCK keys from `first_key` of one KV head, both packings, with the next block's rows
+ * fetched meanwhile: a paged context's rows lie scattered over the cache, where the hardware's
+ * prefetchers do not follow them (SmolLM2's decode rows: 0.8x the time). */
 static void pack_key_block(const HeadRows *keys, const HeadRows *values, int64_t head_dim, int64_t first_key,
                            uint16_t *packed_keys, uint16_t *packed_values) {
+    prefetch_key_block(keys, values, head_dim, first_key + KEY_BLOCK);
     for (int64_t key = first_key; key < first_key + KEY_BLOCK; key += 16) {
         pack_keys(keys, head_dim, key, packed_keys);
     }
@@ -711,6 +728,10 @@ static FtStatus decode_in_two_phases(const PagedDecodes *d, int num_threads) {
  * read it attend while it is still in this core's cache. Returns FT_OUT_OF_MEMORY when out of memory. */
 static FtStatus decode_per_kv_head(const PagedDecodes *d, int num_threads, int64_t max_padded) {
     int64_t head_dim = d->head_dim;
+    /* A thread takes a row's KV heads one after another where there are rows enough to share:
+     * they lie side by side in each slot, so the lines the hardware fetches around one KV head's
+     * keys and values serve the next. */
+    int64_t chunk = d->rows >= 2 * num_threads ? d->num_kv_heads : 1;
     int all_allocated = 1;
 #pragma omp parallel num_threads(num_threads) reduction(&& : all_allocated)
     {
@@ -719,7 +740,7 @@ static FtStatus decode_per_kv_head(const PagedDecodes *d, int num_threads, int64
         if (all_allocated) {
             uint16_t *packed_values = packed_keys + max_padded * head_dim;
             begin_tiles(d->use_amx);
-#pragma omp for schedule(dynamic, 1) nowait
+#pragma omp for schedule(dynamic, chunk) nowait
             for (int64_t item = 0; item < d->rows * d->num_kv_heads; item++) {
                 int64_t r = item / d->num_kv_heads, kv_head = item % d->num_kv_heads;
                 for (int64_t first_key = 0; first_key < padded_length(d, r); first_key += KEY_BLOCK) {
