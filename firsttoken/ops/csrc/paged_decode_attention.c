@@ -18,9 +18,37 @@
 _Static_assert(DECODE_MAX_HEAD_DIM == 128, "attend_paged_heads has cases for each head size 32, 64, 96, 128");
 _Static_assert(DECODE_HEAD_DIM_MULTIPLE == 32, "a chunk of head dims is one VDPBF16PS of query pairs");
 
-/* Key (or value) `index` of a context: `rows` its keys or its values. */
-static inline const uint16_t *context_row(const PagedContext *c, const uint16_t *rows, int64_t index) {
-    return rows + (c->blocks[index / c->block_size] * c->block_size + index % c->block_size) * c->kv_width;
+/* Keys ahead of the 16 being scored whose rows are fetched meanwhile, with the values of those 16:
+ * a context's blocks lie anywhere in the cache, where the hardware's prefetchers do not follow. */
+#define PREFETCH_KEYS 64
+
+/* Rows [first, first + count) (count <= 16) of a context's keys or values (`rows`): one division
+ * for the group, not one per row. */
+static inline __attribute__((always_inline)) void context_rows(const PagedContext *c, const uint16_t *rows,
+                                                               int64_t first, int64_t count,
+                                                               const uint16_t *pointers[16]) {
+    int64_t block = first / c->block_size, offset = first % c->block_size;
+    for (int64_t i = 0; i < count; i++) {
+        pointers[i] = rows + (c->blocks[block] * c->block_size + offset) * c->kv_width;
+        if (++offset == c->block_size) {
+            offset = 0;
+            block++;
+        }
+    }
+}
+
+/* The rows that exist of [first, first + 16) of a context's keys or values, fetched toward L2.
+ * Inlined: GCC drops a call to a function whose only effect is prefetching, as a pure one's. */
+static inline __attribute__((always_inline)) void prefetch_sixteen(const PagedContext *c, const uint16_t *rows,
+                                                                   int64_t first, int64_t head_dim) {
+    int64_t count = c->seq_len - first < 16 ? c->seq_len - first : 16;
+    const uint16_t *pointers[16];
+    context_rows(c, rows, first, count, pointers);
+    for (int64_t i = 0; i < count; i++) {
+        for (int64_t offset = 0; offset < head_dim * (int64_t)sizeof(uint16_t); offset += 64) {
+            _mm_prefetch((const char *)pointers[i] + offset, _MM_HINT_T1);
+        }
+    }
 }
 
 /* Lane k: the sum of the 16 lanes of dots[k], added in the pairs _mm512_reduce_add_ps adds one
@@ -69,6 +97,12 @@ static inline __attribute__((always_inline)) void attend_heads(const uint16_t *q
     }
     for (int64_t first = 0; first < seq_len; first += 16) {
         int64_t count = seq_len - first < 16 ? seq_len - first : 16;
+        if (first + PREFETCH_KEYS < seq_len) {
+            prefetch_sixteen(c, c->keys, first + PREFETCH_KEYS, head_dim);
+        }
+        prefetch_sixteen(c, c->values, first, head_dim);
+        const uint16_t *keys[16];
+        context_rows(c, c->keys, first, count, keys);
         __m512 dots[PAGED_HEADS_PER_PASS][16];
         for (int64_t k = 0; k < 16; k++) {
             if (k >= count) {
@@ -77,10 +111,9 @@ static inline __attribute__((always_inline)) void attend_heads(const uint16_t *q
                 }
                 continue;
             }
-            const uint16_t *key = context_row(c, c->keys, first + k);
             __m512bh key_pairs[MAX_HEAD_VECTORS / 2];
             for (int64_t v = 0; v < vectors / 2; v++) {
-                key_pairs[v] = (__m512bh)_mm512_loadu_si512(key + 32 * v);
+                key_pairs[v] = (__m512bh)_mm512_loadu_si512(keys[k] + 32 * v);
             }
             for (int h = 0; h < heads; h++) {
                 __m512 dot = _mm512_setzero_ps();
@@ -119,16 +152,20 @@ static inline __attribute__((always_inline)) void attend_heads(const uint16_t *q
             output[h][v] = _mm512_setzero_ps();
         }
     }
-    for (int64_t j = 0; j < seq_len; j++) {
-        const uint16_t *value = context_row(c, c->values, j);
-        __m512 values[MAX_HEAD_VECTORS];
-        for (int64_t v = 0; v < vectors; v++) {
-            values[v] = load16_bf16(value + 16 * v, 0xffff);
-        }
-        for (int h = 0; h < heads; h++) {
-            __m512 weight = _mm512_set1_ps(scores[h * score_stride + j]);
+    for (int64_t first = 0; first < seq_len; first += 16) {
+        int64_t count = seq_len - first < 16 ? seq_len - first : 16;
+        const uint16_t *value_rows[16];
+        context_rows(c, c->values, first, count, value_rows);
+        for (int64_t k = 0; k < count; k++) {
+            __m512 values[MAX_HEAD_VECTORS];
             for (int64_t v = 0; v < vectors; v++) {
-                output[h][v] = _mm512_fmadd_ps(values[v], weight, output[h][v]);
+                values[v] = load16_bf16(value_rows[k] + 16 * v, 0xffff);
+            }
+            for (int h = 0; h < heads; h++) {
+                __m512 weight = _mm512_set1_ps(scores[h * score_stride + first + k]);
+                for (int64_t v = 0; v < vectors; v++) {
+                    output[h][v] = _mm512_fmadd_ps(values[v], weight, output[h][v]);
+                }
             }
         }
     }
