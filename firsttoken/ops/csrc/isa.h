@@ -20,6 +20,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #if defined(__AVX512F__)
 #define VEC_WIDTH 16
@@ -87,12 +90,27 @@ static inline vfloat vf_select(vint mask, vfloat when_true, vfloat when_false) {
     return (vfloat)(((vint)when_true & mask) | ((vint)when_false & ~mask));
 }
 
+/* a > b ? a : b, lane by lane: x86's MAXPS is exactly that (b where either is NaN or both are
+ * zeros), one instruction where GCC builds the select from three. */
 static inline vfloat vf_max(vfloat a, vfloat b) {
+#if defined(__AVX512F__)
+    return (vfloat)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(__AVX__)
+    return (vfloat)_mm256_max_ps((__m256)a, (__m256)b);
+#else
     return vf_select(a > b, a, b);
+#endif
 }
 
+/* a < b ? a : b, lane by lane (MINPS, likewise). */
 static inline vfloat vf_min(vfloat a, vfloat b) {
+#if defined(__AVX512F__)
+    return (vfloat)_mm512_min_ps((__m512)a, (__m512)b);
+#elif defined(__AVX__)
+    return (vfloat)_mm256_min_ps((__m256)a, (__m256)b);
+#else
     return vf_select(a < b, a, b);
+#endif
 }
 
 /* Lanes added in a fixed tree order. */
@@ -191,10 +209,6 @@ static inline vfloat vf_sums(vfloat v[VEC_WIDTH]) {
 }
 
 /* ---- Byte loads for quantized weights (quantized_matmul.c) ---- */
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 /* VEC_WIDTH bytes widened to 32-bit lanes, unsigned or signed. GCC's __builtin_convertvector
  * from a byte vector extracts byte by byte; the x86 builds use one widening load instead. */
