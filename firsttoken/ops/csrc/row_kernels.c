@@ -89,6 +89,19 @@ FtStatus ft_rms_norm(const void *x, const void *weight, void *out, int64_t rows,
  * it (residual_row: cols floats of scratch). */
 FT_INTERNAL void add_residual_row(const void *x, const void *residual, int64_t r, int64_t cols, int dtype, float *row,
                                   float *residual_row, void *summed) {
+#if VECTOR_BF16
+    if (dtype == DTYPE_BFLOAT16) { /* one pass for the loads, the add, the rounding and both stores */
+        const uint16_t *x_row = (const uint16_t *)x + r * cols, *residual_bits = (const uint16_t *)residual + r * cols;
+        uint16_t *summed_row = (uint16_t *)summed + r * cols;
+        for (int64_t c = 0; c < cols; c += 16) {
+            __mmask16 lanes = tail_mask(cols - c);
+            __m256i rounded = round16_bf16(_mm512_add_ps(load16_bf16(x_row + c, lanes), load16_bf16(residual_bits + c, lanes)));
+            _mm256_mask_storeu_epi16(summed_row + c, lanes, rounded);
+            _mm512_mask_storeu_ps(row + c, lanes, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+        }
+        return;
+    }
+#endif
     load_row(x, r * cols, cols, dtype, row);
     load_row(residual, r * cols, cols, dtype, residual_row);
     for (int64_t c = 0; c < cols; c++) {
