@@ -102,6 +102,25 @@ static void quantize_float_row(float *row, const float *column_scales, int64_t h
     *scale = row_max > 0.0f ? row_max / 127.0f : 1.0f;
 }
 
+/* The levels of a plain bf16 row (no column scales, no turn): its widened values kept in `row`
+ * while their absolute maximum is taken, in one pass, then the levels. */
+static void quantize_bf16_row(const uint16_t *bits, int64_t cols, float *row, uint8_t *levels, float *scale) {
+    vfloat largest = vf_splat(0.0f);
+    int64_t c = 0;
+    for (; c + VEC_WIDTH <= cols; c += VEC_WIDTH) {
+        vfloat v = vf_load_bf16(bits + c);
+        vf_store(row + c, v);
+        largest = vf_max(largest, vf_max(v, -v));
+    }
+    float row_max = vf_max_lane(largest);
+    for (; c < cols; c++) {
+        row[c] = bf16_to_float(bits[c]);
+        row_max = fmaxf(row_max, fabsf(row[c]));
+    }
+    quantize_row(row, row_max > 0.0f ? 127.0f / row_max : 1.0f, cols, levels);
+    *scale = row_max > 0.0f ? row_max / 127.0f : 1.0f;
+}
+
 static int quantize_rows_range(const void *x, int silu_gated, const float *column_scales, int64_t hadamard_block,
                                float hadamard_norm, uint8_t *levels, float *scales, int64_t begin, int64_t end,
                                int64_t cols, int dtype) {
@@ -109,7 +128,12 @@ static int quantize_rows_range(const void *x, int silu_gated, const float *colum
     if (row == NULL) {
         return 0;
     }
+    int plain_bf16 = !silu_gated && column_scales == NULL && hadamard_block <= 1 && dtype == DTYPE_BFLOAT16;
     for (int64_t r = begin; r < end; r++) {
+        if (plain_bf16) {
+            quantize_bf16_row((const uint16_t *)x + r * cols, cols, row, levels + r * cols, scales + r);
+            continue;
+        }
         if (silu_gated) {
             /* The values ft_silu_and_mul would store and this pass read back. */
             silu_and_mul_row(x, r, cols, dtype, row);
