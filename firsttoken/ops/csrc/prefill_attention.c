@@ -176,7 +176,8 @@ static void pack_values(const HeadRows *values, int64_t head_dim, int64_t first_
 /* The K and V rows of the KEY_BLOCK keys from `first_key` of one KV head fetched toward L2 (keys
  * and values share first and count). Inlined: GCC drops a call to a function whose only effect
  * is prefetching, as it would a pure one's. */
-static inline __attribute__((always_inline)) void prefetch_key_block(const HeadRows *keys, const HeadRows *values, int64_t head_dim, int64_t first_key) {
+static inline __attribute__((always_inline)) void prefetch_key_block(const HeadRows *keys, const HeadRows *values,
+                                                                     int64_t head_dim, int64_t first_key) {
     int64_t end = first_key + KEY_BLOCK < keys->count ? first_key + KEY_BLOCK : keys->count;
     for (int64_t key = first_key > keys->first ? first_key : keys->first; key < end; key++) {
         const char *key_row = (const char *)head_row(keys, key), *value_row = (const char *)head_row(values, key);

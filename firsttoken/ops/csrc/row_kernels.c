@@ -95,9 +95,11 @@ FT_INTERNAL void add_residual_row(const void *x, const void *residual, int64_t r
         uint16_t *summed_row = (uint16_t *)summed + r * cols;
         for (int64_t c = 0; c < cols; c += 16) {
             __mmask16 lanes = tail_mask(cols - c);
-            __m256i rounded = round16_bf16(_mm512_add_ps(load16_bf16(x_row + c, lanes), load16_bf16(residual_bits + c, lanes)));
+            __m512 sum = _mm512_add_ps(load16_bf16(x_row + c, lanes), load16_bf16(residual_bits + c, lanes));
+            __m256i rounded = round16_bf16(sum);
             _mm256_mask_storeu_epi16(summed_row + c, lanes, rounded);
-            _mm512_mask_storeu_ps(row + c, lanes, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16)));
+            __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16);
+            _mm512_mask_storeu_ps(row + c, lanes, _mm512_castsi512_ps(widened));
         }
         return;
     }
