@@ -258,7 +258,8 @@ def test_exact_paged_decode_rows_give_the_same_bits_alone_as_in_a_batch(
         [(length, 1) for length in context_lengths], 16, num_heads, num_kv_heads, head_dim, torch.bfloat16,
         seed=head_dim + num_heads,
     )
-    block_table = torch.zeros(len(context_lengths), max(len(s.block_table) for s in layout.sequences), dtype=torch.long)
+    widest = max(len(sequence.block_table) for sequence in layout.sequences)
+    block_table = torch.zeros(len(context_lengths), widest, dtype=torch.long)
     for row, sequence in enumerate(layout.sequences):
         block_table[row, : len(sequence.block_table)] = torch.tensor(sequence.block_table)
     # the new token's K/V: what the cache holds at its slot (zeros here), as the reference reads it
