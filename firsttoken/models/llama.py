@@ -33,6 +33,7 @@ from firsttoken.ops.linear import (
     PackedLinear,
     convert_linears,
     fastest_linear,
+    head_linear,
     native_row_invariant_available,
     replace_linears,
     row_invariant_linear,
@@ -435,15 +436,12 @@ class LlamaForCausalLM(nn.Module):
         convert_linears(
             self.layers, quantization, quantized_prefill, pack_onednn, native_kernels, row_invariant_float
         )
-        head_quantization = "int8" if quantization else None
-        self.lm_head = fastest_linear(
-            self.lm_head,
-            head_quantization,
-            quantized_prefill,
-            pack_onednn,
-            native_kernels,
-            row_invariant_float,
-        )
+        if quantization is None:
+            self.lm_head = head_linear(self.lm_head, pack_onednn, native_kernels, row_invariant_float)
+        else:
+            self.lm_head = fastest_linear(
+                self.lm_head, "int8", quantized_prefill, pack_onednn, native_kernels, row_invariant_float
+            )
         for module in self.modules():
             if isinstance(module, PackedLinear):
                 module.pad_single_rows = batch_invariant
@@ -494,9 +492,7 @@ class LlamaForCausalLM(nn.Module):
         for name, owner, attribute in layer_projections(self.layers):
             swiglu_output = attribute == "gate_up_proj" and owner.silu_gated
             setattr(owner, attribute, quantized(name, getattr(owner, attribute), swiglu_output))
-        self.lm_head = fastest_linear(
-            self.lm_head, None, False, pack_onednn, native_kernels, row_invariant_float
-        )
+        self.lm_head = head_linear(self.lm_head, pack_onednn, native_kernels, row_invariant_float)
         for module in self.modules():
             if isinstance(module, PackedLinear):
                 module.pad_single_rows = batch_invariant

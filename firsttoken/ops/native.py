@@ -54,7 +54,7 @@ _SOURCES = [
     for name in (
         "row_kernels.c", "attention.c", "matmul.c", "quantized_matmul.c", "prefill_attention.c",
         "paged_decode_attention.c", "quantized_matmul_bf16.c", "decode_step.c", "portable_decode_step.c",
-        "w8a8_rows.c", "w8a8_matmul.c", "weight_levels.c",
+        "w8a8_rows.c", "w8a8_matmul.c", "weight_levels.c", "logits.c",
     )
 ]
 _HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h", _SOURCE_DIR / "decode_kernels.h"]
@@ -666,6 +666,54 @@ class NativeKernels:
         return self._quantized_matmul(
             "int8", weight, scales, bias, x, weight.shape[1], native_abi.INT8_INPUT_MULTIPLE
         )
+
+    @property
+    def has_float32_logits(self) -> bool:
+        """Whether this build holds the bf16 LM head with float32 logits (csrc/logits.c: AVX512-BF16)."""
+        return "ft_bf16_logits" in self._kernels
+
+    def pack_logits_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A bf16 head's weight [vocab, hidden] (hidden a multiple of 4) in `float32_logits`' layout."""
+        vocab, hidden = weight.shape
+        if weight.dtype != torch.bfloat16 or hidden % 4:
+            raise ValueError(
+                "pack_logits_weight: bf16 weights of a width divisible by 4, "
+                f"got {weight.dtype} {tuple(weight.shape)}"
+            )
+        elements = self._kernels["ft_logits_packed_elements"](vocab=vocab, hidden=hidden)
+        packed = torch.empty(elements, dtype=torch.bfloat16)
+        _check(
+            self._kernels["ft_pack_logits_weight"](
+                weight=weight.contiguous().data_ptr(), vocab=vocab, hidden=hidden, packed=packed.data_ptr()
+            )
+        )
+        return packed
+
+    def float32_logits(
+        self, x: torch.Tensor, packed_weight: torch.Tensor, vocab: int, use_amx: bool | None = None
+    ) -> torch.Tensor:
+        """float32 [rows, vocab] = x bf16 [rows, hidden] . W^T for W packed by `pack_logits_weight`,
+        each logit summed in float32 and never rounded to bf16; a row's logits do not depend on
+        the other rows. On AMX tiles where the CPU has them (`use_amx` None, hidden a multiple of
+        32) or where asked, else on VDPBF16PS: each the same bits at any row count, not each
+        other's."""
+        use_amx = self.has_amx and x.shape[1] % 32 == 0 if use_amx is None else use_amx
+        if use_amx and not self.has_amx:
+            raise ValueError("float32_logits: use_amx asked for where the build has no AMX tiles")
+        rows, hidden = x.shape
+        if x.dtype != torch.bfloat16 or packed_weight.numel() != self._kernels["ft_logits_packed_elements"](
+            vocab=vocab, hidden=hidden
+        ):
+            raise ValueError(f"float32_logits: {x.dtype} rows of {hidden} for a head of {vocab} outputs")
+        x = x.contiguous()
+        out = torch.empty(rows, vocab, dtype=torch.float32)
+        _check(
+            self._kernels["ft_bf16_logits"](
+                x=x.data_ptr(), packed=packed_weight.data_ptr(), rows=rows, vocab=vocab, hidden=hidden,
+                out=out.data_ptr(), num_threads=torch.get_num_threads(), use_amx=int(use_amx),
+            )
+        )
+        return out
 
     def portable_int4_matmul(
         self, levels: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor

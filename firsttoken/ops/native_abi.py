@@ -394,6 +394,25 @@ KERNELS = (
     ),
     Kernel("ft_paged_decode_attention", _parameters(_BF16_PAGED_DECODES), requires=Requires.VECTOR_BF16),
     Kernel(
+        "ft_logits_packed_elements",
+        _parameters("int64_t vocab, int64_t hidden"),
+        result="int64_t",
+        requires=Requires.VECTOR_BF16,
+    ),
+    Kernel(
+        "ft_pack_logits_weight",
+        _parameters("const uint16_t *weight, int64_t vocab, int64_t hidden, uint16_t *packed"),
+        requires=Requires.VECTOR_BF16,
+    ),
+    Kernel(
+        "ft_bf16_logits",
+        _parameters(
+            "const uint16_t *x, const uint16_t *packed, int64_t rows, int64_t vocab, int64_t hidden, "
+            "float *out, int num_threads, int use_amx"
+        ),
+        requires=Requires.VECTOR_BF16,
+    ),
+    Kernel(
         "ft_decode_attention_as_prefill",
         _parameters(f"{_BF16_PAGED_DECODES}, int64_t window, float softcap, int use_amx"),
         requires=Requires.VECTOR_BF16,
