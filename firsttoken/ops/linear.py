@@ -552,7 +552,7 @@ class Float32LogitsHead(nn.Module):
     where a bf16 matmul rounds each to bf16: logits near 15 move in steps of 0.06 there, and which
     of two close candidates a greedy step takes is that rounding's pick. On SmolLM2-135M, teacher-
     forced over GPL-3's text, bf16's top-1 tokens agree with float32's at 0.969 of the positions
-    with bf16 logits and 0.980 with these; a row's logits never depend on the other rows."""
+    with bf16 logits and 0.979 with these; a row's logits never depend on the other rows."""
 
     def __init__(self, weight: torch.Tensor, native_kernels: native.NativeKernels) -> None:
         super().__init__()

@@ -69,10 +69,12 @@ static inline __attribute__((always_inline)) void logits_tile(const int rows, co
         __m512bh even_weights = (__m512bh)_mm512_loadu_si512(panel_weights + pair * LOGITS_PANEL * 2);
         __m512bh odd_weights = (__m512bh)_mm512_loadu_si512(panel_weights + (pair + 1) * LOGITS_PANEL * 2);
         for (int r = 0; r < rows; r++) {
-            int32_t inputs[2];
-            memcpy(inputs, row_inputs + r * hidden + 2 * pair, sizeof inputs);
-            even[r] = _mm512_dpbf16_ps(even[r], (__m512bh)_mm512_set1_epi32(inputs[0]), even_weights);
-            odd[r] = _mm512_dpbf16_ps(odd[r], (__m512bh)_mm512_set1_epi32(inputs[1]), odd_weights);
+            /* broadcast from memory: a load, where a register's would take the shuffle port */
+            const uint16_t *inputs = row_inputs + r * hidden + 2 * pair;
+            __m512bh even_inputs = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(inputs));
+            __m512bh odd_inputs = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(inputs + 2));
+            even[r] = _mm512_dpbf16_ps(even[r], even_inputs, even_weights);
+            odd[r] = _mm512_dpbf16_ps(odd[r], odd_inputs, odd_weights);
         }
     }
     for (int r = 0; r < rows; r++) {
