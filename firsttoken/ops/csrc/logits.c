@@ -1,13 +1,13 @@
 /* A bf16 engine's LM head with float32 logits: bf16 rows times bf16 weights, each logit summed and
- * kept in float32 (VDPBF16PS). oneDNN's bf16 product rounds every logit to bf16, 8 bits of
+ * kept in float32 (TDPBF16PS or VDPBF16PS). oneDNN's bf16 product rounds every logit to bf16, 8 bits of
  * mantissa: logits near 15 move in steps of 0.06, so two candidates that close tie or swap, and
  * a greedy token is decided by that rounding (on SmolLM2 about a third of the positions where
  * bf16 picks another token than float32).
  *
  * The weights are packed once as [panels of 16 outputs][input pairs][16 outputs x 2 inputs]:
  * one 64-byte vector per panel and input pair, which one broadcast of a row's two inputs meets.
- * Each logit's sum runs over the input pairs in order, whatever the row count and tiling, so a
- * row's logits never depend on the other rows of the step. Threads split the panels; a panel
+ * Each logit's sum runs over the input pairs in one fixed order whatever the row count and
+ * tiling, so a row's logits never depend on the other rows of the step. Threads split the panels; a panel
  * stays in L1 while every row meets it, so the weights are read once per call. On CPUs with AMX
  * the packed panels are B tiles as they lie (16 input pairs by 16 outputs) and TDPBF16PS sums 16
  * rows at a time (a tile's rows never mix; the last block padded with zero rows); else VDPBF16PS
