@@ -160,11 +160,23 @@ static void pack_values(const HeadRows *values, int64_t head_dim, int64_t first_
                                             8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     static const uint16_t zeros[PREFILL_MAX_HEAD_DIM];
     __m512i order = _mm512_loadu_si512(interleave);
+    /* Each 16 keys lie in one block (block_size a multiple of 16): one lookup per 16, from the
+     * first that is read, where one per key took a division each. */
+    const uint16_t *group_first[TILE_KEYS / 16];
+    int64_t group_key[TILE_KEYS / 16];
+    for (int64_t g = 0; g < TILE_KEYS / 16; g++) {
+        int64_t key = first_key + 16 * g > values->first ? first_key + 16 * g : values->first;
+        group_key[g] = key;
+        group_first[g] = key < values->count && key < first_key + 16 * (g + 1) ? head_row(values, key) : NULL;
+    }
     for (int64_t key_pair = 0; key_pair < TILE_KEYS / 2; key_pair++) {
-        int64_t even = first_key + 2 * key_pair;
-        const uint16_t *even_row = even < values->count && even >= values->first ? head_row(values, even) : zeros;
-        const uint16_t *odd_row =
-            even + 1 < values->count && even + 1 >= values->first ? head_row(values, even + 1) : zeros;
+        int64_t even = first_key + 2 * key_pair, g = 2 * key_pair / 16;
+        const uint16_t *even_row = even < values->count && even >= values->first
+                                       ? group_first[g] + (even - group_key[g]) * values->row_stride
+                                       : zeros;
+        const uint16_t *odd_row = even + 1 < values->count && even + 1 >= values->first
+                                      ? group_first[g] + (even + 1 - group_key[g]) * values->row_stride
+                                      : zeros;
         for (int64_t t = 0; t < dim_tiles; t++) {
             __m512i low = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(even_row + t * 16)));
             __m512i high = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(odd_row + t * 16)));
