@@ -160,22 +160,20 @@ static void pack_values(const HeadRows *values, int64_t head_dim, int64_t first_
                                             8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
     static const uint16_t zeros[PREFILL_MAX_HEAD_DIM];
     __m512i order = _mm512_loadu_si512(interleave);
-    /* Each 16 keys lie in one block (block_size a multiple of 16): one lookup per 16, from the
-     * first that is read, where one per key took a division each. */
-    const uint16_t *group_first[TILE_KEYS / 16];
-    int64_t group_key[TILE_KEYS / 16];
+    /* Each 16 keys lie in one block (block_size a multiple of 16): their rows from the 16's first
+     * (looked up once, as pack_keys does), where a lookup per key took a division each. */
+    const uint16_t *group_rows[TILE_KEYS / 16];
     for (int64_t g = 0; g < TILE_KEYS / 16; g++) {
-        int64_t key = first_key + 16 * g > values->first ? first_key + 16 * g : values->first;
-        group_key[g] = key;
-        group_first[g] = key < values->count && key < first_key + 16 * (g + 1) ? head_row(values, key) : NULL;
+        int64_t start = first_key + 16 * g;
+        group_rows[g] = start < values->count && start + 16 > values->first ? head_row(values, start) : NULL;
     }
     for (int64_t key_pair = 0; key_pair < TILE_KEYS / 2; key_pair++) {
-        int64_t even = first_key + 2 * key_pair, g = 2 * key_pair / 16;
+        int64_t even = first_key + 2 * key_pair, group = 2 * key_pair / 16, in_group = 2 * key_pair % 16;
         const uint16_t *even_row = even < values->count && even >= values->first
-                                       ? group_first[g] + (even - group_key[g]) * values->row_stride
+                                       ? group_rows[group] + in_group * values->row_stride
                                        : zeros;
         const uint16_t *odd_row = even + 1 < values->count && even + 1 >= values->first
-                                      ? group_first[g] + (even + 1 - group_key[g]) * values->row_stride
+                                      ? group_rows[group] + (in_group + 1) * values->row_stride
                                       : zeros;
         for (int64_t t = 0; t < dim_tiles; t++) {
             __m512i low = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(even_row + t * 16)));
@@ -190,12 +188,19 @@ static void pack_values(const HeadRows *values, int64_t head_dim, int64_t first_
  * is prefetching, as it would a pure one's. */
 static inline __attribute__((always_inline)) void prefetch_key_block(const HeadRows *keys, const HeadRows *values,
                                                                      int64_t head_dim, int64_t first_key) {
-    int64_t end = first_key + KEY_BLOCK < keys->count ? first_key + KEY_BLOCK : keys->count;
-    for (int64_t key = first_key > keys->first ? first_key : keys->first; key < end; key++) {
-        const char *key_row = (const char *)head_row(keys, key), *value_row = (const char *)head_row(values, key);
-        for (int64_t offset = 0; offset < head_dim * (int64_t)sizeof(uint16_t); offset += 64) {
-            _mm_prefetch(key_row + offset, _MM_HINT_T1);
-            _mm_prefetch(value_row + offset, _MM_HINT_T1);
+    for (int64_t start = first_key; start < first_key + KEY_BLOCK; start += 16) {
+        if (start >= keys->count || start + 16 <= keys->first) {
+            continue;
+        }
+        /* 16 keys lie in one block: their rows from the first's, one lookup per 16 */
+        const char *key_rows = (const char *)head_row(keys, start), *value_rows = (const char *)head_row(values, start);
+        int64_t begin = keys->first > start ? keys->first - start : 0;
+        int64_t end = keys->count - start < 16 ? keys->count - start : 16;
+        for (int64_t k = begin; k < end; k++) {
+            for (int64_t offset = 0; offset < head_dim * (int64_t)sizeof(uint16_t); offset += 64) {
+                _mm_prefetch(key_rows + k * keys->row_stride * (int64_t)sizeof(uint16_t) + offset, _MM_HINT_T1);
+                _mm_prefetch(value_rows + k * values->row_stride * (int64_t)sizeof(uint16_t) + offset, _MM_HINT_T1);
+            }
         }
     }
 }
