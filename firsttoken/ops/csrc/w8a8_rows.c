@@ -82,6 +82,12 @@ static void walsh_hadamard_block(float *values, int64_t block, float norm) {
     }
 }
 
+/* A row's levels and scale from its absolute maximum (a zero row: scale 1). */
+static void quantize_with_max(const float *row, float row_max, int64_t cols, uint8_t *levels, float *scale) {
+    quantize_row(row, row_max > 0.0f ? 127.0f / row_max : 1.0f, cols, levels);
+    *scale = row_max > 0.0f ? row_max / 127.0f : 1.0f;
+}
+
 /* One row in float32 (holding values of the activations' dtype) quantized in place of the
  * pass over stored rows: times column_scales unless NULL, turned in blocks of hadamard_block
  * where above 1, then its levels (row is overwritten) and its scale. */
@@ -97,9 +103,7 @@ static void quantize_float_row(float *row, const float *column_scales, int64_t h
             walsh_hadamard_block(row + start, hadamard_block, hadamard_norm);
         }
     }
-    float row_max = row_abs_max(row, cols);
-    quantize_row(row, row_max > 0.0f ? 127.0f / row_max : 1.0f, cols, levels);
-    *scale = row_max > 0.0f ? row_max / 127.0f : 1.0f;
+    quantize_with_max(row, row_abs_max(row, cols), cols, levels, scale);
 }
 
 /* The levels of a plain bf16 row (no column scales, no turn): its widened values kept in `row`
@@ -117,8 +121,7 @@ static void quantize_bf16_row(const uint16_t *bits, int64_t cols, float *row, ui
         row[c] = bf16_to_float(bits[c]);
         row_max = fmaxf(row_max, fabsf(row[c]));
     }
-    quantize_row(row, row_max > 0.0f ? 127.0f / row_max : 1.0f, cols, levels);
-    *scale = row_max > 0.0f ? row_max / 127.0f : 1.0f;
+    quantize_with_max(row, row_max, cols, levels, scale);
 }
 
 static int quantize_rows_range(const void *x, int silu_gated, const float *column_scales, int64_t hadamard_block,
