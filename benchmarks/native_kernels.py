@@ -5,7 +5,8 @@
 
 1. Each kernel alone (bf16, SmolLM2-135M's shapes): add+RMSNorm, SwiGLU and rotary against
    the same op compiled by inductor and in eager torch; causal prefill attention (9 query
-   heads, 3 KV heads, head size 64) against SDPA's flash kernel. Medians of 30 calls in turns.
+   heads, 3 KV heads, head size 64) against SDPA's flash kernel; greedy sampling's argmax over
+   rows of 49152 float32 logits against torch.argmax. Medians of 30 calls in turns.
 2. Two engines that differ only in `native_kernels`, in `--dtype` (`auto`: what an engine
    picks here, bf16 where the CPU multiplies bf16 natively, float32 elsewhere): on, norms,
    rotary, SwiGLU and the KV write are C kernels and prefill attention is ours; off, the same
@@ -49,6 +50,9 @@ SETTINGS = {"native kernels": True, "torch ops": False}
 
 KERNEL_ROWS = [64, 512, 2048]
 ATTENTION_LENGTHS = [128, 512, 2048]
+# A decode step's sampled rows, one to a full batch; SmolLM2's vocabulary.
+ARGMAX_ROWS = [1, 8, 48]
+VOCAB_SIZE = 49152
 
 
 def call_medians(calls: dict[str, object], repeats: int = 30) -> dict[str, float]:
@@ -108,6 +112,17 @@ def attention_rows(native: NativeKernels) -> list[list[object]]:
     return rows
 
 
+def argmax_rows(native: NativeKernels) -> list[list[object]]:
+    rows = []
+    for num_rows in ARGMAX_ROWS:
+        logits = torch.randn(num_rows, VOCAB_SIZE)
+        us = call_medians({
+            "native": lambda: native.argmax_rows(logits), "torch": lambda: torch.argmax(logits, dim=-1)
+        })
+        rows.append([num_rows, us["native"], us["torch"], us["native"] / us["torch"]])
+    return rows
+
+
 def print_kernel_tables(native: NativeKernels) -> None:
     print_table(
         ["op (bf16)", "rows", "native us", "compiled us", "eager us", "native / compiled"],
@@ -127,6 +142,8 @@ def print_kernel_tables(native: NativeKernels) -> None:
             ],
             attention_rows(native),
         )
+    print()
+    print_table(["argmax rows", "native us", "torch us", "native / torch"], argmax_rows(native))
     print()
 
 

@@ -142,6 +142,24 @@ class NativeKernels:
         )
         return out
 
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's `torch.argmax` (the first largest value; the first NaN where a row holds
+        one) of float32 logits, contiguous [rows, vocab]: long [rows]."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
+            given = f"{logits.dtype} {list(logits.shape)}"
+            raise ValueError(f"argmax_rows: contiguous float32 logits [rows, vocab], not {given}")
+        rows, cols = logits.shape
+        if cols == 0:
+            raise ValueError("argmax_rows: rows of no values have no argmax")
+        token_ids = torch.empty(rows, dtype=torch.long)
+        _check(
+            self._kernels["ft_argmax_rows"](
+                logits=logits.data_ptr(), token_ids=token_ids.data_ptr(), rows=rows, cols=cols,
+                num_threads=torch.get_num_threads(),
+            )
+        )
+        return token_ids
+
     def quantize_rows_int8(
         self,
         x: torch.Tensor,

@@ -342,6 +342,10 @@ KERNELS = (
             "float *scales, float *offsets, int num_threads"
         ),
     ),
+    Kernel(
+        "ft_argmax_rows",
+        _parameters("const float *logits, int64_t *token_ids, int64_t rows, int64_t cols, int num_threads"),
+    ),
     Kernel("ft_isa_name", (), result="const char *"),
     Kernel("ft_w8a8_uses_vnni", (), result="int", requires=Requires.AVX2),
     Kernel("ft_w8a8_packed_bytes", _parameters(_PROJECTION), result="int64_t", requires=Requires.AVX2),

@@ -3,9 +3,11 @@ seeds, logprobs.
 
 Rows whose parameters have logits processors (penalties, logit_bias, bad words, min_tokens; see
 logits_processors.py) have their logits processed first; logprobs are those of the raw logits,
-as vLLM's default. Greedy rows take the argmax of their (processed) logits. Every other row is
-drawn by tensor ops over all such rows at once; the only Python loops are over a step's specs
-(building parameter lists) and over its few candidate widths (see below).
+as vLLM's default. Greedy rows take the argmax of their (processed) logits: on CPU, the native
+kernels' one vectorized pass per row (`NativeKernels.argmax_rows`, torch.argmax's index, in
+0.12-0.17x its time for 1 to 48 rows of 49152 logits: `python benchmarks/native_kernels.py`).
+Every other row is drawn by tensor ops over all such rows at once; the only Python loops are over
+a step's specs (building parameter lists) and over its few candidate widths (see below).
 
 Filtering. Min-p, top-k and top-p are floors on a row's scaled logits (logits / temperature):
 min-p keeps the tokens whose probability is at least min_p times the likeliest token's, that is
@@ -53,6 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from firsttoken.core.batch import SampleSpec, SchedulerOutput
+from firsttoken.ops.native import NativeKernels
 from firsttoken.outputs import SampledToken, TokenLogprob
 from firsttoken.sample.logits_processors import TrackedTokens, apply_logits_processors
 
@@ -214,8 +217,12 @@ class Sampler:
     """Picks one token per row of logits; owns the generator of unseeded requests and the token
     state of tracked requests (see logits_processors.py)."""
 
-    def __init__(self, seed: int, device: torch.device, vocab_size: int) -> None:
+    def __init__(
+        self, seed: int, device: torch.device, vocab_size: int, native_kernels: NativeKernels | None = None
+    ) -> None:
         self.device = device
+        # Greedy rows' argmax in one vectorized pass per row where these are given (CPU).
+        self.native_kernels = native_kernels
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.tracked = TrackedTokens(vocab_size, device)
 
@@ -241,7 +248,7 @@ class Sampler:
             logprob_logits = torch.index_select(logits, 0, torch.tensor(logprob_rows, device=self.device))
         if any(spec.sampling_params.processes_logits for spec in specs):
             apply_logits_processors(logits, specs, self.tracked)
-        token_ids = torch.argmax(logits, dim=-1)
+        token_ids = self._argmax(logits)
         groups = self._group_sampled_rows(specs, logits.shape[-1])
         if groups:
             params = SamplingTensors.build(specs, logits.shape[-1], self.generator, self.device)
@@ -255,6 +262,15 @@ class Sampler:
         if any(spec.sampling_params.structured_output is not None for spec in specs):
             return self._with_grammar_errors(results, specs)
         return results
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first largest logit, as `torch.argmax` picks it."""
+        if (
+            self.native_kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
+            and logits.dim() == 2 and logits.shape[1] > 0 and logits.is_contiguous()
+        ):
+            return self.native_kernels.argmax_rows(logits)
+        return torch.argmax(logits, dim=-1)
 
     def _with_grammar_errors(
         self, results: list[SampledToken], specs: list[SampleSpec]

@@ -113,7 +113,9 @@ class Worker:
             prefault_kv_caches(self.kv_caches)
         self.model.bind_kv_caches(self.kv_caches)
         samples = self.rank_group is None or self.rank_group.samples
-        sampler = Sampler(config.model_config.seed, self.device, self.vocab_size) if samples else None
+        sampler = None
+        if samples:
+            sampler = Sampler(config.model_config.seed, self.device, self.vocab_size, self.kernels.native)
         self.runner = ModelRunner(self.model, self.backend, sampler, config.cache.block_size, self.device)
         self.graph_capture: GraphCaptureReport | None = self._capture_graphs() if use_graphs else None
         self.pinned_kv = PinnedPrefixKV(

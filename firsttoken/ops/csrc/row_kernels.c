@@ -1,5 +1,6 @@
 /* Fused row kernels for steps of few rows (decode, short prefill chunks): RMSNorm (after a
- * residual add or not), SiLU-and-mul, rotary and the paged KV write; and the build's ISA name.
+ * residual add or not), SiLU-and-mul, rotary, the paged KV write and greedy sampling's argmax;
+ * and the build's ISA name.
  *
  * At one to a few hundred rows the plain torch ops cost more in dispatch than in
  * arithmetic (RMSNorm alone is eight ops, rotary seven); each function here is one call,
@@ -277,6 +278,91 @@ FtStatus ft_write_kv(void *cache, int64_t values_offset, int64_t num_slots, cons
         size_t destination = (size_t)slots[r] * row_bytes;
         memcpy(keys + destination, (const char *)key + (size_t)(r * key_row_stride) * element_size, row_bytes);
         memcpy(values + destination, (const char *)value + (size_t)(r * value_row_stride) * element_size, row_bytes);
+    }
+    return FT_OK;
+}
+
+/* Vectors of one row an argmax pass compares at a time: independent chains, so a comparison
+ * never waits on the one before it. */
+#define ARGMAX_CHAINS 4
+
+/* The index of the row's first NaN, or -1. */
+static int64_t first_nan(const float *row, int64_t cols) {
+    for (int64_t c = 0; c < cols; c++) {
+        if (row[c] != row[c]) {
+            return c;
+        }
+    }
+    return -1;
+}
+
+/* The index torch.argmax gives: the first NaN where the row holds one (NaN counts as the
+ * largest), else the first of the largest values. Each chain of lanes keeps the first
+ * index of its largest value (a strict comparison); across them the smallest index among the
+ * equal largest values wins, which is the row's first. */
+static int64_t argmax_row(const float *row, int64_t cols) {
+    const int64_t stride = ARGMAX_CHAINS * VEC_WIDTH;
+    vfloat best[ARGMAX_CHAINS];
+    vint best_at[ARGMAX_CHAINS], at[ARGMAX_CHAINS];
+    vint unordered = {0};
+    int64_t c = 0;
+    if (cols >= stride) {
+        for (int chain = 0; chain < ARGMAX_CHAINS; chain++) {
+            best[chain] = vf_load(row + chain * VEC_WIDTH);
+            at[chain] = best_at[chain] = vi_lane_indices() + chain * VEC_WIDTH;
+            unordered |= best[chain] != best[chain];
+        }
+        for (c = stride; c + stride <= cols; c += stride) {
+            for (int chain = 0; chain < ARGMAX_CHAINS; chain++) {
+                vfloat value = vf_load(row + c + chain * VEC_WIDTH);
+                at[chain] += (int32_t)stride;
+                vint greater = value > best[chain];
+                best[chain] = vf_select(greater, value, best[chain]);
+                best_at[chain] = (greater & at[chain]) | (~greater & best_at[chain]);
+                unordered |= value != value;
+            }
+        }
+    }
+    for (int lane = 0; lane < VEC_WIDTH; lane++) {
+        if (unordered[lane]) {
+            return first_nan(row, cols);
+        }
+    }
+    float best_value = row[0];
+    int64_t best_index = 0;
+    if (c > 0) {
+        for (int chain = 0; chain < ARGMAX_CHAINS; chain++) {
+            for (int lane = 0; lane < VEC_WIDTH; lane++) {
+                float value = best[chain][lane];
+                int64_t index = best_at[chain][lane];
+                if (value > best_value || (value == best_value && index < best_index)) {
+                    best_value = value;
+                    best_index = index;
+                }
+            }
+        }
+    }
+    for (; c < cols; c++) {
+        if (row[c] != row[c]) {
+            return c;
+        }
+        if (row[c] > best_value) {
+            best_value = row[c];
+            best_index = c;
+        }
+    }
+    return best_index;
+}
+
+/* token_ids [rows] (int64) = argmax_row of each row of logits float32 [rows, cols] (contiguous). */
+FtStatus ft_argmax_rows(const float *logits, int64_t *token_ids, int64_t rows, int64_t cols, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
+    {
+        int64_t begin, end;
+        thread_rows(rows, &begin, &end);
+        for (int64_t r = begin; r < end; r++) {
+            token_ids[r] = argmax_row(logits + r * cols, cols);
+        }
     }
     return FT_OK;
 }
