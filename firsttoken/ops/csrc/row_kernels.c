@@ -214,6 +214,44 @@ FtStatus ft_silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t h
     return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
+/* VEC_WIDTH values of x in `dtype` at `index`, as floats; and stored back, rounded to the dtype
+ * as store_row rounds (with AVX512-BF16, by its one conversion instruction). */
+static inline vfloat load_lanes(const void *x, int64_t index, int dtype) {
+    return vf_load_as(x, index, dtype == DTYPE_BFLOAT16);
+}
+
+static inline void store_lanes(void *x, int64_t index, vfloat v, int dtype) {
+    if (dtype == DTYPE_BFLOAT16) {
+#if VECTOR_BF16
+        _mm256_storeu_si256((__m256i *)((uint16_t *)x + index), round16_bf16((__m512)v));
+#else
+        vf_store_bf16((uint16_t *)x + index, v);
+#endif
+    } else {
+        vf_store((float *)x + index, v);
+    }
+}
+
+/* One head at x[offset] rotated in place in registers, where each half holds whole vectors:
+ * x * cos + rotate_half(x) * sin, each product rounded to the dtype as torch rounds it (the
+ * scratch path's bits). */
+static inline void rotate_head_in_place(void *x, int64_t offset, const float *cos_f, const float *sin_f,
+                                        int64_t half, int dtype) {
+    for (int64_t d = 0; d < half; d += VEC_WIDTH) {
+        vfloat first = load_lanes(x, offset + d, dtype), second = load_lanes(x, offset + half + d, dtype);
+        vfloat first_cos = first * vf_load(cos_f + d), second_sin = -second * vf_load(sin_f + d);
+        vfloat second_cos = second * vf_load(cos_f + half + d), first_sin = first * vf_load(sin_f + half + d);
+        if (dtype == DTYPE_BFLOAT16) {
+            first_cos = round_lanes_bf16(first_cos);
+            second_sin = round_lanes_bf16(second_sin);
+            second_cos = round_lanes_bf16(second_cos);
+            first_sin = round_lanes_bf16(first_sin);
+        }
+        store_lanes(x, offset + d, first_cos + second_sin, dtype);
+        store_lanes(x, offset + half + d, second_cos + first_sin, dtype);
+    }
+}
+
 FT_INTERNAL int rotary_rows(void *x, int64_t row_stride, int64_t begin, int64_t end, int64_t heads, int64_t head_dim,
                        const void *cos, const void *sin, int dtype) {
     float *scratch;
@@ -228,6 +266,10 @@ FT_INTERNAL int rotary_rows(void *x, int64_t row_stride, int64_t begin, int64_t 
         load_row(sin, r * head_dim, head_dim, dtype, sin_f);
         for (int64_t h = 0; h < heads; h++) {
             int64_t offset = r * row_stride + h * head_dim;
+            if (half % VEC_WIDTH == 0) {
+                rotate_head_in_place(x, offset, cos_f, sin_f, half, dtype);
+                continue;
+            }
             load_row(x, offset, head_dim, dtype, head);
             for (int64_t d = 0; d < half; d++) {
                 rotated[d] = -head[d + half];
