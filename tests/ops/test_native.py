@@ -42,17 +42,20 @@ def use_amx(request, attention_kernels) -> bool:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", ROW_COUNTS)
-def test_rotary_rotates_strided_heads_in_place(kernels, dtype, rows):
-    table = cos_sin_table(inverse_frequencies(64, 10000.0, None, None), 4096)
+# 64: each half in whole vectors (rotated in registers); 48: on AVX2's 8-float vectors only;
+# 36: on neither (the scratch path).
+@pytest.mark.parametrize("head_dim", [64, 48, 36])
+def test_rotary_rotates_strided_heads_in_place(kernels, dtype, rows, head_dim):
+    table = cos_sin_table(inverse_frequencies(head_dim, 10000.0, None, None), 4096)
     cos, sin = rotary_cos_sin(table, torch.randint(0, 4096, (rows,)), dtype)
-    qkv = torch.randn(rows, 15 * 64).to(dtype)
-    value_before = qkv[:, 12 * 64 :].clone()
-    query_key = qkv[:, : 12 * 64].view(rows, 12, 64)  # rows strided as in the model
+    qkv = torch.randn(rows, 15 * head_dim).to(dtype)
+    value_before = qkv[:, 12 * head_dim :].clone()
+    query_key = qkv[:, : 12 * head_dim].view(rows, 12, head_dim)  # rows strided as in the model
     expected = apply_rotary_reference(query_key, cos, sin)
     rotated = kernels.apply_rotary_(query_key, cos, sin)
     assert rotated.data_ptr() == qkv.data_ptr()
     torch.testing.assert_close(rotated, expected, **TOLERANCE[dtype])
-    torch.testing.assert_close(qkv[:, 12 * 64 :], value_before, atol=0, rtol=0)
+    torch.testing.assert_close(qkv[:, 12 * head_dim :], value_before, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
