@@ -38,6 +38,52 @@ static void quantize_row(const float *row, float inverse_scale, int64_t cols, ui
     }
 }
 
+/* Vectors whose butterflies run in registers, loaded once: every stage whose pairs lie within
+ * HADAMARD_GROUP vectors of each other, before the farther stages go over memory. */
+#define HADAMARD_GROUP 8
+
+/* Holds a stage's result as computed: the build's -fassociative-math would otherwise regroup
+ * the sums of consecutive stages while they stay in registers, and the bits would differ from
+ * the butterflies' (and the torch reference's). */
+static inline void pin_vector(vfloat *v) {
+    __asm__("" : "+v"(*v));
+}
+
+/* The butterflies of pairs 1, 2, 4, ..., HADAMARD_GROUP * VEC_WIDTH / 2 apart over the
+ * HADAMARD_GROUP vectors at `values`, in place: within each vector (each lane beside its
+ * partner's copy), then between vectors, the same additions as walsh_hadamard_block's. */
+static inline void hadamard_group_in_registers(float *values) {
+    vfloat group[HADAMARD_GROUP];
+    for (int g = 0; g < HADAMARD_GROUP; g++) {
+        group[g] = vf_load(values + g * VEC_WIDTH);
+    }
+    vint lanes = vi_lane_indices();
+    for (int32_t half = 1; half < VEC_WIDTH; half *= 2) {
+        /* A pair's first lane takes v + partner, its second partner + (-v) = partner - v: both
+         * one addition, the second's sign flipped first (exact). */
+        vint partners = lanes ^ half, second_signs = (vint)(((lanes & half) != 0) & (int32_t)0x80000000);
+        for (int g = 0; g < HADAMARD_GROUP; g++) {
+            vfloat partner = __builtin_shuffle(group[g], partners);
+            group[g] = partner + (vfloat)((vint)group[g] ^ second_signs);
+            pin_vector(&group[g]);
+        }
+    }
+    for (int distance = 1; distance < HADAMARD_GROUP; distance *= 2) {
+        for (int g = 0; g < HADAMARD_GROUP; g++) {
+            if ((g & distance) == 0) {
+                vfloat first = group[g], second = group[g + distance];
+                group[g] = first + second;
+                group[g + distance] = first - second;
+                pin_vector(&group[g]);
+                pin_vector(&group[g + distance]);
+            }
+        }
+    }
+    for (int g = 0; g < HADAMARD_GROUP; g++) {
+        vf_store(values + g * VEC_WIDTH, group[g]);
+    }
+}
+
 /* In place: `values` [block] times the orthonormal Hadamard matrix of that order (a power of
  * two), as firsttoken/ops/hadamard.py's `walsh_hadamard_rows` computes it, addition by addition:
  * butterflies a + b, a - b over pairs 1, 2, 4, ... apart, then times `norm` (1 / sqrt(block)).
@@ -45,6 +91,33 @@ static void quantize_row(const float *row, float inverse_scale, int64_t cols, ui
  * each lane beside its partner's copy (lanes swapped by the pair distance); farther pairs are
  * whole vectors apart. Each element takes the same additions either way. */
 static void walsh_hadamard_block(float *values, int64_t block, float norm) {
+    if (block >= HADAMARD_GROUP * VEC_WIDTH) {
+        for (int64_t start = 0; start < block; start += HADAMARD_GROUP * VEC_WIDTH) {
+            hadamard_group_in_registers(values + start);
+        }
+        int64_t last_half = block / 2;
+        for (int64_t half = HADAMARD_GROUP * VEC_WIDTH; half < last_half; half *= 2) {
+            for (int64_t start = 0; start < block; start += 2 * half) {
+                for (int64_t i = start; i < start + half; i += VEC_WIDTH) {
+                    vfloat first = vf_load(values + i), second = vf_load(values + i + half);
+                    vf_store(values + i, first + second);
+                    vf_store(values + i + half, first - second);
+                }
+            }
+        }
+        if (last_half < HADAMARD_GROUP * VEC_WIDTH) { /* every stage ran in registers */
+            for (int64_t i = 0; i < block; i += VEC_WIDTH) {
+                vf_store(values + i, vf_load(values + i) * norm);
+            }
+            return;
+        }
+        for (int64_t i = 0; i < last_half; i += VEC_WIDTH) { /* the last stage, times the norm */
+            vfloat first = vf_load(values + i), second = vf_load(values + i + last_half);
+            vf_store(values + i, (first + second) * norm);
+            vf_store(values + i + last_half, (first - second) * norm);
+        }
+        return;
+    }
     if (block >= VEC_WIDTH) {
         vint lanes = vi_lane_indices();
         for (int64_t half = 1; half < VEC_WIDTH; half *= 2) {
