@@ -337,7 +337,7 @@ class NativeKernels:
             cache=kv_cache.data_ptr(), values_offset=kv_cache.numel() // 2, num_slots=num_slots,
             key=key.data_ptr(), key_row_stride=key.stride(0), value=value.data_ptr(),
             value_row_stride=value.stride(0), slots=slot_mapping.data_ptr(), rows=rows,
-            row_elems=kv_heads * head_dim, dtype=_code(key),
+            row_elems=kv_heads * head_dim, dtype=_code(key), num_threads=torch.get_num_threads(),
         )
         _check(status, out_of_bounds=f"slot_mapping: a slot lies outside the cache's {num_slots} slots")
 

@@ -280,7 +280,7 @@ KERNELS = (
         _parameters(
             "void *cache, int64_t values_offset, int64_t num_slots, const void *key, int64_t key_row_stride, "
             "const void *value, int64_t value_row_stride, const int64_t *slots, int64_t rows, "
-            "int64_t row_elems, int dtype"
+            f"int64_t row_elems, {_DTYPE_THREADS}"
         ),
     ),
     Kernel(

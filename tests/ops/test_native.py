@@ -59,12 +59,13 @@ def test_rotary_rotates_strided_heads_in_place(kernels, dtype, rows, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_matches_index_copy(kernels, dtype):
-    num_blocks, block_size, kv_heads, head_dim = 6, 4, 3, 64
-    qkv = torch.randn(5, 15 * 64).to(dtype)
-    key = qkv[:, 9 * 64 : 12 * 64].view(5, kv_heads, head_dim)
-    value = qkv[:, 12 * 64 :].contiguous().view(5, kv_heads, head_dim)  # a different row stride
-    slots = torch.tensor([23, 0, 7, 8, 12])
+@pytest.mark.parametrize("rows", [5, 700])  # 700: split over threads
+def test_write_kv_matches_index_copy(kernels, dtype, rows):
+    num_blocks, block_size, kv_heads, head_dim = 200, 4, 3, 64
+    qkv = torch.randn(rows, 15 * 64).to(dtype)
+    key = qkv[:, 9 * 64 : 12 * 64].view(rows, kv_heads, head_dim)
+    value = qkv[:, 12 * 64 :].contiguous().view(rows, kv_heads, head_dim)  # a different row stride
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(rows))[:rows]
     expected = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
     ours = expected.clone()
     write_kv_reference(expected, key, value, slots)

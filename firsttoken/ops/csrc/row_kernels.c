@@ -303,11 +303,12 @@ FtStatus ft_rotary(void *x, int64_t row_stride, int64_t rows, int64_t heads, int
 
 /* Copies each row's K and V (row_elems contiguous elements, rows `key_row_stride` and
  * `value_row_stride` apart) to its slot of the paged cache: keys at cache[slot], values at
- * cache[values_offset / row_elems + slot].
+ * cache[values_offset / row_elems + slot]; a prefill's rows split over the threads (a new
+ * cache's pages fault on their first write, in parallel too).
  * Returns FT_OUT_OF_BOUNDS, copying nothing, when a slot lies outside [0, num_slots). */
 FtStatus ft_write_kv(void *cache, int64_t values_offset, int64_t num_slots, const void *key, int64_t key_row_stride,
                      const void *value, int64_t value_row_stride, const int64_t *slots, int64_t rows, int64_t row_elems,
-                     int dtype) {
+                     int dtype, int num_threads) {
     for (int64_t r = 0; r < rows; r++) {
         if (slots[r] < 0 || slots[r] >= num_slots) {
             return FT_OUT_OF_BOUNDS;
@@ -316,10 +317,16 @@ FtStatus ft_write_kv(void *cache, int64_t values_offset, int64_t num_slots, cons
     size_t element_size = dtype == DTYPE_BFLOAT16 ? 2 : 4;
     size_t row_bytes = (size_t)row_elems * element_size;
     char *keys = cache, *values = keys + (size_t)values_offset * element_size;
-    for (int64_t r = 0; r < rows; r++) {
-        size_t destination = (size_t)slots[r] * row_bytes;
-        memcpy(keys + destination, (const char *)key + (size_t)(r * key_row_stride) * element_size, row_bytes);
-        memcpy(values + destination, (const char *)value + (size_t)(r * value_row_stride) * element_size, row_bytes);
+#pragma omp parallel num_threads(num_threads) if (rows * row_elems >= PARALLEL_MIN_ELEMENTS)
+    {
+        int64_t begin, end;
+        thread_rows(rows, &begin, &end);
+        for (int64_t r = begin; r < end; r++) {
+            size_t destination = (size_t)slots[r] * row_bytes;
+            memcpy(keys + destination, (const char *)key + (size_t)(r * key_row_stride) * element_size, row_bytes);
+            memcpy(values + destination, (const char *)value + (size_t)(r * value_row_stride) * element_size,
+                   row_bytes);
+        }
     }
     return FT_OK;
 }
