@@ -89,7 +89,9 @@ static inline void hadamard_group_in_registers(float *values) {
  * butterflies a + b, a - b over pairs 1, 2, 4, ... apart, then times `norm` (1 / sqrt(block)).
  * Vectorized where the block holds whole vectors: pairs closer than a vector meet within one,
  * each lane beside its partner's copy (lanes swapped by the pair distance); farther pairs are
- * whole vectors apart. Each element takes the same additions either way. */
+ * whole vectors apart. A block of HADAMARD_GROUP vectors or more takes its nearer stages in
+ * registers, a group at a time (hadamard_group_in_registers), and its last stage times the norm.
+ * Each element takes the same additions either way. */
 static void walsh_hadamard_block(float *values, int64_t block, float norm) {
     if (block >= HADAMARD_GROUP * VEC_WIDTH) {
         for (int64_t start = 0; start < block; start += HADAMARD_GROUP * VEC_WIDTH) {
