@@ -227,6 +227,7 @@ static inline void configure_full_tiles(void) {
 
 /* Row kernels of row_kernels.c that the decode step reuses; each returns 0 when out of memory. */
 #define FT_INTERNAL __attribute__((visibility("hidden")))
+FT_INTERNAL float row_inverse_rms(const float *x, int64_t cols, float eps);
 FT_INTERNAL void normalize_row(const float *x, const float *weight, int64_t cols, float eps, int dtype, float *out);
 /* Row r of SwiGLU's product to_dtype(to_dtype(silu(gate)) * up), from gate_up [rows, 2 * half],
  * into `product` [half] (float32 holding the dtype's values). */

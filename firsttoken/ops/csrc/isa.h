@@ -80,6 +80,16 @@ static inline vfloat vf_round_bf16(vfloat v) {
     return (vfloat)(vf_bf16_bits(v) << 16);
 }
 
+/* Each lane rounded to bf16's values, kept in float32, as common.h's round_row rounds: with
+ * AVX512-BF16 by its conversion instruction (a denormal flushes to zero), else vf_round_bf16. */
+static inline vfloat round_lanes_bf16(vfloat v) {
+#if VECTOR_BF16
+    return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16_bf16((__m512)v)), 16);
+#else
+    return vf_round_bf16(v);
+#endif
+}
+
 /* Loads VEC_WIDTH values stored in `dtype` (DTYPE_FLOAT32 or DTYPE_BFLOAT16) at `index`. */
 static inline vfloat vf_load_as(const void *source, int64_t index, int is_bf16) {
     return is_bf16 ? vf_load_bf16((const uint16_t *)source + index) : vf_load((const float *)source + index);

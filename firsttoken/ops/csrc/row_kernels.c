@@ -18,18 +18,9 @@ static int scratch_rows(int64_t count, int64_t rows, float **scratch) {
     return *scratch != NULL;
 }
 
-/* Each lane rounded to bf16's values, kept in float32: as round_row rounds. */
-static inline vfloat round_lanes_bf16(vfloat v) {
-#if VECTOR_BF16
-    return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(round16_bf16((__m512)v)), 16);
-#else
-    return vf_round_bf16(v);
-#endif
-}
-
-/* weight * to_dtype(x * rsqrt(mean(x^2) + eps)), x already in float32 (and in the dtype's values).
- * The squares are summed lane by lane, then across the lanes in vf_sum's fixed order. */
-FT_INTERNAL void normalize_row(const float *x, const float *weight, int64_t cols, float eps, int dtype, float *out) {
+/* rsqrt(mean(x^2) + eps) of a float32 row: the squares summed lane by lane, then across the
+ * lanes in vf_sum's fixed order. */
+FT_INTERNAL float row_inverse_rms(const float *x, int64_t cols, float eps) {
     vfloat lane_sums = vf_splat(0.0f);
     int64_t c = 0;
     for (; c + VEC_WIDTH <= cols; c += VEC_WIDTH) {
@@ -40,8 +31,13 @@ FT_INTERNAL void normalize_row(const float *x, const float *weight, int64_t cols
     for (int64_t tail = c; tail < cols; tail++) {
         sum_of_squares += x[tail] * x[tail];
     }
-    float inverse_rms = 1.0f / sqrtf(sum_of_squares / (float)cols + eps);
-    c = 0;
+    return 1.0f / sqrtf(sum_of_squares / (float)cols + eps);
+}
+
+/* weight * to_dtype(x * rsqrt(mean(x^2) + eps)), x already in float32 (and in the dtype's values). */
+FT_INTERNAL void normalize_row(const float *x, const float *weight, int64_t cols, float eps, int dtype, float *out) {
+    float inverse_rms = row_inverse_rms(x, cols, eps);
+    int64_t c = 0;
     if (dtype == DTYPE_BFLOAT16) {
         for (; c + VEC_WIDTH <= cols; c += VEC_WIDTH) {
             vf_store(out + c, vf_load(weight + c) * round_lanes_bf16(vf_load(x + c) * inverse_rms));

@@ -244,6 +244,36 @@ FtStatus ft_quantize_rows_int8(const void *x, int silu_gated, const float *colum
     return succeeded ? FT_OK : FT_OUT_OF_MEMORY;
 }
 
+/* A plain row's norm as ft_add_rms_norm stores it (normalize_row, rounded to the dtype) written
+ * to `normed` with its absolute maximum taken in the same pass, then its levels and scale: the
+ * separate passes' bits (normalize, round, maximum, levels) in two fewer passes over the row. */
+static void normalize_and_quantize(const float *row, const float *weight, int64_t cols, float eps, int dtype,
+                                   float *normed, uint8_t *levels, float *scale) {
+    float inverse_rms = row_inverse_rms(row, cols, eps);
+    vfloat largest = vf_splat(0.0f);
+    int64_t c = 0;
+    for (; c + VEC_WIDTH <= cols; c += VEC_WIDTH) {
+        vfloat value = vf_load(row + c) * inverse_rms;
+        if (dtype == DTYPE_BFLOAT16) {
+            value = round_lanes_bf16(vf_load(weight + c) * round_lanes_bf16(value));
+        } else {
+            value = vf_load(weight + c) * value;
+        }
+        vf_store(normed + c, value);
+        largest = vf_max(largest, vf_max(value, -value));
+    }
+    float row_max = vf_max_lane(largest);
+    int64_t tail = c;
+    for (; c < cols; c++) {
+        normed[c] = weight[c] * round_to(row[c] * inverse_rms, dtype);
+    }
+    round_row(normed + tail, cols - tail, dtype);
+    for (c = tail; c < cols; c++) {
+        row_max = fmaxf(row_max, fabsf(normed[c]));
+    }
+    quantize_with_max(normed, row_max, cols, levels, scale);
+}
+
 static int norm_quantize_rows_range(const void *x, const void *residual, const void *weight, void *summed, float eps,
                                     const float *column_scales, int64_t hadamard_block, float hadamard_norm,
                                     uint8_t *levels, float *scales, int64_t begin, int64_t end, int64_t cols,
@@ -260,6 +290,10 @@ static int norm_quantize_rows_range(const void *x, const void *residual, const v
             add_residual_row(x, residual, r, cols, dtype, row, normed, summed);
         } else {
             load_row(x, r * cols, cols, dtype, row);
+        }
+        if (column_scales == NULL && hadamard_block <= 1) {
+            normalize_and_quantize(row, weight_f, cols, eps, dtype, normed, levels + r * cols, scales + r);
+            continue;
         }
         normalize_row(row, weight_f, cols, eps, dtype, normed);
         /* The norm's row as stored in `dtype` and read back by the quantization pass. */
