@@ -49,22 +49,26 @@ static inline void pin_vector(vfloat *v) {
     __asm__("" : "+v"(*v));
 }
 
+/* Each lane's butterfly with its partner `half` lanes away (half < VEC_WIDTH): a pair's first
+ * lane takes v + partner, its second partner + (-v) = partner - v, each one addition (the sign
+ * flip is exact). */
+static inline vfloat butterflies_within(vfloat v, int32_t half) {
+    vint lanes = vi_lane_indices();
+    vint partners = lanes ^ half, second_signs = (vint)(((lanes & half) != 0) & (int32_t)0x80000000);
+    return __builtin_shuffle(v, partners) + (vfloat)((vint)v ^ second_signs);
+}
+
 /* The butterflies of pairs 1, 2, 4, ..., HADAMARD_GROUP * VEC_WIDTH / 2 apart over the
- * HADAMARD_GROUP vectors at `values`, in place: within each vector (each lane beside its
- * partner's copy), then between vectors, the same additions as walsh_hadamard_block's. */
+ * HADAMARD_GROUP vectors at `values`, in place: within each vector, then between vectors, the
+ * same additions as walsh_hadamard_block's. */
 static inline void hadamard_group_in_registers(float *values) {
     vfloat group[HADAMARD_GROUP];
     for (int g = 0; g < HADAMARD_GROUP; g++) {
         group[g] = vf_load(values + g * VEC_WIDTH);
     }
-    vint lanes = vi_lane_indices();
     for (int32_t half = 1; half < VEC_WIDTH; half *= 2) {
-        /* A pair's first lane takes v + partner, its second partner + (-v) = partner - v: both
-         * one addition, the second's sign flipped first (exact). */
-        vint partners = lanes ^ half, second_signs = (vint)(((lanes & half) != 0) & (int32_t)0x80000000);
         for (int g = 0; g < HADAMARD_GROUP; g++) {
-            vfloat partner = __builtin_shuffle(group[g], partners);
-            group[g] = partner + (vfloat)((vint)group[g] ^ second_signs);
+            group[g] = butterflies_within(group[g], half);
             pin_vector(&group[g]);
         }
     }
@@ -90,15 +94,26 @@ static inline void hadamard_group_in_registers(float *values) {
  * Vectorized where the block holds whole vectors: pairs closer than a vector meet within one,
  * each lane beside its partner's copy (lanes swapped by the pair distance); farther pairs are
  * whole vectors apart. A block of HADAMARD_GROUP vectors or more takes its nearer stages in
- * registers, a group at a time (hadamard_group_in_registers), and its last stage times the norm.
- * Each element takes the same additions either way. */
+ * registers, a group at a time (hadamard_group_in_registers); the last stage multiplies by the
+ * norm as it stores. Each element takes the same additions either way. */
 static void walsh_hadamard_block(float *values, int64_t block, float norm) {
-    if (block >= HADAMARD_GROUP * VEC_WIDTH) {
-        for (int64_t start = 0; start < block; start += HADAMARD_GROUP * VEC_WIDTH) {
-            hadamard_group_in_registers(values + start);
+    if (block >= VEC_WIDTH) {
+        int64_t far_half; /* the first stage left to run over memory */
+        if (block >= HADAMARD_GROUP * VEC_WIDTH) {
+            for (int64_t start = 0; start < block; start += HADAMARD_GROUP * VEC_WIDTH) {
+                hadamard_group_in_registers(values + start);
+            }
+            far_half = HADAMARD_GROUP * VEC_WIDTH;
+        } else {
+            for (int32_t half = 1; half < VEC_WIDTH; half *= 2) {
+                for (int64_t i = 0; i < block; i += VEC_WIDTH) {
+                    vf_store(values + i, butterflies_within(vf_load(values + i), half));
+                }
+            }
+            far_half = VEC_WIDTH;
         }
         int64_t last_half = block / 2;
-        for (int64_t half = HADAMARD_GROUP * VEC_WIDTH; half < last_half; half *= 2) {
+        for (int64_t half = far_half; half < last_half; half *= 2) {
             for (int64_t start = 0; start < block; start += 2 * half) {
                 for (int64_t i = start; i < start + half; i += VEC_WIDTH) {
                     vfloat first = vf_load(values + i), second = vf_load(values + i + half);
@@ -107,39 +122,16 @@ static void walsh_hadamard_block(float *values, int64_t block, float norm) {
                 }
             }
         }
-        if (last_half < HADAMARD_GROUP * VEC_WIDTH) { /* every stage ran in registers */
+        if (last_half < far_half) { /* no stage left over memory */
             for (int64_t i = 0; i < block; i += VEC_WIDTH) {
                 vf_store(values + i, vf_load(values + i) * norm);
             }
             return;
         }
-        for (int64_t i = 0; i < last_half; i += VEC_WIDTH) { /* the last stage, times the norm */
+        for (int64_t i = 0; i < last_half; i += VEC_WIDTH) {
             vfloat first = vf_load(values + i), second = vf_load(values + i + last_half);
             vf_store(values + i, (first + second) * norm);
             vf_store(values + i + last_half, (first - second) * norm);
-        }
-        return;
-    }
-    if (block >= VEC_WIDTH) {
-        vint lanes = vi_lane_indices();
-        for (int64_t half = 1; half < VEC_WIDTH; half *= 2) {
-            vint partners = lanes ^ (int32_t)half, is_first = (lanes & (int32_t)half) == 0;
-            for (int64_t i = 0; i < block; i += VEC_WIDTH) {
-                vfloat v = vf_load(values + i), partner = __builtin_shuffle(v, partners);
-                vf_store(values + i, vf_select(is_first, v + partner, partner - v));
-            }
-        }
-        for (int64_t half = VEC_WIDTH; half < block; half *= 2) {
-            for (int64_t start = 0; start < block; start += 2 * half) {
-                for (int64_t i = start; i < start + half; i += VEC_WIDTH) {
-                    vfloat first = vf_load(values + i), second = vf_load(values + i + half);
-                    vf_store(values + i, first + second);
-                    vf_store(values + i + half, first - second);
-                }
-            }
-        }
-        for (int64_t i = 0; i < block; i += VEC_WIDTH) {
-            vf_store(values + i, vf_load(values + i) * norm);
         }
         return;
     }
