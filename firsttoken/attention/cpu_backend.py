@@ -167,7 +167,8 @@ class CPUAttentionBackend:
             write_kv_reference(kv_cache, key, value, metadata.slot_mapping)
         if not metadata.prefills:  # a decode-only step: no output to assemble
             return self._decode(query, kv_cache, metadata, _FlashOptions(layer, sink_query))
-        output = torch.empty_like(query)
+        # Contiguous: each prefill span's kernel writes its rows in place.
+        output = torch.empty(query.shape, dtype=query.dtype)
         if metadata.num_decodes:
             decodes = slice(0, metadata.num_decodes)
             output[decodes] = self._decode(
@@ -176,7 +177,7 @@ class CPUAttentionBackend:
         for span in metadata.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
             options = _FlashOptions(layer, _rows_of(sink_query, rows))
-            output[rows] = self._prefill(query[rows], key[rows], value[rows], kv_cache, span, options)
+            self._prefill(query[rows], key[rows], value[rows], kv_cache, span, options, output[rows])
         return output
 
     def _decode(
@@ -239,22 +240,26 @@ class CPUAttentionBackend:
         kv_cache: torch.Tensor,
         span: PrefillSpan,
         options: _FlashOptions,
-    ) -> torch.Tensor:
-        """The AVX512-BF16 kernel where it applies (bf16, heads of 32 to 128), else the portable
-        flash kernel (for chunks of up to FLASH_MAX_QUERIES_BESIDE_SDPA queries unless decode rows
-        take the prefill's arithmetic), else SDPA."""
+        out: torch.Tensor,
+    ) -> None:
+        """Into `out` (contiguous, query's shape): the AVX512-BF16 kernel where it applies (bf16,
+        heads of 32 to 128), else the portable flash kernel (for chunks of up to
+        FLASH_MAX_QUERIES_BESIDE_SDPA queries unless decode rows take the prefill's arithmetic),
+        else SDPA."""
         layer = options.layer
         if self.native is not None and self.native.has_prefill_attention and _vector_bf16_attends(layer):
             window = layer.sliding_window or 0
             keys_values = _keys_values_in_window(key, value, kv_cache, span, window)
             if self.native.prefill_attention_supports(query, *keys_values):
-                return self.native.prefill_attention(
+                self.native.prefill_attention(
                     query,
                     *keys_values,
                     torch.get_num_threads(),
                     window=window,
                     softcap=layer.logit_softcap or 0.0,
+                    out=out,
                 )
+                return
         wants_flash = (
             self.decode_as_prefill
             or not options.layer.is_plain
@@ -265,10 +270,11 @@ class CPUAttentionBackend:
             and wants_flash
             and _flash_takes(self.native, query, key, value, kv_cache, span)
         ):
-            return _flash_prefill(self.native, query, key, value, kv_cache, span, options)
-        if not options.layer.is_plain:
-            return _masked_prefill_attention(query, key, value, kv_cache, span, options.layer)
-        return _prefill_attention(query, key, value, kv_cache, span)
+            _flash_prefill(self.native, query, key, value, kv_cache, span, options, out)
+        elif not options.layer.is_plain:
+            out.copy_(_masked_prefill_attention(query, key, value, kv_cache, span, options.layer))
+        else:
+            out.copy_(_prefill_attention(query, key, value, kv_cache, span))
 
 
 def _vector_bf16_attends(layer: LayerAttention) -> bool:
@@ -309,20 +315,23 @@ def _flash_prefill(
     kv_cache: torch.Tensor,
     span: PrefillSpan,
     options: _FlashOptions,
-) -> torch.Tensor:
-    """A fresh prompt over its own K/V; a chunk over its context and new tokens, already in
-    the cache: a view of a run of blocks, or its scattered blocks read in place (no gather)."""
+    out: torch.Tensor,
+) -> None:
+    """Into `out`: a fresh prompt over its own K/V; a chunk over its context and new tokens,
+    already in the cache: a view of a run of blocks, or its scattered blocks read in place (no
+    gather)."""
     threads = torch.get_num_threads()
     arguments = options.arguments()
     if not span.num_context_tokens:
-        return kernels.flash_attention(query, key, value, threads, **arguments)
+        kernels.flash_attention(query, key, value, threads, **arguments, out=out)
+        return
     num_keys = span.num_context_tokens + span.query_len
     if span.sequence_first_block is not None:
-        return kernels.flash_attention(
-            query, *context_in_place(kv_cache, span.sequence_first_block, num_keys), threads, **arguments
-        )
-    return kernels.flash_attention_paged(
-        query, kv_cache, span.sequence_block_ids, num_keys, threads, **arguments
+        keys_values = context_in_place(kv_cache, span.sequence_first_block, num_keys)
+        kernels.flash_attention(query, *keys_values, threads, **arguments, out=out)
+        return
+    kernels.flash_attention_paged(
+        query, kv_cache, span.sequence_block_ids, num_keys, threads, **arguments, out=out
     )
 
 

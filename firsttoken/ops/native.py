@@ -81,6 +81,22 @@ def heads_contiguous(x: torch.Tensor) -> bool:
     return x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
+def attention_output(kernel: str, query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Where an attention kernel writes its rows: `out` where given (contiguous, query's shape
+    and dtype, on the CPU: a caller's slice of the step's output, so the rows are not copied
+    there afterwards), else a new tensor."""
+    if out is None:
+        return query.new_empty(query.shape)
+    fits = out.shape == query.shape and out.dtype == query.dtype and out.device.type == "cpu"
+    if not (fits and out.is_contiguous()):
+        raise ValueError(
+            f"{kernel}: out must be a contiguous CPU {query.dtype} tensor of the queries' shape "
+            f"{tuple(query.shape)}, got {out.dtype} {tuple(out.shape)} on {out.device.type}"
+            f"{'' if out.is_contiguous() else ', not contiguous'}"
+        )
+    return out
+
+
 class NativeKernels:
     """Typed entry points into the compiled library; every tensor argument must pass `supports`."""
 
@@ -361,13 +377,15 @@ class NativeKernels:
         use_amx: bool | None = None,
         window: int = 0,
         softcap: float = 0.0,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of query [n, heads, head_dim] over key and value [m, kv_heads,
         head_dim], m >= n, the queries being the last n of the m positions (new tokens after
         m - n of context); with `window` > 0 each over its last `window` keys (the keys before
         the first query's window never read); with `softcap` > 0 scaled scores s taken as
         softcap * tanh(s / softcap). Inputs must pass `prefill_attention_supports`.
-        On AMX tiles where the CPU has them (`use_amx` None), else on AVX512-BF16."""
+        On AMX tiles where the CPU has them (`use_amx` None), else on AVX512-BF16. Written
+        into `out` where given (see `attention_output`), which is returned."""
         use_amx = self.has_amx if use_amx is None else use_amx
         if use_amx and not self.has_amx:
             raise ValueError("prefill_attention: use_amx asked for on a CPU without AMX tiles")
@@ -381,7 +399,7 @@ class NativeKernels:
                 f"prefill_attention: {num_queries} queries of {num_heads} heads over {num_keys} keys and "
                 f"{value.shape[0]} values of {num_kv_heads} heads, window {window}, softcap {softcap}"
             )
-        out = query.new_empty(num_queries, num_heads, head_dim)
+        out = attention_output("prefill_attention", query, out)
         _check(
             self._kernels["ft_prefill_attention"](
                 query=query.data_ptr(), query_row_stride=query.stride(0), key=key.data_ptr(),
@@ -416,6 +434,7 @@ class NativeKernels:
         softcap: float = 0.0,
         sink_tokens: int = 0,
         sink_query: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of query [n, heads, head_dim] over key and value [m, kv_heads,
         head_dim] (heads contiguous, rows strided), m >= n, the queries being the last n of the m
@@ -423,7 +442,8 @@ class NativeKernels:
         softcap * tanh(s / softcap) when softcap > 0; float32 arithmetic, the inputs' dtype out.
         With sink_tokens > 0 (and a window), keys 0..sink_tokens-1 too, scored with sink_query
         (shaped as query) once a row's window has left them (StreamingLLM). Inputs must pass
-        `flash_attention_supports` (key and value too)."""
+        `flash_attention_supports` (key and value too). Written into `out` where given (see
+        `attention_output`), which is returned."""
         num_keys, num_kv_heads = key.shape[0], key.shape[1]
         if value.shape != key.shape or not (heads_contiguous(key) and heads_contiguous(value)):
             raise ValueError(f"flash_attention: keys {tuple(key.shape)} and values {tuple(value.shape)}")
@@ -434,7 +454,7 @@ class NativeKernels:
         }
         return self._flash_attention(
             "flash_attention", query, key_values, num_keys, num_kv_heads, num_threads,
-            _Variant.of(query, window, softcap, sink_tokens, sink_query),
+            _Variant.of(query, window, softcap, sink_tokens, sink_query), out,
         )
 
     def flash_attention_paged(
@@ -448,12 +468,13 @@ class NativeKernels:
         softcap: float = 0.0,
         sink_tokens: int = 0,
         sink_query: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`flash_attention` over the first num_keys keys of one sequence, read in place from
         kv_cache [2, blocks, block_size, kv_heads, head_dim] (contiguous) through its block ids
         (long [>= ceil(num_keys / block_size)]): a chunk on cached context with no gather, the
         bits `flash_attention` gives the same keys. Blocks wholly before every query's window
-        are never read."""
+        are never read. Written into `out` where given, as `flash_attention`."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         if not kv_cache.is_contiguous() or block_ids.dtype != torch.long or block_ids.dim() != 1:
             raise ValueError(f"flash_attention_paged: block ids {tuple(block_ids.shape)} {block_ids.dtype}")
@@ -466,7 +487,7 @@ class NativeKernels:
         }
         return self._flash_attention(
             "flash_attention_paged", query, key_values, num_keys, num_kv_heads, num_threads,
-            _Variant.of(query, window, softcap, sink_tokens, sink_query),
+            _Variant.of(query, window, softcap, sink_tokens, sink_query), out,
         )
 
     def _flash_attention(
@@ -478,11 +499,13 @@ class NativeKernels:
         num_kv_heads: int,
         num_threads: int,
         variant: _Variant,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
         """Runs ft_flash_attention over the K/V rows `key_values` locates (its parameters from
-        `key` to `num_slots`), with `variant`'s window, softcap and sinks."""
+        `key` to `num_slots`), with `variant`'s window, softcap and sinks, into `out` (None: a
+        new tensor)."""
         num_queries, num_heads, head_dim = query.shape
-        out = query.new_empty(num_queries, num_heads, head_dim)
+        out = attention_output(name, query, out)
         status = self._kernels["ft_flash_attention"](
             query=query.data_ptr(), query_stride=query.stride(0), **key_values, num_queries=num_queries,
             num_keys=num_keys, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,

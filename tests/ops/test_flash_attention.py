@@ -124,6 +124,23 @@ def test_decode_rows_get_the_bits_a_prefill_gives_their_positions(
     assert torch.equal(alone, prefill[positions[-2:]])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_given_out_slice_gets_the_bits_a_new_tensor_gets(kernels, dtype):
+    query, key, value = _qkv(40, 100, 9, 3, 64, dtype)
+    kv_cache, block_ids = _paged(key, value, 16)
+    fresh = kernels.flash_attention(query, key, value, num_threads=2)
+    step_output = torch.full((44, 9, 64), float("nan"), dtype=dtype)
+    rows = step_output[2:42]
+    assert kernels.flash_attention(query, key, value, num_threads=2, out=rows) is rows
+    assert torch.equal(step_output[2:42], fresh)
+    assert step_output[:2].isnan().all() and step_output[42:].isnan().all()
+    step_output.fill_(float("nan"))
+    kernels.flash_attention_paged(query, kv_cache, block_ids, 100, num_threads=2, out=rows)
+    assert torch.equal(step_output[2:42], fresh)
+    with pytest.raises(ValueError, match="flash_attention_paged: out must be a contiguous CPU"):
+        kernels.flash_attention_paged(query, kv_cache, block_ids, 100, num_threads=2, out=rows[:, :3])
+
+
 def test_bad_shapes_and_tables_are_named(kernels):
     query, key, value = _qkv(8, 8, 4, 4, 64, torch.float32)
     with pytest.raises(ValueError, match="8 queries of 4 heads over 4 keys"):

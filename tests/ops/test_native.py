@@ -243,6 +243,31 @@ def test_windowed_prefill_never_reads_keys_before_its_first_querys_window(attent
     assert torch.equal(attention_kernels.prefill_attention(query, key, value, 2, use_amx, window=32), clean)
 
 
+def test_prefill_attention_writes_into_a_given_slice_the_bits_it_returns(attention_kernels, use_amx):
+    query, key, value = _bf16_qkv(70, 70, seed=4)
+    alone = attention_kernels.prefill_attention(query, key, value, 2, use_amx)
+    step_output = torch.full((75, 9, 64), float("nan"), dtype=torch.bfloat16)
+    rows = step_output[3:73]
+    returned = attention_kernels.prefill_attention(query, key, value, 2, use_amx, out=rows)
+    assert returned is rows
+    assert torch.equal(step_output[3:73], alone)
+    assert step_output[:3].isnan().all() and step_output[73:].isnan().all()  # nothing outside the slice
+
+
+@pytest.mark.parametrize(
+    "out,complaint",
+    [
+        (torch.empty(70, 9, 32, dtype=torch.bfloat16), r"\(70, 9, 64\), got torch.bfloat16 \(70, 9, 32\)"),
+        (torch.empty(70, 9, 64), "got torch.float32"),
+        (torch.empty(70, 9, 128, dtype=torch.bfloat16)[:, :, :64], "not contiguous"),
+    ],
+)
+def test_prefill_attention_names_an_out_it_cannot_write(attention_kernels, out, complaint):
+    query, key, value = _bf16_qkv(70, 70, seed=4)
+    with pytest.raises(ValueError, match=f"prefill_attention: out must be .*{complaint}"):
+        attention_kernels.prefill_attention(query, key, value, 1, out=out)
+
+
 def test_prefill_attention_declines_what_it_cannot_take_and_names_bad_shapes(attention_kernels):
     query = torch.randn(4, 4, 16).to(torch.bfloat16)
     assert not attention_kernels.prefill_attention_supports(query, query, query)  # head_dim 16
