@@ -310,18 +310,19 @@ AMX_SHAPES = [(960, 576), (576, 1536), (33, 128), (24, 62), (40, 65)]
 @pytest.mark.parametrize("out_features,in_features", AMX_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_amx_tiles_give_the_vnni_bits(isa_kernels, out_features, in_features, dtype):
-    """AMX-INT8 tiles (whole 32-row blocks, then tiles configured for the rows left) against the
-    VNNI kernel: the same exact sums and scaling, so the same bits at every row count, tails past
-    a block and outputs past a panel included; inputs not in whole 64-byte rows (65) run on VNNI."""
+    """AMX-INT8 tiles against the VNNI kernel: the same exact sums and scaling, so the same bits
+    at every row count: under one tile (tiles configured to it), rows past the last whole tile
+    (their padded copy), up to 512 rows panel by panel and more in blocks of rows, outputs past a
+    panel; inputs not in whole 64-byte rows (65) run on VNNI."""
     if not isa_kernels.w8a8_matmul_uses_amx:
         pytest.skip(f"the {isa_kernels.isa} build on this CPU has no AMX-INT8 tiles")
     generator = torch.Generator().manual_seed(out_features * in_features)
     levels, scales = quantize_int8(torch.randn(out_features, in_features, generator=generator))
     bias = torch.randn(out_features, generator=generator)
     packed = isa_kernels.pack_w8a8_weight(levels)
-    x = _activations(300, in_features, dtype, seed=out_features)
+    x = _activations(600, in_features, dtype, seed=out_features)
     activation_levels, row_scales = isa_kernels.quantize_rows_int8(x)
-    for rows in (1, 31, 32, 33, 64, 100, 300):
+    for rows in (1, 31, 32, 33, 64, 100, 300, 512, 545, 600):
         on_tiles, on_vectors = (
             isa_kernels.w8a8_matmul(
                 activation_levels[:rows], row_scales[:rows], packed, scales, bias, dtype, use_amx=use_amx
@@ -350,10 +351,10 @@ def test_the_swiglu_epilogue_gives_silu_and_mul_s_bits(isa_kernels, features, in
     levels, scales = quantize_int8(torch.randn(2 * features, in_features, generator=generator))
     bias = torch.randn(2 * features, generator=generator)
     plain, gated = (isa_kernels.pack_w8a8_weight(levels, silu_gated=paired) for paired in (False, True))
-    x = _activations(100, in_features, dtype, seed=features)
+    x = _activations(545, in_features, dtype, seed=features)
     activation_levels, row_scales = isa_kernels.quantize_rows_int8(x)
     for use_amx in (True, False) if isa_kernels.w8a8_matmul_uses_amx else (False,):
-        for rows in (1, 31, 33, 100):
+        for rows in (1, 31, 33, 100, 545):
             args = (activation_levels[:rows], row_scales[:rows])
             gate_up = isa_kernels.w8a8_matmul(*args, plain, scales, bias, dtype, use_amx=use_amx)
             product = isa_kernels.w8a8_matmul(
