@@ -251,9 +251,11 @@ int ft_amx_available(void) {
 
 
 /* scores [32 x 32] (row stride `score_stride`) = Q block [32 x head_dim] . K^T for keys
- * 32 * key_tile ..+32, on tiles 0-3 (C), 4-5 (A: queries), 6-7 (B: keys). */
+ * 32 * key_tile ..+32, on tiles 0-3 (C), 4-5 (A: queries), 6-7 (B: keys); the first 16 rows only
+ * (tiles 0, 1 and 4) unless `second_half`: a block of up to 16 queries (a decode row's query heads
+ * of one KV head) skips half the products, and each row's arithmetic is its own either way. */
 static void score_tile(const uint16_t *queries, int64_t head_dim, const uint16_t *packed_keys, int64_t key_tile,
-                       float *scores, int64_t score_stride) {
+                       float *scores, int64_t score_stride, int second_half) {
     int64_t chunks = head_dim / 32;
     _tile_zero(0);
     _tile_zero(1);
@@ -261,23 +263,28 @@ static void score_tile(const uint16_t *queries, int64_t head_dim, const uint16_t
     _tile_zero(3);
     for (int64_t c = 0; c < chunks; c++) {
         _tile_loadd(4, queries + c * 32, head_dim * 2);
-        _tile_loadd(5, queries + 16 * head_dim + c * 32, head_dim * 2);
         _tile_loadd(6, packed_keys + ((2 * key_tile) * chunks + c) * 16 * 32, 64);
         _tile_loadd(7, packed_keys + ((2 * key_tile + 1) * chunks + c) * 16 * 32, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        if (second_half) {
+            _tile_loadd(5, queries + 16 * head_dim + c * 32, head_dim * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
     }
     _tile_stored(0, scores, score_stride * 4);
     _tile_stored(1, scores + 16, score_stride * 4);
-    _tile_stored(2, scores + 16 * score_stride, score_stride * 4);
-    _tile_stored(3, scores + 16 * score_stride + 16, score_stride * 4);
+    if (second_half) {
+        _tile_stored(2, scores + 16 * score_stride, score_stride * 4);
+        _tile_stored(3, scores + 16 * score_stride + 16, score_stride * 4);
+    }
 }
 
-/* products [32 x 32] = P [32 x KEY_BLOCK keys] . V [those keys x dims 32 * pass ..+32]. */
+/* products [32 x 32] = P [32 x KEY_BLOCK keys] . V [those keys x dims 32 * pass ..+32]; the first
+ * 16 rows only unless `second_half`, as score_tile. */
 static void weigh_tiles(const uint16_t *probabilities, const uint16_t *packed_values, int64_t dim_tiles,
-                        int64_t first_key_tile, int64_t pass, float *products) {
+                        int64_t first_key_tile, int64_t pass, float *products, int second_half) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -285,18 +292,22 @@ static void weigh_tiles(const uint16_t *probabilities, const uint16_t *packed_va
     for (int64_t k = 0; k < KEY_BLOCK / TILE_KEYS; k++) {
         const uint16_t *values = packed_values + ((first_key_tile + k) * dim_tiles + 2 * pass) * 16 * 32;
         _tile_loadd(4, probabilities + k * TILE_KEYS, KEY_BLOCK * 2);
-        _tile_loadd(5, probabilities + 16 * KEY_BLOCK + k * TILE_KEYS, KEY_BLOCK * 2);
         _tile_loadd(6, values, 64);
         _tile_loadd(7, values + 16 * 32, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        if (second_half) {
+            _tile_loadd(5, probabilities + 16 * KEY_BLOCK + k * TILE_KEYS, KEY_BLOCK * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
     }
     _tile_stored(0, products, 128);
     _tile_stored(1, products + 16, 128);
-    _tile_stored(2, products + 16 * 32, 128);
-    _tile_stored(3, products + 16 * 32 + 16, 128);
+    if (second_half) {
+        _tile_stored(2, products + 16 * 32, 128);
+        _tile_stored(3, products + 16 * 32 + 16, 128);
+    }
 }
 
 #endif
@@ -497,7 +508,8 @@ static void score_block(const QueryBlock *b, const uint16_t *queries, int64_t fi
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (b->use_amx) {
         for (int64_t k = 0; k < KEY_BLOCK / TILE_KEYS; k++) {
-            score_tile(queries, b->head_dim, b->packed_keys, first_key_tile + k, scores + k * TILE_KEYS, KEY_BLOCK);
+            score_tile(queries, b->head_dim, b->packed_keys, first_key_tile + k, scores + k * TILE_KEYS, KEY_BLOCK,
+                       b->rows > 16);
         }
         return;
     }
@@ -509,7 +521,7 @@ static void weigh_block(const QueryBlock *b, const uint16_t *probabilities, int6
                         float *products) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (b->use_amx) {
-        weigh_tiles(probabilities, b->packed_values, b->head_dim / 16, first_key_tile, pass, products);
+        weigh_tiles(probabilities, b->packed_values, b->head_dim / 16, first_key_tile, pass, products, b->rows > 16);
         return;
     }
 #endif
@@ -526,8 +538,8 @@ static void attend_query_block(const QueryBlock *b) {
     float row_max[QUERY_BLOCK] __attribute__((aligned(64)));
     float row_sums[QUERY_BLOCK * 16] __attribute__((aligned(64)));
     float rescale[QUERY_BLOCK] __attribute__((aligned(64)));
-    /* Tiles read all QUERY_BLOCK rows of queries; the vector path only the block's own. */
-    int64_t query_rows = b->use_amx ? QUERY_BLOCK : rows;
+    /* Tiles read 16 or all QUERY_BLOCK rows of queries; the vector path only the block's own. */
+    int64_t query_rows = b->use_amx ? (rows > 16 ? QUERY_BLOCK : 16) : rows;
     for (int64_t r = 0; r < query_rows; r++) {
         uint16_t *destination = queries + r * head_dim;
         if (r < rows) {
