@@ -5,8 +5,10 @@
 
 1. Each kernel alone (bf16, SmolLM2-135M's shapes): add+RMSNorm, SwiGLU and rotary against
    the same op compiled by inductor and in eager torch; causal prefill attention (9 query
-   heads, 3 KV heads, head size 64) against SDPA's flash kernel; greedy sampling's argmax over
-   rows of 49152 float32 logits against torch.argmax. Medians of 30 calls in turns.
+   heads, 3 KV heads, head size 64) against SDPA's flash kernel; a decode step's attention (48
+   sequences over a paged cache in scattered blocks of 16) with the prefill kernel's arithmetic
+   (the batch-invariant default) and with the exact kernel; greedy sampling's argmax over rows of
+   49152 float32 logits against torch.argmax. Medians of 30 calls in turns.
 2. Two engines that differ only in `native_kernels`, in `--dtype` (`auto`: what an engine
    picks here, bf16 where the CPU multiplies bf16 natively, float32 elsewhere): on, norms,
    rotary, SwiGLU and the KV write are C kernels and prefill attention is ours; off, the same
@@ -50,6 +52,11 @@ SETTINGS = {"native kernels": True, "torch ops": False}
 
 KERNEL_ROWS = [64, 512, 2048]
 ATTENTION_LENGTHS = [128, 512, 2048]
+# A saturated decode step's sequences and their contexts (a 512-token prompt's first and last
+# decode steps of 64, and a short chat's).
+DECODE_ATTENTION_ROWS = 48
+DECODE_CONTEXTS = [100, 512, 576]
+DECODE_BLOCK_SIZE = 16
 # A decode step's sampled rows, one to a full batch; SmolLM2's vocabulary.
 ARGMAX_ROWS = [1, 8, 48]
 VOCAB_SIZE = 49152
@@ -112,6 +119,26 @@ def attention_rows(native: NativeKernels) -> list[list[object]]:
     return rows
 
 
+def decode_attention_rows(native: NativeKernels) -> list[list[object]]:
+    """Per context: microseconds of one layer's decode attention as the prefill's arithmetic and
+    as the exact kernel, and the ratio."""
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    for context in DECODE_CONTEXTS:
+        blocks_per_sequence = -(-(context + 1) // DECODE_BLOCK_SIZE)
+        num_blocks = DECODE_ATTENTION_ROWS * blocks_per_sequence
+        kv_cache = torch.randn(2, num_blocks, DECODE_BLOCK_SIZE, 3, 64, generator=generator).bfloat16()
+        block_table = torch.randperm(num_blocks, generator=generator).view(DECODE_ATTENTION_ROWS, -1)
+        seq_lens = torch.full((DECODE_ATTENTION_ROWS,), context + 1)
+        query = torch.randn(DECODE_ATTENTION_ROWS, 9, 64, generator=generator).to(torch.bfloat16)
+        us = call_medians({
+            "as prefill": lambda: native.paged_decode_attention(query, kv_cache, block_table, seq_lens, True),
+            "exact": lambda: native.paged_decode_attention(query, kv_cache, block_table, seq_lens, False),
+        })
+        rows.append([context, us["as prefill"], us["exact"], us["as prefill"] / us["exact"]])
+    return rows
+
+
 def argmax_rows(native: NativeKernels) -> list[list[object]]:
     rows = []
     for num_rows in ARGMAX_ROWS:
@@ -141,6 +168,12 @@ def print_kernel_tables(native: NativeKernels) -> None:
                 "ratio",
             ],
             attention_rows(native),
+        )
+    if native.has_decode_kernels:
+        print()
+        print_table(
+            [f"decode context ({DECODE_ATTENTION_ROWS} rows)", "as prefill us", "exact us", "ratio"],
+            decode_attention_rows(native),
         )
     print()
     print_table(["argmax rows", "native us", "torch us", "native / torch"], argmax_rows(native))
