@@ -29,8 +29,8 @@
  * goes in blocks of 32 rows, each meeting every panel of the share before the next block: its
  * levels stay in L1 and the panels stream in from L2. A share of up to 512 rows (a decode step's,
  * a short prompt's) goes panel by panel instead, each panel meeting all its tiles of rows while it
- * is in L1: the panels, which a step reads from memory, are read once, where blocks of rows read
- * them once per block (64 to 512 rows: 0.73-0.93x the time over 30 layers of distinct weights).
+ * is in L1: the panels, which a step reads from L3 or memory, are read once, where blocks of rows
+ * read them once per block (48 to 512 rows: 0.73-0.93x the time over 30 layers of distinct weights).
  * Rows past the last whole 32 are copied, zero rows after them, into one tile of their own, so
  * every tile is a full one; a call of fewer than 32 rows takes tiles configured to that many.
  * Inputs that are not whole 64-byte tile rows take the VNNI kernel.
@@ -369,7 +369,8 @@ static void scale_tile(const W8A8Matmul *m, const TileSums *tile) {
 static void amx_multiply_tile(const W8A8Matmul *m, int64_t row, int rows, int64_t panel, TileSums *out) {
     int64_t row_bytes = 4 * m->in_quads, panel_row_bytes = 4 * PANEL_COLUMNS;
     const int8_t *weight = m->weight + panel * m->in_quads * panel_row_bytes;
-    const uint8_t *x = m->tail_levels != NULL && row == m->tail_row ? m->tail_levels : m->activations + row * row_bytes;
+    const uint8_t *x = m->tail_levels != NULL && row == m->tail_row ? m->tail_levels
+                                                                    : m->activations + row * row_bytes;
     int second_half = rows > 16;
     _tile_zero(0);
     _tile_zero(1);
