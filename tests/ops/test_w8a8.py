@@ -68,7 +68,10 @@ def test_native_quantization_gives_the_torch_levels_and_scales(native_kernels, d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cols, block", [(1536, 512), (96, 32), (8, 2), (24, 8)])
+@pytest.mark.parametrize(
+    "cols, block",
+    [(1536, 512), (2048, 1024), (768, 256), (384, 128), (192, 64), (96, 32), (48, 16), (8, 2), (24, 8)],
+)
 def test_native_quantization_turns_rows_by_the_torch_hadamard_bits(kernels, dtype, cols, block):
     """Blocks of whole vectors take the vectorized butterflies (pairs closer than a vector
     swapped within one), smaller ones the scalar loop: the torch bits either way."""

@@ -54,10 +54,15 @@ static inline void vf_store(float *destination, vfloat v) {
 
 /* VEC_WIDTH bf16 values (raw bits) widened to float32: exact. */
 static inline vfloat vf_load_bf16(const uint16_t *source) {
+#if defined(__AVX512F__)
+    /* One widening load: GCC makes the generic conversion below two halves and an insert. */
+    return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)source)), 16);
+#else
     vbf16 bits;
     memcpy(&bits, source, sizeof bits);
     vuint widened = __builtin_convertvector(bits, vuint) << 16;
     return (vfloat)widened;
+#endif
 }
 
 /* The bf16 bits of each lane rounded to nearest even, as torch rounds; NaN stays a quiet NaN. */

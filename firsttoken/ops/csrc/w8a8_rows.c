@@ -59,20 +59,21 @@ static inline vfloat butterflies_within(vfloat v, int32_t half) {
 }
 
 /* The butterflies of pairs 1, 2, 4, ..., HADAMARD_GROUP * VEC_WIDTH / 2 apart over the
- * HADAMARD_GROUP vectors at `values`, in place: within each vector, then between vectors, the
+ * HADAMARD_GROUP vectors of `group`, in registers: within each vector, then between vectors, the
  * same additions as walsh_hadamard_block's. */
-static inline void hadamard_group_in_registers(float *values) {
-    vfloat group[HADAMARD_GROUP];
-    for (int g = 0; g < HADAMARD_GROUP; g++) {
-        group[g] = vf_load(values + g * VEC_WIDTH);
-    }
+static inline __attribute__((always_inline)) void hadamard_group_in_registers(vfloat group[HADAMARD_GROUP]) {
     for (int32_t half = 1; half < VEC_WIDTH; half *= 2) {
+#pragma GCC unroll 8
         for (int g = 0; g < HADAMARD_GROUP; g++) {
             group[g] = butterflies_within(group[g], half);
             pin_vector(&group[g]);
         }
     }
+    /* Unrolled whole, so the group stays in registers (GCC leaves these loops rolled, the
+     * group on the stack). */
+#pragma GCC unroll 8
     for (int distance = 1; distance < HADAMARD_GROUP; distance *= 2) {
+#pragma GCC unroll 8
         for (int g = 0; g < HADAMARD_GROUP; g++) {
             if ((g & distance) == 0) {
                 vfloat first = group[g], second = group[g + distance];
@@ -83,9 +84,65 @@ static inline void hadamard_group_in_registers(float *values) {
             }
         }
     }
-    for (int g = 0; g < HADAMARD_GROUP; g++) {
-        vf_store(values + g * VEC_WIDTH, group[g]);
+}
+
+/* `count` vectors times `norm` (the transform's last step) stored to `values`; returns the largest
+ * magnitude so far (`largest`) and theirs, lane by lane. */
+static inline __attribute__((always_inline)) vfloat store_scaled_tracking_max(float *const values[], vfloat *vectors,
+                                                                               int count, float norm, vfloat largest) {
+    for (int i = 0; i < count; i++) {
+        vfloat value = vectors[i] * norm;
+        vf_store(values[i], value);
+        largest = vf_max(largest, vf_max(value, -value));
     }
+    return largest;
+}
+
+/* The stages of pairs `far_half` apart and farther of a block whose nearer stages are done:
+ * each stage but the last two one pass over memory; the last two together, four vectors at a
+ * time in registers (each element the same two additions, in the same order), the last times
+ * `norm` as it stores. Returns the largest magnitude of the block's outputs, lane by lane. */
+static vfloat far_hadamard_stages(float *values, int64_t block, int64_t far_half, float norm) {
+    vfloat largest = vf_splat(0.0f);
+    int64_t last_half = block / 2;
+    if (far_half > last_half) { /* no stage left over memory */
+        for (int64_t i = 0; i < block; i += VEC_WIDTH) {
+            vfloat value = vf_load(values + i);
+            largest = store_scaled_tracking_max((float *const[]){values + i}, &value, 1, norm, largest);
+        }
+        return largest;
+    }
+    if (far_half == last_half) {
+        for (int64_t i = 0; i < last_half; i += VEC_WIDTH) {
+            vfloat first = vf_load(values + i), second = vf_load(values + i + last_half);
+            vfloat outputs[2] = {first + second, first - second};
+            largest = store_scaled_tracking_max((float *const[]){values + i, values + i + last_half}, outputs, 2, norm,
+                                                largest);
+        }
+        return largest;
+    }
+    int64_t quarter = block / 4;
+    for (int64_t half = far_half; half < quarter; half *= 2) {
+        for (int64_t start = 0; start < block; start += 2 * half) {
+            for (int64_t i = start; i < start + half; i += VEC_WIDTH) {
+                vfloat first = vf_load(values + i), second = vf_load(values + i + half);
+                vf_store(values + i, first + second);
+                vf_store(values + i + half, first - second);
+            }
+        }
+    }
+    for (int64_t i = 0; i < quarter; i += VEC_WIDTH) {
+        float *const places[4] = {values + i, values + i + quarter, values + i + 2 * quarter, values + i + 3 * quarter};
+        vfloat a = vf_load(places[0]), b = vf_load(places[1]), c = vf_load(places[2]), d = vf_load(places[3]);
+        vfloat nearer[4] = {a + b, a - b, c + d, c - d};
+        for (int v = 0; v < 4; v++) {
+            pin_vector(&nearer[v]);
+        }
+        vfloat outputs[4] = {nearer[0] + nearer[2], nearer[1] + nearer[3], nearer[0] - nearer[2],
+                             nearer[1] - nearer[3]};
+        largest = store_scaled_tracking_max(places, outputs, 4, norm, largest);
+    }
+    return largest;
 }
 
 /* In place: `values` [block] times the orthonormal Hadamard matrix of that order (a power of
@@ -94,46 +151,44 @@ static inline void hadamard_group_in_registers(float *values) {
  * Vectorized where the block holds whole vectors: pairs closer than a vector meet within one,
  * each lane beside its partner's copy (lanes swapped by the pair distance); farther pairs are
  * whole vectors apart. A block of HADAMARD_GROUP vectors or more takes its nearer stages in
- * registers, a group at a time (hadamard_group_in_registers); the last stage multiplies by the
- * norm as it stores. Each element takes the same additions either way. */
-static void walsh_hadamard_block(float *values, int64_t block, float norm) {
+ * registers, a group at a time, loaded from `bf16_source` where not NULL (the block's bf16
+ * values, widened as they load) and from `values` otherwise. Each element takes the same
+ * additions either way. Returns the largest magnitude of the outputs. */
+static float walsh_hadamard_block(const uint16_t *bf16_source, float *values, int64_t block, float norm) {
+    if (block >= HADAMARD_GROUP * VEC_WIDTH) {
+        for (int64_t start = 0; start < block; start += HADAMARD_GROUP * VEC_WIDTH) {
+            vfloat group[HADAMARD_GROUP];
+            if (bf16_source != NULL) {
+#pragma GCC unroll 8
+                for (int g = 0; g < HADAMARD_GROUP; g++) {
+                    group[g] = vf_load_bf16(bf16_source + start + g * VEC_WIDTH);
+                }
+            } else {
+#pragma GCC unroll 8
+                for (int g = 0; g < HADAMARD_GROUP; g++) {
+                    group[g] = vf_load(values + start + g * VEC_WIDTH);
+                }
+            }
+            hadamard_group_in_registers(group);
+#pragma GCC unroll 8
+            for (int g = 0; g < HADAMARD_GROUP; g++) {
+                vf_store(values + start + g * VEC_WIDTH, group[g]);
+            }
+        }
+        return vf_max_lane(far_hadamard_stages(values, block, HADAMARD_GROUP * VEC_WIDTH, norm));
+    }
+    if (bf16_source != NULL) {
+        for (int64_t i = 0; i < block; i++) {
+            values[i] = bf16_to_float(bf16_source[i]);
+        }
+    }
     if (block >= VEC_WIDTH) {
-        int64_t far_half; /* the first stage left to run over memory */
-        if (block >= HADAMARD_GROUP * VEC_WIDTH) {
-            for (int64_t start = 0; start < block; start += HADAMARD_GROUP * VEC_WIDTH) {
-                hadamard_group_in_registers(values + start);
-            }
-            far_half = HADAMARD_GROUP * VEC_WIDTH;
-        } else {
-            for (int32_t half = 1; half < VEC_WIDTH; half *= 2) {
-                for (int64_t i = 0; i < block; i += VEC_WIDTH) {
-                    vf_store(values + i, butterflies_within(vf_load(values + i), half));
-                }
-            }
-            far_half = VEC_WIDTH;
-        }
-        int64_t last_half = block / 2;
-        for (int64_t half = far_half; half < last_half; half *= 2) {
-            for (int64_t start = 0; start < block; start += 2 * half) {
-                for (int64_t i = start; i < start + half; i += VEC_WIDTH) {
-                    vfloat first = vf_load(values + i), second = vf_load(values + i + half);
-                    vf_store(values + i, first + second);
-                    vf_store(values + i + half, first - second);
-                }
-            }
-        }
-        if (last_half < far_half) { /* no stage left over memory */
+        for (int32_t half = 1; half < VEC_WIDTH; half *= 2) {
             for (int64_t i = 0; i < block; i += VEC_WIDTH) {
-                vf_store(values + i, vf_load(values + i) * norm);
+                vf_store(values + i, butterflies_within(vf_load(values + i), half));
             }
-            return;
         }
-        for (int64_t i = 0; i < last_half; i += VEC_WIDTH) {
-            vfloat first = vf_load(values + i), second = vf_load(values + i + last_half);
-            vf_store(values + i, (first + second) * norm);
-            vf_store(values + i + last_half, (first - second) * norm);
-        }
-        return;
+        return vf_max_lane(far_hadamard_stages(values, block, VEC_WIDTH, norm));
     }
     for (int64_t half = 1; half < block; half *= 2) {
         for (int64_t start = 0; start < block; start += 2 * half) {
@@ -144,15 +199,31 @@ static void walsh_hadamard_block(float *values, int64_t block, float norm) {
             }
         }
     }
+    float largest = 0.0f;
     for (int64_t i = 0; i < block; i++) {
         values[i] *= norm;
+        largest = fmaxf(largest, fabsf(values[i]));
     }
+    return largest;
 }
 
 /* A row's levels and scale from its absolute maximum (a zero row: scale 1). */
 static void quantize_with_max(const float *row, float row_max, int64_t cols, uint8_t *levels, float *scale) {
     quantize_row(row, row_max > 0.0f ? 127.0f / row_max : 1.0f, cols, levels);
     *scale = row_max > 0.0f ? row_max / 127.0f : 1.0f;
+}
+
+/* A row turned in blocks of hadamard_block, then its levels and scale: the row's largest
+ * magnitude taken as each block's last stage stores. From `bf16_source` (a bf16 row read
+ * straight from the activations) where not NULL, else from `row`, the row in float32. */
+static void quantize_turned_row(const uint16_t *bf16_source, float *row, int64_t hadamard_block, float hadamard_norm,
+                                int64_t cols, uint8_t *levels, float *scale) {
+    float row_max = 0.0f;
+    for (int64_t start = 0; start < cols; start += hadamard_block) {
+        const uint16_t *block_source = bf16_source != NULL ? bf16_source + start : NULL;
+        row_max = fmaxf(row_max, walsh_hadamard_block(block_source, row + start, hadamard_block, hadamard_norm));
+    }
+    quantize_with_max(row, row_max, cols, levels, scale);
 }
 
 /* One row in float32 (holding values of the activations' dtype) quantized in place of the
@@ -166,9 +237,8 @@ static void quantize_float_row(float *row, const float *column_scales, int64_t h
         }
     }
     if (hadamard_block > 1) {
-        for (int64_t start = 0; start < cols; start += hadamard_block) {
-            walsh_hadamard_block(row + start, hadamard_block, hadamard_norm);
-        }
+        quantize_turned_row(NULL, row, hadamard_block, hadamard_norm, cols, levels, scale);
+        return;
     }
     quantize_with_max(row, row_abs_max(row, cols), cols, levels, scale);
 }
@@ -198,8 +268,13 @@ static int quantize_rows_range(const void *x, int silu_gated, const float *colum
     if (row == NULL) {
         return 0;
     }
-    int plain_bf16 = !silu_gated && column_scales == NULL && hadamard_block <= 1 && dtype == DTYPE_BFLOAT16;
+    int plain_bf16 = !silu_gated && column_scales == NULL && dtype == DTYPE_BFLOAT16;
     for (int64_t r = begin; r < end; r++) {
+        if (plain_bf16 && hadamard_block > 1) {
+            quantize_turned_row((const uint16_t *)x + r * cols, row, hadamard_block, hadamard_norm, cols,
+                                levels + r * cols, scales + r);
+            continue;
+        }
         if (plain_bf16) {
             quantize_bf16_row((const uint16_t *)x + r * cols, cols, row, levels + r * cols, scales + r);
             continue;
