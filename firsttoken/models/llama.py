@@ -39,7 +39,7 @@ from firsttoken.ops.linear import (
     row_invariant_linear,
 )
 from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin
-from firsttoken.ops.w8a8 import Int8Rows, Int8Weight, W8A8Linear
+from firsttoken.ops.w8a8 import Int8Weight, PendingNorm, W8A8Linear
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -216,28 +216,41 @@ class LlamaDecoderLayer(nn.Module):
         attn_metadata: Any,
         sink_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self._norm_for(self.self_attn.qkv_proj, hidden, residual, self.input_norm_weight)
-        hidden = self.self_attn(hidden, rotary, attn_metadata, sink_rotary)
+        normed, residual = self._norm_for(self.self_attn.qkv_proj, hidden, residual, self.input_norm_weight)
+        hidden = self.self_attn(normed, rotary, attn_metadata, sink_rotary)
+        residual = _residual_after(normed, residual)
         if self.attention_output_norm_weight is not None:
             hidden = self.kernels.rms_norm(hidden, self.attention_output_norm_weight, self.eps)
-        hidden, residual = self._norm_for(
+        normed, residual = self._norm_for(
             self.mlp.gate_up_proj, hidden, residual, self.post_attention_norm_weight
         )
-        hidden = self.mlp(hidden)
+        hidden = self.mlp(normed)
+        residual = _residual_after(normed, residual)
         if self.mlp_output_norm_weight is not None:
             hidden = self.kernels.rms_norm(hidden, self.mlp_output_norm_weight, self.eps)
         return hidden, residual
 
     def _norm_for(
         self, projection: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
-    ) -> tuple[torch.Tensor | Int8Rows, torch.Tensor]:
+    ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor | None]:
         """The RMSNorm before `projection`, after adding the residual where there is one: (its
-        rows, the new residual). A W8A8 projection takes them quantized by the norm's own pass."""
+        rows, the new residual). A W8A8 projection runs the norm in its own call: (the norm
+        pending, None), the new residual left in the norm's `summed` once the projection ran."""
         if isinstance(projection, W8A8Linear) and projection.takes_normed_rows(hidden, residual, weight):
-            return projection.quantize_normed(hidden, residual, weight, self.eps)
+            return PendingNorm(hidden, residual, weight, self.eps), None
         if residual is None:
             return self.kernels.rms_norm(hidden, weight, self.eps), hidden
         return self.kernels.add_rms_norm(hidden, residual, weight, self.eps)
+
+
+def _residual_after(normed: torch.Tensor | PendingNorm, residual: torch.Tensor | None) -> torch.Tensor:
+    """The residual after a norm and the projection that took its rows: the projection's doing
+    where it ran the norm (a PendingNorm), else the norm's own."""
+    if isinstance(normed, PendingNorm):
+        if normed.summed is None:
+            raise RuntimeError("a W8A8 projection took a pending norm without running it")
+        return normed.summed
+    return residual
 
 
 class LlamaForCausalLM(nn.Module):

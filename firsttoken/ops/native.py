@@ -54,7 +54,7 @@ _SOURCES = [
     for name in (
         "row_kernels.c", "attention.c", "matmul.c", "quantized_matmul.c", "prefill_attention.c",
         "paged_decode_attention.c", "quantized_matmul_bf16.c", "decode_step.c", "portable_decode_step.c",
-        "w8a8_rows.c", "w8a8_matmul.c", "weight_levels.c", "logits.c",
+        "w8a8_rows.c", "w8a8_matmul.c", "w8a8_projection.c", "weight_levels.c", "logits.c",
     )
 ]
 _HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h", _SOURCE_DIR / "decode_kernels.h"]
@@ -295,25 +295,111 @@ class NativeKernels:
         summed exactly in int32; on AMX-INT8 tiles where the build has them (`use_amx` None) or
         where asked, else on vectors: the same bits either way. `silu_gated` (weights packed so):
         [rows, out / 2], `silu_and_mul` of that gate | up product, bit for bit."""
-        use_amx = self.w8a8_matmul_uses_amx if use_amx is None else use_amx
-        if use_amx and not self.w8a8_matmul_uses_amx:
-            raise ValueError("w8a8_matmul: use_amx asked for where the build has no AMX-INT8 tiles")
-        if silu_gated and not self.w8a8_matmul_makes_swiglu:
-            raise ValueError(f"w8a8_matmul: the {self.isa} build's int8 matmul makes no SwiGLU product")
         rows, in_features = levels.shape
-        out_features = weight_scales.shape[0]
-        out = torch.empty(rows, out_features // 2 if silu_gated else out_features, dtype=dtype)
+        product = self._w8a8_product("w8a8_matmul", rows, weight_scales, dtype, use_amx, silu_gated)
         _check(
             self._kernels["ft_w8a8_matmul"](
                 levels=levels.data_ptr(), row_scales=row_scales.data_ptr(), weight=packed_weight.data_ptr(),
                 weight_scales=weight_scales.data_ptr(), bias=bias.data_ptr() if bias is not None else None,
-                out=out.data_ptr(), rows=rows, out_features=out_features, in_features=in_features,
-                dtype=_DTYPE_CODES[dtype], num_threads=torch.get_num_threads(), use_amx=int(use_amx),
-                silu_gated=int(silu_gated),
+                out=product.out.data_ptr(), rows=rows, out_features=weight_scales.shape[0],
+                in_features=in_features, **product.arguments,
             ),
-            bad_shape=f"w8a8_matmul: SwiGLU's gate | up outputs need an even count, got {out_features}",
+            bad_shape=product.bad_shape,
         )
-        return out
+        return product.out
+
+    def w8a8_quantize_matmul(
+        self,
+        x: torch.Tensor,
+        packed_weight: torch.Tensor,
+        weight_scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        column_scales: torch.Tensor | None = None,
+        hadamard_block: int = 1,
+        silu_gated_inputs: bool = False,
+        silu_gated: bool = False,
+    ) -> torch.Tensor:
+        """`w8a8_matmul` of `quantize_rows_int8(x, column_scales, hadamard_block, silu_gated_inputs)`
+        in one call, the same bits: x contiguous [rows, in] ([rows, 2 * in] where
+        `silu_gated_inputs`), in the output's dtype; the levels are never returned."""
+        rows, cols = x.shape
+        in_features = cols // 2 if silu_gated_inputs else cols
+        if silu_gated_inputs and cols % 2 != 0:
+            raise ValueError(f"w8a8_quantize_matmul: gate | up rows need an even width, got {cols}")
+        check_hadamard_block(in_features, hadamard_block)
+        product = self._w8a8_product("w8a8_quantize_matmul", rows, weight_scales, x.dtype, None, silu_gated)
+        _check(
+            self._kernels["ft_w8a8_quantize_matmul"](
+                x=x.data_ptr(), silu_gated_inputs=int(silu_gated_inputs),
+                column_scales=column_scales.data_ptr() if column_scales is not None else None,
+                hadamard_block=hadamard_block, hadamard_norm=hadamard_norm(hadamard_block),
+                weight=packed_weight.data_ptr(), weight_scales=weight_scales.data_ptr(),
+                bias=bias.data_ptr() if bias is not None else None, out=product.out.data_ptr(), rows=rows,
+                out_features=weight_scales.shape[0], in_features=in_features, **product.arguments,
+            ),
+            bad_shape=product.bad_shape,
+        )
+        return product.out
+
+    def w8a8_norm_matmul(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        packed_weight: torch.Tensor,
+        weight_scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        column_scales: torch.Tensor | None = None,
+        hadamard_block: int = 1,
+        silu_gated: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`w8a8_matmul` of `rms_norm_quantize_int8(x, residual, norm_weight, eps, column_scales,
+        hadamard_block)`'s levels in one call, the same bits: (the product, x + residual as
+        `add_rms_norm` returns it, or x where residual is None). x, residual contiguous [rows, in]."""
+        rows, in_features = x.shape
+        check_hadamard_block(in_features, hadamard_block)
+        product = self._w8a8_product("w8a8_norm_matmul", rows, weight_scales, x.dtype, None, silu_gated)
+        summed = torch.empty_like(x) if residual is not None else x
+        _check(
+            self._kernels["ft_w8a8_norm_matmul"](
+                x=x.data_ptr(), residual=residual.data_ptr() if residual is not None else None,
+                norm_weight=norm_weight.data_ptr(), summed=summed.data_ptr(), eps=eps,
+                column_scales=column_scales.data_ptr() if column_scales is not None else None,
+                hadamard_block=hadamard_block, hadamard_norm=hadamard_norm(hadamard_block),
+                weight=packed_weight.data_ptr(), weight_scales=weight_scales.data_ptr(),
+                bias=bias.data_ptr() if bias is not None else None, out=product.out.data_ptr(), rows=rows,
+                out_features=weight_scales.shape[0], in_features=in_features, **product.arguments,
+            ),
+            bad_shape=product.bad_shape,
+        )
+        return product.out, summed
+
+    def _w8a8_product(
+        self,
+        caller: str,
+        rows: int,
+        weight_scales: torch.Tensor,
+        dtype: torch.dtype,
+        use_amx: bool | None,
+        silu_gated: bool,
+    ) -> _W8A8Product:
+        """The output of an int8 product of `rows` rows and its kernel's common arguments, after
+        checking that this build can make it."""
+        use_amx = self.w8a8_matmul_uses_amx if use_amx is None else use_amx
+        if use_amx and not self.w8a8_matmul_uses_amx:
+            raise ValueError(f"{caller}: use_amx asked for where the build has no AMX-INT8 tiles")
+        if silu_gated and not self.w8a8_matmul_makes_swiglu:
+            raise ValueError(f"{caller}: the {self.isa} build's int8 matmul makes no SwiGLU product")
+        out_features = weight_scales.shape[0]
+        return _W8A8Product(
+            out=torch.empty(rows, out_features // 2 if silu_gated else out_features, dtype=dtype),
+            arguments={
+                "dtype": _DTYPE_CODES[dtype], "num_threads": torch.get_num_threads(),
+                "use_amx": int(use_amx), "silu_gated": int(silu_gated),
+            },
+            bad_shape=f"{caller}: SwiGLU's gate | up outputs need an even count, got {out_features}",
+        )
 
     def rescale_rows(
         self, sums: torch.Tensor, row_scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
@@ -928,6 +1014,16 @@ class NativeKernels:
 
 def _code(tensor: torch.Tensor) -> int:
     return _DTYPE_CODES[tensor.dtype]
+
+
+@dataclass
+class _W8A8Product:
+    """An int8 product's output, its kernel's dtype / threads / AMX / SwiGLU arguments, and what
+    a refused shape means."""
+
+    out: torch.Tensor
+    arguments: dict[str, int]
+    bad_shape: str
 
 
 @dataclass

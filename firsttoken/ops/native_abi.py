@@ -363,6 +363,25 @@ KERNELS = (
         ),
         requires=Requires.AVX2,
     ),
+    Kernel(
+        "ft_w8a8_quantize_matmul",
+        _parameters(
+            "const void *x, int silu_gated_inputs, const float *column_scales, int64_t hadamard_block, "
+            "float hadamard_norm, const void *weight, const float *weight_scales, const float *bias, "
+            f"void *out, int64_t rows, {_PROJECTION}, {_DTYPE_THREADS}, int use_amx, int silu_gated"
+        ),
+        requires=Requires.AVX2,
+    ),
+    Kernel(
+        "ft_w8a8_norm_matmul",
+        _parameters(
+            "const void *x, const void *residual, const void *norm_weight, void *summed, float eps, "
+            "const float *column_scales, int64_t hadamard_block, float hadamard_norm, const void *weight, "
+            "const float *weight_scales, const float *bias, void *out, int64_t rows, "
+            f"{_PROJECTION}, {_DTYPE_THREADS}, int use_amx, int silu_gated"
+        ),
+        requires=Requires.AVX2,
+    ),
     Kernel("ft_w8a8_has_amx", (), result="int", requires=Requires.AMX_INT8),
     Kernel("ft_amx_available", (), result="int", requires=Requires.AMX),
     Kernel(

@@ -212,14 +212,17 @@ def rescale_rows(
     return output.to(dtype)
 
 
-@dataclass(frozen=True)
-class Int8Rows:
-    """Rows quantized for one W8A8 projection (its input scales and Hadamard turn applied) by
-    the pass before it: what its own quantization pass would make of them."""
+@dataclass
+class PendingNorm:
+    """rms_norm(x + residual) (of x where residual is None) not run yet: the W8A8 projection
+    that takes it runs the norm inside its own quantization pass, so the normed rows are never
+    written, and leaves x + residual (x) in `summed`, as `add_rms_norm` returns it."""
 
-    levels: torch.Tensor  # uint8 [rows, in]: the int8 level + 128
-    scales: torch.Tensor  # float32 [rows]
-    dtype: torch.dtype  # the activations' dtype: the projection's output dtype
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+    summed: torch.Tensor | None = None
 
 
 class W8A8Linear(nn.Module):
@@ -300,7 +303,8 @@ class W8A8Linear(nn.Module):
     def takes_normed_rows(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor
     ) -> bool:
-        """Whether `quantize_normed` runs for these rows: native kernels, rows they take."""
+        """Whether this projection takes these rows' norm pending (a PendingNorm): native
+        kernels, rows they take."""
         tensors = (x, norm_weight) if residual is None else (x, residual, norm_weight)
         return (
             self.kernels is not None
@@ -311,20 +315,10 @@ class W8A8Linear(nn.Module):
             )
         )
 
-    def quantize_normed(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
-    ) -> tuple[Int8Rows, torch.Tensor]:
-        """This projection's input from the RMSNorm before it, straight from the norm's pass: the
-        levels its own quantization pass would make of rms_norm(x + residual) (of rms_norm(x)
-        where residual is None), and x + residual (x) as `add_rms_norm` returns it."""
-        levels, row_scales, summed = self.kernels.rms_norm_quantize_int8(
-            x, residual, norm_weight, eps, self.input_scales, self.hadamard_block
-        )
-        return Int8Rows(levels, row_scales, x.dtype), summed
-
-    def forward(self, x: torch.Tensor | Int8Rows) -> torch.Tensor:
-        if isinstance(x, Int8Rows):
-            return self._multiply(x.levels, x.scales, x.dtype)
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        """`x` a PendingNorm only where `takes_normed_rows` said so."""
+        if isinstance(x, PendingNorm):
+            return self._project_normed(x)
         return self._project(x, silu_gated=False)
 
     def forward_silu_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -334,8 +328,29 @@ class W8A8Linear(nn.Module):
             raise ValueError("forward_silu_gated needs the native kernels' quantization pass")
         return self._project(gate_up, silu_gated=True)
 
+    def _project_normed(self, norm: PendingNorm) -> torch.Tensor:
+        """The product of the norm's rows, quantized in the norm's own pass (the levels this
+        projection's quantization pass would make of them), the norm's `summed` set."""
+        if self.native_matmul:
+            output, norm.summed = self.kernels.w8a8_norm_matmul(
+                norm.x, norm.residual, norm.weight, norm.eps, self.packed_weight, self.weight_scales,
+                self.bias, self.input_scales, self.hadamard_block, self.makes_swiglu_product,
+            )
+            return output
+        levels, row_scales, norm.summed = self.kernels.rms_norm_quantize_int8(
+            norm.x, norm.residual, norm.weight, norm.eps, self.input_scales, self.hadamard_block
+        )
+        return self._multiply(levels, row_scales, norm.x.dtype)
+
     def _project(self, x: torch.Tensor, silu_gated: bool) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if self.native_matmul:
+            # One native call: the quantization pass and the matmul back to back.
+            output = self.kernels.w8a8_quantize_matmul(
+                flat.contiguous(), self.packed_weight, self.weight_scales, self.bias, self.input_scales,
+                self.hadamard_block, silu_gated, self.makes_swiglu_product,
+            )
+            return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
         if self.kernels is not None:
             levels, row_scales = self.kernels.quantize_rows_int8(
                 flat.contiguous(), self.input_scales, self.hadamard_block, silu_gated

@@ -367,6 +367,80 @@ def test_the_swiglu_epilogue_gives_silu_and_mul_s_bits(isa_kernels, features, in
             assert torch.equal(product, isa_kernels.silu_and_mul(gate_up)), (use_amx, rows)
 
 
+# (outputs, inputs, Hadamard block, SwiGLU product out): SmolLM2's four projections (a rotated
+# down_proj turned in blocks of 512) and odd ones (an input count not in whole quads, 40 outputs).
+PROJECTION_SHAPES = [
+    (960, 576, 1, False), (576, 576, 1, False), (3072, 576, 1, True), (576, 1536, 512, False),
+    (40, 65, 1, False),
+]
+
+
+@pytest.mark.parametrize("out_features,in_features,block,swiglu", PROJECTION_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_projection_in_one_call_gives_the_two_calls_bits(
+    isa_kernels, out_features, in_features, block, swiglu, dtype
+):
+    """Quantization then matmul in one native call (from plain rows, from SwiGLU's gate | up
+    rows, from an RMSNorm with and without a residual): the bits of the two calls, whatever the
+    row count."""
+    if swiglu and not isa_kernels.w8a8_matmul_makes_swiglu:
+        pytest.skip(f"the {isa_kernels.isa} build's int8 matmul makes no SwiGLU product")
+    generator = torch.Generator().manual_seed(out_features + in_features)
+    levels, scales = quantize_int8(torch.randn(out_features, in_features, generator=generator))
+    bias = torch.randn(out_features, generator=generator)
+    packed = isa_kernels.pack_w8a8_weight(levels, silu_gated=swiglu)
+    column_scales = torch.rand(in_features, generator=generator) + 0.5 if block == 1 else None
+    norm_weight = (torch.rand(in_features, generator=generator) + 0.5).to(dtype)
+    x = _activations(100, in_features, dtype, seed=in_features)
+    residual = _activations(100, in_features, dtype, seed=in_features + 1)
+    gate_up = _activations(100, 2 * in_features, dtype, seed=in_features + 2)
+
+    def two_calls(activation_levels, row_scales):
+        return isa_kernels.w8a8_matmul(
+            activation_levels, row_scales, packed, scales, bias, dtype, silu_gated=swiglu
+        )
+
+    for rows in (1, 33, 100):
+        quantized = isa_kernels.quantize_rows_int8(x[:rows], column_scales, block)
+        one_call = isa_kernels.w8a8_quantize_matmul(
+            x[:rows], packed, scales, bias, column_scales, block, silu_gated=swiglu
+        )
+        assert torch.equal(one_call, two_calls(*quantized)), rows
+        quantized = isa_kernels.quantize_rows_int8(gate_up[:rows], column_scales, block, silu_gated=True)
+        one_call = isa_kernels.w8a8_quantize_matmul(
+            gate_up[:rows], packed, scales, bias, column_scales, block,
+            silu_gated_inputs=True, silu_gated=swiglu,
+        )
+        assert torch.equal(one_call, two_calls(*quantized)), rows
+        for rows_residual in (residual[:rows], None):
+            *quantized, summed = isa_kernels.rms_norm_quantize_int8(
+                x[:rows], rows_residual, norm_weight, 1e-5, column_scales, block
+            )
+            one_call, one_call_summed = isa_kernels.w8a8_norm_matmul(
+                x[:rows], rows_residual, norm_weight, 1e-5, packed, scales, bias, column_scales, block, swiglu
+            )
+            assert torch.equal(one_call, two_calls(*quantized)), rows
+            assert torch.equal(one_call_summed, summed), rows
+
+
+def test_a_projection_in_one_call_refuses_what_its_passes_refuse(isa_kernels):
+    levels, scales = quantize_int8(torch.randn(8, 96))
+    packed = isa_kernels.pack_w8a8_weight(levels)
+    x = torch.randn(4, 96)
+    with pytest.raises(ValueError, match="even width, got 95"):
+        isa_kernels.w8a8_quantize_matmul(torch.randn(4, 95), packed, scales, None, silu_gated_inputs=True)
+    with pytest.raises(ValueError, match="a Hadamard block of 64 does not tile 96 inputs"):
+        isa_kernels.w8a8_quantize_matmul(x, packed, scales, None, hadamard_block=64)
+    with pytest.raises(ValueError, match="a Hadamard block of 64 does not tile 96 inputs"):
+        isa_kernels.w8a8_norm_matmul(x, None, torch.ones(96), 1e-5, packed, scales, None, hadamard_block=64)
+    odd = quantize_int8(torch.randn(9, 96))
+    if isa_kernels.w8a8_matmul_makes_swiglu:
+        with pytest.raises(ValueError, match="even count, got 9"):
+            isa_kernels.w8a8_quantize_matmul(
+                x, isa_kernels.pack_w8a8_weight(odd[0]), odd[1], None, silu_gated=True
+            )
+
+
 def test_swiglu_pairs_need_an_even_count_and_a_build_that_makes_them(isa_kernels):
     levels, _ = quantize_int8(torch.randn(9, 64))
     if not isa_kernels.w8a8_matmul_makes_swiglu:
