@@ -25,10 +25,13 @@ import torch
 from torch import nn
 
 from firsttoken.models.llama import LlamaForCausalLM, layer_projections
+from firsttoken.models.loaders.conversion_cache import ConversionCache
 from firsttoken.ops.hadamard import BlockHadamard, HadamardInputs, walsh_hadamard
 from firsttoken.ops.linear import Linear
 
 ROTATION_SEED = 0
+# Bump when `turned_weights`' names or arithmetic change, so stale cached weights are never read.
+ROTATION_FORMAT = 1
 
 
 def random_orthogonal(size: int, generator: torch.Generator) -> torch.Tensor:
@@ -52,35 +55,90 @@ def rotation_unsupported_reason(model: LlamaForCausalLM) -> str | None:
 
 def rotate_model(model: LlamaForCausalLM) -> None:
     """Turns `model`'s residual stream, each head's values and down_proj's inputs (see the module
-    docstring), in place, with new tensors (the loaded ones may be shared); the norms' weights
-    become ones and a tied LM head is untied. Each weight is turned in float64 and rounded to
-    its dtype once. The caller checks `rotation_unsupported_reason`."""
+    docstring), in place: `install_turned_weights` of its `turned_weights`. The caller checks
+    `rotation_unsupported_reason`."""
+    install_turned_weights(model, turned_weights(model))
+
+
+def rotate_model_cached(model: LlamaForCausalLM, fingerprint: str, cache_dir: str | None) -> bool:
+    """`rotate_model`, its turned weights read from the conversion cache where a start of the same
+    checkpoint (`fingerprint`: its content's) in the same dtype wrote them, else turned and
+    written there: the float64 products take seconds (2.3 s for SmolLM2-135M on 2 cores), reading
+    them back a fraction of that. Returns whether they came from the cache."""
+    cache = ConversionCache(cache_dir, f"{fingerprint}-quarot{ROTATION_SEED}-r{ROTATION_FORMAT}")
+    dtype = model.embed_weight.dtype
+    with cache.converting():
+        weights = cache.load_weights(dtype)
+        cached = weights is not None and set(weights) == _turned_weight_names(model)
+        if not cached:
+            weights = turned_weights(model)
+            cache.save_weights(dtype, {name: tensor.cpu() for name, tensor in weights.items()})
+    install_turned_weights(model, weights)
+    return cached
+
+
+def _turned_weight_names(model: LlamaForCausalLM) -> set[str]:
+    """The names `turned_weights` gives `model`'s tensors."""
+    names = {"lm_head.weight", "embed_weight"}
+    for name, owner, attribute in layer_projections(model.layers):
+        names.add(f"{name}.weight")
+        if getattr(owner, attribute).bias is not None:
+            names.add(f"{name}.bias")
+    return names
+
+
+def turned_weights(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The turned model's weights by name ("lm_head.weight", "embed_weight", each layer
+    projection's "layers.{i}.{attribute}.weight" and ".bias" where it has one), new tensors in the
+    model's dtypes, each turned in float64 and rounded once; `model` is left as it is."""
     arch = model.arch
     generator = torch.Generator().manual_seed(ROTATION_SEED)
     residual = random_orthogonal(arch.hidden_size, generator)
     per_head = random_orthogonal(arch.head_dim, generator)
     hadamard = BlockHadamard(arch.intermediate_size)
     head_norm = model.norm_weight.double()
-    head = _turned_rows(model.lm_head.weight, lambda rows: rows * head_norm @ residual)
-    model.lm_head = _linear(head, None)
-    model.embed_weight = _parameter(_turned_rows(model.embed_weight, lambda rows: rows @ residual))
-    model.norm_weight = _ones_like(model.norm_weight)
+    weights = {
+        "lm_head.weight": _turned_rows(model.lm_head.weight, lambda rows: rows * head_norm @ residual),
+        "embed_weight": _turned_rows(model.embed_weight, lambda rows: rows @ residual),
+    }
     for name, owner, attribute in layer_projections(model.layers):
         layer = model.layers[int(name.split(".")[1])]
         linear = getattr(owner, attribute)
         if attribute == "qkv_proj":
-            setattr(owner, attribute, _turned_qkv(linear, layer.input_norm_weight, residual, per_head, owner))
-            layer.input_norm_weight = _ones_like(layer.input_norm_weight)
+            weight, bias = _turned_qkv(linear, layer.input_norm_weight, residual, per_head, owner)
         elif attribute == "gate_up_proj":
             norm = layer.post_attention_norm_weight.double()
             weight = _turned_rows(linear.weight, lambda rows, norm=norm: rows * norm @ residual)
-            setattr(owner, attribute, _linear(weight, linear.bias))
-            layer.post_attention_norm_weight = _ones_like(layer.post_attention_norm_weight)
+            bias = linear.bias
         elif attribute == "o_proj":
-            setattr(owner, attribute, _write_stream(linear, residual, per_head))
+            weight, bias = _write_stream(linear, residual, per_head)
         else:
-            turned = _write_stream(linear, residual, walsh_hadamard(hadamard.block))
-            setattr(owner, attribute, HadamardInputs(hadamard, turned))
+            weight, bias = _write_stream(linear, residual, walsh_hadamard(hadamard.block))
+        weights[f"{name}.weight"] = weight
+        if bias is not None:
+            weights[f"{name}.bias"] = bias.detach().clone()
+    return weights
+
+
+def install_turned_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:
+    """Puts `turned_weights`' tensors (computed here or read back from a cache) into `model`, in
+    place, with new modules: the norms' weights become ones, a tied LM head is untied and
+    down_proj reads its inputs through their Hadamard transform."""
+    device = model.embed_weight.device
+    turned = {name: tensor.to(device) for name, tensor in weights.items()}
+    model.lm_head = _linear(turned["lm_head.weight"], None)
+    model.embed_weight = _parameter(turned["embed_weight"])
+    model.norm_weight = _ones_like(model.norm_weight)
+    hadamard = BlockHadamard(model.arch.intermediate_size)
+    for name, owner, attribute in layer_projections(model.layers):
+        layer = model.layers[int(name.split(".")[1])]
+        linear = _linear(turned[f"{name}.weight"], turned.get(f"{name}.bias"))
+        if attribute == "down_proj":
+            linear = HadamardInputs(hadamard, linear)
+        setattr(owner, attribute, linear)
+    for layer in model.layers:
+        layer.input_norm_weight = _ones_like(layer.input_norm_weight)
+        layer.post_attention_norm_weight = _ones_like(layer.post_attention_norm_weight)
 
 
 # Rows of a large weight (an embedding, an LM head, gate|up) turned at a time: a float64 copy of
@@ -105,13 +163,16 @@ def _turned_blocks(weight: torch.Tensor, block_matrix: torch.Tensor) -> torch.Te
     return (weight.reshape(rows, cols // block, block) @ block_matrix).reshape(rows, cols)
 
 
-def _write_stream(linear: nn.Module, residual: torch.Tensor, input_blocks: torch.Tensor) -> Linear:
-    """A projection writing to the turned stream, its inputs turned by the block-diagonal matrix
-    of `input_blocks` (the heads' rotation, or the Hadamard blocks): Q^T W B (and its bias b Q)."""
+def _write_stream(
+    linear: nn.Module, residual: torch.Tensor, input_blocks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias of a projection writing to the turned stream, its inputs turned by the
+    block-diagonal matrix of `input_blocks` (the heads' rotation, or the Hadamard blocks): Q^T W B
+    (and its bias b Q)."""
     weight = _turned_blocks(residual.t() @ linear.weight.detach().double(), input_blocks)
     bias = linear.bias
     turned_bias = (bias.detach().double() @ residual).to(bias.dtype) if bias is not None else None
-    return _linear(weight.to(linear.weight.dtype), turned_bias)
+    return weight.to(linear.weight.dtype), turned_bias
 
 
 def _turned_qkv(
@@ -120,9 +181,9 @@ def _turned_qkv(
     residual: torch.Tensor,
     per_head: torch.Tensor,
     attention: nn.Module,
-) -> Linear:
-    """q|k|v reading the turned stream after its norm, W diag(g) Q, with each value head's rows
-    (and bias) turned too: v' = R^T v, which o_proj's columns turn back."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias of q|k|v reading the turned stream after its norm, W diag(g) Q, with
+    each value head's rows (and bias) turned too: v' = R^T v, which o_proj's columns turn back."""
     value_start = attention.q_size + attention.kv_size
     weight = (linear.weight.detach().double() * norm_weight.double()) @ residual
     values = weight[value_start:].reshape(attention.num_kv_heads, attention.head_dim, -1)
@@ -133,7 +194,7 @@ def _turned_qkv(
         value_bias = bias[value_start:].reshape(attention.num_kv_heads, attention.head_dim, 1)
         bias[value_start:] = (per_head.t() @ value_bias).reshape(-1)
         bias = bias.to(linear.bias.dtype)
-    return _linear(weight.to(linear.weight.dtype), bias)
+    return weight.to(linear.weight.dtype), bias
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:

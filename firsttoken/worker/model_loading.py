@@ -20,7 +20,7 @@ from firsttoken.models.arch import ModelArch
 from firsttoken.models.llama import LlamaForCausalLM, every_layer_is_plain
 from firsttoken.models.loaders.checkpoint import Checkpoint
 from firsttoken.models.registry import build_model, unloaded_model
-from firsttoken.models.rotation import rotate_model, rotation_unsupported_reason
+from firsttoken.models.rotation import rotate_model_cached, rotation_unsupported_reason
 from firsttoken.models.sharding import Collectives, ModelShard
 from firsttoken.ops.kernels import Kernels
 from firsttoken.ops.linear import NativeRowInvariantLinear, onednn_packing_available
@@ -135,8 +135,11 @@ def _prepared_model(
         reason = rotation_unsupported_reason(model)
         if reason is not None:
             raise InvalidInputError("w8a8_rotation", reason)
-        rotate_model(model)
-        logger.info("turned the model by orthogonal rotations for W8A8 (QuaRot)")
+        cached = rotate_model_cached(model, checkpoint.fingerprint, placement.cache_dir)
+        logger.info(
+            "turned the model by orthogonal rotations for W8A8 (QuaRot)%s",
+            ", its turned weights read from the cache" if cached else "",
+        )
     activation_maxima = (
         load_activation_maxima(model_config.w8a8_activation_stats, model.layers)
         if model_config.w8a8_activation_stats is not None

@@ -4,11 +4,16 @@ heads and untied heads included), and models it cannot turn are refused with the
 
 from __future__ import annotations
 
+import glob
+import os
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
+from firsttoken.models import rotation
 from firsttoken.models.rotation import rotate_model, rotation_unsupported_reason
 from firsttoken.ops.hadamard import BlockHadamard, hadamard_block, walsh_hadamard
 from firsttoken.worker import model_loading
@@ -98,3 +103,34 @@ def test_norms_after_attention_and_mlp_are_refused_with_the_reason(tmp_path, mon
     monkeypatch.setattr(model_loading, "w8a8_unsupported_reason", lambda device, kernels=None: None)
     with pytest.raises(InvalidInputError, match="w8a8_rotation: norms after the attention"):
         LLM(folder, quantization="w8a8", w8a8_rotation=True, **FLOAT_OPTIONS)
+
+
+def test_a_second_start_reads_the_turned_weights_from_the_cache_with_the_same_bits(tmp_path, monkeypatch):
+    """The turned weights are written to the conversion cache once per checkpoint and dtype; a
+    start that finds them turns nothing and replies bit for bit as the start that turned them.
+    A cached file whose tensors are not the model's is turned again and replaced."""
+    folder = save_hf_folder(tiny_hf_model("qwen2"), str(tmp_path / "qwen2"))
+    cache = tmp_path / "cache"
+    options = dict(quantization="w8a8", w8a8_rotation=True, cache_dir=str(cache), **FLOAT_OPTIONS)
+    monkeypatch.setattr(model_loading, "w8a8_unsupported_reason", lambda device, kernels=None: None)
+
+    def replies_of_a_start() -> list[tuple[list[int], list[float]]]:
+        llm = LLM(folder, **options)
+        try:
+            return _replies(llm)
+        finally:
+            llm.shutdown()
+
+    turned = replies_of_a_start()
+    (cached_file,) = glob.glob(os.path.join(cache, "converted", "*quarot*", "weights-float32.safetensors"))
+    turning = rotation.turned_weights
+    with monkeypatch.context() as patch:
+        patch.setattr(rotation, "turned_weights", lambda model: pytest.fail("a cached start turned it"))
+        assert replies_of_a_start() == turned
+    save_file({"embed_weight": torch.zeros(3)}, cached_file)
+    turns = []
+    monkeypatch.setattr(rotation, "turned_weights", lambda model: turns.append(1) or turning(model))
+    assert replies_of_a_start() == turned
+    assert turns == [1]
+    assert replies_of_a_start() == turned
+    assert turns == [1]
