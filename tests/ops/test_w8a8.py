@@ -382,7 +382,7 @@ def test_a_projection_in_one_call_gives_the_two_calls_bits(
 ):
     """Quantization then matmul in one native call (from plain rows, from SwiGLU's gate | up
     rows, from an RMSNorm with and without a residual): the bits of the two calls, whatever the
-    row count."""
+    row count, none included."""
     if swiglu and not isa_kernels.w8a8_matmul_makes_swiglu:
         pytest.skip(f"the {isa_kernels.isa} build's int8 matmul makes no SwiGLU product")
     generator = torch.Generator().manual_seed(out_features + in_features)
@@ -400,7 +400,7 @@ def test_a_projection_in_one_call_gives_the_two_calls_bits(
             activation_levels, row_scales, packed, scales, bias, dtype, silu_gated=swiglu
         )
 
-    for rows in (1, 33, 100):
+    for rows in (0, 1, 33, 100):
         quantized = isa_kernels.quantize_rows_int8(x[:rows], column_scales, block)
         one_call = isa_kernels.w8a8_quantize_matmul(
             x[:rows], packed, scales, bias, column_scales, block, silu_gated=swiglu

@@ -11,10 +11,12 @@
 
 #if defined(__AVX2__)
 /* uint8 levels [rows, cols] and float32 scales [rows] in one allocation, 64-byte aligned like
- * torch's tensors; NULL when out of memory. Free with free(levels). */
+ * torch's tensors (at least 64 bytes: no rows is no failure); NULL when out of memory. Free with
+ * free(levels). */
 static uint8_t *quantized_rows(int64_t rows, int64_t cols, float **scales) {
     size_t level_bytes = ((size_t)(rows * cols) + 63) / 64 * 64;
     size_t total = (level_bytes + (size_t)rows * sizeof(float) + 63) / 64 * 64;
+    total = total > 0 ? total : 64;
     uint8_t *levels = aligned_alloc(64, total);
     *scales = levels != NULL ? (float *)(levels + level_bytes) : NULL;
     return levels;
