@@ -55,7 +55,7 @@ TINY_ARGUMENTS = {
     "ttft_objective.py": "--rate 2 --ttft-slo-ms 1000 --num-prompts 4 --input-len 64 --output-len 4",
     "ttft_vs_transformers.py": "--lengths 64 --repeats 1",
     "w8a8.py": (
-        f"--windows 1 --lengths 64 --repeats 1 --dtypes float32 --calibration-tokens 256 "
+        f"--windows 1 --lengths 64 --rounds 1 --repeats 1 --dtypes float32 --calibration-tokens 256 "
         f"--text {W8A8_TEXT_NAME}"
     ),
     "w8a8_matmul.py": "--rows 16 --repeats 1",
@@ -81,8 +81,9 @@ def benchmarks_copy(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.mark.slow  # ~7 minutes in all, each script starting engines of its own
-# w8a8.py starts five engines and rounds the model by GPTQ: 3.5 minutes alone on 2 first-generation
-# Zen cores, over 8 beside another slow test's GPTQ.
+# w8a8.py starts five engines (and each again in a process of its own for TTFT) and rounds the
+# model by GPTQ: 3.5 minutes alone on 2 first-generation Zen cores (before the processes), over 8
+# beside another slow test's GPTQ.
 @pytest.mark.timeout(960)
 @pytest.mark.parametrize("script", sorted(TINY_ARGUMENTS))
 def test_the_script_runs_to_its_end(benchmarks_copy, script):

@@ -92,13 +92,14 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | PendingNorm,
         rotary: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: Any,
         sink_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """`sink_rotary` (StreamingLLM): cos and sin at each token's position in the sinks-plus-
-        window cache, which rotate the sink queries."""
+        """`hidden` a PendingNorm where qkv_proj runs the norm before it (W8A8). `sink_rotary`
+        (StreamingLLM): cos and sin at each token's position in the sinks-plus-window cache, which
+        rotate the sink queries."""
         qkv = self.qkv_proj(hidden)  # [T, q + 2 kv]
         num_tokens = qkv.shape[0]
         # Queries and keys are rotated together: one pass over their heads.
@@ -164,7 +165,8 @@ class LlamaMLP(nn.Module):
             _columns_of(self.down_proj, *shard.intermediate_range), collectives
         )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor | PendingNorm) -> torch.Tensor:
+        """`hidden` a PendingNorm where gate_up_proj runs the norm before it (W8A8)."""
         if isinstance(self.gate_up_proj, W8A8Linear) and self.gate_up_proj.makes_swiglu_product:
             # W8A8's int8 matmul stores SwiGLU's product from its epilogue: gate | up is never written.
             return self.down_proj(self.gate_up_proj(hidden))
@@ -243,7 +245,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.kernels.add_rms_norm(hidden, residual, weight, self.eps)
 
 
-def _residual_after(normed: torch.Tensor | PendingNorm, residual: torch.Tensor | None) -> torch.Tensor:
+def _residual_after(normed: torch.Tensor | PendingNorm, residual: torch.Tensor | None) -> torch.Tensor | None:
     """The residual after a norm and the projection that took its rows: the projection's doing
     where it ran the norm (a PendingNorm), else the norm's own."""
     if isinstance(normed, PendingNorm):

@@ -62,14 +62,18 @@ def rotate_model(model: LlamaForCausalLM) -> None:
 
 def rotate_model_cached(model: LlamaForCausalLM, fingerprint: str, cache_dir: str | None) -> bool:
     """`rotate_model`, its turned weights read from the conversion cache where a start of the same
-    checkpoint (`fingerprint`: its content's) in the same dtype wrote them, else turned and
-    written there: the float64 products take seconds (2.3 s for SmolLM2-135M on 2 cores), reading
-    them back a fraction of that. Returns whether they came from the cache."""
-    cache = ConversionCache(cache_dir, f"{fingerprint}-quarot{ROTATION_SEED}-r{ROTATION_FORMAT}")
+    checkpoint (its `fingerprint`) in the same dtype wrote them, else turned and written there:
+    the float64 products take seconds (2.3 s for SmolLM2-135M on 2 cores), reading them back a
+    fraction of that. Returns whether they came from the cache."""
+    # What the turned values depend on beyond the checkpoint and this file's arithmetic: the
+    # Hadamard block (hadamard.py's rule) and torch's QR (the random rotations).
+    block = BlockHadamard(model.arch.intermediate_size).block
+    key = f"{fingerprint}-quarot{ROTATION_SEED}-r{ROTATION_FORMAT}-h{block}-torch{torch.__version__}"
+    cache = ConversionCache(cache_dir, key)
     dtype = model.embed_weight.dtype
     with cache.converting():
         weights = cache.load_weights(dtype)
-        cached = weights is not None and set(weights) == _turned_weight_names(model)
+        cached = weights is not None and _layouts(weights) == _turned_weight_layouts(model)
         if not cached:
             weights = turned_weights(model)
             cache.save_weights(dtype, {name: tensor.cpu() for name, tensor in weights.items()})
@@ -77,14 +81,20 @@ def rotate_model_cached(model: LlamaForCausalLM, fingerprint: str, cache_dir: st
     return cached
 
 
-def _turned_weight_names(model: LlamaForCausalLM) -> set[str]:
-    """The names `turned_weights` gives `model`'s tensors."""
-    names = {"lm_head.weight", "embed_weight"}
+def _turned_weight_layouts(model: LlamaForCausalLM) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """The name, shape and dtype `turned_weights` gives each of `model`'s tensors (the turn keeps
+    each weight's shape and dtype)."""
+    tensors = {"lm_head.weight": model.lm_head.weight, "embed_weight": model.embed_weight}
     for name, owner, attribute in layer_projections(model.layers):
-        names.add(f"{name}.weight")
-        if getattr(owner, attribute).bias is not None:
-            names.add(f"{name}.bias")
-    return names
+        linear = getattr(owner, attribute)
+        tensors[f"{name}.weight"] = linear.weight
+        if linear.bias is not None:
+            tensors[f"{name}.bias"] = linear.bias
+    return _layouts(tensors)
+
+
+def _layouts(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    return {name: (tensor.shape, tensor.dtype) for name, tensor in tensors.items()}
 
 
 def turned_weights(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:

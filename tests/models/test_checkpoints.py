@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from safetensors import SafetensorError
 
 from firsttoken import LLM, SamplingParams
+from firsttoken.models.loaders import conversion_cache
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from tests.conftest import FIXED_THREADS, transformers_reading_gguf_quickly
 from tests.models.reference import assert_logprobs_close, hf_greedy
@@ -187,6 +189,21 @@ def test_second_start_reads_the_conversion_cache(tmp_path):
     ]
     second = _firsttoken_run(path)
     assert second.token_ids == first.token_ids
+
+
+def test_weights_the_cache_cannot_take_leave_the_start_unharmed(tmp_path, monkeypatch, caplog):
+    """safetensors reports a full disk as its own error, not an OSError: the start goes on and
+    the next start converts again."""
+    path = write_gguf(tiny_hf_model("llama"), str(tmp_path / "tiny.gguf"), "llama", {})
+
+    def no_space(tensors, filename):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    monkeypatch.setattr(conversion_cache, "save_file", no_space)
+    first = _firsttoken_run(path)
+    assert "could not write weights-float32.safetensors to the conversion cache" in caplog.text
+    monkeypatch.undo()
+    assert _firsttoken_run(path).token_ids == first.token_ids
 
 
 def test_damaged_conversion_cache_is_rebuilt(tmp_path):

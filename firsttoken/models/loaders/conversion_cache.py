@@ -16,6 +16,7 @@ import tempfile
 from typing import Callable, ContextManager
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from firsttoken.cache_lock import building
@@ -125,7 +126,9 @@ class ConversionCache:
             finally:
                 if os.path.exists(temporary):
                     os.remove(temporary)
-        except OSError as error:
+        # safetensors reports a full disk as its own error, not an OSError: a cache left unwritten
+        # costs the next start the work again, never this one.
+        except (OSError, SafetensorError) as error:
             logger.warning("could not write %s to the conversion cache %s (%s)", name, self.folder, error)
 
 
