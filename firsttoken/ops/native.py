@@ -193,15 +193,13 @@ class NativeKernels:
             if cols % 2 != 0:
                 raise ValueError(f"quantize_rows_int8: gate | up rows need an even width, got {cols}")
             cols //= 2
-        check_hadamard_block(cols, hadamard_block)
+        turn = _turn_arguments(cols, column_scales, hadamard_block)
         levels = torch.empty(rows, cols, dtype=torch.uint8)
         scales = torch.empty(rows, dtype=torch.float32)
         _check(
             self._kernels["ft_quantize_rows_int8"](
-                x=x.data_ptr(), silu_gated=int(silu_gated),
-                column_scales=column_scales.data_ptr() if column_scales is not None else None,
-                hadamard_block=hadamard_block, hadamard_norm=hadamard_norm(hadamard_block),
-                levels=levels.data_ptr(), scales=scales.data_ptr(), rows=rows, cols=cols,
+                x=x.data_ptr(), silu_gated=int(silu_gated), **turn, levels=levels.data_ptr(),
+                scales=scales.data_ptr(), rows=rows, cols=cols,
                 dtype=_code(x), num_threads=torch.get_num_threads(),
             )
         )
@@ -220,16 +218,14 @@ class NativeKernels:
         the normed rows never written: (levels, scales, x + residual as `add_rms_norm` returns it,
         or x where residual is None). x, residual contiguous [rows, cols]."""
         rows, cols = x.shape
-        check_hadamard_block(cols, hadamard_block)
+        turn = _turn_arguments(cols, column_scales, hadamard_block)
         levels = torch.empty(rows, cols, dtype=torch.uint8)
         scales = torch.empty(rows, dtype=torch.float32)
         summed = torch.empty_like(x) if residual is not None else x
         _check(
             self._kernels["ft_rms_norm_quantize_int8"](
                 x=x.data_ptr(), residual=residual.data_ptr() if residual is not None else None,
-                weight=weight.data_ptr(), summed=summed.data_ptr(), eps=eps,
-                column_scales=column_scales.data_ptr() if column_scales is not None else None,
-                hadamard_block=hadamard_block, hadamard_norm=hadamard_norm(hadamard_block),
+                weight=weight.data_ptr(), summed=summed.data_ptr(), eps=eps, **turn,
                 levels=levels.data_ptr(), scales=scales.data_ptr(), rows=rows, cols=cols,
                 dtype=_code(x), num_threads=torch.get_num_threads(),
             )
@@ -296,13 +292,12 @@ class NativeKernels:
         where asked, else on vectors: the same bits either way. `silu_gated` (weights packed so):
         [rows, out / 2], `silu_and_mul` of that gate | up product, bit for bit."""
         rows, in_features = levels.shape
-        product = self._w8a8_product("w8a8_matmul", rows, weight_scales, dtype, use_amx, silu_gated)
+        product = self._w8a8_product(
+            "w8a8_matmul", rows, in_features, packed_weight, weight_scales, bias, dtype, use_amx, silu_gated
+        )
         _check(
             self._kernels["ft_w8a8_matmul"](
-                levels=levels.data_ptr(), row_scales=row_scales.data_ptr(), weight=packed_weight.data_ptr(),
-                weight_scales=weight_scales.data_ptr(), bias=bias.data_ptr() if bias is not None else None,
-                out=product.out.data_ptr(), rows=rows, out_features=weight_scales.shape[0],
-                in_features=in_features, **product.arguments,
+                levels=levels.data_ptr(), row_scales=row_scales.data_ptr(), **product.arguments
             ),
             bad_shape=product.bad_shape,
         )
@@ -326,16 +321,14 @@ class NativeKernels:
         in_features = cols // 2 if silu_gated_inputs else cols
         if silu_gated_inputs and cols % 2 != 0:
             raise ValueError(f"w8a8_quantize_matmul: gate | up rows need an even width, got {cols}")
-        check_hadamard_block(in_features, hadamard_block)
-        product = self._w8a8_product("w8a8_quantize_matmul", rows, weight_scales, x.dtype, None, silu_gated)
+        turn = _turn_arguments(in_features, column_scales, hadamard_block)
+        product = self._w8a8_product(
+            "w8a8_quantize_matmul", rows, in_features, packed_weight, weight_scales, bias, x.dtype, None,
+            silu_gated,
+        )
         _check(
             self._kernels["ft_w8a8_quantize_matmul"](
-                x=x.data_ptr(), silu_gated_inputs=int(silu_gated_inputs),
-                column_scales=column_scales.data_ptr() if column_scales is not None else None,
-                hadamard_block=hadamard_block, hadamard_norm=hadamard_norm(hadamard_block),
-                weight=packed_weight.data_ptr(), weight_scales=weight_scales.data_ptr(),
-                bias=bias.data_ptr() if bias is not None else None, out=product.out.data_ptr(), rows=rows,
-                out_features=weight_scales.shape[0], in_features=in_features, **product.arguments,
+                x=x.data_ptr(), silu_gated_inputs=int(silu_gated_inputs), **turn, **product.arguments
             ),
             bad_shape=product.bad_shape,
         )
@@ -358,18 +351,17 @@ class NativeKernels:
         hadamard_block)`'s levels in one call, the same bits: (the product, x + residual as
         `add_rms_norm` returns it, or x where residual is None). x, residual contiguous [rows, in]."""
         rows, in_features = x.shape
-        check_hadamard_block(in_features, hadamard_block)
-        product = self._w8a8_product("w8a8_norm_matmul", rows, weight_scales, x.dtype, None, silu_gated)
+        turn = _turn_arguments(in_features, column_scales, hadamard_block)
+        product = self._w8a8_product(
+            "w8a8_norm_matmul", rows, in_features, packed_weight, weight_scales, bias, x.dtype, None,
+            silu_gated,
+        )
         summed = torch.empty_like(x) if residual is not None else x
         _check(
             self._kernels["ft_w8a8_norm_matmul"](
                 x=x.data_ptr(), residual=residual.data_ptr() if residual is not None else None,
-                norm_weight=norm_weight.data_ptr(), summed=summed.data_ptr(), eps=eps,
-                column_scales=column_scales.data_ptr() if column_scales is not None else None,
-                hadamard_block=hadamard_block, hadamard_norm=hadamard_norm(hadamard_block),
-                weight=packed_weight.data_ptr(), weight_scales=weight_scales.data_ptr(),
-                bias=bias.data_ptr() if bias is not None else None, out=product.out.data_ptr(), rows=rows,
-                out_features=weight_scales.shape[0], in_features=in_features, **product.arguments,
+                norm_weight=norm_weight.data_ptr(), summed=summed.data_ptr(), eps=eps, **turn,
+                **product.arguments,
             ),
             bad_shape=product.bad_shape,
         )
@@ -379,24 +371,32 @@ class NativeKernels:
         self,
         caller: str,
         rows: int,
+        in_features: int,
+        packed_weight: torch.Tensor,
         weight_scales: torch.Tensor,
+        bias: torch.Tensor | None,
         dtype: torch.dtype,
         use_amx: bool | None,
         silu_gated: bool,
     ) -> _W8A8Product:
-        """The output of an int8 product of `rows` rows and its kernel's common arguments, after
-        checking that this build can make it."""
+        """The output of an int8 product of `rows` rows and its kernel's arguments from the weight
+        on (`ft_w8a8_matmul`'s and the one-call projections' alike), after checking that this
+        build can make it."""
         use_amx = self.w8a8_matmul_uses_amx if use_amx is None else use_amx
         if use_amx and not self.w8a8_matmul_uses_amx:
             raise ValueError(f"{caller}: use_amx asked for where the build has no AMX-INT8 tiles")
         if silu_gated and not self.w8a8_matmul_makes_swiglu:
             raise ValueError(f"{caller}: the {self.isa} build's int8 matmul makes no SwiGLU product")
         out_features = weight_scales.shape[0]
+        out = torch.empty(rows, out_features // 2 if silu_gated else out_features, dtype=dtype)
         return _W8A8Product(
-            out=torch.empty(rows, out_features // 2 if silu_gated else out_features, dtype=dtype),
+            out=out,
             arguments={
-                "dtype": _DTYPE_CODES[dtype], "num_threads": torch.get_num_threads(),
-                "use_amx": int(use_amx), "silu_gated": int(silu_gated),
+                "weight": packed_weight.data_ptr(), "weight_scales": weight_scales.data_ptr(),
+                "bias": bias.data_ptr() if bias is not None else None, "out": out.data_ptr(), "rows": rows,
+                "out_features": out_features, "in_features": in_features, "dtype": _DTYPE_CODES[dtype],
+                "num_threads": torch.get_num_threads(), "use_amx": int(use_amx),
+                "silu_gated": int(silu_gated),
             },
             bad_shape=f"{caller}: SwiGLU's gate | up outputs need an even count, got {out_features}",
         )
@@ -1010,6 +1010,17 @@ class NativeKernels:
             ),
             bad_shape="decode step: a head size or grouping of heads the attention does not take",
         )
+
+
+def _turn_arguments(cols: int, column_scales: torch.Tensor | None, hadamard_block: int) -> dict[str, object]:
+    """A W8A8 quantization pass's column scales and Hadamard arguments, the block checked against
+    the row width."""
+    check_hadamard_block(cols, hadamard_block)
+    return {
+        "column_scales": column_scales.data_ptr() if column_scales is not None else None,
+        "hadamard_block": hadamard_block,
+        "hadamard_norm": hadamard_norm(hadamard_block),
+    }
 
 
 def _code(tensor: torch.Tensor) -> int:
