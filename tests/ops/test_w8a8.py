@@ -305,9 +305,10 @@ def test_the_native_int8_matmul_is_the_integer_product_rescaled(
         assert torch.equal(output, W8A8Linear(levels, scales, bias)(x))
 
 
-# Inputs in whole 64-byte tile rows (576, 1536, 128; 62, zero-padded to 64) and not (65: every
-# row on VNNI).
-AMX_SHAPES = [(960, 576), (576, 1536), (33, 128), (24, 62), (40, 65)]
+# Inputs in whole 64-byte tile rows (576, 1536, 1024, 128; 62, zero-padded to 64) and not (65:
+# every row on VNNI). 1536 and 1024 inputs take the scaling overlapped with the next tile's sums,
+# 1024 with a last panel of 8 outputs.
+AMX_SHAPES = [(960, 576), (576, 1536), (40, 1024), (33, 128), (24, 62), (40, 65)]
 
 
 @pytest.mark.parametrize("out_features,in_features", AMX_SHAPES)

@@ -25,7 +25,8 @@
  * lie: 16 input quads of a panel's first or last 16 outputs, rows 128 bytes apart. TDPBUSD
  * multiplies 32 rows (two A tiles of 16 rows by 64 inputs, read from the levels in place) by a
  * panel into four int32 C tiles; stored to the stack, they meet the compensation and the scaling
- * of the VNNI path while they are in L1. A thread's share of more than 512 rows (a long prefill's)
+ * of the VNNI path while they are in L1 (for SwiGLU's and long products, while the tile unit
+ * sums the next tile). A thread's share of more than 512 rows (a long prefill's)
  * goes in blocks of 32 rows, each meeting every panel of the share before the next block: its
  * levels stay in L1 and the panels stream in from L2. A share of up to 512 rows (a decode step's,
  * a short prompt's) goes panel by panel instead, each panel meeting all its tiles of rows while it
@@ -303,6 +304,14 @@ static void multiply_rows(int rows, const W8A8Matmul *m, int64_t row, int64_t pa
 /* The most rows of a thread's share that go panel by panel, every tile of rows meeting a panel
  * at once: their levels (512 x 1536 inputs = 768 KiB) stay in L2. */
 #define PANEL_FIRST_SHARE_ROWS (16 * AMX_TILE_ROWS)
+/* Products of whole tiles whose tiles are scaled while the next tile's sums run: SwiGLU's,
+ * whose scaling (the silu) takes longer than its tile's TDPBUSDs, and those of at least this many
+ * input quads (1024 inputs: down_proj's), whose long sums leave room for it. SmolLM2's
+ * gate_up_proj and down_proj took 0.87-0.96x and 0.84-0.89x the time at 48, 512 and 2048 rows;
+ * scaling a 576-input product's rows meanwhile made qkv_proj and o_proj up to 1.4x slower (their
+ * output stores, which miss, hold up the C tiles' stores behind them), and a call of one row
+ * (one tile per panel) 1.05-1.08x. */
+#define OVERLAP_MIN_QUADS 256
 
 int ft_w8a8_has_amx(void) {
     return 1;
@@ -338,40 +347,40 @@ static void configure_row_tiles(int rows) {
     _tile_loadconfig(&config);
 }
 
-/* A stored tile's outputs in `dtype` (a constant where inlined). */
-static inline __attribute__((always_inline)) void scale_tile_as(const int dtype, const W8A8Matmul *m,
-                                                                const TileSums *tile) {
-    PanelScaling scaling = panel_scaling(m, tile->panel);
+/* Rows [begin, end) of a stored tile's outputs in `dtype` (a constant where inlined), as
+ * `multiply_tile` stores its own; `scaling` is the tile's panel's. */
+static inline __attribute__((always_inline)) void scale_tile_rows(const int dtype, const W8A8Matmul *m,
+                                                                  const PanelScaling *scaling, const TileSums *tile,
+                                                                  int begin, int end) {
     const float *row_scales = m->row_scales;
-    int64_t first_row = tile->row;
-    int rows = tile->rows;
-    for (int r = 0; r < rows; r++) {
+    for (int r = begin; r < end; r++) {
         __m512i sums[VNNI_VECTORS];
         for (int v = 0; v < VNNI_VECTORS; v++) {
             sums[v] = _mm512_load_si512(tile->sums[r] + 16 * v);
         }
-        store_panel_row(&scaling, dtype, sums, row_scales[first_row + r], first_row + r);
-    }
-}
-
-/* A stored tile's outputs, as `multiply_tile` stores its own. */
-static void scale_tile(const W8A8Matmul *m, const TileSums *tile) {
-    if (m->dtype == DTYPE_BFLOAT16) {
-        scale_tile_as(DTYPE_BFLOAT16, m, tile);
-    } else {
-        scale_tile_as(DTYPE_FLOAT32, m, tile);
+        store_panel_row(scaling, dtype, sums, row_scales[tile->row + r], tile->row + r);
     }
 }
 
 /* Rows [row, row + rows) by one panel (tiles configured for `rows`) on tiles 0-3 (C), 4-5 (A:
- * rows), 6-7 (B: the panel's halves), into `out`. (Scaling the previous block's sums between
- * these tile instructions gained nothing measurable: the vector work does not overlap them.) */
-static void amx_multiply_tile(const W8A8Matmul *m, int64_t row, int rows, int64_t panel, TileSums *out) {
+ * rows), 6-7 (B: the panel's halves), into `out`. Where `previous` is not NULL the vector units
+ * scale that earlier tile's rows meanwhile, a few after each step's TDPBUSDs, while the tile
+ * unit works through them. */
+static inline __attribute__((always_inline)) void amx_multiply_tile(const int dtype, const W8A8Matmul *m,
+                                                                    int64_t row, int rows, int64_t panel,
+                                                                    TileSums *out, const TileSums *previous) {
     int64_t row_bytes = 4 * m->in_quads, panel_row_bytes = 4 * PANEL_COLUMNS;
     const int8_t *weight = m->weight + panel * m->in_quads * panel_row_bytes;
     const uint8_t *x = m->tail_levels != NULL && row == m->tail_row ? m->tail_levels
                                                                     : m->activations + row * row_bytes;
     int second_half = rows > 16;
+    int64_t steps = m->in_quads / AMX_STEP_QUADS;
+    int scaled = 0, previous_rows = previous != NULL ? previous->rows : 0;
+    int rows_per_step = steps > 0 ? (int)((previous_rows + steps - 1) / steps) : previous_rows;
+    PanelScaling previous_scaling;
+    if (previous != NULL) {
+        previous_scaling = panel_scaling(m, previous->panel);
+    }
     _tile_zero(0);
     _tile_zero(1);
     if (second_half) {
@@ -389,6 +398,14 @@ static void amx_multiply_tile(const W8A8Matmul *m, int64_t row, int rows, int64_
             _tile_dpbusd(2, 5, 6);
             _tile_dpbusd(3, 5, 7);
         }
+        if (scaled < previous_rows) {
+            int until = scaled + rows_per_step < previous_rows ? scaled + rows_per_step : previous_rows;
+            scale_tile_rows(dtype, m, &previous_scaling, previous, scaled, until);
+            scaled = until;
+        }
+    }
+    if (scaled < previous_rows) {
+        scale_tile_rows(dtype, m, &previous_scaling, previous, scaled, previous_rows);
     }
     _tile_stored(0, out->sums[0], panel_row_bytes);
     _tile_stored(1, out->sums[0] + 16, panel_row_bytes);
@@ -401,14 +418,53 @@ static void amx_multiply_tile(const W8A8Matmul *m, int64_t row, int rows, int64_
     out->rows = rows;
 }
 
-/* Rows [begin, end) by one panel in blocks of 32 rows, the last of what is left (the tiles are
- * configured for it), each block scaled from L1 once its sums are stored. */
-static void amx_multiply_panel_rows(const W8A8Matmul *m, int64_t begin, int64_t end, int64_t panel) {
+/* A tile's sums and, 2 KiB past them, the other buffer's: the vector units read one while the
+ * tile unit stores the other, and buffers 4 KiB apart would alias in the store buffer (the loads
+ * wait on the stores at the same offset). */
+typedef struct {
     TileSums tile;
-    for (int64_t row = begin; row < end; row += AMX_TILE_ROWS) {
-        int rows = end - row < AMX_TILE_ROWS ? (int)(end - row) : AMX_TILE_ROWS;
-        amx_multiply_tile(m, row, rows, panel, &tile);
-        scale_tile(m, &tile);
+    char apart[2048];
+} TileBuffer;
+
+/* Rows [row_begin, row_end) by panels [panel_begin, panel_end) as multiply_block walks them: blocks
+ * of `row_block` rows, each meeting every panel in tiles of 32 rows. Where `overlapped`, each
+ * tile's sums are scaled while the tile unit sums the next tile's; else after they are stored. */
+static inline __attribute__((always_inline)) void amx_multiply_block_as(const int dtype, const W8A8Matmul *m,
+                                                                        int64_t row_begin, int64_t row_end,
+                                                                        int64_t panel_begin, int64_t panel_end,
+                                                                        int64_t row_block, int overlapped) {
+    TileBuffer buffers[2];
+    const TileSums *previous = NULL;
+    int current = 0;
+    for (int64_t block = row_begin; block < row_end; block += row_block) {
+        int64_t block_end = block + row_block < row_end ? block + row_block : row_end;
+        for (int64_t panel = panel_begin; panel < panel_end; panel++) {
+            for (int64_t row = block; row < block_end; row += AMX_TILE_ROWS) {
+                int rows = block_end - row < AMX_TILE_ROWS ? (int)(block_end - row) : AMX_TILE_ROWS;
+                TileSums *tile = &buffers[current].tile;
+                amx_multiply_tile(dtype, m, row, rows, panel, tile, previous);
+                if (overlapped) {
+                    previous = tile;
+                    current ^= 1;
+                } else {
+                    PanelScaling scaling = panel_scaling(m, panel);
+                    scale_tile_rows(dtype, m, &scaling, tile, 0, rows);
+                }
+            }
+        }
+    }
+    if (previous != NULL) {
+        PanelScaling scaling = panel_scaling(m, previous->panel);
+        scale_tile_rows(dtype, m, &scaling, previous, 0, previous->rows);
+    }
+}
+
+static void amx_multiply_block(const W8A8Matmul *m, int64_t row_begin, int64_t row_end, int64_t panel_begin,
+                               int64_t panel_end, int64_t row_block, int overlapped) {
+    if (m->dtype == DTYPE_BFLOAT16) {
+        amx_multiply_block_as(DTYPE_BFLOAT16, m, row_begin, row_end, panel_begin, panel_end, row_block, overlapped);
+    } else {
+        amx_multiply_block_as(DTYPE_FLOAT32, m, row_begin, row_end, panel_begin, panel_end, row_block, overlapped);
     }
 }
 #endif
@@ -590,12 +646,6 @@ static void widen_levels(const uint8_t *levels, int64_t begin, int64_t end, int6
 /* Rows [begin, end) by one panel: on AMX tiles where the call uses them, else in this ISA's
  * tiles of TILE_ROWS rows. */
 static void multiply_panel_rows(const W8A8Matmul *m, int64_t begin, int64_t end, int64_t panel) {
-#if W8A8_AMX
-    if (m->use_amx) {
-        amx_multiply_panel_rows(m, begin, end, panel);
-        return;
-    }
-#endif
     for (int64_t row = begin; row < end; row += TILE_ROWS) {
         multiply_rows(end - row < TILE_ROWS ? (int)(end - row) : TILE_ROWS, m, row, panel);
     }
@@ -631,7 +681,9 @@ static void multiply_share(const W8A8Matmul *m, int64_t panels) {
             configure_full_tiles();
         }
         int64_t row_block = share_rows <= PANEL_FIRST_SHARE_ROWS ? share_rows : AMX_ROW_BLOCK;
-        multiply_block(m, share.row_begin, share.row_end, share.panel_begin, share.panel_end, row_block);
+        int overlapped = m->rows >= AMX_TILE_ROWS && (m->silu_gated || m->in_quads >= OVERLAP_MIN_QUADS);
+        amx_multiply_block(m, share.row_begin, share.row_end, share.panel_begin, share.panel_end, row_block,
+                           overlapped);
         _tile_release();
         return;
     }
