@@ -54,7 +54,8 @@ _SOURCES = [
     for name in (
         "row_kernels.c", "attention.c", "matmul.c", "quantized_matmul.c", "prefill_attention.c",
         "paged_decode_attention.c", "quantized_matmul_bf16.c", "decode_step.c", "portable_decode_step.c",
-        "w8a8_rows.c", "w8a8_matmul.c", "w8a8_projection.c", "weight_levels.c", "logits.c",
+        "w8a8_rows.c", "w8a8_matmul.c", "w8a8_projection.c", "w8a8_step.c", "weight_levels.c",
+        "logits.c",
     )
 ]
 _HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h", _SOURCE_DIR / "decode_kernels.h"]
@@ -113,6 +114,7 @@ class NativeKernels:
         self.isa: str = self._kernels["ft_isa_name"]().decode()
         self.has_decode_kernels = "ft_decode_step" in self._kernels
         self.has_prefill_attention = "ft_prefill_attention" in self._kernels
+        self.has_w8a8_step = "ft_w8a8_step" in self._kernels
         # The portable flash attention takes head sizes in whole vectors of this build.
         self.flash_head_dim_multiple: int = self._kernels["ft_flash_attention_head_dim_multiple"]()
         # Output columns per panel of `pack_matmul_weight`'s layout: two vectors of this ISA.
@@ -990,6 +992,26 @@ class NativeKernels:
             out_of_bounds="paged_decode_attention: a block id or sequence length lies outside the KV cache",
         )
         return out
+
+    def w8a8_step(
+        self,
+        model: native_abi.W8A8StepModel,
+        batch: native_abi.W8A8StepBatch,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+    ) -> None:
+        """Runs a W8A8 model's step (see native_w8a8_step.NativeW8A8Step): hidden, contiguous bf16
+        [T, hidden_size], the embeddings in and the last layer's output out; residual, likewise,
+        the residual after its add out."""
+        status = self._kernels["ft_w8a8_step"](
+            model=ctypes.byref(model), batch=ctypes.byref(batch), hidden=hidden.data_ptr(),
+            residual=residual.data_ptr(), num_threads=torch.get_num_threads(),
+        )
+        _check(
+            status,
+            out_of_bounds="W8A8 step: a slot, block id or sequence length outside the KV cache",
+            bad_shape="W8A8 step: heads or keys the attention kernels do not take",
+        )
 
     def decode_step(
         self, model: native_abi.DecodeModel, batch: native_abi.DecodeBatch, hidden: torch.Tensor

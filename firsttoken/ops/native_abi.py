@@ -167,8 +167,88 @@ class DecodeBatch(ctypes.Structure):
     )
 
 
+@_shared_struct
+class W8A8Weight(ctypes.Structure):
+    """A W8A8 projection on the native int8 matmul (`firsttoken.ops.w8a8.W8A8Linear`)."""
+
+    c_fields: tuple[tuple[str, CType], ...] = (
+        ("packed", "const void *"),  # ft_pack_w8a8_weight's layout (SwiGLU-paired for gate_up)
+        ("weight_scales", "const float *"),  # [out_features]
+        ("bias", "const float *"),  # [out_features] or NULL
+        ("column_scales", "const float *"),  # [in_features] (SmoothQuant's 1 / s) or NULL
+        ("hadamard_block", "int64_t"),  # the inputs turned in blocks of this many where above 1
+        ("hadamard_norm", "float"),
+        ("out_features", "int64_t"),  # the weight's rows (gate | up both, for gate_up)
+        ("in_features", "int64_t"),
+    )
+
+
+@_shared_struct
+class W8A8StepLayer(ctypes.Structure):
+    """One decoder layer as the whole-step W8A8 forward reads it."""
+
+    c_fields: tuple[tuple[str, CType], ...] = (
+        ("input_norm", "const void *"),  # bf16 [hidden]
+        ("post_attention_norm", "const void *"),  # bf16 [hidden]
+        ("qkv", W8A8Weight),
+        ("o", W8A8Weight),
+        ("gate_up", W8A8Weight),  # packed SwiGLU-paired: the product's epilogue stores silu(gate) * up
+        ("down", W8A8Weight),
+        ("kv_cache", "void *"),  # bf16 [2, num_slots, kv_heads * head_dim]
+    )
+
+
+@_shared_struct
+class W8A8StepModel(ctypes.Structure):
+    """The model's dimensions, its layers, and how its kernels run."""
+
+    c_fields: tuple[tuple[str, CType], ...] = (
+        ("num_layers", "int64_t"),
+        ("hidden_size", "int64_t"),
+        ("num_heads", "int64_t"),
+        ("num_kv_heads", "int64_t"),
+        ("head_dim", "int64_t"),
+        ("intermediate_size", "int64_t"),
+        ("num_slots", "int64_t"),
+        ("rms_norm_eps", "float"),
+        ("attention_scale", "float"),  # head_dim ** -0.5, as the attention kernels' wrappers pass it
+        ("matmul_amx", "int"),  # the int8 matmul on AMX-INT8 tiles
+        ("attention_amx", "int"),  # the prefill attention (and decodes as prefill) on AMX-BF16 tiles
+        ("decode_as_prefill", "int"),  # decode rows with the prefill kernel's arithmetic
+        ("layers", "const W8A8StepLayer *"),  # [num_layers]
+    )
+
+
+@_shared_struct
+class W8A8StepBatch(ctypes.Structure):
+    """One step: its decode rows first (one new token each, attending through the block table),
+    then its prefill chunks; where their K/V go; the rotary's cos and sin."""
+
+    c_fields: tuple[tuple[str, CType], ...] = (
+        ("num_tokens", "int64_t"),
+        ("num_decodes", "int64_t"),
+        ("block_size", "int64_t"),
+        ("max_blocks", "int64_t"),
+        ("block_table", "const int64_t *"),  # [num_decodes, max_blocks]
+        ("seq_lens", "const int64_t *"),  # [num_decodes]: keys each decode attends over, its own included
+        ("num_prefills", "int64_t"),
+        ("prefills", "const int64_t *"),  # [num_prefills, 3]: first row, rows, context tokens before them
+        # [num_prefills]: the slot of each sequence's first key where its blocks are consecutive ids
+        # (keys read in place), else -1 (keys gathered from its blocks).
+        ("first_slots", "const int64_t *"),
+        ("max_prefill_blocks", "int64_t"),
+        ("prefill_blocks", "const int64_t *"),  # [num_prefills, max_prefill_blocks]: each one's blocks
+        ("slot_mapping", "const int64_t *"),  # [num_tokens]
+        ("cos", "const void *"),  # bf16 [num_tokens, head_dim]
+        ("sin", "const void *"),  # bf16 [num_tokens, head_dim]
+    )
+
+
 # In declaration order: a struct follows those it holds.
-_SHARED_STRUCTS = (Int4Weight, DecodeLayer, DecodeModel, DecodeBatch)
+_SHARED_STRUCTS = (
+    Int4Weight, DecodeLayer, DecodeModel, DecodeBatch,
+    W8A8Weight, W8A8StepLayer, W8A8StepModel, W8A8StepBatch,
+)
 
 
 class Requires(enum.Enum):
@@ -384,6 +464,14 @@ KERNELS = (
     ),
     Kernel("ft_w8a8_has_amx", (), result="int", requires=Requires.AMX_INT8),
     Kernel("ft_amx_available", (), result="int", requires=Requires.AMX),
+    Kernel(
+        "ft_w8a8_step",
+        _parameters(
+            "const W8A8StepModel *model, const W8A8StepBatch *batch, uint16_t *hidden, uint16_t *residual, "
+            "int num_threads"
+        ),
+        requires=Requires.VECTOR_BF16,
+    ),
     Kernel(
         "ft_prefill_attention",
         _parameters(

@@ -4,7 +4,8 @@ The one place a scheduled batch runs, and the one place its path is chosen: its 
 built on the host (step_inputs.py), staged to the device in one copy, and run on the fastest
 path that takes the step: on CUDA, a captured graph (decode-only steps by batch size, steps
 with prefill rows by token count); on a CPU with int4 native kernels, the whole-step native
-decode (whole_step_decode.py) for decode-only steps; else the model's forward. Logits are
+decode (whole_step_decode.py) for decode-only steps; for a bf16 W8A8 model on AVX512-BF16
+kernels, the whole-step native W8A8 forward (whole_step_w8a8.py); else the model's forward. Logits are
 computed only for the rows that sample, and for the prompt rows of a request that asks for
 prompt logprobs (prompt_logprobs.py).
 Nothing synchronises the host with the device before the sampler hands back the ids.
@@ -28,6 +29,7 @@ from firsttoken.sample.sampler import Sampler
 from firsttoken.worker.prompt_logprobs import PromptRows, find_prompt_rows, score_prompt_rows
 from firsttoken.worker.step_inputs import HostStep, build_host_step
 from firsttoken.worker.whole_step_decode import WholeStepDecode, build_whole_step_decode
+from firsttoken.worker.whole_step_w8a8 import WholeStepW8A8, build_whole_step_w8a8
 
 if TYPE_CHECKING:
     from firsttoken.worker.cuda_graphs import DecodeGraphs, GraphCapture, GraphCaptureReport, StepGraphs
@@ -57,6 +59,7 @@ class ModelRunner:
         self.index_dtype = np.dtype(str(backend.index_dtype).removeprefix("torch."))
         self.staging = StagingBuffer(device, backend.index_dtype)
         self.whole_step_decode: WholeStepDecode | None = build_whole_step_decode(model)
+        self.whole_step_w8a8: WholeStepW8A8 | None = build_whole_step_w8a8(model)
         self.decode_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
 
@@ -179,9 +182,12 @@ class ModelRunner:
         self, step: HostStep, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of a step no graph holds, from its staged inputs: the
-        whole-step native decode where it serves the step, else the model's forward."""
+        whole-step native decode or W8A8 forward where one serves the step, else the model's
+        forward."""
         if self.whole_step_decode is not None and self.whole_step_decode.takes(step.layout):
             return self.whole_step_decode.run(input_ids, positions, slot_mapping, step.layout)
+        if self.whole_step_w8a8 is not None and self.whole_step_w8a8.takes(step.layout):
+            return self.whole_step_w8a8.run(input_ids, positions, slot_mapping, step.layout)
         metadata = self.backend.build_metadata(step.layout, slot_mapping)
         return self.model(input_ids, positions, metadata)
 

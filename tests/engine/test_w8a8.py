@@ -13,8 +13,10 @@ import torch.nn.functional as F
 from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
 from firsttoken.ops import native, w8a8
+from firsttoken.ops.native_w8a8_step import PrefillChunk
 from firsttoken.ops.w8a8 import W8A8Linear, w8a8_unsupported_reason
-from firsttoken.worker import model_loading
+from firsttoken.worker import model_loading, model_runner
+from firsttoken.worker.whole_step_w8a8 import prefill_chunks
 from tests.conftest import FIXED_THREADS
 
 UNSUPPORTED = w8a8_unsupported_reason(torch.device("cpu"))
@@ -100,6 +102,104 @@ def test_a_request_gets_the_same_bits_alone_and_beside_others(w8a8_llm):
     for prompt, output in zip(PROMPTS, together, strict=True):
         (alone,) = w8a8_llm.generate([prompt], GREEDY)
         assert _bits(alone) == _bits(output)
+
+
+class ServedSteps:
+    """Wraps a runner's whole-step W8A8 forward, recording the layout of each step it runs."""
+
+    def __init__(self, whole_step) -> None:
+        self.whole_step = whole_step
+        self.layouts = []
+
+    def takes(self, layout) -> bool:
+        return self.whole_step.takes(layout)
+
+    def run(self, input_ids, positions, slot_mapping, layout):
+        self.layouts.append(layout)
+        return self.whole_step.run(input_ids, positions, slot_mapping, layout)
+
+
+def _step_workload(llm: LLM) -> list[tuple]:
+    """Prompts batched into one step beside a prompt long enough to be chunked (its later chunks
+    beside the others' decodes, attending to their context in the cache), that prompt again alone,
+    then a prompt whose prefix the prompt cache holds (a request for prompt logprobs takes none);
+    each reply's tokens, logprobs and prompt logprobs."""
+    scored = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    long_prompt = " ".join(PROMPTS * 6)
+    outputs = llm.generate([*PROMPTS, long_prompt], scored)
+    outputs += llm.generate([long_prompt], scored)
+    outputs += llm.generate([long_prompt + " In short:"], GREEDY)
+    return [
+        (output.token_ids, repr(output.logprobs), repr(output.prompt_logprobs), output.num_cached_tokens)
+        for output in outputs
+    ]
+
+
+@needs_exact_int8
+@pytest.mark.parametrize("rotated, batch_invariant", [(False, True), (True, True), (True, False)])
+def test_the_whole_step_forward_gives_the_per_op_bits(
+    two_layer_model_path, monkeypatch, rotated, batch_invariant
+):
+    """A bf16 W8A8 engine on AVX512-BF16 kernels runs each step in one native call, every layer's
+    kernels back to back: the same tokens, logprobs and prompt logprobs as the model's forward
+    calling them one by one, for prefills batched in a step, decode-only steps, decodes beside a
+    chunk of a prompt (whose context it reads in place) and a prompt on a cached prefix; decode
+    rows with the prefill kernel's arithmetic (batch invariance) or the exact paged kernel's."""
+    options = dict(
+        batch_invariant=batch_invariant,
+        model=two_layer_model_path, quantization="w8a8", w8a8_rotation=rotated, dtype="bfloat16",
+        kv_cache_memory_bytes=64 << 20, chunk_size=64, max_num_batched_tokens=128, enable_prompt_cache=True,
+        **FIXED_THREADS,
+    )
+    replies = {}
+    for whole_step in (True, False):
+        if not whole_step:
+            monkeypatch.setattr(model_runner, "build_whole_step_w8a8", lambda model: None)
+        llm = LLM(**options)
+        try:
+            runner = llm.core.worker.runner
+            if whole_step:
+                if runner.whole_step_w8a8 is None:
+                    pytest.skip("no whole-step W8A8 forward here (AVX512-BF16 kernels, native int8 matmul)")
+                served = runner.whole_step_w8a8 = ServedSteps(runner.whole_step_w8a8)
+            replies[whole_step] = _step_workload(llm)
+        finally:
+            llm.shutdown()
+    assert replies[True] == replies[False]
+    layouts = served.layouts
+    assert any(layout.num_decodes == 0 and len(layout.sequences) > 1 for layout in layouts)
+    assert any(layout.num_decodes == len(layout.sequences) for layout in layouts)
+    chunks_beside_decodes = [
+        chunk for layout in layouts if 0 < layout.num_decodes < len(layout.sequences)
+        for chunk in prefill_chunks(layout)
+    ]
+    assert any(chunk.num_context_tokens for chunk in chunks_beside_decodes)
+    # Context read in place (consecutive blocks) and gathered (not).
+    chunks = [chunk for layout in layouts for chunk in prefill_chunks(layout)]
+    assert {chunk.first_slot >= 0 for chunk in chunks if chunk.num_context_tokens} == {True, False}
+    assert replies[True][-1][3] > 0  # the last prompt's prefix came from the cache
+
+
+@needs_exact_int8
+def test_a_whole_step_slot_outside_the_cache_is_refused(two_layer_model_path):
+    llm = LLM(
+        model=two_layer_model_path, quantization="w8a8", dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
+        **FIXED_THREADS,
+    )
+    try:
+        whole_step = llm.core.worker.runner.whole_step_w8a8
+        if whole_step is None:
+            pytest.skip("no whole-step W8A8 forward here (AVX512-BF16 kernels, native int8 matmul)")
+        model = llm.core.worker.model
+        hidden = model.embed_tokens(torch.tensor([5, 6, 7]))
+        cos, sin = model.rotary_embedding(torch.arange(3), hidden.dtype)
+        kv_cache = model.layers[0].self_attn.kv_cache
+        outside = torch.tensor([0, 1, kv_cache.shape[1] * kv_cache.shape[2]], dtype=torch.long)
+        chunks = [PrefillChunk(first_row=0, num_rows=3, num_context_tokens=0, block_ids=[0], first_slot=0)]
+        with pytest.raises(IndexError, match="outside the KV cache"):
+            whole_step.native_step.run(hidden, cos, sin, outside, None, chunks)
+    finally:
+        llm.shutdown()
 
 
 @needs_exact_int8

@@ -1,5 +1,6 @@
 """The runner chooses the whole-step native decode for the steps it serves (decode-only, at
-most DECODE_MAX_ROWS rows) and the model's forward for every other step.
+most DECODE_MAX_ROWS rows) and the model's forward for every other step; the whole-step W8A8
+forward serves every step.
 
 The native step itself needs AVX512-BF16 (tests/ops/test_native_decode.py runs it where it
 can); here a stand-in runs the model's per-op forward in its place, so the choice is checked
@@ -16,6 +17,7 @@ from firsttoken.sample.sampler import Sampler
 from firsttoken.worker.kv_cache import allocate_kv_caches
 from firsttoken.worker.model_runner import ModelRunner
 from firsttoken.worker.whole_step_decode import WholeStepDecode
+from firsttoken.worker.whole_step_w8a8 import WholeStepW8A8, prefill_chunks
 from tests.cuda.tiny_engine import TINY_ARCH, greedy_generate, random_model
 
 BLOCK_SIZE = 4
@@ -84,3 +86,20 @@ def test_the_whole_step_decode_serves_at_most_its_rows_of_decodes_only():
     assert not WholeStepDecode.takes(BatchLayout(decodes, DECODE_MAX_ROWS + 1, BLOCK_SIZE))
     assert not WholeStepDecode.takes(BatchLayout(decodes[:2] + [prefill], 2, BLOCK_SIZE))
     assert not WholeStepDecode.takes(BatchLayout([prefill], 0, BLOCK_SIZE))
+
+
+def test_the_whole_step_w8a8_serves_every_step_and_finds_each_chunks_keys():
+    fresh = SequenceLayout(query_len=6, num_context_tokens=0, block_table=[9, 3])
+    in_place = SequenceLayout(query_len=5, num_context_tokens=7, block_table=[20, 21, 22, 8])
+    scattered = SequenceLayout(query_len=5, num_context_tokens=7, block_table=[20, 22, 23])
+    decode = SequenceLayout(query_len=1, num_context_tokens=5, block_table=[30, 31])
+    for sequences, num_decodes in (([fresh], 0), ([decode], 1), ([decode, in_place, scattered], 1)):
+        assert WholeStepW8A8.takes(BatchLayout(sequences, num_decodes, BLOCK_SIZE))
+    assert not WholeStepW8A8.takes(BatchLayout([], 0, BLOCK_SIZE))
+    # Rows after the decode rows, in batch order; each sequence's blocks up to its length (block 8
+    # lies past the 12 tokens of in_place), the first key's slot where they are a run.
+    chunks = prefill_chunks(BatchLayout([decode, fresh, in_place, scattered], 1, BLOCK_SIZE))
+    rows = [(chunk.first_row, chunk.num_rows, chunk.num_context_tokens) for chunk in chunks]
+    assert rows == [(1, 6, 0), (7, 5, 7), (12, 5, 7)]
+    assert [chunk.block_ids for chunk in chunks] == [[9, 3], [20, 21, 22], [20, 22, 23]]
+    assert [chunk.first_slot for chunk in chunks] == [-1, 20 * BLOCK_SIZE, -1]
