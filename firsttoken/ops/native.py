@@ -1010,7 +1010,7 @@ class NativeKernels:
         _check(
             status,
             out_of_bounds="W8A8 step: a slot, block id or sequence length outside the KV cache",
-            bad_shape="W8A8 step: heads or keys the attention kernels do not take",
+            bad_shape="W8A8 step: a shape one of its kernels does not take",
         )
 
     def decode_step(

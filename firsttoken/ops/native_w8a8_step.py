@@ -72,6 +72,58 @@ def _weight(linear: W8A8Linear, in_features: int) -> native_abi.W8A8Weight:
     )
 
 
+def _check_step(
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    decodes: DecodeTables | None,
+    prefills: list[PrefillChunk],
+    block_size: int,
+    head_dim: int,
+) -> None:
+    """Raises ValueError naming what does not fit the step's rows: the kernel trusts them."""
+    num_tokens = hidden.shape[0]
+    num_decodes = decodes.block_table.shape[0] if decodes is not None else 0
+    row = num_decodes
+    for chunk in prefills:
+        if chunk.first_row != row or chunk.num_rows < 1 or chunk.num_context_tokens < 0:
+            raise ValueError(f"W8A8 step: prefill chunk {chunk} does not start at row {row} with rows")
+        if len(chunk.block_ids) * block_size < chunk.num_context_tokens + chunk.num_rows:
+            raise ValueError(f"W8A8 step: prefill chunk {chunk} has too few blocks for its keys")
+        row += chunk.num_rows
+    if row != num_tokens or not hidden.is_contiguous() or hidden.dtype != torch.bfloat16:
+        raise ValueError(
+            f"W8A8 step: hidden must be contiguous bf16 of the {row} rows of its decodes and chunks, got "
+            f"{tuple(hidden.shape)} {hidden.dtype}"
+        )
+    for name, tensor in (("cos", cos), ("sin", sin)):
+        if (
+            tensor.numel() != num_tokens * head_dim or tensor.shape[0] != num_tokens
+            or not tensor.is_contiguous() or tensor.dtype != torch.bfloat16
+        ):
+            raise ValueError(f"W8A8 step: {name} must be contiguous bf16 [{num_tokens}, 1, {head_dim}]")
+    if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.long:
+        raise ValueError(f"W8A8 step: slot_mapping must be long [{num_tokens}]")
+
+
+def _projection_shapes(layer: W8A8StepLayerWeights, shape: W8A8StepShape) -> bool:
+    """Whether the layer's projections and cache have the shapes the step sizes its rows for."""
+    q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    outputs = (
+        (layer.qkv, q_size + 2 * kv_size),
+        (layer.o, shape.hidden_size),
+        (layer.gate_up, 2 * shape.intermediate_size),
+        (layer.down, shape.hidden_size),
+    )
+    return (
+        all(projection.weight_scales.shape[0] == size for projection, size in outputs)
+        and layer.kv_cache.dim() == 5
+        and tuple(layer.kv_cache.shape[3:]) == (shape.num_kv_heads, shape.head_dim)
+        and tuple(layer.input_norm.shape) == tuple(layer.post_attention_norm.shape) == (shape.hidden_size,)
+    )
+
+
 def supports_layers(
     kernels: native.NativeKernels, shape: W8A8StepShape, layers: list[W8A8StepLayerWeights]
 ) -> bool:
@@ -98,6 +150,8 @@ def supports_layers(
             for projection in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )
         and layer.gate_up.makes_swiglu_product
+        and _projection_shapes(layer, shape)
+        and layer.kv_cache.shape == layers[0].kv_cache.shape
         for layer in layers
     )
 
@@ -137,6 +191,7 @@ class NativeW8A8Step:
         )
         cache_shape = layers[0].kv_cache.shape
         self.block_size = cache_shape[2]
+        self.head_dim = shape.head_dim
         self._model = native_abi.W8A8StepModel(
             len(layers),
             shape.hidden_size,
@@ -164,9 +219,10 @@ class NativeW8A8Step:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the step's embeddings, contiguous bf16 [T, hidden_size], replaced by the last
         layer's output; cos and sin contiguous bf16 [T, 1, head_dim]; slot_mapping long [T]; the
-        decode rows first (their tables; None for none), then the prefill chunks in row order,
-        in row order. Returns (hidden, the residual after the last add): the model's output is
-        their sum."""
+        decode rows first (their tables; None for none), then the prefill chunks in row order.
+        Returns (hidden, the residual after the last add): the model's output is their sum."""
+        _check_step(hidden, cos, sin, slot_mapping, decodes, prefills, self.block_size, self.head_dim)
+        slot_mapping = slot_mapping.contiguous()
         residual = torch.empty_like(hidden)
         rows = [[chunk.first_row, chunk.num_rows, chunk.num_context_tokens] for chunk in prefills]
         chunks = torch.tensor(rows, dtype=torch.long)

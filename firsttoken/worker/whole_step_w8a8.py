@@ -63,9 +63,10 @@ def prefill_chunks(layout: BatchLayout) -> list[PrefillChunk]:
     first_row = layout.num_decodes
     for sequence in layout.sequences[layout.num_decodes :]:
         block_ids = sequence.block_table[: ceil_div(sequence.seq_len, layout.block_size)]
-        first_block = first_of_run(block_ids)
-        first_slot = first_block * layout.block_size if first_block is not None else -1
         context = sequence.num_context_tokens
+        # Fresh keys are read from the step's own rows: their blocks matter only after context.
+        first_block = first_of_run(block_ids) if context else None
+        first_slot = first_block * layout.block_size if first_block is not None else -1
         chunks.append(PrefillChunk(first_row, sequence.query_len, context, list(block_ids), first_slot))
         first_row += sequence.query_len
     return chunks

@@ -10,7 +10,14 @@ import torch
 from torch import nn
 
 from firsttoken import LLM
-from firsttoken.bench.profile import ProfileResult, ProfileSpec, format_json, format_report, profile_ttft
+from firsttoken.bench.profile import (
+    WHOLE_STEP_SET_ASIDE,
+    ProfileResult,
+    ProfileSpec,
+    format_json,
+    format_report,
+    profile_ttft,
+)
 from firsttoken.bench.stage_hooks import (
     STAGE_LABELS,
     STAGES,
@@ -84,6 +91,25 @@ def test_profiling_leaves_no_hook_or_wrapper_behind(profiled_llm):
     assert "compute_logits" not in vars(engine.worker.model)
     assert "sample" not in vars(engine.worker.runner.sampler)
     assert "detokenize" not in vars(engine.output_processor)
+
+
+def test_a_w8a8_engine_is_profiled_op_by_op_and_keeps_its_whole_step_forward(two_layer_model_path):
+    """Its steps run in one native call, which has no stages to time: the profile sets that call
+    aside for its runs (and says so), then puts it back."""
+    llm = LLM(
+        model=two_layer_model_path, quantization="w8a8", dtype="bfloat16", kv_cache_memory_bytes=64 << 20,
+        enable_prompt_cache=False, **FIXED_THREADS,
+    )
+    try:
+        whole_step = llm.core.worker.runner.whole_step_w8a8
+        if whole_step is None:
+            pytest.skip("no whole-step W8A8 forward here (AVX512-BF16 kernels, native int8 matmul)")
+        result = profile_ttft(llm, ProfileSpec(input_len=16, runs=1, warmup_runs=0))
+        assert WHOLE_STEP_SET_ASIDE in result.engine_description
+        assert result.stage_medians["attention"] > 0 and result.stage_medians["mlp"] > 0
+        assert llm.core.worker.runner.whole_step_w8a8 is whole_step
+    finally:
+        llm.shutdown()
 
 
 class _Layer(nn.Module):

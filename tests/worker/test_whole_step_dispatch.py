@@ -88,6 +88,32 @@ def test_the_whole_step_decode_serves_at_most_its_rows_of_decodes_only():
     assert not WholeStepDecode.takes(BatchLayout([prefill], 0, BLOCK_SIZE))
 
 
+class PerOpWholeStepW8A8(WholeStepW8A8):
+    """Stands in for the native W8A8 step: the model's per-op forward, on a backend of its own."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.backend = RecordingBackend()
+
+    def run(self, input_ids, positions, slot_mapping, layout):
+        return self.model(input_ids, positions, self.backend.build_metadata(layout, slot_mapping))
+
+
+def test_the_runner_takes_the_whole_step_w8a8_for_every_step():
+    plain, _ = _runner()
+    assert plain.whole_step_w8a8 is None  # no W8A8 projections in a float32 model
+    expected = greedy_generate(plain, PROMPTS, 6, NUM_BLOCKS, BLOCK_SIZE, chunk_size=16)
+
+    runner, backend = _runner()
+    whole_step = PerOpWholeStepW8A8(runner.model)
+    runner.whole_step_w8a8 = whole_step
+    assert greedy_generate(runner, PROMPTS, 6, NUM_BLOCKS, BLOCK_SIZE, chunk_size=16) == expected
+    served = whole_step.backend.layouts
+    assert any(_is_decode_only(layout) for layout in served)
+    assert any(layout.num_decodes == 0 for layout in served)
+    assert not backend.layouts  # the model's forward ran for no step
+
+
 def test_the_whole_step_w8a8_serves_every_step_and_finds_each_chunks_keys():
     fresh = SequenceLayout(query_len=6, num_context_tokens=0, block_table=[9, 3])
     in_place = SequenceLayout(query_len=5, num_context_tokens=7, block_table=[20, 21, 22, 8])

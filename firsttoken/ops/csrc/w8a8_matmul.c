@@ -377,7 +377,7 @@ static inline __attribute__((always_inline)) void amx_multiply_tile(const int dt
     int64_t steps = m->in_quads / AMX_STEP_QUADS;
     int scaled = 0, previous_rows = previous != NULL ? previous->rows : 0;
     int rows_per_step = steps > 0 ? (int)((previous_rows + steps - 1) / steps) : previous_rows;
-    PanelScaling previous_scaling;
+    PanelScaling previous_scaling = {0};
     if (previous != NULL) {
         previous_scaling = panel_scaling(m, previous->panel);
     }
@@ -459,6 +459,7 @@ static inline __attribute__((always_inline)) void amx_multiply_block_as(const in
     }
 }
 
+/* amx_multiply_block_as for the call's dtype. */
 static void amx_multiply_block(const W8A8Matmul *m, int64_t row_begin, int64_t row_end, int64_t panel_begin,
                                int64_t panel_end, int64_t row_block, int overlapped) {
     if (m->dtype == DTYPE_BFLOAT16) {
@@ -643,8 +644,7 @@ static void widen_levels(const uint8_t *levels, int64_t begin, int64_t end, int6
 #endif
 
 #if defined(__AVX2__)
-/* Rows [begin, end) by one panel: on AMX tiles where the call uses them, else in this ISA's
- * tiles of TILE_ROWS rows. */
+/* Rows [begin, end) by one panel in this ISA's tiles of TILE_ROWS rows. */
 static void multiply_panel_rows(const W8A8Matmul *m, int64_t begin, int64_t end, int64_t panel) {
     for (int64_t row = begin; row < end; row += TILE_ROWS) {
         multiply_rows(end - row < TILE_ROWS ? (int)(end - row) : TILE_ROWS, m, row, panel);
