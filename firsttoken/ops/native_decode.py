@@ -53,8 +53,8 @@ class DecodeLayerWeights:
 
 
 @dataclass(frozen=True)
-class DecodeShape:
-    """The model dimensions the step needs."""
+class StepShape:
+    """The model dimensions a whole-step native call needs (this int4 decode, the W8A8 step)."""
 
     hidden_size: int
     num_heads: int
@@ -72,7 +72,7 @@ def _int4_weight(linear: NativeInt4Linear | PortableInt4Linear) -> native_abi.In
     )
 
 
-def _head_shape_taken(kernels: native.NativeKernels, shape: DecodeShape, dtype: torch.dtype) -> bool:
+def _head_shape_taken(kernels: native.NativeKernels, shape: StepShape, dtype: torch.dtype) -> bool:
     """The bf16 step's attention takes whole `DECODE_HEAD_DIM_MULTIPLE`-dim chunks up to
     `DECODE_MAX_HEAD_DIM`; the float32 step's (the flash decode attention) whole vectors of the
     build up to `ATTENTION_MAX_HEAD_DIM`."""
@@ -86,7 +86,7 @@ def _head_shape_taken(kernels: native.NativeKernels, shape: DecodeShape, dtype: 
 
 
 def supports_layers(
-    kernels: native.NativeKernels, shape: DecodeShape, layers: list[DecodeLayerWeights]
+    kernels: native.NativeKernels, shape: StepShape, layers: list[DecodeLayerWeights]
 ) -> bool:
     """Whether a native step of this build takes these layers: norms and caches all bf16 (on
     AVX512-BF16 builds) or all float32, contiguous CPU tensors, every projection the int4 kind
@@ -111,7 +111,7 @@ class NativeDecodeStep:
     """Holds the layers' weights and caches (keeping them alive for the pointers it passes)."""
 
     def __init__(
-        self, kernels: native.NativeKernels, shape: DecodeShape, layers: list[DecodeLayerWeights]
+        self, kernels: native.NativeKernels, shape: StepShape, layers: list[DecodeLayerWeights]
     ) -> None:
         if not supports_layers(kernels, shape, layers):
             raise ValueError(

@@ -18,7 +18,7 @@ import torch
 
 from firsttoken.ops import native, native_abi
 from firsttoken.ops.hadamard import hadamard_norm
-from firsttoken.ops.native_decode import DecodeTables
+from firsttoken.ops.native_decode import DecodeTables, StepShape
 from firsttoken.ops.w8a8 import W8A8Linear
 
 
@@ -33,18 +33,6 @@ class W8A8StepLayerWeights:
     gate_up: W8A8Linear  # storing SwiGLU's product from its epilogue
     down: W8A8Linear
     kv_cache: torch.Tensor  # [2, blocks, block_size, kv_heads, head_dim], contiguous
-
-
-@dataclass(frozen=True)
-class W8A8StepShape:
-    """The model dimensions the step needs."""
-
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
 
 
 @dataclass(frozen=True)
@@ -107,7 +95,7 @@ def _check_step(
         raise ValueError(f"W8A8 step: slot_mapping must be long [{num_tokens}]")
 
 
-def _projection_shapes(layer: W8A8StepLayerWeights, shape: W8A8StepShape) -> bool:
+def _projection_shapes(layer: W8A8StepLayerWeights, shape: StepShape) -> bool:
     """Whether the layer's projections and cache have the shapes the step sizes its rows for."""
     q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     outputs = (
@@ -125,7 +113,7 @@ def _projection_shapes(layer: W8A8StepLayerWeights, shape: W8A8StepShape) -> boo
 
 
 def supports_layers(
-    kernels: native.NativeKernels, shape: W8A8StepShape, layers: list[W8A8StepLayerWeights]
+    kernels: native.NativeKernels, shape: StepShape, layers: list[W8A8StepLayerWeights]
 ) -> bool:
     """Whether this build's step takes these layers: the bf16 prefill and paged decode attention
     (AVX512-BF16 builds) for this head shape, bf16 norms and contiguous bf16 caches, and every
@@ -162,7 +150,7 @@ class NativeW8A8Step:
     def __init__(
         self,
         kernels: native.NativeKernels,
-        shape: W8A8StepShape,
+        shape: StepShape,
         layers: list[W8A8StepLayerWeights],
         decode_as_prefill: bool,
     ) -> None:

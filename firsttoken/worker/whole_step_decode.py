@@ -12,14 +12,15 @@ import torch
 from torch import nn
 
 from firsttoken.attention.backend import BatchLayout, decode_tables
+from firsttoken.models.arch import ModelArch
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.ops import native_abi
 from firsttoken.ops.linear import DecodeQuantizedLinear
 from firsttoken.ops.native_decode import (
     STEP_PROJECTIONS,
     DecodeLayerWeights,
-    DecodeShape,
     NativeDecodeStep,
+    StepShape,
     supports_layers,
 )
 
@@ -79,8 +80,15 @@ def build_whole_step_decode(model: LlamaForCausalLM) -> WholeStepDecode | None:
                 attention.kv_cache,
             )
         )
-    arch = model.arch
-    shape = DecodeShape(
+    shape = step_shape(model.arch)
+    if not supports_layers(native_kernels, shape, layers):
+        return None
+    return WholeStepDecode(model, NativeDecodeStep(native_kernels, shape, layers))
+
+
+def step_shape(arch: ModelArch) -> StepShape:
+    """The dimensions a whole-step native call reads from the model's architecture."""
+    return StepShape(
         arch.hidden_size,
         arch.num_heads,
         arch.num_kv_heads,
@@ -88,9 +96,6 @@ def build_whole_step_decode(model: LlamaForCausalLM) -> WholeStepDecode | None:
         arch.intermediate_size,
         arch.rms_norm_eps,
     )
-    if not supports_layers(native_kernels, shape, layers):
-        return None
-    return WholeStepDecode(model, NativeDecodeStep(native_kernels, shape, layers))
 
 
 def _decode_form(projection: nn.Module) -> nn.Module:

@@ -18,9 +18,9 @@ from firsttoken.ops.native_w8a8_step import (
     NativeW8A8Step,
     PrefillChunk,
     W8A8StepLayerWeights,
-    W8A8StepShape,
     supports_layers,
 )
+from firsttoken.worker.whole_step_decode import step_shape
 
 
 class WholeStepW8A8:
@@ -101,20 +101,12 @@ def build_whole_step_w8a8(model: LlamaForCausalLM) -> WholeStepW8A8 | None:
         )
         for layer in model.layers
     ]
-    arch = model.arch
-    shape = W8A8StepShape(
-        arch.hidden_size,
-        arch.num_heads,
-        arch.num_kv_heads,
-        arch.head_dim,
-        arch.intermediate_size,
-        arch.rms_norm_eps,
-    )
+    shape = step_shape(model.arch)
     if not supports_layers(native_kernels, shape, layers):
         return None
     # As the backend's decode rows attend: with the prefill kernel's arithmetic where it asks.
     block_size = layers[0].kv_cache.shape[2]
     decode_as_prefill = backend.decode_as_prefill and backend.decodes_as_prefill(
-        block_size, torch.bfloat16, arch.head_dim
+        block_size, torch.bfloat16, model.arch.head_dim
     )
     return WholeStepW8A8(model, NativeW8A8Step(native_kernels, shape, layers, decode_as_prefill))

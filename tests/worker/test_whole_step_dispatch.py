@@ -38,8 +38,9 @@ class RecordingBackend(CPUAttentionBackend):
         return super().build_metadata(layout, slot_mapping)
 
 
-class PerOpWholeStep(WholeStepDecode):
-    """Stands in for the native step: the model's per-op forward, on a backend of its own."""
+class PerOpStandIn:
+    """Stands in for a native whole step: the model's per-op forward, on a backend of its own
+    (the step it stands for decides which steps it takes)."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -47,6 +48,10 @@ class PerOpWholeStep(WholeStepDecode):
 
     def run(self, input_ids, positions, slot_mapping, layout):
         return self.model(input_ids, positions, self.backend.build_metadata(layout, slot_mapping))
+
+
+class PerOpWholeStep(PerOpStandIn, WholeStepDecode):
+    """The whole-step int4 decode's stand-in."""
 
 
 def _runner() -> tuple[ModelRunner, RecordingBackend]:
@@ -88,15 +93,8 @@ def test_the_whole_step_decode_serves_at_most_its_rows_of_decodes_only():
     assert not WholeStepDecode.takes(BatchLayout([prefill], 0, BLOCK_SIZE))
 
 
-class PerOpWholeStepW8A8(WholeStepW8A8):
-    """Stands in for the native W8A8 step: the model's per-op forward, on a backend of its own."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-        self.backend = RecordingBackend()
-
-    def run(self, input_ids, positions, slot_mapping, layout):
-        return self.model(input_ids, positions, self.backend.build_metadata(layout, slot_mapping))
+class PerOpWholeStepW8A8(PerOpStandIn, WholeStepW8A8):
+    """The whole-step W8A8 forward's stand-in."""
 
 
 def test_the_runner_takes_the_whole_step_w8a8_for_every_step():
