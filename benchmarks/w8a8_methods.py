@@ -2,6 +2,9 @@
 
     python benchmarks/w8a8_methods.py [--text /usr/share/common-licenses/GPL-3] [--windows 4]
                                       [--methods rtn-smoothed gptq-smoothed rotated rotated-gptq]
+    python benchmarks/w8a8_methods.py --methods rotated-gptq rotated-gptq-9-bit-inputs \
+        rotated-gptq-float-qkv_proj-inputs rotated-gptq-float-o_proj-inputs \
+        rotated-gptq-float-gate_up_proj-inputs rotated-gptq-float-down_proj-inputs
 
 Every layer projection runs as a float32 module that rounds its weights and its inputs to the
 int8 levels a W8A8 projection would multiply (weights symmetric per output channel, inputs
@@ -22,6 +25,13 @@ Methods (calibration: the 2048 tokens after the scored windows, in chat prompts,
   (`firsttoken.models.rotation`), weights rounded to the nearest level.
 - rotated-gptq: the turned model's weights rounded by GPTQ, on the turned inputs' moments (what
   `firsttoken quantize --method gptq` writes for `w8a8_weights`).
+
+Where the rest of the error lies (not methods the engine runs; the default run leaves them out):
+- rotated-gptq-9-bit-inputs: rotated-gptq with each input row rounded to 9-bit levels (-255..255)
+  instead of int8's: what one more bit of activation would keep.
+- rotated-gptq-float-<projection>-inputs: rotated-gptq with that projection's inputs (in every
+  layer) left float, its weights still GPTQ's levels: how much of the loss that projection's
+  input rounding makes.
 """
 
 from __future__ import annotations
@@ -62,31 +72,45 @@ class InputStatistics:
     second_moments: torch.Tensor
 
 
-def round_per_row(values: torch.Tensor) -> torch.Tensor:
-    """Each row rounded to its symmetric int8 levels (scale: the row's largest magnitude / 127),
-    back in float."""
-    scales = values.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / INT8_LEVELS
-    return torch.round(values / scales).clamp(-INT8_LEVELS, INT8_LEVELS) * scales
+NINE_BIT_LEVELS = 255
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def round_per_row(values: torch.Tensor, levels: int = INT8_LEVELS) -> torch.Tensor:
+    """Each row rounded to its symmetric levels -levels..levels (scale: the row's largest
+    magnitude / levels; int8's by default), back in float."""
+    scales = values.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / levels
+    return torch.round(values / scales).clamp(-levels, levels) * scales
 
 
 class EmulatedW8A8(nn.Module):
     """y = round(x / s) round(W s)^T in float32: inputs divided by the smoothing factors `s`
-    (ones for a turned model), then rounded per row; `weight` is W s, already rounded."""
+    (ones for a turned model), then rounded per row to `input_levels` (None: left float);
+    `weight` is W s, already rounded."""
 
-    def __init__(self, weight: torch.Tensor, input_divisors: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, input_divisors: torch.Tensor, input_levels: int | None) -> None:
         super().__init__()
         self.weight = weight.float()
         self.input_divisors = input_divisors.float()
+        self.input_levels = input_levels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).float() / self.input_divisors
-        return (round_per_row(rows) @ self.weight.t()).to(x.dtype).reshape(*x.shape[:-1], -1)
+        if self.input_levels is not None:
+            rows = round_per_row(rows, self.input_levels)
+        return (rows @ self.weight.t()).to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
 @dataclass(frozen=True)
 class Method:
     rotated: bool
     gptq: bool
+    input_levels: int = INT8_LEVELS
+    float_inputs: str | None = None  # a projection whose inputs stay float in every layer
+
+    def input_levels_of(self, name: str) -> int | None:
+        """The levels `name`'s (layers.<i>.<projection>) inputs round to; None: left float."""
+        return None if name.rsplit(".", 1)[-1] == self.float_inputs else self.input_levels
 
 
 METHOD_OPTIONS = {
@@ -95,12 +119,25 @@ METHOD_OPTIONS = {
     "rotated": Method(rotated=True, gptq=False),
     "rotated-gptq": Method(rotated=True, gptq=True),
 }
-METHODS = list(METHOD_OPTIONS)
+DEFAULT_METHODS = list(METHOD_OPTIONS)
+METHOD_OPTIONS["rotated-gptq-9-bit-inputs"] = Method(rotated=True, gptq=True, input_levels=NINE_BIT_LEVELS)
+for _projection in PROJECTIONS:
+    METHOD_OPTIONS[f"rotated-gptq-float-{_projection}-inputs"] = Method(
+        rotated=True, gptq=True, float_inputs=_projection
+    )
 
 
-def emulated_projection(weight: torch.Tensor, statistics: InputStatistics, method: Method) -> EmulatedW8A8:
-    """One projection under `method`: smoothed unless the model is turned, its weight rounded
-    to nearest or by GPTQ on its (smoothed) inputs' moments."""
+@dataclass
+class RoundedWeight:
+    """A projection's weight W s as a method rounds it, and the divisors s of its inputs."""
+
+    weight: torch.Tensor
+    input_divisors: torch.Tensor
+
+
+def rounded_weight(weight: torch.Tensor, statistics: InputStatistics, method: Method) -> RoundedWeight:
+    """One projection's weight under `method`: smoothed unless the model is turned, rounded to
+    nearest or by GPTQ on its (smoothed) inputs' moments."""
     weight = weight.double()
     if method.rotated:
         factors = torch.ones(weight.shape[1], dtype=torch.float64)
@@ -109,10 +146,10 @@ def emulated_projection(weight: torch.Tensor, statistics: InputStatistics, metho
     weight = weight * factors
     if method.gptq:
         moments = statistics.second_moments / factors[:, None] / factors[None, :]
-        rounded = gptq_int8(weight, moments).dequantized().double()
+        rounded = gptq_int8(weight, moments).dequantized()
     else:
         rounded = round_per_row(weight)
-    return EmulatedW8A8(rounded, factors)
+    return RoundedWeight(rounded.float(), factors.float())
 
 
 def projection_slots(llm: LLM) -> dict[str, tuple[nn.Module, str]]:
@@ -145,6 +182,9 @@ class EmulatedMethods:
     def __init__(self, llm: LLM, calibration: list[list[int]]) -> None:
         self.llm, self.calibration = llm, calibration
         self.rotated = False
+        # Methods that differ only in their inputs share one rounding of the weights (GPTQ's
+        # takes a minute): by (rotated, gptq).
+        self.rounded: dict[tuple[bool, bool], dict[str, RoundedWeight]] = {}
         self._capture()
 
     def _capture(self) -> None:
@@ -158,9 +198,16 @@ class EmulatedMethods:
             rotate_model(self.llm.core.worker.model)
             self.rotated = True
             self._capture()
+        key = (method.rotated, method.gptq)
+        if key not in self.rounded:
+            self.rounded[key] = {
+                name: rounded_weight(self.originals[name].weight.detach(), self.statistics[name], method)
+                for name in self.slots
+            }
         for name, (owner, attribute) in self.slots.items():
-            weight = self.originals[name].weight.detach()
-            setattr(owner, attribute, emulated_projection(weight, self.statistics[name], method))
+            rounded = self.rounded[key][name]
+            emulated = EmulatedW8A8(rounded.weight, rounded.input_divisors, method.input_levels_of(name))
+            setattr(owner, attribute, emulated)
 
     def _restore(self) -> None:
         for name, (owner, attribute) in self.slots.items():
@@ -179,7 +226,7 @@ def main() -> None:
     )
     parser.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
     parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    parser.add_argument("--methods", nargs="+", choices=list(METHOD_OPTIONS), default=DEFAULT_METHODS)
     args = parser.parse_args()
     # Not batch invariant: its projections are plain float32 Linears, whose weights the methods read.
     llm = LLM(
@@ -193,7 +240,7 @@ def main() -> None:
     for name in sorted(args.methods, key=lambda name: METHOD_OPTIONS[name].rotated):
         start = time.perf_counter()
         methods.install(METHOD_OPTIONS[name])
-        print(f"{name}: weights rounded in {time.perf_counter() - start:.1f} s", flush=True)
+        print(f"{name}: installed in {time.perf_counter() - start:.1f} s", flush=True)
         scores[name] = scored_positions(llm, windows)
     print(f"\nQuality: {len(windows)} windows of {WINDOW_TOKENS} tokens of {args.text}")
     quality = quality_rows(scores)

@@ -59,7 +59,10 @@ TINY_ARGUMENTS = {
         f"--text {W8A8_TEXT_NAME}"
     ),
     "w8a8_matmul.py": "--rows 16 --repeats 1",
-    "w8a8_methods.py": f"--windows 1 --methods rtn-smoothed rotated-gptq --text {W8A8_TEXT_NAME}",
+    "w8a8_methods.py": (
+        f"--windows 1 --methods rtn-smoothed rotated-gptq rotated-gptq-float-down_proj-inputs "
+        f"--text {W8A8_TEXT_NAME}"
+    ),
 }
 # Modules the scripts share, not scripts themselves.
 HELPER_MODULES = {"common.py"}
