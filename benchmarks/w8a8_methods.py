@@ -121,10 +121,10 @@ METHOD_OPTIONS = {
 }
 DEFAULT_METHODS = list(METHOD_OPTIONS)
 METHOD_OPTIONS["rotated-gptq-9-bit-inputs"] = Method(rotated=True, gptq=True, input_levels=NINE_BIT_LEVELS)
-for _projection in PROJECTIONS:
-    METHOD_OPTIONS[f"rotated-gptq-float-{_projection}-inputs"] = Method(
-        rotated=True, gptq=True, float_inputs=_projection
-    )
+METHOD_OPTIONS |= {
+    f"rotated-gptq-float-{projection}-inputs": Method(rotated=True, gptq=True, float_inputs=projection)
+    for projection in PROJECTIONS
+}
 
 
 @dataclass
