@@ -63,6 +63,16 @@ class StepShape:
     intermediate_size: int
     rms_norm_eps: float
 
+    def model_fields(self, num_layers: int, kv_cache: torch.Tensor) -> tuple[int | float, ...]:
+        """The leading fields of both native step models (DecodeModel, W8A8StepModel), in their
+        order: the layer count, these dimensions, the cache's slots, the norm's epsilon and the
+        attention scale (head_dim ** -0.5, as the attention kernels' wrappers pass it)."""
+        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+        return (
+            num_layers, self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.intermediate_size, num_slots, self.rms_norm_eps, self.head_dim**-0.5,
+        )
+
 
 def _int4_weight(linear: NativeInt4Linear | PortableInt4Linear) -> native_abi.Int4Weight:
     bias = linear.bias.data_ptr() if linear.bias is not None else None
@@ -136,19 +146,9 @@ class NativeDecodeStep:
                 for layer in layers
             )
         )
-        cache_shape = layers[0].kv_cache.shape
-        self.block_size = cache_shape[2]
+        self.block_size = layers[0].kv_cache.shape[2]
         self._model = native_abi.DecodeModel(
-            len(layers),
-            shape.hidden_size,
-            shape.num_heads,
-            shape.num_kv_heads,
-            shape.head_dim,
-            shape.intermediate_size,
-            cache_shape[1] * cache_shape[2],
-            shape.rms_norm_eps,
-            shape.head_dim**-0.5,
-            ctypes.addressof(self._layer_array),
+            *shape.model_fields(len(layers), layers[0].kv_cache), ctypes.addressof(self._layer_array)
         )
 
     def run(

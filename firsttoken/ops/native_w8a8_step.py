@@ -177,19 +177,10 @@ class NativeW8A8Step:
                 for layer in layers
             )
         )
-        cache_shape = layers[0].kv_cache.shape
-        self.block_size = cache_shape[2]
+        self.block_size = layers[0].kv_cache.shape[2]
         self.head_dim = shape.head_dim
         self._model = native_abi.W8A8StepModel(
-            len(layers),
-            shape.hidden_size,
-            shape.num_heads,
-            shape.num_kv_heads,
-            shape.head_dim,
-            shape.intermediate_size,
-            cache_shape[1] * cache_shape[2],
-            shape.rms_norm_eps,
-            shape.head_dim**-0.5,
+            *shape.model_fields(len(layers), layers[0].kv_cache),
             int(kernels.w8a8_matmul_uses_amx),
             int(kernels.has_amx),
             int(decode_as_prefill),
