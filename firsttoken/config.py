@@ -7,6 +7,7 @@ server build their flags from these, so a new field is a new flag everywhere at 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 import types
@@ -315,9 +316,18 @@ class ChunkedPrefillConfig:
         default="auto",
         metadata=_help("prefill tokens per step: an int, or auto (chosen from load and a cost model)"),
     )
-    itl_target_ms: float = field(
-        default=250.0,
-        metadata=_help("longest a step with a prefill chunk may take while decodes run, in ms"),
+    max_stall_factor: float = field(
+        default=20.0,
+        metadata=_help(
+            "auto: the longest a step with prefill tokens may take, as a multiple of this machine's "
+            "step of the running decodes alone (of one decode when none run): it bounds how long "
+            "streams stall and how long a new prompt waits for the step in flight; a cut prompt's "
+            "first token comes at most 1/factor later"
+        ),
+    )
+    itl_target_ms: float | None = field(
+        default=None,
+        metadata=_help("auto: an absolute bound on a step with prefill tokens as well, in ms; default: none"),
     )
     # Below ~128 tokens a chunk's step costs about as much as its weights' read: smaller chunks
     # stretch a long prompt's prefill over many steps and starve the queue behind it.
@@ -335,7 +345,16 @@ class ChunkedPrefillConfig:
             "chunk_size",
             f"must be 'auto' or an int >= 1, got {self.chunk_size!r}",
         )
-        _require(self.itl_target_ms > 0, "itl_target_ms", f"must be > 0, got {self.itl_target_ms}")
+        _require(
+            math.isfinite(self.max_stall_factor) and self.max_stall_factor >= 1,
+            "max_stall_factor",
+            f"must be a finite number >= 1, got {self.max_stall_factor}",
+        )
+        _require(
+            self.itl_target_ms is None or (math.isfinite(self.itl_target_ms) and self.itl_target_ms > 0),
+            "itl_target_ms",
+            f"must be a finite number > 0, got {self.itl_target_ms}",
+        )
         _require(
             self.min_chunk_size >= 1, "min_chunk_size", f"must be >= 1, got {self.min_chunk_size}"
         )

@@ -263,8 +263,9 @@ def format_chunk_plans(plans: dict[int, PrefillPlan], prompt_tokens: int) -> str
     ]
     title = (
         f"chunk_size auto: the chunks of this {prompt_tokens}-token prompt while streams of as many tokens "
-        "decode beside it (predicted by the measured step costs; a step with decodes stays under "
-        "--itl-target-ms, so the streams' inter-token latency is bounded while the prompt's TTFT stays low)"
+        "decode beside it (predicted by the measured step costs; a step with a chunk takes at most "
+        "--max-stall-factor times the decodes' own step, so the streams' stalls are bounded while each "
+        "cut costs the prompt one decode step)"
     )
     table = format_table(["decoding streams", "chunks (tokens)", "longest step ms", "prefill ms"], rows)
     return f"{title}\n{table}"

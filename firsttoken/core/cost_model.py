@@ -7,9 +7,8 @@ so the prediction follows the machine as it is now (other load, thermal state).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
-
-from firsttoken.arithmetic import ceil_div
 
 
 @dataclass(frozen=True)
@@ -36,13 +35,12 @@ class StepCostModel:
             seconds_per_attention_pair=self.seconds_per_attention_pair * factor,
         )
 
-    def weight_read_tokens(self) -> int:
-        """Tokens whose compute costs what a step pays whatever it holds (reading every weight,
-        dispatch): a chunk smaller than this spends more of its step re-reading the weights
-        than computing, so cutting a prompt that fine costs it more than it saves others."""
+    def tokens_costing(self, seconds: float) -> int:
+        """Tokens whose own compute (attention aside) takes `seconds`."""
         if self.seconds_per_token <= 0:
             return 0
-        return int(ceil_div(self.seconds_fixed, self.seconds_per_token))
+        # Rounded first: 0.082 / 0.002 is 41.000000000000004 in floats, and 41 tokens it is.
+        return math.ceil(round(seconds / self.seconds_per_token, 9))
 
     def max_prefill_tokens(
         self, seconds: float, num_decodes: int, decode_attention_pairs: int, prefill_context_tokens: int

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass
 
 from firsttoken.core.cost_model import StepCostModel, attention_pairs
@@ -13,47 +15,126 @@ class StepLoad:
 
     num_decodes: int
     decode_attention_pairs: int
-    num_prefill_candidates: int
     head_prefill_context_tokens: int
     head_prefill_remaining_tokens: int
+    # Prompts whose first token each extra step delays: the head, those in line behind it and
+    # those expected to arrive while the line is served.
+    num_delayed_prompts: float = 1.0
+    # Prompts per second lately that were shorter than the head's remainder: they would
+    # overtake it at the next step, so they wait only for the step in flight.
+    overtaking_arrivals_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class LatencyTargets:
-    """Bounds on a step that others wait on."""
+    """Bounds on a step that others wait on, relative to this machine's own decode step."""
 
-    # The longest a step may take while decodes (or other prefills) wait on it. A bound in
-    # time, not a share of the decodes' own step: a 512-token prompt cut into 128-token
-    # pieces re-reads the weights four times and waits behind three extra decode steps, so its
-    # TTFT grows by half while the streams' mean TPOT gains nothing (their wait for the
-    # prompt's compute is the same, only spread out).
-    itl_target_s: float
+    # A step holding prefill tokens takes at most this many times the step of its decodes alone
+    # (of one decode when none run). The bound serves two waits: streams stall for no longer,
+    # and a prompt arriving during the step waits for no longer. A chunk of that size spends at
+    # most 1 / factor of its step on what the step costs anyway (the weights' read, the decodes),
+    # which is all that cutting a prompt costs it.
+    max_stall_factor: float
+    max_step_s: float | None  # an absolute bound on such a step as well, in seconds
     min_chunk: int  # fewest prefill tokens a step takes, so prefills progress under any load
     max_chunk: int
 
 
+def decode_step_seconds(load: StepLoad, cost_model: StepCostModel) -> float:
+    """The step of the running decodes alone (one decode when none run): what each extra step
+    of a cut prompt adds to its first token, and the unit the stall bound is counted in."""
+    return cost_model.predict(max(1, load.num_decodes), max(1, load.decode_attention_pairs))
+
+
+def step_limit_seconds(load: StepLoad, cost_model: StepCostModel, targets: LatencyTargets) -> float:
+    """The longest a step holding prefill tokens may take under this load.
+
+    Two waits bound it. The stall bound: `max_stall_factor` decode steps, times the square root
+    of the prompts an extra step would delay (a cut costs each of them a decode step, so under
+    a queue the stall a cut spares costs more first tokens than it saves). The arrivals' bound:
+    a prompt shorter than the head's remainder that arrives during a step waits half of it on
+    average, and each cut costs the delayed prompts a decode step; over a prefill of W seconds
+    the cuts cost W * d * n / T and the arrivals' waits W * rate * T / 2, least at
+    T = sqrt(2 * d * n / rate)."""
+    decode_step_s = decode_step_seconds(load, cost_model)
+    num_delayed = max(1.0, load.num_delayed_prompts)
+    limit = targets.max_stall_factor * decode_step_s * math.sqrt(num_delayed)
+    if load.overtaking_arrivals_per_s > 0:
+        limit = min(limit, math.sqrt(2 * decode_step_s * num_delayed / load.overtaking_arrivals_per_s))
+    return limit if targets.max_step_s is None else min(limit, targets.max_step_s)
+
+
 def adaptive_prefill_budget(load: StepLoad, cost_model: StepCostModel, targets: LatencyTargets) -> int:
-    """Prefill tokens for this step: the largest chunk when nobody else waits on the step,
-    otherwise as many as keep the step under the latency target, and never fewer than
-    `min_chunk` (so prefills always progress) nor than the cost model's weight-read tokens:
-    every extra step re-reads the weights, and on a CPU that reads them slowly against its
-    compute (float32 on AVX2: ~70 ms a step for SmolLM2-135M) a finer cut makes the prompt
-    wait longer than the streams it spares. A head prompt whose remainder would leave a tail
-    shorter than that floor takes the tail now: a step of its own would cost a weight read for
-    little work."""
-    if load.num_decodes == 0 and load.num_prefill_candidates <= 1:
-        return targets.max_chunk
+    """Prefill tokens for this step: as many as keep the step within the stall bound, which is a
+    whole prompt whenever it fits (splitting it would only delay its first token), and never
+    fewer than `min_chunk` (so prefills always progress) nor than the tokens whose compute costs
+    one decode step: a chunk smaller than that spends more of its step on what every step pays
+    than on the prompt. A head prompt whose remainder would leave a tail shorter than that floor
+    takes the tail now: a step of its own would cost a decode step for little work."""
+    decode_step_s = decode_step_seconds(load, cost_model)
     affordable = cost_model.max_prefill_tokens(
-        targets.itl_target_s,
+        step_limit_seconds(load, cost_model, targets),
         load.num_decodes,
         load.decode_attention_pairs,
         load.head_prefill_context_tokens,
     )
-    floor = min(targets.max_chunk, max(targets.min_chunk, cost_model.weight_read_tokens()))
+    floor = min(targets.max_chunk, max(targets.min_chunk, cost_model.tokens_costing(decode_step_s)))
     budget = max(floor, min(targets.max_chunk, affordable))
     if budget < load.head_prefill_remaining_tokens < budget + floor:
         return min(targets.max_chunk, load.head_prefill_remaining_tokens)
     return budget
+
+
+def joins_step(
+    num_prompts_in_step: int,
+    context_tokens: int,
+    num_tokens: int,
+    num_sparing: float,
+    decode_step_s: float,
+    cost_model: StepCostModel,
+) -> bool:
+    """Whether a further prompt, whose prefill completes in this step, joins a step that already
+    holds `num_prompts_in_step` prompts' chunks. Joining delays each of those first tokens by the
+    prompt's compute, and spares `num_sparing` prompts one step (a decode step's time): itself,
+    those in line behind it and those expected to arrive before the line is served. A first
+    token comes no sooner for sharing a step, so on a device that computes a step's tokens one
+    after another (a CPU) short prompts fill a step while long ones take steps of their own, the
+    first of them answering a whole prefill sooner, until a long queue makes the steps saved
+    worth more than the first tokens delayed."""
+    compute_s = cost_model.seconds_per_token * num_tokens + (
+        cost_model.seconds_per_attention_pair * attention_pairs(context_tokens, num_tokens)
+    )
+    return num_prompts_in_step * compute_s < decode_step_s * num_sparing
+
+
+class ArrivalRate:
+    """Owns the arrival times and prompt sizes of the latest requests: their rate, over at most
+    `window` of them and `horizon_s` seconds."""
+
+    def __init__(self, window: int = 32, horizon_s: float = 60.0) -> None:
+        self.horizon_s = horizon_s
+        self._arrivals: deque[tuple[float, int]] = deque(maxlen=window)
+
+    def record(self, arrival: float, num_prompt_tokens: int) -> None:
+        self._arrivals.append((arrival, num_prompt_tokens))
+
+    def per_second(self, now: float) -> float:
+        """Arrivals per second lately; 0 with fewer than two arrivals in the horizon."""
+        times = [arrival for arrival, _ in self._recent(now)]
+        if len(times) < 2:
+            return 0.0
+        span_s = max(now, max(times)) - min(times)
+        return (len(times) - 1) / span_s if span_s > 0 else 0.0
+
+    def share_shorter_than(self, now: float, num_tokens: int) -> float:
+        """The share of the recent arrivals whose prompt was shorter than `num_tokens`."""
+        recent = self._recent(now)
+        if not recent:
+            return 0.0
+        return sum(1 for _, size in recent if size < num_tokens) / len(recent)
+
+    def _recent(self, now: float) -> list[tuple[float, int]]:
+        return [(arrival, size) for arrival, size in self._arrivals if arrival >= now - self.horizon_s]
 
 
 @dataclass(frozen=True)
@@ -83,7 +164,7 @@ def plan_prefill(
     seconds: list[float] = []
     computed = 0
     while computed < prompt_tokens:
-        load = StepLoad(num_decodes, decode_pairs, 1, computed, prompt_tokens - computed)
+        load = StepLoad(num_decodes, decode_pairs, computed, prompt_tokens - computed)
         chunk = min(adaptive_prefill_budget(load, cost_model, targets), prompt_tokens - computed)
         pairs = decode_pairs + attention_pairs(computed, chunk)
         chunks.append(chunk)

@@ -1,7 +1,10 @@
 """Scheduler: continuous batching over one counter per request.
 
 Each step serves every running decode first, then fills the rest of the token budget with
-prefill chunks in policy order (priority, aging, fewest remaining tokens). When KV blocks run
+prefill chunks in policy order (priority, aging, fewest remaining tokens). With `chunk_size`
+auto (core/policy.py) the budget is what keeps the step within a multiple of the decodes' own
+step, and a prompt after the first joins the step only when its prefill completes there and
+sharing the step spares more first tokens a step than it delays. When KV blocks run
 out, the most recently admitted request is preempted: its blocks are freed and it is
 recomputed later from its tokens, so every request eventually finishes.
 
@@ -39,7 +42,14 @@ from firsttoken.core.batch import (
 from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
 from firsttoken.core.hashing import BlockHash, extend_block_hashes
 from firsttoken.core.kv_cache_manager import KVCacheManager
-from firsttoken.core.policy import LatencyTargets, StepLoad, adaptive_prefill_budget
+from firsttoken.core.policy import (
+    ArrivalRate,
+    LatencyTargets,
+    StepLoad,
+    adaptive_prefill_budget,
+    decode_step_seconds,
+    joins_step,
+)
 from firsttoken.core.slo import (
     ON_TIME,
     DecodeLoad,
@@ -141,6 +151,7 @@ class Scheduler:
         # those sent whose end the sampler has not been told of.
         self._unsent_tracked: dict[str, TrackedRequest] = {}
         self._finished_tracked: list[str] = []
+        self.arrival_rate = ArrivalRate()
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -163,6 +174,7 @@ class Scheduler:
             raise
         self.requests[request.req_id] = request
         self.waiting.append(request)
+        self.arrival_rate.record(request.timestamps.arrival, request.num_prompt_tokens)
 
     def validate_capacity(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise InvalidInputError if a request of this size could never run, whatever the load."""
@@ -338,12 +350,14 @@ class Scheduler:
         rush_decode_cap = self._rush_decode_cap()
         self._schedule_decodes(scheduled, preempted, rush_decode_cap)
         num_decode_tokens = len(scheduled) + sum(len(draft) for draft in self._drafts.values())
+        joins = None
         if rush_decode_cap is None:
             prefill_budget = self._prefill_budget(num_decodes=len(scheduled))
+            joins = self._join_rule(num_decodes=len(scheduled))
         else:
             prefill_budget = self._rush_prefill_budget(scheduled)
         token_budget = min(self.config.max_num_batched_tokens, num_decode_tokens + prefill_budget)
-        self._schedule_prefills(scheduled, preempted, token_budget - num_decode_tokens)
+        self._schedule_prefills(scheduled, preempted, token_budget - num_decode_tokens, joins)
         self.stats.last_prefill_budget = prefill_budget
         chunks = self._build_chunks(scheduled)
         # A step without chunks does not reach the worker: its new tracked requests wait for one.
@@ -450,8 +464,10 @@ class Scheduler:
     def latency_targets(self) -> LatencyTargets:
         """The bounds `auto` sizes prefill chunks within."""
         max_chunk = self.config.max_num_batched_tokens
+        itl_target_ms = self.chunked_prefill.itl_target_ms
         return LatencyTargets(
-            itl_target_s=self.chunked_prefill.itl_target_ms / 1000,
+            max_stall_factor=self.chunked_prefill.max_stall_factor,
+            max_step_s=None if itl_target_ms is None else itl_target_ms / 1000,
             min_chunk=min(self.chunked_prefill.min_chunk_size, max_chunk),
             max_chunk=max_chunk,
         )
@@ -469,17 +485,20 @@ class Scheduler:
             return max_chunk
         if candidates is None:
             candidates = self._prefill_candidates()
-        # Cutting a prompt so that others may overtake it is the size order's lever; under
-        # objectives the deadline order decides who goes first, and a cut only costs weight reads.
-        num_competing = 1 if candidates and candidates[0].ttft_slo_s is not None else len(candidates)
+        if num_decodes == 0 and candidates and candidates[0].ttft_slo_s is not None:
+            # Deadlines order this line, and no stream stalls: a cut would only cost it a step.
+            return max_chunk
         load = StepLoad(
             num_decodes=num_decodes,
             decode_attention_pairs=sum(
                 r.num_computed_tokens + 1 for r in self.running if r.num_uncomputed_tokens == 1
             ),
-            num_prefill_candidates=num_competing,
             head_prefill_context_tokens=candidates[0].num_computed_tokens if candidates else 0,
             head_prefill_remaining_tokens=candidates[0].num_uncomputed_tokens if candidates else 0,
+            num_delayed_prompts=len(candidates) + self._arrivals_behind(candidates, num_decodes),
+            overtaking_arrivals_per_s=self._overtaking_rate(
+                candidates[0].num_uncomputed_tokens if candidates else 0
+            ),
         )
         budget = adaptive_prefill_budget(load, self.step_times.model, self.latency_targets)
         logger.debug("step %d: prefill budget %d for %s", self.step_index, budget, load)
@@ -502,13 +521,31 @@ class Scheduler:
         keyed.sort(key=lambda pair: pair[1])
         return keyed
 
-    def _schedule_prefills(self, scheduled: dict[str, int], preempted: list[str], budget: int) -> None:
-        is_first_prefill = True
-        for request in self._prefill_candidates():
+    def _schedule_prefills(
+        self,
+        scheduled: dict[str, int],
+        preempted: list[str],
+        budget: int,
+        joins: Callable[[int, Request, int, int], bool] | None = None,
+    ) -> None:
+        """Fill `budget` with prefill chunks in policy order. With `joins` (auto's rule), a
+        prompt after the first joins only if its prefill completes in this step and the rule
+        takes it; the line stops at the first that does not, so none jumps it."""
+        num_prompts_in_step = 0
+        candidates = self._prefill_candidates()
+        for position, request in enumerate(candidates):
             if budget <= 0:
                 break
             if request.req_id in scheduled or request.req_id not in self.requests:
                 continue
+            if joins is not None and num_prompts_in_step > 0:
+                num_remaining = self._uncomputed_after_cached_prefix(request)
+                num_in_line = len(candidates) - position
+                if num_remaining > budget or not joins(
+                    num_prompts_in_step, request, num_remaining, num_in_line
+                ):
+                    break
+            is_first_prefill = num_prompts_in_step == 0
             if request.status is RequestStatus.RUNNING:
                 num_new = self._chunk_len(request.num_uncomputed_tokens, budget, is_first_prefill)
                 if num_new == 0 or not self._allocate_or_preempt(request, num_new, scheduled, preempted):
@@ -524,7 +561,65 @@ class Scheduler:
             scheduled[request.req_id] = num_new
             request.waiting_since_step = self.step_index
             budget -= num_new
-            is_first_prefill = False
+            num_prompts_in_step += 1
+
+    def _join_rule(self, num_decodes: int) -> Callable[[int, Request, int, int], bool] | None:
+        """Auto's rule for a further prompt to share a step (policy.joins_step) beside
+        `num_decodes` decodes; None where chunks are fixed, without a cost model, or when the
+        head holds a TTFT objective: deadlines then order the line, and the objectives'
+        predictions count its prompts sharing steps."""
+        chunked = self.chunked_prefill
+        if not chunked.enable or chunked.chunk_size != "auto" or self.step_times is None:
+            return None
+        candidates = self._prefill_candidates()
+        if candidates and candidates[0].ttft_slo_s is not None:
+            return None
+        cost_model = self.step_times.model
+        load = StepLoad(num_decodes, self._decode_load().attention_pairs, 0, 0)
+        decode_step_s = decode_step_seconds(load, cost_model)
+        num_arriving = self._arrivals_behind(candidates, num_decodes)
+
+        def joins_this_step(
+            num_prompts_in_step: int, request: Request, num_tokens: int, num_in_line: int
+        ) -> bool:
+            context_tokens = request.num_tokens - num_tokens
+            num_sparing = num_in_line + num_arriving
+            return joins_step(
+                num_prompts_in_step, context_tokens, num_tokens, num_sparing, decode_step_s, cost_model
+            )
+
+        return joins_this_step
+
+    def _arrivals_behind(self, candidates: list[Request], num_decodes: int) -> float:
+        """Prompts expected to arrive, at the recent rate, while the line's prefills run in steps
+        of their own beside `num_decodes` decodes, and to queue behind its head: those no shorter
+        than its remainder (a shorter one overtakes it, waiting only for the step in flight)."""
+        if not candidates:
+            return 0.0
+        assert self.step_times is not None  # auto's rules need the cost model
+        cost_model = self.step_times.model
+        decode_step_s = decode_step_seconds(
+            StepLoad(num_decodes, self._decode_load().attention_pairs, 0, 0), cost_model
+        )
+        num_line_tokens = sum(request.num_uncomputed_tokens for request in candidates)
+        line_s = cost_model.seconds_per_token * num_line_tokens + decode_step_s * len(candidates)
+        now = self.clock()
+        share_behind = 1 - self.arrival_rate.share_shorter_than(now, candidates[0].num_uncomputed_tokens)
+        return self.arrival_rate.per_second(now) * share_behind * line_s
+
+    def _overtaking_rate(self, num_head_tokens: int) -> float:
+        """Prompts per second lately that were shorter than the head's remaining tokens."""
+        now = self.clock()
+        return self.arrival_rate.per_second(now) * self.arrival_rate.share_shorter_than(now, num_head_tokens)
+
+    def _uncomputed_after_cached_prefix(self, request: Request) -> int:
+        """Prompt tokens this request still has to compute, after the prefix cache's blocks for
+        one waiting (as `_admit` would find them)."""
+        if request.status is RequestStatus.RUNNING:
+            return request.num_uncomputed_tokens
+        if request.needs_prompt_logprobs:
+            return request.num_tokens
+        return request.num_tokens - len(self.kv_manager.find_cached_prefix(request)) * self.block_size
 
     def _chunk_len(self, num_remaining: int, budget: int, is_first_prefill: bool) -> int:
         if self.chunked_prefill.enable:

@@ -173,7 +173,7 @@ def test_with_auto_chunks_the_report_shows_the_chunks_under_load():
     from firsttoken.core.policy import LatencyTargets, plan_prefill
 
     cost = StepCostModel(seconds_fixed=0.01, seconds_per_token=0.0003, seconds_per_attention_pair=1e-7)
-    targets = LatencyTargets(itl_target_s=0.25, min_chunk=128, max_chunk=2048)
+    targets = LatencyTargets(max_stall_factor=20, max_step_s=None, min_chunk=128, max_chunk=2048)
     plans = {num_decodes: plan_prefill(2048, num_decodes, 2048, cost, targets) for num_decodes in (0, 8)}
     stages = dict.fromkeys(STAGES, 0.1)
     result = ProfileResult(2048, summarize([1.0]), summarize([1.0]), [stages], plans)

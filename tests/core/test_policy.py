@@ -2,76 +2,143 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from firsttoken.core.cost_model import StepCostModel, StepTimeTracker, attention_pairs
-from firsttoken.core.policy import LatencyTargets, StepLoad, adaptive_prefill_budget
+from firsttoken.core.policy import (
+    ArrivalRate,
+    LatencyTargets,
+    StepLoad,
+    adaptive_prefill_budget,
+    decode_step_seconds,
+    joins_step,
+    step_limit_seconds,
+)
 
-# 5 ms per step + 0.2 ms per token + 1 ns per attention pair.
+# 5 ms per step + 0.2 ms per token + 1 ns per attention pair: a decode step alone is ~5.2 ms.
 COST = StepCostModel(seconds_fixed=0.005, seconds_per_token=0.0002, seconds_per_attention_pair=1e-9)
-TARGETS = LatencyTargets(itl_target_s=0.1, min_chunk=32, max_chunk=2048)
+TARGETS = LatencyTargets(max_stall_factor=20, max_step_s=None, min_chunk=32, max_chunk=2048)
 
 
-def load_of(num_decodes=0, decode_attention_pairs=0, candidates=1, context=0, remaining=100_000) -> StepLoad:
-    return StepLoad(num_decodes, decode_attention_pairs, candidates, context, remaining)
+def load_of(
+    num_decodes=0, decode_attention_pairs=0, context=0, remaining=100_000, delayed=1.0, overtaking=0.0
+):
+    return StepLoad(num_decodes, decode_attention_pairs, context, remaining, delayed, overtaking)
 
 
-def test_alone_on_the_step_a_prefill_takes_the_largest_chunk():
-    assert adaptive_prefill_budget(load_of(), COST, TARGETS) == 2048
+def step_seconds(load: StepLoad, budget: int) -> float:
+    return COST.predict(
+        load.num_decodes + budget,
+        load.decode_attention_pairs + attention_pairs(load.head_prefill_context_tokens, budget),
+    )
 
 
-def test_waiting_prefills_bound_the_step_by_the_target():
-    budget = adaptive_prefill_budget(load_of(candidates=3), COST, TARGETS)
-    assert COST.predict(budget, attention_pairs(0, budget)) <= 0.1
-    assert COST.predict(budget + 8, attention_pairs(0, budget + 8)) > 0.1
+def test_a_step_with_a_chunk_takes_at_most_the_factor_times_the_decodes_own_step():
+    for num_decodes in (0, 1, 16, 64):
+        load = load_of(num_decodes=num_decodes, decode_attention_pairs=500 * num_decodes)
+        budget = adaptive_prefill_budget(load, COST, TARGETS)
+        limit = 20 * decode_step_seconds(load, COST)
+        assert step_seconds(load, budget) <= limit < step_seconds(load, budget + 8)
 
 
-def test_decodes_share_the_target_with_the_chunk():
-    alone = adaptive_prefill_budget(load_of(num_decodes=1, decode_attention_pairs=500), COST, TARGETS)
-    busy = adaptive_prefill_budget(load_of(num_decodes=64, decode_attention_pairs=64 * 500), COST, TARGETS)
-    assert busy < alone
-    for decodes, budget in ((1, alone), (64, busy)):
-        step = COST.predict(decodes + budget, decodes * 500 + attention_pairs(0, budget))
-        assert 0.1 - 0.001 < step <= 0.1
+def test_busier_decodes_allow_a_longer_step_in_time():
+    """The bound is relative to the decodes' own step: more streams make each step longer, so
+    a cut costs the prompt more and the step may hold more."""
+    idle = load_of(num_decodes=1, decode_attention_pairs=500)
+    busy = load_of(num_decodes=64, decode_attention_pairs=64 * 500)
+    assert step_limit_seconds(busy, COST, TARGETS) > step_limit_seconds(idle, COST, TARGETS)
 
 
-def test_a_prompt_that_fits_the_target_is_not_cut_whatever_the_decodes_own_step():
-    """A step of 4 decodes costs ~6 ms here; a 300-token chunk ~65 ms. Cutting the prompt to a
-    few times the decode step would only delay its first token."""
+def test_a_prompt_that_fits_the_bound_is_taken_whole():
     load = load_of(num_decodes=4, decode_attention_pairs=4000, remaining=300)
     assert adaptive_prefill_budget(load, COST, TARGETS) >= 300
 
 
+def test_an_absolute_step_bound_applies_as_well():
+    tight = LatencyTargets(max_stall_factor=20, max_step_s=0.05, min_chunk=32, max_chunk=2048)
+    load = load_of(num_decodes=4, decode_attention_pairs=4000)
+    budget = adaptive_prefill_budget(load, COST, tight)
+    assert step_seconds(load, budget) <= 0.05 < step_seconds(load, budget + 8)
+
+
+def test_a_queue_behind_the_head_lengthens_the_step_by_its_square_root():
+    """Each cut delays every prompt in line by a decode step."""
+    alone = step_limit_seconds(load_of(num_decodes=4, decode_attention_pairs=4000), COST, TARGETS)
+    queued = step_limit_seconds(
+        load_of(num_decodes=4, decode_attention_pairs=4000, delayed=9.0), COST, TARGETS
+    )
+    assert queued == pytest.approx(3 * alone)
+
+
+def test_shorter_prompts_arriving_shorten_the_step_to_the_balance_of_waits():
+    """Prompts that would overtake the head wait only for the step in flight: at a rate r, a
+    prefill cut into steps of T costs the n delayed prompts a decode step d per cut and the
+    arrivals T / 2 each, least at T = sqrt(2 d n / r)."""
+    load = load_of(num_decodes=4, decode_attention_pairs=4000, delayed=2.0, overtaking=5.0)
+    decode_step_s = decode_step_seconds(load, COST)
+    expected = math.sqrt(2 * decode_step_s * 2.0 / 5.0)
+    assert step_limit_seconds(load, COST, TARGETS) == pytest.approx(expected)
+    rare = load_of(num_decodes=4, decode_attention_pairs=4000, delayed=2.0, overtaking=1e-6)
+    assert step_limit_seconds(rare, COST, TARGETS) == pytest.approx(20 * decode_step_s * math.sqrt(2.0))
+
+
 def test_a_short_tail_is_taken_with_the_chunk_before_it():
     budget = adaptive_prefill_budget(load_of(num_decodes=4, decode_attention_pairs=4000), COST, TARGETS)
-    with_tail = load_of(num_decodes=4, decode_attention_pairs=4000, remaining=budget + TARGETS.min_chunk - 1)
-    assert adaptive_prefill_budget(with_tail, COST, TARGETS) == budget + TARGETS.min_chunk - 1
-    longer = load_of(num_decodes=4, decode_attention_pairs=4000, remaining=budget + TARGETS.min_chunk)
+    floor = max(TARGETS.min_chunk, COST.tokens_costing(decode_step_seconds(load_of(4, 4000), COST)))
+    with_tail = load_of(num_decodes=4, decode_attention_pairs=4000, remaining=budget + floor - 1)
+    assert adaptive_prefill_budget(with_tail, COST, TARGETS) == budget + floor - 1
+    longer = load_of(num_decodes=4, decode_attention_pairs=4000, remaining=budget + floor)
     assert adaptive_prefill_budget(longer, COST, TARGETS) == budget
 
 
-def test_long_context_shrinks_the_chunk_and_min_chunk_guarantees_progress():
+def test_long_context_shrinks_the_chunk_down_to_a_decode_step_s_work():
     near = load_of(num_decodes=4, decode_attention_pairs=4000)
     far = load_of(num_decodes=4, decode_attention_pairs=4000, context=100_000)
-    loose = LatencyTargets(itl_target_s=0.1, min_chunk=1, max_chunk=2048)
+    loose = LatencyTargets(max_stall_factor=20, max_step_s=None, min_chunk=1, max_chunk=2048)
     assert 1 < adaptive_prefill_budget(far, COST, loose) < adaptive_prefill_budget(near, COST, loose)
-    slow = COST.scaled(1000.0)
-    assert adaptive_prefill_budget(near, slow, TARGETS) == TARGETS.min_chunk
+    attention_bound = StepCostModel(
+        seconds_fixed=0.005, seconds_per_token=0.0002, seconds_per_attention_pair=1e-6
+    )
+    floor = attention_bound.tokens_costing(decode_step_seconds(far, attention_bound))
+    assert floor > TARGETS.min_chunk
+    assert adaptive_prefill_budget(far, attention_bound, TARGETS) == floor
 
 
-def test_no_chunk_is_smaller_than_the_step_s_weight_read():
-    """A CPU that reads its weights slowly against its compute: 80 ms a step, 2 ms a token. A
-    25 ms target would cut chunks of the minimum 32 tokens, each step spending 80 ms of its 144
-    re-reading the weights; the floor is the 40 tokens whose compute costs one weight read."""
+def test_no_chunk_does_less_work_than_a_decode_step():
+    """A CPU that reads its weights slowly against its compute: 80 ms a step, 2 ms a token. An
+    absolute bound of 25 ms would cut chunks of 32 tokens, each step spending 80 ms of its 144
+    on what every step pays; the floor is the 41 tokens whose compute costs one decode step."""
     weight_bound = StepCostModel(seconds_fixed=0.08, seconds_per_token=0.002, seconds_per_attention_pair=0.0)
-    assert weight_bound.weight_read_tokens() == 40
-    tight = LatencyTargets(itl_target_s=0.025, min_chunk=32, max_chunk=2048)
-    load = load_of(num_decodes=2, decode_attention_pairs=1000)
-    assert adaptive_prefill_budget(load, weight_bound, tight) == 40
-    assert adaptive_prefill_budget(load_of(num_decodes=2, remaining=79), weight_bound, tight) == 79
-    assert adaptive_prefill_budget(load_of(num_decodes=2, remaining=80), weight_bound, tight) == 40
-    tighter = LatencyTargets(itl_target_s=0.006, min_chunk=32, max_chunk=2048)
-    assert adaptive_prefill_budget(load, COST, tighter) == 32  # 25 weight-read tokens: the minimum rules
+    tight = LatencyTargets(max_stall_factor=20, max_step_s=0.025, min_chunk=32, max_chunk=2048)
+    load = load_of(num_decodes=1, decode_attention_pairs=1000)
+    assert weight_bound.tokens_costing(decode_step_seconds(load, weight_bound)) == 41
+    assert adaptive_prefill_budget(load, weight_bound, tight) == 41
+    assert adaptive_prefill_budget(load_of(num_decodes=1, remaining=81), weight_bound, tight) == 81
+    assert adaptive_prefill_budget(load_of(num_decodes=1, remaining=82), weight_bound, tight) == 41
+
+
+def test_a_short_prompt_joins_a_step_and_a_long_one_takes_its_own():
+    decode_step_s = 0.01
+    # 20 tokens (4 ms) beside one prompt, sparing itself a 10 ms step: joins.
+    assert joins_step(1, 0, 20, 1, decode_step_s, COST)
+    # 500 tokens (100 ms) would delay the step's prompt more than the step it spares.
+    assert not joins_step(1, 0, 500, 1, decode_step_s, COST)
+    # ...unless enough prompts behind it are spared that step too.
+    assert joins_step(1, 0, 500, 11, decode_step_s, COST)
+    # Each prompt already in the step is delayed.
+    assert not joins_step(11, 0, 500, 11, decode_step_s, COST)
+
+
+def test_arrival_rate_counts_recent_arrivals_and_their_sizes():
+    rate = ArrivalRate(window=8, horizon_s=10.0)
+    assert rate.per_second(0.0) == 0.0
+    for index in range(5):
+        rate.record(index * 0.5, 100 if index % 2 else 1000)
+    assert rate.per_second(2.0) == pytest.approx(4 / 2.0)
+    assert rate.share_shorter_than(2.0, 500) == pytest.approx(2 / 5)
+    assert rate.per_second(100.0) == 0.0  # all past the horizon
 
 
 def test_online_correction_follows_the_observed_speed():
@@ -90,13 +157,14 @@ def test_attention_pairs_counts_every_query_key_pair():
     assert attention_pairs(10, 2) == 11 + 12
 
 
-def test_a_plan_covers_the_prompt_in_steps_under_the_target():
+def test_a_plan_covers_the_prompt_in_steps_within_the_bound():
     from firsttoken.core.policy import plan_prefill
 
-    alone = plan_prefill(3000, 0, 500, COST, TARGETS)
-    assert alone.chunk_tokens == [2048, 952]  # nobody waits: the largest chunks
+    short = plan_prefill(300, 0, 500, COST, TARGETS)
+    assert short.chunk_tokens == [300]  # it fits the bound: one step
     busy = plan_prefill(3000, 16, 500, COST, TARGETS)
     assert sum(busy.chunk_tokens) == 3000 and len(busy.chunk_tokens) > 2
-    # Every step but a short tail's stays under the target.
-    assert all(seconds <= TARGETS.itl_target_s + 1e-9 for seconds in busy.step_seconds[:-1])
+    limit = 20 * decode_step_seconds(load_of(num_decodes=16, decode_attention_pairs=16 * 501), COST)
+    # Every step but a short tail's stays within the bound.
+    assert all(seconds <= limit + 1e-9 for seconds in busy.step_seconds[:-1])
     assert busy.prefill_seconds == pytest.approx(sum(busy.step_seconds))
