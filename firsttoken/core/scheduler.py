@@ -49,6 +49,7 @@ from firsttoken.core.policy import (
     adaptive_prefill_budget,
     decode_step_seconds,
     joins_step,
+    step_limit_seconds,
 )
 from firsttoken.core.slo import (
     ON_TIME,
@@ -503,6 +504,28 @@ class Scheduler:
         budget = adaptive_prefill_budget(load, self.step_times.model, self.latency_targets)
         logger.debug("step %d: prefill budget %d for %s", self.step_index, budget, load)
         return budget
+
+    def describe_chunking(self) -> str:
+        """One line for the start-up log: how prompts are cut into steps, and the figures behind it."""
+        chunked = self.chunked_prefill
+        max_chunk = self.config.max_num_batched_tokens
+        if not chunked.enable:
+            return "chunked prefill off: each prompt in one step (one past max_num_batched_tokens alone)"
+        if chunked.chunk_size != "auto":
+            return f"chunked prefill: fixed chunks of {min(chunked.chunk_size, max_chunk)} tokens"
+        if self.step_times is None:
+            return f"chunked prefill auto without a step-cost model: steps of up to {max_chunk} tokens"
+        cost_model = self.step_times.model
+        load = StepLoad(1, 1, 0, max_chunk)
+        budget = adaptive_prefill_budget(load, cost_model, self.latency_targets)
+        decode_step_ms = decode_step_seconds(load, cost_model) * 1000
+        limit_ms = step_limit_seconds(load, cost_model, self.latency_targets) * 1000
+        return (
+            f"chunked prefill auto: a step with prompt tokens takes at most {chunked.max_stall_factor:g}x "
+            f"its decodes' own step (one decode: {decode_step_ms:.1f} ms here, so {limit_ms:.0f} ms, "
+            f"{budget} prompt tokens); longer with more decodes or a queue behind the prompt, shorter "
+            "while shorter prompts keep arriving"
+        )
 
     def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
         """Feed a finished step's duration to the cost model's online correction."""

@@ -93,6 +93,7 @@ class EngineCore:
             block_size,
             self.max_model_len,
         )
+        logger.info("%s", self.scheduler.describe_chunking())
 
     @property
     def max_request_tokens(self) -> int:
