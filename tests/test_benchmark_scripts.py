@@ -32,6 +32,7 @@ NEEDS_BF16_INSTRUCTIONS = {"chunk_attention.py"}
 TINY_ARGUMENTS = {
     "batch_invariance.py": "--input-lens 16 --decode-batches 1 --repeats 1",
     "chunk_attention.py": "--repeats 1 --shapes 128:32",
+    "chunk_policy.py": "--loads 64/4 --fractions 1 --chunks 2048 --num-prompts 3",
     "compare_peers.py": "--input-lens 32 --output-len 4 --runs 1 --warmup-runs 0 --no-llama-cpp",
     "cpu_attention.py": "--lengths 128 --contexts 128",
     "cpu_classes.py": "--isa avx2 --lengths 64 --repeats 1 --decode-tokens 4",

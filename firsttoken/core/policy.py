@@ -20,8 +20,8 @@ class StepLoad:
     # Prompts whose first token each extra step delays: the head, those in line behind it and
     # those expected to arrive while the line is served.
     num_delayed_prompts: float = 1.0
-    # Prompts per second lately that were shorter than the head's remainder: they would
-    # overtake it at the next step, so they wait only for the step in flight.
+    # Prompts per second lately that would overtake the head at the next step (overtaking_size),
+    # so they wait only for the step in flight.
     overtaking_arrivals_per_s: float = 0.0
 
 
@@ -52,7 +52,7 @@ def step_limit_seconds(load: StepLoad, cost_model: StepCostModel, targets: Laten
     Two waits bound it. The stall bound: `max_stall_factor` decode steps, times the square root
     of the prompts an extra step would delay (a cut costs each of them a decode step, so under
     a queue the stall a cut spares costs more first tokens than it saves). The arrivals' bound:
-    a prompt shorter than the head's remainder that arrives during a step waits half of it on
+    a prompt that overtakes the head (overtaking_size) and arrives during a step waits half of it on
     average, and each cut costs the delayed prompts a decode step; over a prefill of W seconds
     the cuts cost W * d * n / T and the arrivals' waits W * rate * T / 2, least at
     T = sqrt(2 * d * n / rate)."""
@@ -105,6 +105,13 @@ def joins_step(
         cost_model.seconds_per_attention_pair * attention_pairs(context_tokens, num_tokens)
     )
     return num_prompts_in_step * compute_s < decode_step_s * num_sparing
+
+
+def overtaking_size(num_head_tokens: int) -> int:
+    """Prompts shorter than this count as overtaking a head prompt with `num_head_tokens` left:
+    half of them. One about as long gains little by going first, its own prefill delaying the
+    head by about what it saves."""
+    return num_head_tokens // 2
 
 
 class ArrivalRate:

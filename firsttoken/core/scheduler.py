@@ -49,6 +49,7 @@ from firsttoken.core.policy import (
     adaptive_prefill_budget,
     decode_step_seconds,
     joins_step,
+    overtaking_size,
     step_limit_seconds,
 )
 from firsttoken.core.slo import (
@@ -615,8 +616,8 @@ class Scheduler:
 
     def _arrivals_behind(self, candidates: list[Request], num_decodes: int) -> float:
         """Prompts expected to arrive, at the recent rate, while the line's prefills run in steps
-        of their own beside `num_decodes` decodes, and to queue behind its head: those no shorter
-        than its remainder (a shorter one overtakes it, waiting only for the step in flight)."""
+        of their own beside `num_decodes` decodes, and to queue behind its head: all but those
+        that overtake it (policy.overtaking_size), which wait only for the step in flight."""
         if not candidates:
             return 0.0
         assert self.step_times is not None  # auto's rules need the cost model
@@ -627,13 +628,15 @@ class Scheduler:
         num_line_tokens = sum(request.num_uncomputed_tokens for request in candidates)
         line_s = cost_model.seconds_per_token * num_line_tokens + decode_step_s * len(candidates)
         now = self.clock()
-        share_behind = 1 - self.arrival_rate.share_shorter_than(now, candidates[0].num_uncomputed_tokens)
+        overtaking = overtaking_size(candidates[0].num_uncomputed_tokens)
+        share_behind = 1 - self.arrival_rate.share_shorter_than(now, overtaking)
         return self.arrival_rate.per_second(now) * share_behind * line_s
 
     def _overtaking_rate(self, num_head_tokens: int) -> float:
-        """Prompts per second lately that were shorter than the head's remaining tokens."""
+        """Prompts per second lately that would overtake a head with `num_head_tokens` left."""
         now = self.clock()
-        return self.arrival_rate.per_second(now) * self.arrival_rate.share_shorter_than(now, num_head_tokens)
+        share_overtaking = self.arrival_rate.share_shorter_than(now, overtaking_size(num_head_tokens))
+        return self.arrival_rate.per_second(now) * share_overtaking
 
     def _uncomputed_after_cached_prefix(self, request: Request) -> int:
         """Prompt tokens this request still has to compute, after the prefix cache's blocks for

@@ -93,7 +93,8 @@ class EngineCore:
             block_size,
             self.max_model_len,
         )
-        logger.info("%s", self.scheduler.describe_chunking())
+        for choice in [*self.worker.describe_choices(), self.scheduler.describe_chunking()]:
+            logger.info("%s", choice)
 
     @property
     def max_request_tokens(self) -> int:

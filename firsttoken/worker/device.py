@@ -29,6 +29,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def dtype_choice(name: str, device: torch.device) -> str:
+    """Why `resolve_dtype(name, device)` gives what it gives, in a line for the start-up log."""
+    dtype = str(resolve_dtype(name, device)).removeprefix("torch.")
+    if name != "auto":
+        return f"dtype {dtype}, as asked"
+    if device.type != "cpu":
+        return f"dtype auto: {dtype}, on {device.type}"
+    if dtype == "bfloat16":
+        return "dtype auto: bfloat16, as this CPU has bf16 dot-product instructions oneDNN uses"
+    return "dtype auto: float32, as this CPU has no bf16 dot-product instructions oneDNN uses"
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions and oneDNN can use them."""
     flags = cpu_flags()

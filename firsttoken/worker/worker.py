@@ -23,7 +23,7 @@ from firsttoken.ops.cpu_info import physical_core_count
 from firsttoken.sample.sampler import Sampler
 from firsttoken.tokenizer import Tokenizer
 from firsttoken.worker.batch_invariance import claims_batch_invariance
-from firsttoken.worker.device import resolve_device, resolve_dtype
+from firsttoken.worker.device import dtype_choice, resolve_device, resolve_dtype
 from firsttoken.worker.host_memory import keep_freed_host_memory
 from firsttoken.worker.kv_cache import allocate_kv_caches, num_kv_blocks, prefault_kv_caches
 from firsttoken.worker.model_loading import (
@@ -170,6 +170,20 @@ class Worker:
             f"{self.model_path} ({self.checkpoint.arch.architecture}, {self.dtype} on {self.device}"
             f"{self._kernels_description()}{ranks})"
         )
+
+    def describe_choices(self) -> list[str]:
+        """The start-up log's lines on what this worker chose and why: dtype, batch invariance."""
+        model_config = self.config.model_config
+        if self.batch_invariant:
+            invariance = "batch invariance on: a request's tokens are the same bits whatever runs beside it"
+        elif model_config.batch_invariant:
+            invariance = (
+                "batch invariance asked for but not held here (quantized weights, or kernels without it: "
+                "any warning above says which)"
+            )
+        else:
+            invariance = "batch invariance off, as asked: the fastest kernels for each step's rows"
+        return [dtype_choice(model_config.dtype, self.device), invariance]
 
     def _kernels_description(self) -> str:
         if self.device.type != "cpu":

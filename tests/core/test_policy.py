@@ -14,6 +14,7 @@ from firsttoken.core.policy import (
     adaptive_prefill_budget,
     decode_step_seconds,
     joins_step,
+    overtaking_size,
     step_limit_seconds,
 )
 
@@ -129,6 +130,17 @@ def test_a_short_prompt_joins_a_step_and_a_long_one_takes_its_own():
     assert joins_step(1, 0, 500, 11, decode_step_s, COST)
     # Each prompt already in the step is delayed.
     assert not joins_step(11, 0, 500, 11, decode_step_s, COST)
+
+
+def test_only_a_much_shorter_prompt_counts_as_overtaking():
+    """A prompt two tokens shorter than the head's remainder would go first, but saves nothing
+    worth a cut: its own prefill delays the head by about what it gains."""
+    rate = ArrivalRate()
+    for index, size in enumerate((510, 514, 511, 509)):
+        rate.record(float(index), size)
+    assert rate.share_shorter_than(4.0, overtaking_size(512)) == 0.0
+    rate.record(4.0, 64)
+    assert rate.share_shorter_than(4.0, overtaking_size(512)) == pytest.approx(1 / 5)
 
 
 def test_arrival_rate_counts_recent_arrivals_and_their_sizes():
