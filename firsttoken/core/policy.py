@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 
 from firsttoken.core.cost_model import StepCostModel, attention_pairs
@@ -112,36 +111,6 @@ def overtaking_size(num_head_tokens: int) -> int:
     half of them. One about as long gains little by going first, its own prefill delaying the
     head by about what it saves."""
     return num_head_tokens // 2
-
-
-class ArrivalRate:
-    """Owns the arrival times and prompt sizes of the latest requests: their rate, over at most
-    `window` of them and `horizon_s` seconds."""
-
-    def __init__(self, window: int = 32, horizon_s: float = 60.0) -> None:
-        self.horizon_s = horizon_s
-        self._arrivals: deque[tuple[float, int]] = deque(maxlen=window)
-
-    def record(self, arrival: float, num_prompt_tokens: int) -> None:
-        self._arrivals.append((arrival, num_prompt_tokens))
-
-    def per_second(self, now: float) -> float:
-        """Arrivals per second lately; 0 with fewer than two arrivals in the horizon."""
-        times = [arrival for arrival, _ in self._recent(now)]
-        if len(times) < 2:
-            return 0.0
-        span_s = max(now, max(times)) - min(times)
-        return (len(times) - 1) / span_s if span_s > 0 else 0.0
-
-    def share_shorter_than(self, now: float, num_tokens: int) -> float:
-        """The share of the recent arrivals whose prompt was shorter than `num_tokens`."""
-        recent = self._recent(now)
-        if not recent:
-            return 0.0
-        return sum(1 for _, size in recent if size < num_tokens) / len(recent)
-
-    def _recent(self, now: float) -> list[tuple[float, int]]:
-        return [(arrival, size) for arrival, size in self._arrivals if arrival >= now - self.horizon_s]
 
 
 @dataclass(frozen=True)

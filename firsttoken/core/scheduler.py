@@ -42,8 +42,8 @@ from firsttoken.core.batch import (
 from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
 from firsttoken.core.hashing import BlockHash, extend_block_hashes
 from firsttoken.core.kv_cache_manager import KVCacheManager
+from firsttoken.core.arrival_rate import ArrivalRate
 from firsttoken.core.policy import (
-    ArrivalRate,
     LatencyTargets,
     StepLoad,
     adaptive_prefill_budget,

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from firsttoken.core.cost_model import StepCostModel, StepTimeTracker, attention_pairs
+from firsttoken.core.arrival_rate import ArrivalRate
 from firsttoken.core.policy import (
-    ArrivalRate,
     LatencyTargets,
     StepLoad,
     adaptive_prefill_budget,
