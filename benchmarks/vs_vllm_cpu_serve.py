@@ -14,7 +14,8 @@ each server at each rate, and firsttoken's figure over vLLM's (below 1: firsttok
 shorter; above 1 on the achieved rate: firsttoken completes more). `--skip-vllm` measures
 firsttoken alone, e.g. to compare its own settings on the same prompts and arrivals. The default
 dtype is float32, vLLM's fastest on CPUs without bf16 instructions; `--firsttoken-args "--dtype
-auto"` serves firsttoken in the dtype it picks itself (a later flag wins).
+auto"` serves firsttoken in the dtype it picks itself (a later flag wins), `--firsttoken-args
+"--itl-target-ms 2500"` with an absolute bound on its steps besides its own.
 """
 
 from __future__ import annotations
