@@ -5,6 +5,10 @@ what the cost model predicts for its tokens and attention pairs, and each reques
 token comes at the end of the step that samples it. Chunk policies compare here in
 milliseconds of CPU where a served sweep takes minutes, and the comparison is deterministic,
 so a test can hold `auto` to the best fixed chunk on every machine's cost model.
+
+What it leaves out: the cost model's error (the online correction stays at 1), the scheduler's
+and the server's own time between steps, KV cache pressure (every request fits: no preemption),
+draft tokens and queue-wait limits.
 """
 
 from __future__ import annotations

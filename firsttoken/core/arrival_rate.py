@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections import deque
 
+# Arrivals this close together are one event (a batch, a burst of retries), not a rate.
+BURST_S = 0.01
+
 
 class ArrivalRate:
     """Owns the arrival times and prompt sizes of the latest requests: their rate, over at most
@@ -17,12 +20,15 @@ class ArrivalRate:
         self._arrivals.append((arrival, num_prompt_tokens))
 
     def per_second(self, now: float) -> float:
-        """Arrivals per second lately; 0 with fewer than two arrivals in the horizon."""
-        times = [arrival for arrival, _ in self._recent(now)]
-        if len(times) < 2:
+        """Arrival events per second lately, the gap since the last one counted; 0 with fewer
+        than two in the horizon. Arrivals within `BURST_S` of the one before are one event: a
+        batch sent at once is already in line, not a rate that goes on."""
+        times = sorted(arrival for arrival, _ in self._recent(now))
+        if not times:
             return 0.0
-        span_s = max(now, max(times)) - min(times)
-        return (len(times) - 1) / span_s if span_s > 0 else 0.0
+        num_gaps = sum(1 for earlier, later in zip(times, times[1:]) if later - earlier > BURST_S)
+        span_s = max(now, times[-1]) - times[0]
+        return num_gaps / span_s if num_gaps and span_s > 0 else 0.0
 
     def share_shorter_than(self, now: float, num_tokens: int) -> float:
         """The share of the recent arrivals whose prompt was shorter than `num_tokens`."""

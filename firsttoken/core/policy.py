@@ -106,6 +106,34 @@ def joins_step(
     return num_prompts_in_step * compute_s < decode_step_s * num_sparing
 
 
+@dataclass(frozen=True)
+class StepSharing:
+    """Auto's rule for the prompts after the first in a step (joins_step), beside decodes whose
+    own step takes `decode_step_s`, with `num_arriving` prompts expected to queue behind."""
+
+    decode_step_s: float
+    num_arriving: float
+    cost_model: StepCostModel
+
+    def joins(self, num_prompts_in_step: int, context_tokens: int, num_tokens: int, num_in_line: int) -> bool:
+        """Whether a prompt not started yet, `num_in_line` from the end of the line, completes
+        its prefill in this step beside the `num_prompts_in_step` prompts in it."""
+        num_sparing = num_in_line + self.num_arriving
+        return joins_step(
+            num_prompts_in_step, context_tokens, num_tokens, num_sparing, self.decode_step_s, self.cost_model
+        )
+
+    def max_started_tokens(self, num_prompts_in_step: int, context_tokens: int, num_in_line: int) -> int:
+        """Tokens a prompt already started may add to the step: as many as delay the step's
+        prompts by no more than the steps its progress spares the line; a long prompt then
+        moves on (if slowly) while shorter ones keep overtaking it."""
+        num_sparing = num_in_line + self.num_arriving
+        delay_s = self.decode_step_s * num_sparing / num_prompts_in_step
+        return self.cost_model.max_prefill_tokens(
+            self.cost_model.seconds_fixed + delay_s, 0, 0, context_tokens
+        )
+
+
 def overtaking_size(num_head_tokens: int) -> int:
     """Prompts shorter than this count as overtaking a head prompt with `num_head_tokens` left:
     half of them. One about as long gains little by going first, its own prefill delaying the

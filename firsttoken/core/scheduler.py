@@ -48,7 +48,7 @@ from firsttoken.core.policy import (
     StepLoad,
     adaptive_prefill_budget,
     decode_step_seconds,
-    joins_step,
+    StepSharing,
     overtaking_size,
     step_limit_seconds,
 )
@@ -352,14 +352,14 @@ class Scheduler:
         rush_decode_cap = self._rush_decode_cap()
         self._schedule_decodes(scheduled, preempted, rush_decode_cap)
         num_decode_tokens = len(scheduled) + sum(len(draft) for draft in self._drafts.values())
-        joins = None
+        sharing = None
         if rush_decode_cap is None:
             prefill_budget = self._prefill_budget(num_decodes=len(scheduled))
-            joins = self._join_rule(num_decodes=len(scheduled))
+            sharing = self._step_sharing(num_decodes=len(scheduled))
         else:
             prefill_budget = self._rush_prefill_budget(scheduled)
         token_budget = min(self.config.max_num_batched_tokens, num_decode_tokens + prefill_budget)
-        self._schedule_prefills(scheduled, preempted, token_budget - num_decode_tokens, joins)
+        self._schedule_prefills(scheduled, preempted, token_budget - num_decode_tokens, sharing)
         self.stats.last_prefill_budget = prefill_budget
         chunks = self._build_chunks(scheduled)
         # A step without chunks does not reach the worker: its new tracked requests wait for one.
@@ -487,20 +487,28 @@ class Scheduler:
             return max_chunk
         if candidates is None:
             candidates = self._prefill_candidates()
-        if num_decodes == 0 and candidates and candidates[0].ttft_slo_s is not None:
+        head_holds_deadline = bool(candidates) and candidates[0].ttft_slo_s is not None
+        if num_decodes == 0 and head_holds_deadline:
             # Deadlines order this line, and no stream stalls: a cut would only cost it a step.
             return max_chunk
+        decode_attention_pairs = sum(
+            r.num_computed_tokens + 1 for r in self.running if r.num_uncomputed_tokens == 1
+        )
+        head_remaining = candidates[0].num_uncomputed_tokens if candidates else 0
+        if head_holds_deadline:
+            # Earliest deadline first: nobody overtakes, and the objectives' predictions count
+            # the stall bound alone (the line's length would change it under them).
+            num_delayed, overtaking_per_s = 1.0, 0.0
+        else:
+            num_delayed = len(candidates) + self._arrivals_behind(candidates, num_decodes)
+            overtaking_per_s = self._overtaking_rate(head_remaining)
         load = StepLoad(
             num_decodes=num_decodes,
-            decode_attention_pairs=sum(
-                r.num_computed_tokens + 1 for r in self.running if r.num_uncomputed_tokens == 1
-            ),
+            decode_attention_pairs=decode_attention_pairs,
             head_prefill_context_tokens=candidates[0].num_computed_tokens if candidates else 0,
-            head_prefill_remaining_tokens=candidates[0].num_uncomputed_tokens if candidates else 0,
-            num_delayed_prompts=len(candidates) + self._arrivals_behind(candidates, num_decodes),
-            overtaking_arrivals_per_s=self._overtaking_rate(
-                candidates[0].num_uncomputed_tokens if candidates else 0
-            ),
+            head_prefill_remaining_tokens=head_remaining,
+            num_delayed_prompts=num_delayed,
+            overtaking_arrivals_per_s=overtaking_per_s,
         )
         budget = adaptive_prefill_budget(load, self.step_times.model, self.latency_targets)
         logger.debug("step %d: prefill budget %d for %s", self.step_index, budget, load)
@@ -550,11 +558,12 @@ class Scheduler:
         scheduled: dict[str, int],
         preempted: list[str],
         budget: int,
-        joins: Callable[[int, Request, int, int], bool] | None = None,
+        sharing: StepSharing | None = None,
     ) -> None:
-        """Fill `budget` with prefill chunks in policy order. With `joins` (auto's rule), a
-        prompt after the first joins only if its prefill completes in this step and the rule
-        takes it; the line stops at the first that does not, so none jumps it."""
+        """Fill `budget` with prefill chunks in policy order. With `sharing` (auto's rule), a
+        prompt after the first that has not started joins only if its prefill completes in this
+        step and the rule takes it, and the line stops at the first that does not, so none jumps
+        it; one already started adds what the rule allows of it."""
         num_prompts_in_step = 0
         candidates = self._prefill_candidates()
         for position, request in enumerate(candidates):
@@ -562,16 +571,26 @@ class Scheduler:
                 break
             if request.req_id in scheduled or request.req_id not in self.requests:
                 continue
-            if joins is not None and num_prompts_in_step > 0:
-                num_remaining = self._uncomputed_after_cached_prefix(request)
+            num_allowed = budget
+            if sharing is not None and num_prompts_in_step > 0:
                 num_in_line = len(candidates) - position
-                if num_remaining > budget or not joins(
-                    num_prompts_in_step, request, num_remaining, num_in_line
-                ):
-                    break
+                if request.status is RequestStatus.RUNNING:
+                    num_allowed = min(
+                        budget,
+                        sharing.max_started_tokens(
+                            num_prompts_in_step, request.num_computed_tokens, num_in_line
+                        ),
+                    )
+                else:
+                    num_remaining = self._uncomputed_after_cached_prefix(request)
+                    context_tokens = request.num_tokens - num_remaining
+                    if num_remaining > budget or not sharing.joins(
+                        num_prompts_in_step, context_tokens, num_remaining, num_in_line
+                    ):
+                        break
             is_first_prefill = num_prompts_in_step == 0
             if request.status is RequestStatus.RUNNING:
-                num_new = self._chunk_len(request.num_uncomputed_tokens, budget, is_first_prefill)
+                num_new = self._chunk_len(request.num_uncomputed_tokens, num_allowed, is_first_prefill)
                 if num_new == 0 or not self._allocate_or_preempt(request, num_new, scheduled, preempted):
                     continue
             else:
@@ -587,32 +606,21 @@ class Scheduler:
             budget -= num_new
             num_prompts_in_step += 1
 
-    def _join_rule(self, num_decodes: int) -> Callable[[int, Request, int, int], bool] | None:
-        """Auto's rule for a further prompt to share a step (policy.joins_step) beside
-        `num_decodes` decodes; None where chunks are fixed, without a cost model, or when the
-        head holds a TTFT objective: deadlines then order the line, and the objectives'
-        predictions count its prompts sharing steps."""
+    def _step_sharing(self, num_decodes: int) -> StepSharing | None:
+        """Auto's rule for further prompts to share a step beside `num_decodes` decodes; None
+        where chunks are fixed, without a cost model, or when a prompt in line holds a TTFT
+        objective: deadlines then order the line, and the objectives' predictions count its
+        prompts sharing steps."""
         chunked = self.chunked_prefill
         if not chunked.enable or chunked.chunk_size != "auto" or self.step_times is None:
             return None
         candidates = self._prefill_candidates()
-        if candidates and candidates[0].ttft_slo_s is not None:
+        if any(request.ttft_slo_s is not None for request in candidates):
             return None
         cost_model = self.step_times.model
         load = StepLoad(num_decodes, self._decode_load().attention_pairs, 0, 0)
-        decode_step_s = decode_step_seconds(load, cost_model)
         num_arriving = self._arrivals_behind(candidates, num_decodes)
-
-        def joins_this_step(
-            num_prompts_in_step: int, request: Request, num_tokens: int, num_in_line: int
-        ) -> bool:
-            context_tokens = request.num_tokens - num_tokens
-            num_sparing = num_in_line + num_arriving
-            return joins_step(
-                num_prompts_in_step, context_tokens, num_tokens, num_sparing, decode_step_s, cost_model
-            )
-
-        return joins_this_step
+        return StepSharing(decode_step_seconds(load, cost_model), num_arriving, cost_model)
 
     def _arrivals_behind(self, candidates: list[Request], num_decodes: int) -> float:
         """Prompts expected to arrive, at the recent rate, while the line's prefills run in steps

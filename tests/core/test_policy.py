@@ -180,3 +180,13 @@ def test_a_plan_covers_the_prompt_in_steps_within_the_bound():
     # Every step but a short tail's stays within the bound.
     assert all(seconds <= limit + 1e-9 for seconds in busy.step_seconds[:-1])
     assert busy.prefill_seconds == pytest.approx(sum(busy.step_seconds))
+
+
+def test_a_burst_is_one_arrival_event_not_a_rate():
+    """A batch sent at once is in line already: it says nothing of prompts still to come."""
+    rate = ArrivalRate()
+    for _ in range(32):
+        rate.record(0.0, 512)
+    assert rate.per_second(0.001) == 0.0 and rate.per_second(6.0) == 0.0
+    rate.record(2.0, 512)
+    assert rate.per_second(4.0) == pytest.approx(1 / 4.0)
