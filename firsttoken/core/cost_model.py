@@ -19,6 +19,13 @@ class StepCostModel:
     seconds_fixed: float
     seconds_per_token: float
     seconds_per_attention_pair: float
+    # One decode alone, measured: the fit's fixed cost extrapolates it from prefills of hundreds
+    # of tokens, and moved from 12 to 27 ms between two calibrations of one machine. 0: unknown.
+    seconds_one_decode: float = 0.0
+
+    def decode_step(self, num_decodes: int, num_attention_pairs: int) -> float:
+        """A step of `num_decodes` decodes alone (at least one): never under the measured one."""
+        return max(self.seconds_one_decode, self.predict(max(1, num_decodes), max(1, num_attention_pairs)))
 
     def predict(self, num_tokens: int, num_attention_pairs: int) -> float:
         return (
@@ -33,6 +40,7 @@ class StepCostModel:
             seconds_fixed=self.seconds_fixed * factor,
             seconds_per_token=self.seconds_per_token * factor,
             seconds_per_attention_pair=self.seconds_per_attention_pair * factor,
+            seconds_one_decode=self.seconds_one_decode * factor,
         )
 
     def tokens_costing(self, seconds: float) -> int:

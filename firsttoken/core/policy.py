@@ -42,7 +42,7 @@ class LatencyTargets:
 def decode_step_seconds(load: StepLoad, cost_model: StepCostModel) -> float:
     """The step of the running decodes alone (one decode when none run): what each extra step
     of a cut prompt adds to its first token, and the unit the stall bound is counted in."""
-    return cost_model.predict(max(1, load.num_decodes), max(1, load.decode_attention_pairs))
+    return cost_model.decode_step(load.num_decodes, load.decode_attention_pairs)
 
 
 def step_limit_seconds(load: StepLoad, cost_model: StepCostModel, targets: LatencyTargets) -> float:

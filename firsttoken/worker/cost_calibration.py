@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -25,7 +25,7 @@ from firsttoken.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 1
+CALIBRATION_VERSION = 2
 # A cached model whose prediction of the probe step is off by more than this factor is refitted.
 PROBE_TOLERANCE = 2.0
 # A step of at least this many tokens is timed once: its one-time costs (a new shape's kernel
@@ -142,17 +142,22 @@ def calibrate(runner: StepRunner, limits: CalibrationLimits) -> StepCostModel:
         measure(runner, shape, limits, repeats=1 if shape.num_tokens >= SINGLE_RUN_TOKENS else 2)
         for shape in shapes
     ]
-    model = fit(shapes, seconds)
-    logger.info("step cost model: %s (from %d synthetic steps)", model, len(shapes))
+    model = replace(
+        fit(shapes, seconds), seconds_one_decode=measure(runner, one_decode_shape(limits), limits, repeats=3)
+    )
+    logger.info("step cost model: %s (from %d synthetic steps)", model, len(shapes) + 1)
     return model
+
+
+def one_decode_shape(limits: CalibrationLimits) -> StepShape:
+    """A lone decode after a short context: the unit auto's chunk bound counts in."""
+    return StepShape(((min(256, limits.max_model_len - 1, limits.capacity_tokens - 1), 1),))
 
 
 def probe_shape(limits: CalibrationLimits) -> StepShape:
     """One cheap step of the calibration set: its largest fresh prefill of at most 256 tokens."""
     fresh = [
-        shape
-        for shape in calibration_shapes(limits)
-        if len(shape.chunks) == 1 and shape.chunks[0][0] == 0
+        shape for shape in calibration_shapes(limits) if len(shape.chunks) == 1 and shape.chunks[0][0] == 0
     ]
     small = [shape for shape in fresh if shape.num_tokens <= 256] or fresh[:1]
     return max(small, key=lambda shape: shape.num_tokens)

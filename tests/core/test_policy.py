@@ -190,3 +190,13 @@ def test_a_burst_is_one_arrival_event_not_a_rate():
     assert rate.per_second(0.001) == 0.0 and rate.per_second(6.0) == 0.0
     rate.record(2.0, 512)
     assert rate.per_second(4.0) == pytest.approx(1 / 4.0)
+
+
+def test_the_measured_decode_step_is_the_unit_when_the_fit_extrapolates_it_short():
+    """A fit over prefills of hundreds of tokens may put its fixed cost under a real decode step."""
+    measured = StepCostModel(0.005, 0.0002, 1e-9, seconds_one_decode=0.02)
+    load = load_of(num_decodes=1, decode_attention_pairs=100)
+    assert decode_step_seconds(load, measured) == 0.02
+    assert step_limit_seconds(load, measured, TARGETS) == pytest.approx(20 * 0.02)
+    busy = load_of(num_decodes=200, decode_attention_pairs=200 * 500)
+    assert decode_step_seconds(busy, measured) == pytest.approx(measured.predict(200, 200 * 500))

@@ -125,3 +125,14 @@ def test_calibration_times_each_step_twice_but_a_long_prefill_once():
     cost_calibration.calibrate(runner, _limits(2048, 65536))
     assert executed_tokens.count(1024) == 1
     assert [executed_tokens.count(size) for size in (16, 64)] == [2, 2]
+
+
+def test_calibration_measures_a_lone_decode_apart_from_the_fit():
+    executed_rows = []
+    runner = SimpleNamespace(
+        execute=lambda output: executed_rows.append([len(c.token_ids) for c in output.chunks])
+    )
+    model = cost_calibration.calibrate(runner, _limits(2048, 65536))
+    assert executed_rows.count([1]) == 3  # the lone decode, fastest of three
+    assert model.seconds_one_decode > 0
+    assert cost_calibration.one_decode_shape(_limits(2048, 100, max_model_len=64)).chunks == ((63, 1),)
