@@ -120,7 +120,7 @@ def _percentile(values: Sequence[float], percentile: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-class _SimulatedClock:
+class SimulatedClock:
     """The scheduler's clock: the simulated time, moved only by arrivals and steps."""
 
     def __init__(self) -> None:
@@ -141,7 +141,7 @@ def simulate(
     """Serve `arrivals` (in arrival order) on a scheduler whose steps take what `cost_model`
     predicts; `seed` draws the prompts' token ids."""
     scheduler_config = scheduler_config or SchedulerConfig()
-    clock = _SimulatedClock()
+    clock = SimulatedClock()
     max_total_tokens = max(arrival.input_len + arrival.output_len for arrival in arrivals)
     # Room for every request at once: the comparison is of schedules, not of cache pressure.
     num_blocks = sum(math.ceil((a.input_len + a.output_len) / block_size) for a in arrivals) + 1

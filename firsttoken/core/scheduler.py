@@ -354,8 +354,9 @@ class Scheduler:
         num_decode_tokens = len(scheduled) + sum(len(draft) for draft in self._drafts.values())
         sharing = None
         if rush_decode_cap is None:
-            prefill_budget = self._prefill_budget(num_decodes=len(scheduled))
-            sharing = self._step_sharing(num_decodes=len(scheduled))
+            candidates = self._prefill_candidates()
+            prefill_budget = self._prefill_budget(len(scheduled), candidates)
+            sharing = self._step_sharing(len(scheduled), candidates)
         else:
             prefill_budget = self._rush_prefill_budget(scheduled)
         token_budget = min(self.config.max_num_batched_tokens, num_decode_tokens + prefill_budget)
@@ -606,15 +607,15 @@ class Scheduler:
             budget -= num_new
             num_prompts_in_step += 1
 
-    def _step_sharing(self, num_decodes: int) -> StepSharing | None:
-        """Auto's rule for further prompts to share a step beside `num_decodes` decodes; None
+    def _step_sharing(self, num_decodes: int, candidates: list[Request]) -> StepSharing | None:
+        """Auto's rule for further prompts to share a step beside `num_decodes` decodes, with
+        `candidates` in line for prefill; None
         where chunks are fixed, without a cost model, or when a prompt in line holds a TTFT
         objective: deadlines then order the line, and the objectives' predictions count its
         prompts sharing steps."""
         chunked = self.chunked_prefill
         if not chunked.enable or chunked.chunk_size != "auto" or self.step_times is None:
             return None
-        candidates = self._prefill_candidates()
         if any(request.ttft_slo_s is not None for request in candidates):
             return None
         cost_model = self.step_times.model

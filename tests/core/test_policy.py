@@ -200,3 +200,21 @@ def test_the_measured_decode_step_is_the_unit_when_the_fit_extrapolates_it_short
     assert step_limit_seconds(load, measured, TARGETS) == pytest.approx(20 * 0.02)
     busy = load_of(num_decodes=200, decode_attention_pairs=200 * 500)
     assert decode_step_seconds(busy, measured) == pytest.approx(measured.predict(200, 200 * 500))
+
+
+@pytest.mark.parametrize(
+    "options,field",
+    [
+        ({"max_stall_factor": float("nan")}, "max_stall_factor"),
+        ({"max_stall_factor": 0.5}, "max_stall_factor"),
+        ({"max_stall_factor": float("inf")}, "max_stall_factor"),
+        ({"itl_target_ms": 0.0}, "itl_target_ms"),
+        ({"itl_target_ms": float("inf")}, "itl_target_ms"),
+    ],
+)
+def test_a_bad_chunking_option_is_refused_naming_its_field(options, field):
+    from firsttoken.config import ChunkedPrefillConfig
+    from firsttoken.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=field):
+        ChunkedPrefillConfig(**options)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from firsttoken.bench.schedule_sim import SimulatedClock
 from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
 from firsttoken.core.batch import ModelOutput, SchedulerOutput
 from firsttoken.core.cost_model import StepCostModel, StepTimeTracker, attention_pairs
@@ -33,14 +34,6 @@ from tests.core.fakes import make_request
 BLOCK = 4
 # A CPU-like device: 50 ms a step whatever it holds, 1 ms a token, attention nearly free.
 COST = StepCostModel(seconds_fixed=0.050, seconds_per_token=0.001, seconds_per_attention_pair=1e-8)
-
-
-class SimulatedClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_scheduler(
