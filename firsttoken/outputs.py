@@ -168,6 +168,17 @@ class PinnedPrefix:
 
 
 @dataclass(frozen=True)
+class EngineCompute:
+    """How the engine computes, as chosen at start: its dtype, whether it holds batch invariance
+    (a request's tokens the same bits whatever runs beside it), and the start-up log's lines on
+    why (dtype, invariance, chunking), with the measured figures behind each."""
+
+    dtype: str
+    batch_invariant: bool
+    start_up_choices: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's gauges and counters."""
 

@@ -75,6 +75,8 @@ class ProfileResult:
     chunk_plans: dict[int, PrefillPlan] = field(default_factory=dict)
     # The model, dtype, device and the ISA the native kernels were built for.
     engine_description: str = ""
+    # The start-up log's lines on the dtype, batch invariance and chunking chosen, and why.
+    start_up_choices: tuple[str, ...] = ()
 
     @property
     def stage_medians(self) -> dict[str, float]:
@@ -93,6 +95,7 @@ class ProfileResult:
     def to_json_dict(self) -> dict[str, Any]:
         return {
             "engine": self.engine_description,
+            "start_up_choices": list(self.start_up_choices),
             "num_prompt_tokens": self.num_prompt_tokens,
             "runs": self.ttft.count,
             "ttft_ms": self.ttft.median * 1000,
@@ -182,6 +185,7 @@ def _profile_runs(llm: LLM, spec: ProfileSpec) -> ProfileResult:
         stage_runs=stage_runs,
         chunk_plans=auto_chunk_plans(llm, plain[0].metrics.num_prompt_tokens),
         engine_description=llm.core.worker.describe(),
+        start_up_choices=llm.compute.start_up_choices,
     )
 
 
@@ -240,7 +244,8 @@ def format_report(result: ProfileResult, input_len: int) -> str:
         f"min {ttft_ms.min:.2f}, max {ttft_ms.max:.2f}"
     )
     table = format_table(["stage (median of instrumented runs)", "ms", "of TTFT"], rows)
-    report = f"engine: {result.engine_description}\n{header}\n\n{table}"
+    choices = "".join(f"\n  {choice}" for choice in result.start_up_choices)
+    report = f"engine: {result.engine_description}{choices}\n{header}\n\n{table}"
     if result.chunk_plans:
         report += "\n\n" + format_chunk_plans(result.chunk_plans, result.num_prompt_tokens)
     if not result.stages_add_up:

@@ -195,6 +195,7 @@ class ReplicaEngineClient:
         self.model_path = info.model_path
         self.max_model_len = info.max_model_len
         self.max_request_tokens = info.max_request_tokens
+        self.compute = info.compute
         self.max_waiting_requests = info.max_waiting_requests
         self.observers: list[RequestObserver] = []
         self.live_streams: set[ReplicaStream] = set()

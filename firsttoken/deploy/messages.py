@@ -17,7 +17,7 @@ from firsttoken.engine import (
     SloUnattainableError,
     Tokenizer,
 )
-from firsttoken.outputs import EngineStats, PinnedPrefix
+from firsttoken.outputs import EngineCompute, EngineStats, PinnedPrefix
 from firsttoken.sampling_params import SamplingParams
 
 
@@ -32,6 +32,7 @@ class EngineInfo:
     vocab_size: int
     max_model_len: int
     max_request_tokens: int
+    compute: EngineCompute
     max_waiting_requests: int | None
     can_pin: bool
     block_size: int

@@ -67,6 +67,7 @@ class EngineReplica:
             vocab_size=engine.vocab_size,
             max_model_len=engine.max_model_len,
             max_request_tokens=engine.max_request_tokens,
+            compute=engine.compute,
             max_waiting_requests=engine.max_waiting_requests,
             can_pin=engine.can_pin,
             block_size=engine.block_size,

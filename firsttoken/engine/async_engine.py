@@ -32,7 +32,7 @@ from firsttoken.engine.prompt_encoder import (
     render_system_prompt,
 )
 from firsttoken.errors import EngineDeadError, InvalidInputError
-from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta
+from firsttoken.outputs import EngineCompute, EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -201,6 +201,7 @@ class AsyncEngine:
         self.tokenizer = core.tokenizer
         self.model_path = core.model_path
         self.max_model_len = core.max_model_len
+        self.compute: EngineCompute = core.compute
         self.max_request_tokens = core.max_request_tokens
         self.vocab_size = core.worker.vocab_size
         self.block_size = core.config.cache.block_size

@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator, Protocol, Sequence
 
 from firsttoken.engine.async_engine import RequestObserver
 from firsttoken.engine.prompt_encoder import Messages, Prompt, TokenizedPrompt
-from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta
+from firsttoken.outputs import EngineCompute, EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.sampling_params import SamplingParams
 from firsttoken.tokenizer import Tokenizer
 
@@ -29,6 +29,7 @@ class EngineClient(Protocol):
     tokenizer: Tokenizer
     model_path: str
     max_model_len: int
+    compute: EngineCompute
     max_request_tokens: int
     max_waiting_requests: int | None
 

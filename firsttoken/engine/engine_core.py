@@ -23,7 +23,7 @@ from firsttoken.core.scheduler import Scheduler
 from firsttoken.engine.output_processor import OutputProcessor
 from firsttoken.engine.pinned_prefixes import PinnedPrefixes
 from firsttoken.errors import InvalidInputError
-from firsttoken.outputs import EngineStats, PinnedPrefix, RequestDelta
+from firsttoken.outputs import EngineCompute, EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.request import Request, RequestStatus, RequestTimestamps
 from firsttoken.sample.grammar import GrammarCompiler
 from firsttoken.sampling_params import SamplingParams, StructuredOutput
@@ -93,7 +93,12 @@ class EngineCore:
             block_size,
             self.max_model_len,
         )
-        for choice in [*self.worker.describe_choices(), self.scheduler.describe_chunking()]:
+        self.compute = EngineCompute(
+            dtype=str(self.worker.dtype).removeprefix("torch."),
+            batch_invariant=self.worker.batch_invariant,
+            start_up_choices=(*self.worker.describe_choices(), self.scheduler.describe_chunking()),
+        )
+        for choice in self.compute.start_up_choices:
             logger.info("%s", choice)
 
     @property

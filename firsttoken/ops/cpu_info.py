@@ -19,6 +19,7 @@ class CpuInfo:
     flags: frozenset[str]
     # (physical id, core id) per core; hyperthread siblings share one.
     physical_cores: frozenset[tuple[str | None, str]]
+    model_name: str = ""
 
 
 @functools.cache
@@ -35,22 +36,30 @@ def parse_cpuinfo(text: str) -> CpuInfo:
     flags: frozenset[str] | None = None
     cores: set[tuple[str | None, str]] = set()
     physical_id = None
+    model_name = ""
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
         # x86 names the feature list "flags", Arm "Features".
         if key in ("flags", "Features") and flags is None:
             flags = frozenset(value.split())
+        elif key == "model name" and not model_name:
+            model_name = value.strip()
         elif key == "physical id":
             physical_id = value.strip()
         elif key == "core id":
             cores.add((physical_id, value.strip()))
-    return CpuInfo(flags or frozenset(), frozenset(cores))
+    return CpuInfo(flags or frozenset(), frozenset(cores), model_name)
 
 
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (as /proc/cpuinfo names them: avx512_bf16, amx_bf16, ...)."""
     return _this_machine().flags
+
+
+def cpu_model_name() -> str:
+    """The first CPU's model name ("AMD EPYC 9R14 ..."), empty where none is listed."""
+    return _this_machine().model_name
 
 
 def physical_core_count() -> int:

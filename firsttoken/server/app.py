@@ -121,7 +121,15 @@ def create_app(
         return await create_chat_completion(engine, config, checks, body, request)
 
     def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=created, max_model_len=engine.max_model_len)
+        compute = engine.compute
+        return ModelCard(
+            id=name,
+            created=created,
+            max_model_len=engine.max_model_len,
+            dtype=compute.dtype,
+            batch_invariant=compute.batch_invariant,
+            start_up_choices=list(compute.start_up_choices),
+        )
 
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:

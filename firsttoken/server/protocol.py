@@ -736,6 +736,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "firsttoken"
     max_model_len: int
+    # How the engine computes, chosen at start (measured where the options said auto), and why.
+    dtype: str
+    batch_invariant: bool
+    start_up_choices: list[str]
 
 
 class ModelList(BaseModel):

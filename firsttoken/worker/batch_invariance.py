@@ -27,6 +27,7 @@ _ROWS_INVARIANT_BY_KERNEL_CHOICE: dict[tuple, bool] = {}
 
 def claims_batch_invariance(
     config: EngineConfig,
+    asked: bool,
     model: LlamaForCausalLM,
     backend: AttentionBackend,
     kernels: Kernels,
@@ -37,9 +38,10 @@ def claims_batch_invariance(
 
     What the invariance rests on: decode rows attending with the prefill kernel's
     arithmetic, each alone; row-invariant matmuls and per-row elementwise ops. Quantized
-    weights are out: decode steps read them, prefills the float ones."""
+    weights are out: decode steps read them, prefills the float ones. `asked`: whether the
+    worker built its model for invariance (the options', or auto's measured choice)."""
     model_config = config.model_config
-    if not model_config.batch_invariant or model_config.quantization is not None:
+    if not asked or model_config.quantization is not None:
         return False
     tensor_parallel_size = config.parallel.tensor_parallel_size
     if device.type == "cuda":

@@ -14,7 +14,7 @@ import torch
 
 from firsttoken.attention.backend import AttentionBackend
 from firsttoken.attention.selector import select_attention_backend
-from firsttoken.config import EngineConfig
+from firsttoken.config import EngineConfig, ModelConfig
 from firsttoken.errors import InvalidInputError
 from firsttoken.models.arch import ModelArch
 from firsttoken.models.llama import LlamaForCausalLM, every_layer_is_plain
@@ -35,12 +35,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ModelPlacement:
-    """Where and how a worker's model runs: its device, dtype, longest sequence and cache
+    """Where and how a worker's model runs: its device, dtype and batch invariance (the options'
+    or, where they leave them to the engine, the measured choice), longest sequence and cache
     folder, and the slice of the model it holds with the collectives joining the slices (None
     with one rank)."""
 
     device: torch.device
     dtype: torch.dtype
+    batch_invariant: bool
     max_model_len: int
     cache_dir: str
     shard: ModelShard | None
@@ -62,12 +64,9 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
     """The model's weights in the placement's dtype and slice, then in their fastest layout here."""
     model_config = config.model_config
     device = placement.device
-    native_kernels = None
-    if model_config.fuse_ops and model_config.native_kernels and device.type == "cpu":
-        native_folder = os.path.join(placement.cache_dir, "native")
-        native_kernels = load_native_kernels(native_folder, model_config.cpu_isa)
-        if native_kernels is not None:
-            logger.info("native CPU kernels built for %s", native_kernels.isa)
+    native_kernels = native_kernels_for(model_config, device, placement.cache_dir)
+    if native_kernels is not None:
+        logger.info("native CPU kernels built for %s", native_kernels.isa)
     streaming = config.streaming_llm
     _check_streaming_runs_here(streaming.window, native_kernels, checkpoint.arch, device)
     attention_arch = attention_arch_of(checkpoint.arch, placement.shard)
@@ -77,7 +76,7 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
         attention_arch.num_heads,
         attention_arch.num_kv_heads,
         native_kernels,
-        batch_invariant=model_config.batch_invariant,
+        batch_invariant=placement.batch_invariant,
         plain_attention=every_layer_is_plain(
             checkpoint.arch, placement.max_model_len, streaming.window, streaming.sink_tokens
         ),
@@ -105,6 +104,16 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
     model = _prepared_model(config, checkpoint, placement, backend, kernels, pack_onednn)
     prepared = SHARED_WEIGHTS.add(form, model) if form is not None else None
     return LoadedModel(model, backend, kernels, prepared)
+
+
+def native_kernels_for(
+    model_config: ModelConfig, device: torch.device, cache_dir: str
+) -> NativeKernels | None:
+    """The native CPU kernels the options ask for, built into the cache on first use; None on
+    other devices, where the options turn them off, or where they cannot be built."""
+    if not (model_config.fuse_ops and model_config.native_kernels and device.type == "cpu"):
+        return None
+    return load_native_kernels(os.path.join(cache_dir, "native"), model_config.cpu_isa)
 
 
 def _prepared_model(
@@ -154,7 +163,7 @@ def _prepared_model(
         model_config.quantization,
         model_config.quantized_prefill,
         pack_onednn,
-        batch_invariant=model_config.batch_invariant,
+        batch_invariant=placement.batch_invariant,
         triton_matmuls=placement.device.type == "cuda",
         activation_maxima=activation_maxima,
         int8_weights=int8_weights,
@@ -214,7 +223,7 @@ def _weights_form(
         device=placement.device,
         quantization=model_config.quantization,
         quantized_prefill=model_config.quantized_prefill,
-        batch_invariant=model_config.batch_invariant,
+        batch_invariant=placement.batch_invariant,
         fuse_ops=model_config.fuse_ops,
         native_isa=native_kernels.isa if native_kernels is not None else None,
         pack_onednn=pack_onednn,

@@ -67,7 +67,7 @@ def measure_step_cost(steps: StepRunner, worker: Worker) -> StepCostModel:
 
 def step_cost_cache_name(worker: Worker) -> str:
     """The cached step cost's file name: the model, dtype, device, weights' form, kernels,
-    threads, block size and ranks the steps run with."""
+    batch invariance, threads, block size and ranks the steps run with."""
     threads = worker.num_threads if worker.device.type == "cpu" else 0
     tensor_parallel_size = worker.tensor_parallel_size
     ranks = f"-tp{tensor_parallel_size}" if tensor_parallel_size > 1 else ""
@@ -76,7 +76,9 @@ def step_cost_cache_name(worker: Worker) -> str:
     quantization = worker.config.model_config.quantization or "float"
     native_kernels = worker.kernels.native
     kernels = native_kernels.isa if native_kernels is not None else "torch"
+    # Invariance changes the kernels: a bf16 decode row runs as two, a float32 projection natively.
+    invariance = "inv" if worker.compute.batch_invariant else "any"
     return (
         f"{worker.checkpoint.fingerprint}-{str(worker.dtype).removeprefix('torch.')}-{worker.device.type}"
-        f"-{quantization}-{kernels}-t{threads}-b{worker.config.cache.block_size}{ranks}.json"
+        f"-{quantization}-{kernels}-{invariance}-t{threads}-b{worker.config.cache.block_size}{ranks}.json"
     )

@@ -23,7 +23,8 @@ from firsttoken.ops.cpu_info import physical_core_count
 from firsttoken.sample.sampler import Sampler
 from firsttoken.tokenizer import Tokenizer
 from firsttoken.worker.batch_invariance import claims_batch_invariance
-from firsttoken.worker.device import dtype_choice, resolve_device, resolve_dtype
+from firsttoken.worker.compute_form import resolve_compute
+from firsttoken.worker.device import resolve_device
 from firsttoken.worker.host_memory import keep_freed_host_memory
 from firsttoken.worker.kv_cache import allocate_kv_caches, num_kv_blocks, prefault_kv_caches
 from firsttoken.worker.model_loading import (
@@ -58,7 +59,6 @@ class Worker:
         model_config = config.model_config
         self.rank_group = rank_group
         self.device = rank_group.device if rank_group is not None else resolve_device(model_config.device)
-        self.dtype = resolve_dtype(model_config.dtype, self.device)
         # Each rank gets its share of the cores: more threads than cores would stall every op.
         world_size = config.parallel.tensor_parallel_size
         self.num_threads = model_config.num_threads or max(1, physical_core_count() // world_size)
@@ -69,10 +69,18 @@ class Worker:
         self.model_path = resolve_model_path(model_config.model)
         self.checkpoint = open_checkpoint(self.model_path, self.cache_dir)
         self.config = config = with_checkpoint_quantization(config, self.checkpoint, self.device)
+        self.compute = resolve_compute(config, self.checkpoint, self.device, self.cache_dir, self.num_threads)
+        self.dtype = self.compute.dtype
         self.max_model_len = max_model_len(self.checkpoint.arch, model_config.max_model_len)
         shard = rank_group.shard_of(self.checkpoint.arch) if rank_group is not None else None
         self.placement = ModelPlacement(
-            self.device, self.dtype, self.max_model_len, self.cache_dir, shard, rank_group
+            self.device,
+            self.dtype,
+            self.compute.batch_invariant,
+            self.max_model_len,
+            self.cache_dir,
+            shard,
+            rank_group,
         )
         # Set by govern_threads(): the cost model's predictions are what steps are measured against.
         self._step_cost: StepCostModel | None = None
@@ -85,7 +93,13 @@ class Worker:
         # Held while this worker lives: engines started after it share these weights.
         self.shared_weights = loaded.shared_weights
         self.batch_invariant = claims_batch_invariance(
-            self.config, self.model, self.backend, self.kernels, self.dtype, self.device
+            self.config,
+            self.compute.batch_invariant,
+            self.model,
+            self.backend,
+            self.kernels,
+            self.dtype,
+            self.device,
         )
 
     def num_kv_blocks_that_fit(self) -> int:
@@ -173,17 +187,19 @@ class Worker:
 
     def describe_choices(self) -> list[str]:
         """The start-up log's lines on what this worker chose and why: dtype, batch invariance."""
-        model_config = self.config.model_config
-        if self.batch_invariant:
-            invariance = "batch invariance on: a request's tokens are the same bits whatever runs beside it"
-        elif model_config.batch_invariant:
+        compute = self.compute
+        if compute.batch_invariant and not self.batch_invariant:
             invariance = (
-                "batch invariance asked for but not held here (quantized weights, or kernels without it: "
+                f"{compute.invariance_reason}, but not held here (quantized weights, or kernels without it: "
                 "any warning above says which)"
             )
+        elif self.batch_invariant:
+            invariance = (
+                f"{compute.invariance_reason}: a request's tokens are the same bits whatever runs beside it"
+            )
         else:
-            invariance = "batch invariance off, as asked: the fastest kernels for each step's rows"
-        return [dtype_choice(model_config.dtype, self.device), invariance]
+            invariance = f"{compute.invariance_reason}: the fastest kernels for each step's rows"
+        return [compute.dtype_reason, invariance]
 
     def _kernels_description(self) -> str:
         if self.device.type != "cpu":

@@ -57,7 +57,7 @@ def engine_options(request, two_layer_model_path):
         pytest.skip(f"no bfloat16 batch invariance on this machine (needs {_NEEDS['bfloat16']})")
     return dict(
         model=two_layer_model_path, dtype=request.param, kv_cache_memory_bytes=256 << 20, chunk_size=512,
-        **FIXED_THREADS,
+        batch_invariant=True, **FIXED_THREADS,
     )
 
 
@@ -116,7 +116,7 @@ def test_a_hit_on_whole_blocks_recomputes_the_last_token_as_a_prefill(
 
 
 def test_without_it_one_row_steps_take_onednn_one_row_kernel(engine_options):
-    llm = LLM(**engine_options, enable_prompt_cache=False, batch_invariant=False)
+    llm = LLM(**{**engine_options, "batch_invariant": False}, enable_prompt_cache=False)
     assert not llm.core.worker.batch_invariant
     modules = list(llm.core.worker.model.modules())
     assert not any(getattr(module, "pad_single_rows", False) for module in modules)
@@ -203,7 +203,8 @@ def float32_llm(engine_for):
     """A float32 engine with its projections on the row-invariant native matmul, whether or not
     its decode rows attend invariantly (the whole claim)."""
     llm = engine_for(
-        dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=512, enable_prompt_cache=False
+        dtype="float32", kv_cache_memory_bytes=256 << 20, chunk_size=512, enable_prompt_cache=False,
+        batch_invariant=True,
     )
     if llm.core.worker.kernels.native is None:
         pytest.skip("no native kernels on this machine (no working C compiler)")

@@ -37,7 +37,7 @@ def engines(model_path):
     native kernels): verify rows give the bits decode rows give."""
     for dtype in filter(may_claim_batch_invariance, ("bfloat16", "float32")):
         options = {"model": model_path, "dtype": dtype, "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256,
-                   **FIXED_THREADS}
+                   "batch_invariant": True, **FIXED_THREADS}
         plain = LLM(**options)
         if plain.core.worker.batch_invariant:
             return plain, LLM(**options, speculative_config=NGRAM)
@@ -47,7 +47,7 @@ def engines(model_path):
 def _options_of(engine: LLM) -> dict:
     """The options the module's engines share, for engines of a test's own."""
     return {"model": engine.config.model_config.model, "dtype": engine.config.model_config.dtype,
-            "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256, **FIXED_THREADS}
+            "kv_cache_memory_bytes": 128 << 20, "chunk_size": 256, "batch_invariant": True, **FIXED_THREADS}
 
 
 def _block_bytes(engine: LLM, num_layers: int = 30) -> int:

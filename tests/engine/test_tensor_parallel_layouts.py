@@ -71,7 +71,8 @@ def test_two_ranks_in_bf16_stay_batch_invariant(model_path):
     """Each rank's rows are row-invariant and two partial sums add to the same bits in either
     order: a request's tokens and logprobs alone are those it gets in a batch."""
     two = LLM(
-        model_path, dtype="bfloat16", kv_cache_memory_bytes=128 << 20, chunk_size=64, tensor_parallel_size=2
+        model_path, dtype="bfloat16", kv_cache_memory_bytes=128 << 20, chunk_size=64, tensor_parallel_size=2,
+        batch_invariant=True,
     )
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
     try:

@@ -42,6 +42,7 @@ def invariant_server(model_path):
         model_path,
         ServerConfig(port=0, served_model_names=(MODEL_NAME,)),
         dtype=dtype,
+        batch_invariant=True,
         chunk_size="auto",
     ) as running:
         if not running.engine.core.worker.batch_invariant:

@@ -91,9 +91,12 @@ def test_calibration_token_ids_are_in_a_small_vocabulary():
         assert all(0 <= token < 300 for chunk in output.chunks for token in chunk.token_ids)
 
 
-def _worker(quantization: str | None, native_isa: str | None) -> SimpleNamespace:
+def _worker(
+    quantization: str | None, native_isa: str | None, batch_invariant: bool = True
+) -> SimpleNamespace:
     """What the cache name reads of a worker."""
     return SimpleNamespace(
+        compute=SimpleNamespace(batch_invariant=batch_invariant),
         num_threads=2,
         device=torch.device("cpu"),
         tensor_parallel_size=1,
@@ -107,14 +110,15 @@ def _worker(quantization: str | None, native_isa: str | None) -> SimpleNamespace
 
 
 def test_engines_whose_steps_differ_keep_their_own_step_costs():
-    """int4 and float engines of one model (their probe prefills cost the same) and builds of
-    different kernels each measure their own model."""
+    """int4 and float engines of one model (their probe prefills cost the same), builds of
+    different kernels and engines with and without batch invariance each measure their own model."""
     names = {
-        step_cost_cache_name(_worker(quantization, isa))
+        step_cost_cache_name(_worker(quantization, isa, invariant))
         for quantization in (None, "int4", "int8")
         for isa in ("avx2", "avx512", None)
+        for invariant in (True, False)
     }
-    assert len(names) == 9
+    assert len(names) == 18
 
 
 def test_calibration_times_each_step_twice_but_a_long_prefill_once():
