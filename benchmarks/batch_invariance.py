@@ -3,16 +3,16 @@
     python benchmarks/batch_invariance.py [--device cpu|cuda] [--input-lens 128 512 2048] \\
         [--decode-batches 1 8] [--repeats 7] [--dtype auto]
 
-Two engines on the same model and dtype, one with `batch_invariant=True` (the default; on the CPU
+Two engines on the same model and dtype, one with `batch_invariant=True` (on the CPU
 one-row matmuls run as two rows, on CUDA every projection runs on the row-invariant Triton
 matmul and every attention row on the chunk kernel's tiles), one without (oneDNN's one-row
 kernel; on CUDA cuBLAS and SDPA prefills), timed in turns in one process so that drift in this
 machine's speed hits both alike. TTFT: one fresh prompt alone (prefill, LM head, sampling).
 Decode: tokens per second of a batch of streams with 256-token prompts, 32 steps each.
 Prints medians and invariant / plain; the JSON goes to bench_results/.
-`--dtype auto` (the default) is what an engine picks on the device: bf16 on a GPU and on CPUs
-that multiply bf16 natively, float32 on other CPUs (where bf16 arithmetic is emulated). bf16 on
-such a CPU claims no invariance, and the script says so.
+`--dtype auto` (the default) is what an engine picks on the device: bf16 on a GPU, and on a CPU
+the dtype it measures faster at start (bf16 only where oneDNN has bf16 kernels). An engine's own
+default, `batch_invariant="auto"`, weighs these same costs (`benchmarks/compute_forms.py`).
 """
 
 from __future__ import annotations

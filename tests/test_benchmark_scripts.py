@@ -34,6 +34,7 @@ TINY_ARGUMENTS = {
     "chunk_attention.py": "--repeats 1 --shapes 128:32",
     "chunk_policy.py": "--loads 64/4 --fractions 1 --chunks 2048 --num-prompts 3",
     "compare_peers.py": "--input-lens 32 --output-len 4 --runs 1 --warmup-runs 0 --no-llama-cpp",
+    "compute_forms.py": "--input-len 16 --decode-tokens 2 --repeats 1",
     "cpu_attention.py": "--lengths 128 --contexts 128",
     "cpu_classes.py": "--isa avx2 --lengths 64 --repeats 1 --decode-tokens 4",
     "cpu_speed.py": "--lengths 64 --repeats 1 --decode-tokens 4 --skip-peers",
