@@ -8,30 +8,47 @@
  * own sink query (the query rotated at its position in the sinks-plus-window cache), in one
  * pass before the window's tiles. Keys stream through in tiles of
  * KEY_TILE at fixed positions from key 0, each with an online softmax (running max and sum per
- * query row, no score matrix): for every key a dot product along the head dims (VEC_WIDTH keys
- * at a time, their lane sums transposed into one vector of scores), then output += P V.
+ * query row, no score matrix): each key's score a chain of FMAs along the head dims in order,
+ * VEC_WIDTH keys at a time from the tile's keys transposed once (one lane per key: no
+ * horizontal sums), then output += P V. Rows that share a tile are computed a few at a time,
+ * each load of a key column or a value serving them all, as a GEMM's micro-kernel does.
  *
  * A query row's bits depend on its own query, its keys and its position only: every row runs
- * the one compiled body of attend_tile (noinline) over the same tiles, whether a prefill of
- * many rows, a chunk on cached context or a lone decode row computes it, whatever the other
- * rows of its call and however the work is split over threads. So a decode row gets exactly
- * the bits a prefill of the same tokens gives its position.
+ * the same chains of explicit FMAs (vf_fma) in the compiled bodies of score_rows,
+ * update_softmax and weigh_values (noinline) over the same tiles, whether a prefill of many
+ * rows, a chunk on cached context or a lone decode row computes it, whichever rows share its
+ * group and however the work is split over threads. So a decode row gets exactly the bits a
+ * prefill of the same tokens gives its position.
  *
  * Each K/V tile serves a block of rows (QUERY_BLOCK positions x the query heads of its KV
  * head) while it sits in the core's L1 cache. K/V are read in place: consecutive rows, or a
  * sequence's slots in the paged cache through its block ids (no gather copy); bf16 tiles are
- * widened to float32 once per block of rows.
+ * widened to float32, and keys transposed, once per block of rows.
  *
  * Built at run time by firsttoken/ops/native.py with the machine's C compiler.
  */
-#pragma GCC optimize("fp-contract=fast") /* before the includes: see isa.h */
+#pragma GCC optimize("no-associative-math", "fp-contract=fast") /* before the includes: see isa.h */
 #include "decode_kernels.h"
 #include "isa.h"
 
 #define KEY_TILE 64
 #define QUERY_BLOCK 16
-/* Output vectors one pass over a tile's values keeps in registers. */
-#define DIM_GROUP 8
+/* Rows that share one pass over a tile's values, and the output vectors of each it keeps in
+ * registers: ROW_GROUP x DIM_GROUP accumulators, with a value and a weight beside them, fit the
+ * 32 vector registers of AVX-512 and the 16 of the other builds. */
+#if VEC_WIDTH == 16
+#define ROW_GROUP 4
+#else
+#define ROW_GROUP 3
+#endif
+#define DIM_GROUP 4
+/* Rows scored together, and the vectors of keys of each (accumulators, likewise). */
+#if VEC_WIDTH == 16
+#define SCORE_ROWS 4
+#else
+#define SCORE_ROWS 3
+#endif
+#define SCORE_KEY_VECTORS 4
 
 /* The K and V rows of one sequence at one KV head: consecutive rows, or slots of a paged cache. */
 typedef struct {
@@ -68,6 +85,10 @@ typedef struct {
 typedef struct {
     const float *keys[KEY_TILE];
     const float *values[KEY_TILE];
+    /* The keys transposed: dim d of key k at key_columns[d * KEY_TILE + k] (keys past the
+     * tile's, zeros), so a score vector is VEC_WIDTH keys' chains of FMAs, one per lane. */
+    const float *key_columns;
+    int64_t key_vectors; /* vectors of keys the tile holds */
 } KeyTile;
 
 /* A query row's running softmax and its unnormalized output. */
@@ -96,11 +117,45 @@ static void widen_row(const uint16_t *source, int64_t head_dim, float *destinati
     }
 }
 
+/* dims [first_dim, first_dim + VEC_WIDTH) of VEC_WIDTH key rows, transposed: dim first_dim + i
+ * of the keys to columns + i * KEY_TILE. A butterfly: each level swaps one bit of the row index
+ * with the same bit of the lane index, by two-vector shuffles. */
+static void transpose_block(const float *const *keys, int64_t first_dim, float *columns) {
+    vfloat rows[VEC_WIDTH];
+    for (int i = 0; i < VEC_WIDTH; i++) {
+        rows[i] = vf_load(keys[i] + first_dim);
+    }
+    const vint lanes = vi_lane_indices();
+    /* Unrolled whole: constant indices and masks keep the rows in registers. */
+#pragma GCC unroll 4
+    for (int bit = VEC_WIDTH / 2; bit >= 1; bit /= 2) {
+        /* Rows i (bit clear) and i + bit, as a and b (b's lanes indexed from VEC_WIDTH): lane l
+         * of the new row i is a[l] where l has the bit clear, else b[l - bit]; of the new row
+         * i + bit, a[l + bit] where clear, else b[l]. */
+        const vint has_bit = (lanes & bit) != 0;
+        const vint low = (has_bit & (lanes - bit + VEC_WIDTH)) | (~has_bit & lanes);
+        const vint high = (has_bit & (lanes + VEC_WIDTH)) | (~has_bit & (lanes + bit));
+#pragma GCC unroll 16
+        for (int i = 0; i < VEC_WIDTH; i++) {
+            if ((i & bit) == 0) {
+                vfloat a = rows[i], b = rows[i + bit];
+                rows[i] = __builtin_shuffle(a, b, low);
+                rows[i + bit] = __builtin_shuffle(a, b, high);
+            }
+        }
+    }
+    for (int i = 0; i < VEC_WIDTH; i++) {
+        vf_store(columns + i * KEY_TILE, rows[i]);
+    }
+}
+
 /* The tile's `count` rows from `first_key`, up to a whole vector of keys (keys past the last,
  * and keys before `first_seen` that no row of the block sees, read as zeros and are never
- * touched: their blocks may have left a sliding window's sequence). */
+ * touched: their blocks may have left a sliding window's sequence), and its keys transposed
+ * into `key_columns`. */
 static void load_tile(const KeyValueRows *rows, int64_t first_key, int64_t count, int64_t first_seen,
-                      const Shape *shape, float *key_buffer, float *value_buffer, KeyTile *tile) {
+                      const Shape *shape, float *key_buffer, float *value_buffer, float *key_columns,
+                      KeyTile *tile) {
     int64_t head_dim = shape->head_dim;
     for (int64_t k = 0; k < (count + VEC_WIDTH - 1) / VEC_WIDTH * VEC_WIDTH; k++) {
         int64_t index = first_key + k;
@@ -113,101 +168,181 @@ static void load_tile(const KeyValueRows *rows, int64_t first_key, int64_t count
             widen_row((const uint16_t *)rows->keys + slot * rows->key_stride, head_dim, key_buffer + k * head_dim);
             widen_row((const uint16_t *)rows->values + slot * rows->value_stride, head_dim,
                       value_buffer + k * head_dim);
+            tile->keys[k] = key_buffer + k * head_dim;
         } else {
-            memcpy(key_buffer + k * head_dim, (const float *)rows->keys + slot * rows->key_stride,
-                   (size_t)head_dim * sizeof(float));
+            /* Read in place by the transposition below; the values are read once per row. */
+            tile->keys[k] = (const float *)rows->keys + slot * rows->key_stride;
             memcpy(value_buffer + k * head_dim, (const float *)rows->values + slot * rows->value_stride,
                    (size_t)head_dim * sizeof(float));
         }
-        tile->keys[k] = key_buffer + k * head_dim;
         tile->values[k] = value_buffer + k * head_dim;
     }
-}
-
-/* Scores of VEC_WIDTH keys, one per lane: each a chain of FMAs along the head dims, then its
- * lanes summed in vf_sums' fixed tree. */
-static inline vfloat score_keys(const float *query, const float *const *keys, int64_t dim_vectors) {
-    vfloat sums[VEC_WIDTH];
-    vfloat q = vf_load(query);
-    for (int i = 0; i < VEC_WIDTH; i++) {
-        sums[i] = q * vf_load(keys[i]);
-    }
-    for (int64_t c = 1; c < dim_vectors; c++) {
-        q = vf_load(query + c * VEC_WIDTH);
-        for (int i = 0; i < VEC_WIDTH; i++) {
-            sums[i] = q * vf_load(keys[i] + c * VEC_WIDTH) + sums[i];
+    tile->key_vectors = (count + VEC_WIDTH - 1) / VEC_WIDTH;
+    for (int64_t g = 0; g < tile->key_vectors; g++) {
+        for (int64_t d = 0; d < head_dim; d += VEC_WIDTH) {
+            transpose_block(tile->keys + g * VEC_WIDTH, d, key_columns + d * KEY_TILE + g * VEC_WIDTH);
         }
     }
-    return vf_sums(sums);
+    tile->key_columns = key_columns;
 }
 
-/* output[dims] = output * rescale + sum over keys j < valid of p[j] * V[j], in key order, for
- * `vectors` (a constant at each call site) vectors of dims from `first_dim`. A lane's chain is
- * the same whichever group its dims fall in. */
-static inline __attribute__((always_inline)) void weigh_dims(const float *p, const float *const *values,
-                                                             int64_t valid, int64_t first_dim, vfloat rescale,
-                                                             float *output, const int vectors) {
-    vfloat sums[DIM_GROUP];
-    for (int v = 0; v < vectors; v++) {
-        sums[v] = vf_load(output + first_dim + v * VEC_WIDTH) * rescale;
+/* For each of `rows` rows (a constant at each call site): output[dims] = output * rescale + sum
+ * over keys j < valid of p[j] * V[j], in key order, for `vectors` (a constant too) vectors of
+ * dims from `first_dim`. Rows of one call share each V load (their keys are the same); a lane's
+ * chain is the same whichever group its row and dims fall in. */
+static inline __attribute__((always_inline)) void weigh_dims(const float *const *p, const float *const *values,
+                                                             int64_t valid, int64_t first_dim, const vfloat *rescale,
+                                                             float *const *output, const int rows, const int vectors) {
+    vfloat sums[ROW_GROUP][DIM_GROUP];
+    for (int r = 0; r < rows; r++) {
+        for (int v = 0; v < vectors; v++) {
+            sums[r][v] = vf_load(output[r] + first_dim + v * VEC_WIDTH) * rescale[r];
+        }
     }
     for (int64_t j = 0; j < valid; j++) {
-        vfloat weight = vf_splat(p[j]);
         const float *row = values[j] + first_dim;
         for (int v = 0; v < vectors; v++) {
-            sums[v] = weight * vf_load(row + v * VEC_WIDTH) + sums[v];
+            vfloat value = vf_load(row + v * VEC_WIDTH);
+            for (int r = 0; r < rows; r++) {
+                sums[r][v] = vf_fma(vf_splat(p[r][j]), value, sums[r][v]);
+            }
         }
     }
-    for (int v = 0; v < vectors; v++) {
-        vf_store(output + first_dim + v * VEC_WIDTH, sums[v]);
+    for (int r = 0; r < rows; r++) {
+        for (int v = 0; v < vectors; v++) {
+            vf_store(output[r] + first_dim + v * VEC_WIDTH, sums[r][v]);
+        }
     }
 }
 
-static void weigh_values(const float *p, const float *const *values, int64_t valid, int64_t dim_vectors,
-                         vfloat rescale, float *output) {
+/* weigh_dims over all head dims, for `rows` rows (a constant at each call site). */
+static inline __attribute__((always_inline)) void weigh_row_group(const float *const *p, const float *const *values,
+                                                                  int64_t valid, int64_t dim_vectors,
+                                                                  const vfloat *rescale, float *const *output,
+                                                                  const int rows) {
     int64_t v = 0;
-    for (; v + 8 <= dim_vectors; v += 8) {
-        weigh_dims(p, values, valid, v * VEC_WIDTH, rescale, output, 8);
+    for (; v + DIM_GROUP <= dim_vectors; v += DIM_GROUP) {
+        weigh_dims(p, values, valid, v * VEC_WIDTH, rescale, output, rows, DIM_GROUP);
     }
     if (v + 4 <= dim_vectors) {
-        weigh_dims(p, values, valid, v * VEC_WIDTH, rescale, output, 4);
+        weigh_dims(p, values, valid, v * VEC_WIDTH, rescale, output, rows, 4);
         v += 4;
     }
     if (v + 2 <= dim_vectors) {
-        weigh_dims(p, values, valid, v * VEC_WIDTH, rescale, output, 2);
+        weigh_dims(p, values, valid, v * VEC_WIDTH, rescale, output, rows, 2);
         v += 2;
     }
     if (v < dim_vectors) {
-        weigh_dims(p, values, valid, v * VEC_WIDTH, rescale, output, 1);
+        weigh_dims(p, values, valid, v * VEC_WIDTH, rescale, output, rows, 1);
     }
 }
 
-/* A query row's scaled scores over keys [skip, valid) of a tile (valid 1..KEY_TILE: up to its
- * causal limit; skip: those before its window), the rest -inf. Not inlined (nor update_row): every
- * row, from whichever call, runs this one compiled body, so its bits never depend on the
- * caller. A block's rows score first, then update: the tile's keys, then its values, stay in
- * L1 across the rows. */
-__attribute__((noinline)) static void score_tile(const float *query, const KeyTile *tile, int64_t skip,
-                                                 int64_t valid, int64_t head_dim, float scale, float softcap,
-                                                 float *scores) {
-    int64_t dim_vectors = head_dim / VEC_WIDTH, key_vectors = (valid + VEC_WIDTH - 1) / VEC_WIDTH;
-    const vint lanes = vi_lane_indices();
-    for (int64_t g = 0; g < key_vectors; g++) {
-        vint key = lanes + (int32_t)(g * VEC_WIDTH);
-        vint inside = (key < (int32_t)valid) & (key >= (int32_t)skip);
-        vfloat score = score_keys(query, tile->keys + g * VEC_WIDTH, dim_vectors) * scale;
-        if (softcap > 0.0f) {
-            score = vf_splat(softcap) * vf_tanh(score / vf_splat(softcap));
+/* output += P V for 1..ROW_GROUP rows that see the same keys of the tile (j < valid). Not
+ * inlined, as score_tile: whichever call a row comes from, and however many rows share its
+ * group, its outputs run this body's chains. */
+__attribute__((noinline)) static void weigh_values(const float *const *p, const float *const *values, int64_t valid,
+                                                   int64_t dim_vectors, const vfloat *rescale, float *const *output,
+                                                   int64_t rows) {
+    switch (rows) {
+    case 4:
+        weigh_row_group(p, values, valid, dim_vectors, rescale, output, 4);
+        break;
+    case 3:
+        weigh_row_group(p, values, valid, dim_vectors, rescale, output, 3);
+        break;
+    case 2:
+        weigh_row_group(p, values, valid, dim_vectors, rescale, output, 2);
+        break;
+    default:
+        weigh_row_group(p, values, valid, dim_vectors, rescale, output, 1);
+    }
+}
+
+/* For each of `rows` rows (a constant at each call site): the scaled scores of `vectors` (a
+ * constant too) vectors of keys from `first_vector`, each key's a chain of FMAs along the head
+ * dims in order, soft-capped where asked; keys outside [skip, valid) of the row -inf. Rows of
+ * one call share each load of a key column. */
+static inline __attribute__((always_inline)) void score_keys(const float *const *queries, const KeyTile *tile,
+                                                             const int64_t *skip, const int64_t *valid,
+                                                             int64_t first_vector, int64_t head_dim, float scale,
+                                                             float softcap, float *const *scores, const int rows,
+                                                             const int vectors) {
+    vfloat sums[SCORE_ROWS][SCORE_KEY_VECTORS];
+    const float *columns = tile->key_columns + first_vector * VEC_WIDTH;
+    for (int v = 0; v < vectors; v++) {
+        vfloat column = vf_load(columns + v * VEC_WIDTH);
+        for (int r = 0; r < rows; r++) {
+            sums[r][v] = vf_splat(queries[r][0]) * column;
         }
-        vf_store(scores + g * VEC_WIDTH, vf_select(inside, score, vf_splat(-INFINITY)));
+    }
+    for (int64_t d = 1; d < head_dim; d++) {
+        for (int v = 0; v < vectors; v++) {
+            vfloat column = vf_load(columns + d * KEY_TILE + v * VEC_WIDTH);
+            for (int r = 0; r < rows; r++) {
+                sums[r][v] = vf_fma(vf_splat(queries[r][d]), column, sums[r][v]);
+            }
+        }
+    }
+    const vint lanes = vi_lane_indices();
+    for (int r = 0; r < rows; r++) {
+        for (int v = 0; v < vectors; v++) {
+            vint key = lanes + (int32_t)((first_vector + v) * VEC_WIDTH);
+            vint inside = (key < (int32_t)valid[r]) & (key >= (int32_t)skip[r]);
+            vfloat score = sums[r][v] * scale;
+            if (softcap > 0.0f) {
+                score = vf_splat(softcap) * vf_tanh(score / vf_splat(softcap));
+            }
+            vf_store(scores[r] + (first_vector + v) * VEC_WIDTH, vf_select(inside, score, vf_splat(-INFINITY)));
+        }
     }
 }
 
-/* The online softmax update of a row from its tile's scores (keys [skip, valid) seen), then
- * output += P V (the keys before skip weigh exactly 0). */
-__attribute__((noinline)) static void update_row(const float *tile_scores, const KeyTile *tile, int64_t skip,
-                                                 int64_t valid, int64_t head_dim, RowState *state) {
-    int64_t dim_vectors = head_dim / VEC_WIDTH, key_vectors = (valid + VEC_WIDTH - 1) / VEC_WIDTH;
+/* score_keys over the tile's key vectors, for `rows` rows (a constant at each call site). */
+static inline __attribute__((always_inline)) void score_row_group(const float *const *queries, const KeyTile *tile,
+                                                                  const int64_t *skip, const int64_t *valid,
+                                                                  int64_t head_dim, float scale, float softcap,
+                                                                  float *const *scores, const int rows) {
+    int64_t v = 0;
+    for (; v + SCORE_KEY_VECTORS <= tile->key_vectors; v += SCORE_KEY_VECTORS) {
+        score_keys(queries, tile, skip, valid, v, head_dim, scale, softcap, scores, rows, SCORE_KEY_VECTORS);
+    }
+    for (; v < tile->key_vectors; v++) {
+        score_keys(queries, tile, skip, valid, v, head_dim, scale, softcap, scores, rows, 1);
+    }
+}
+
+/* The scaled scores of 1..SCORE_ROWS query rows over the tile's keys: row r's over keys
+ * [skip[r], valid[r]) (valid 1..KEY_TILE: up to its causal limit; skip: those before its
+ * window), the rest -inf. Not inlined (nor update_softmax, nor weigh_values): every row, from
+ * whichever call and in whichever group, runs the chains of this one compiled body, so its bits
+ * never depend on the caller. A block's rows score first, then update: the tile's keys, then
+ * its values, stay in L1 across the rows. */
+__attribute__((noinline)) static void score_rows(const float *const *queries, const KeyTile *tile,
+                                                 const int64_t *skip, const int64_t *valid, int64_t head_dim,
+                                                 float scale, float softcap, float *const *scores, int64_t rows) {
+    switch (rows) {
+#if SCORE_ROWS >= 4
+    case 4:
+        score_row_group(queries, tile, skip, valid, head_dim, scale, softcap, scores, 4);
+        break;
+#endif
+    case 3:
+        score_row_group(queries, tile, skip, valid, head_dim, scale, softcap, scores, 3);
+        break;
+    case 2:
+        score_row_group(queries, tile, skip, valid, head_dim, scale, softcap, scores, 2);
+        break;
+    default:
+        score_row_group(queries, tile, skip, valid, head_dim, scale, softcap, scores, 1);
+    }
+}
+
+/* The online softmax update of a row from its tile's scores (keys [skip, valid) seen): the
+ * scores become the probabilities (the keys before skip weigh exactly 0), and the factor its
+ * output is rescaled by before output += P V (weigh_values) is returned. */
+__attribute__((noinline)) static vfloat update_softmax(float *tile_scores, int64_t skip, int64_t valid,
+                                                       RowState *state) {
+    int64_t key_vectors = (valid + VEC_WIDTH - 1) / VEC_WIDTH;
     const vint lanes = vi_lane_indices();
     vfloat scores[KEY_TILE / VEC_WIDTH];
     vfloat tile_max = vf_splat(-INFINITY);
@@ -219,21 +354,20 @@ __attribute__((noinline)) static void update_row(const float *tile_scores, const
     new_max = state->max > new_max ? state->max : new_max;
     /* e^(old - new): exactly 1 when the max stands, ~0 on the first tile (old = -inf). */
     vfloat rescale = vf_splat(vf_exp(vf_splat(state->max - new_max))[0]);
-    float probabilities[KEY_TILE];
     vfloat sums = vf_load(state->sums) * rescale;
     for (int64_t g = 0; g < key_vectors; g++) {
         vint key = lanes + (int32_t)(g * VEC_WIDTH);
         vint inside = (key < (int32_t)valid) & (key >= (int32_t)skip);
         vfloat p = vf_select(inside, vf_exp(scores[g] - new_max), vf_splat(0.0f));
         sums = sums + p;
-        vf_store(probabilities + g * VEC_WIDTH, p);
+        vf_store(tile_scores + g * VEC_WIDTH, p);
     }
     vf_store(state->sums, sums);
     state->max = new_max;
-    weigh_values(probabilities, tile->values, valid, dim_vectors, rescale, state->output);
+    return rescale;
 }
 
-/* out = output / sum, stored in `dtype`. Not inlined, as attend_tile. */
+/* out = output / sum, stored in `dtype`. Not inlined, as score_rows. */
 __attribute__((noinline)) static void finish_row(const RowState *state, int64_t head_dim, int dtype, void *out) {
     vfloat inverse = vf_splat(1.0f / vf_sum(vf_load(state->sums)));
     for (int64_t d = 0; d < head_dim; d += VEC_WIDTH) {
@@ -255,7 +389,7 @@ typedef struct {
     RowState *states;
     const float **query_rows; /* max_rows: each row's float32 query */
     const float **sink_query_rows; /* max_rows: each row's float32 sink query */
-    float *key_buffer, *value_buffer; /* KEY_TILE * head_dim each */
+    float *key_buffer, *value_buffer, *key_columns; /* KEY_TILE * head_dim each */
 } Scratch;
 
 static void free_scratch(Scratch *scratch) {
@@ -266,7 +400,7 @@ static void free_scratch(Scratch *scratch) {
 }
 
 static int allocate_scratch(Scratch *scratch, int64_t max_rows, int64_t head_dim) {
-    size_t floats = (size_t)((3 * max_rows + 2 * KEY_TILE) * head_dim + max_rows * KEY_TILE);
+    size_t floats = (size_t)((3 * max_rows + 3 * KEY_TILE) * head_dim + max_rows * KEY_TILE);
     scratch->queries = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     scratch->states = malloc((size_t)max_rows * sizeof(RowState));
     scratch->query_rows = malloc((size_t)max_rows * sizeof(const float *));
@@ -280,7 +414,8 @@ static int allocate_scratch(Scratch *scratch, int64_t max_rows, int64_t head_dim
     scratch->outputs = scratch->sink_queries + max_rows * head_dim;
     scratch->key_buffer = scratch->outputs + max_rows * head_dim;
     scratch->value_buffer = scratch->key_buffer + KEY_TILE * head_dim;
-    scratch->scores = scratch->value_buffer + KEY_TILE * head_dim;
+    scratch->key_columns = scratch->value_buffer + KEY_TILE * head_dim;
+    scratch->scores = scratch->key_columns + KEY_TILE * head_dim;
     return 1;
 }
 
@@ -321,6 +456,69 @@ static const float *query_row(const void *base, int64_t stride, int64_t position
     return (const float *)row;
 }
 
+/* The scores of rows [first_row, rows) over a tile from `first_key`, in groups of up to
+ * SCORE_ROWS rows that see some key of it (each row's own keys unmasked). */
+static void score_tile_rows(Scratch *scratch, const KeyTile *tile, int64_t first_row, int64_t rows, int64_t heads,
+                            int64_t first_position, int64_t first_key, int64_t num_keys, int64_t window,
+                            int64_t sinks, const Shape *shape) {
+    const float *queries[SCORE_ROWS];
+    float *scores[SCORE_ROWS];
+    int64_t skips[SCORE_ROWS], valids[SCORE_ROWS], group_rows = 0;
+    for (int64_t r = first_row; r < rows; r++) {
+        int64_t position = first_position + r / heads, valid = tile_valid(position, first_key, num_keys);
+        int64_t skip = tile_skip(position, first_key, window, sinks);
+        if (skip >= valid) {
+            continue;
+        }
+        queries[group_rows] = scratch->query_rows[r];
+        scores[group_rows] = scratch->scores + r * KEY_TILE;
+        skips[group_rows] = skip;
+        valids[group_rows] = valid;
+        if (++group_rows == SCORE_ROWS) {
+            score_rows(queries, tile, skips, valids, shape->head_dim, shape->scale, shape->softcap, scores, group_rows);
+            group_rows = 0;
+        }
+    }
+    if (group_rows > 0) {
+        score_rows(queries, tile, skips, valids, shape->head_dim, shape->scale, shape->softcap, scores, group_rows);
+    }
+}
+
+/* The softmax update and output += P V of rows [first_row, rows) over a tile from `first_key`:
+ * runs of up to ROW_GROUP rows that see the same keys of it (a position's heads; every row,
+ * below the causal diagonal and without a window) share each load of a value. */
+static void update_rows(Scratch *scratch, const KeyTile *tile, int64_t first_row, int64_t rows, int64_t heads,
+                        int64_t first_position, int64_t first_key, int64_t num_keys, int64_t window, int64_t sinks,
+                        int64_t head_dim) {
+    const float *probabilities[ROW_GROUP];
+    float *outputs[ROW_GROUP];
+    vfloat rescales[ROW_GROUP];
+    int64_t group_rows = 0, group_valid = 0, group_skip = 0;
+    for (int64_t r = first_row; r <= rows; r++) {
+        int64_t valid = 0, skip = 0;
+        if (r < rows) {
+            int64_t position = first_position + r / heads;
+            valid = tile_valid(position, first_key, num_keys);
+            skip = tile_skip(position, first_key, window, sinks);
+        }
+        int joins = r < rows && group_rows > 0 && group_rows < ROW_GROUP && valid == group_valid && skip == group_skip;
+        if (group_rows > 0 && !joins) {
+            weigh_values(probabilities, tile->values, group_valid, head_dim / VEC_WIDTH, rescales, outputs, group_rows);
+            group_rows = 0;
+        }
+        if (r == rows || skip >= valid) {
+            continue;
+        }
+        float *scores = scratch->scores + r * KEY_TILE;
+        rescales[group_rows] = update_softmax(scores, skip, valid, &scratch->states[r]);
+        probabilities[group_rows] = scores;
+        outputs[group_rows] = scratch->states[r].output;
+        group_rows++;
+        group_valid = valid;
+        group_skip = skip;
+    }
+}
+
 /* Queries [first_query, first_query + positions) of `sequence` at query heads [first_head,
  * first_head + heads), all of one KV head, attend over that head's keys; rows ordered by
  * position, then head. */
@@ -353,12 +551,18 @@ static void attend_block(const Sequence *sequence, const Shape *shape, int64_t f
     KeyTile tile;
     /* The sinks first, for the rows whose window has left them: one tile of keys 0..sinks-1. */
     if (sinks > 0 && takes_sinks(first_position + positions - 1, window, sinks)) {
-        load_tile(&kv, 0, sinks, 0, shape, scratch->key_buffer, scratch->value_buffer, &tile);
+        load_tile(&kv, 0, sinks, 0, shape, scratch->key_buffer, scratch->value_buffer, scratch->key_columns,
+                  &tile);
         for (int64_t r = 0; r < rows; r++) {
             if (takes_sinks(first_position + r / heads, window, sinks)) {
-                score_tile(scratch->sink_query_rows[r], &tile, 0, sinks, head_dim, shape->scale, shape->softcap,
-                           scratch->scores + r * KEY_TILE);
-                update_row(scratch->scores + r * KEY_TILE, &tile, 0, sinks, head_dim, &scratch->states[r]);
+                int64_t skip = 0;
+                float *scores = scratch->scores + r * KEY_TILE;
+                score_rows(&scratch->sink_query_rows[r], &tile, &skip, &sinks, head_dim, shape->scale, shape->softcap,
+                           &scores, 1);
+                float *probabilities = scratch->scores + r * KEY_TILE, *output = scratch->states[r].output;
+                vfloat rescale = update_softmax(probabilities, 0, sinks, &scratch->states[r]);
+                weigh_values((const float *const *)&probabilities, tile.values, sinks, head_dim / VEC_WIDTH, &rescale,
+                             &output, 1);
             }
         }
     }
@@ -367,25 +571,15 @@ static void attend_block(const Sequence *sequence, const Shape *shape, int64_t f
     int64_t first_seen = window_start(first_position, window, sinks);
     for (int64_t first_key = first_seen / KEY_TILE * KEY_TILE; first_key <= last_key; first_key += KEY_TILE) {
         int64_t tile_keys = last_key - first_key + 1 < KEY_TILE ? last_key - first_key + 1 : KEY_TILE;
-        load_tile(&kv, first_key, tile_keys, first_seen, shape, scratch->key_buffer, scratch->value_buffer, &tile);
+        load_tile(&kv, first_key, tile_keys, first_seen, shape, scratch->key_buffer, scratch->value_buffer, scratch->key_columns,
+                  &tile);
         /* Rows before first_row see none of this tile's keys (causal); a row whose window
          * starts past the tile sees none of it either. */
         int64_t first_row = first_key > first_position ? (first_key - first_position) * heads : 0;
-        for (int64_t r = first_row; r < rows; r++) {
-            int64_t position = first_position + r / heads, valid = tile_valid(position, first_key, kv.count);
-            int64_t skip = tile_skip(position, first_key, window, sinks);
-            if (skip < valid) {
-                score_tile(queries[r], &tile, skip, valid, head_dim, shape->scale, shape->softcap,
-                           scratch->scores + r * KEY_TILE);
-            }
-        }
-        for (int64_t r = first_row; r < rows; r++) {
-            int64_t position = first_position + r / heads, valid = tile_valid(position, first_key, kv.count);
-            int64_t skip = tile_skip(position, first_key, window, sinks);
-            if (skip < valid) {
-                update_row(scratch->scores + r * KEY_TILE, &tile, skip, valid, head_dim, &scratch->states[r]);
-            }
-        }
+        score_tile_rows(scratch, &tile, first_row, rows, heads, first_position, first_key, kv.count, window, sinks,
+                        shape);
+        update_rows(scratch, &tile, first_row, rows, heads, first_position, first_key, kv.count, window, sinks,
+                    head_dim);
     }
     for (int64_t r = 0; r < rows; r++) {
         int64_t position = first_query + r / heads, head = first_head + r % heads;

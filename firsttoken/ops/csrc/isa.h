@@ -100,6 +100,19 @@ static inline vfloat vf_load_as(const void *source, int64_t index, int is_bf16) 
     return is_bf16 ? vf_load_bf16((const uint16_t *)source + index) : vf_load((const float *)source + index);
 }
 
+/* a * b + c, lane by lane, rounded once where the target has FMA (by the instruction itself:
+ * GCC's contraction of a * b + c depends on the code around it, as its Zen tuning leaves some
+ * accumulation chains unfused, so two bodies of one chain could round differently). */
+static inline vfloat vf_fma(vfloat a, vfloat b, vfloat c) {
+#if defined(__AVX512F__)
+    return (vfloat)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && VEC_WIDTH == 8
+    return (vfloat)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
 /* Lane by lane: `when_true` where `mask` is all ones, else `when_false`. */
 static inline vfloat vf_select(vint mask, vfloat when_true, vfloat when_false) {
     return (vfloat)(((vint)when_true & mask) | ((vint)when_false & ~mask));
