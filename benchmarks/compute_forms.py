@@ -94,6 +94,11 @@ def engine_figures(model: str | None, forms, input_len: int, decode_tokens: int,
     return {label: (ttft[label], max(whole[label] - ttft[label], 0.0) / decode_tokens) for label in engines}
 
 
+def ratio(value: float, baseline: float) -> float:
+    """value / baseline; NaN where the baseline is 0 (a TPOT lost in a short run's noise)."""
+    return value / baseline if baseline > 0 else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -147,11 +152,11 @@ def main() -> None:
                 [
                     timing.form.label,
                     ttft * 1e3,
-                    ttft / best_ttft,
+                    ratio(ttft, best_ttft),
                     tpot * 1e3,
-                    tpot / best_tpot,
+                    ratio(tpot, best_tpot),
                     probe_vs_engine,
-                    timing.decode_s / tpot if tpot else float("nan"),
+                    ratio(timing.decode_s, tpot),
                 ]
             )
         print(
