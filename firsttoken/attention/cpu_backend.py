@@ -42,8 +42,9 @@ from firsttoken.ops import native, native_abi
 from firsttoken.ops.native_decode import DecodeTables
 
 
-# Longer chunks take SDPA unless decode rows must get a prefill's bits: its GEMM-based flash
-# kernel overtakes the portable one past about a thousand queries.
+# Longer chunks take SDPA unless decode rows must get a prefill's bits, where nothing was
+# measured (worker/flash_limit.py measures it where it matters): on some CPUs its GEMM-based
+# flash kernel overtakes the portable one past about a thousand queries.
 FLASH_MAX_QUERIES_BESIDE_SDPA = 1024
 
 
@@ -92,10 +93,14 @@ class CPUAttentionBackend:
         device: torch.device,
         native_kernels: native.NativeKernels | None = None,
         decode_as_prefill: bool = False,
+        flash_max_queries: int | None = FLASH_MAX_QUERIES_BESIDE_SDPA,
     ) -> None:
         self.device = device
         self.native = native_kernels
         self.decode_as_prefill = decode_as_prefill
+        # Prefill spans longer than this go to SDPA unless decode rows take the prefill's
+        # arithmetic (None: none do); measured at start where it matters (worker/flash_limit.py).
+        self.flash_max_queries = flash_max_queries
 
     def build_metadata(self, layout: BatchLayout, slot_mapping: torch.Tensor) -> CPUAttentionMetadata:
         decodes = layout.sequences[: layout.num_decodes]
@@ -244,7 +249,7 @@ class CPUAttentionBackend:
     ) -> None:
         """Into `out` (contiguous, query's shape): the AVX512-BF16 kernel where it applies (bf16,
         heads of 32 to 128), else the portable flash kernel (for chunks of up to
-        FLASH_MAX_QUERIES_BESIDE_SDPA queries unless decode rows take the prefill's arithmetic),
+        `flash_max_queries` queries unless decode rows take the prefill's arithmetic),
         else SDPA."""
         layer = options.layer
         if self.native is not None and self.native.has_prefill_attention and _vector_bf16_attends(layer):
@@ -263,7 +268,8 @@ class CPUAttentionBackend:
         wants_flash = (
             self.decode_as_prefill
             or not options.layer.is_plain
-            or span.query_len <= FLASH_MAX_QUERIES_BESIDE_SDPA
+            or self.flash_max_queries is None
+            or span.query_len <= self.flash_max_queries
         )
         if (
             self.native is not None
@@ -480,16 +486,29 @@ def _gather_decode_context(
     return keys[:, :num_keys].transpose(1, 2), values[:, :num_keys].transpose(1, 2)
 
 
+def sdpa_causal_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A fresh prompt's causal attention on SDPA: query [n, heads, D], key and value [n, kv_heads,
+    D], out [n, heads, D]."""
+    # [n, heads, D] -> [1, heads, n, D]
+    output = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),
+        key.transpose(0, 1).unsqueeze(0),
+        value.transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+        enable_gqa=True,
+    )
+    return output.squeeze(0).transpose(0, 1)
+
+
 def _prefill_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
 ) -> torch.Tensor:
+    if not span.num_context_tokens:
+        return sdpa_causal_prefill(query, key, value)
     # [n, heads, D] -> [1, heads, n, D]
     query_t = query.transpose(0, 1).unsqueeze(0)
     key_t = key.transpose(0, 1).unsqueeze(0)
     value_t = value.transpose(0, 1).unsqueeze(0)
-    if not span.num_context_tokens:
-        output = F.scaled_dot_product_attention(query_t, key_t, value_t, is_causal=True, enable_gqa=True)
-        return output.squeeze(0).transpose(0, 1)
     if span.context_first_block is not None:
         context_keys, context_values = context_in_place(
             kv_cache, span.context_first_block, span.num_context_tokens

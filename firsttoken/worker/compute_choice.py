@@ -227,33 +227,39 @@ def load_or_choose(
     """The cached choice for `key`, else one made from `measure()` (the timings and the prefill
     length they were taken at) and cached; and whether it came from the cache."""
     path = os.path.join(cache_folder, key.file_name())
-    cached = _read_choice(path, key)
+    cached = read_cached(path, key)
     if cached is not None:
-        return cached, True
+        try:
+            return ComputeChoice.from_json(cached), True
+        except (KeyError, TypeError, ValueError) as error:
+            logger.warning("ignoring the cached compute choice %s (%s); measuring again", path, error)
     timings, prefill_tokens = measure()
     choice = choose_form(request, timings, prefill_tokens)
-    _write_choice(path, key, choice)
+    write_cached(path, key, choice.to_json())
     return choice, False
 
 
-def _read_choice(path: str, key: ChoiceKey) -> ComputeChoice | None:
+def read_cached(path: str, key: ChoiceKey) -> dict | None:
+    """What `write_cached` wrote at `path` for `key`; None where nothing is, the key differs or
+    the file does not read (said in the log)."""
     try:
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
         if data.get("key") != asdict(key):
             return None
-        return ComputeChoice.from_json(data["choice"])
+        return data["choice"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         if not isinstance(error, FileNotFoundError):
-            logger.warning("ignoring the cached compute choice %s (%s); measuring again", path, error)
+            logger.warning("ignoring the cached measurement %s (%s); measuring again", path, error)
         return None
 
 
-def _write_choice(path: str, key: ChoiceKey, choice: ComputeChoice) -> None:
+def write_cached(path: str, key: ChoiceKey, choice: dict) -> None:
+    """`choice` (plain JSON data) with its key at `path`, replaced whole: a reader never sees half."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump({"key": asdict(key), "choice": choice.to_json()}, handle, indent=1)
+        json.dump({"key": asdict(key), "choice": choice}, handle, indent=1)
     os.replace(temporary, path)
 
 

@@ -13,6 +13,7 @@ from types import ModuleType
 import torch
 
 from firsttoken.attention.backend import AttentionBackend
+from firsttoken.attention.cpu_backend import FLASH_MAX_QUERIES_BESIDE_SDPA
 from firsttoken.attention.selector import select_attention_backend
 from firsttoken.config import EngineConfig, ModelConfig
 from firsttoken.errors import InvalidInputError
@@ -27,6 +28,7 @@ from firsttoken.ops.linear import NativeRowInvariantLinear, onednn_packing_avail
 from firsttoken.ops.native import NativeKernels, load_native_kernels
 from firsttoken.ops.w8a8 import W8A8Linear, w8a8_on_native_matmul, w8a8_unsupported_reason
 from firsttoken.worker.activation_stats import load_activation_maxima
+from firsttoken.worker.flash_limit import FlashLimit, load_or_measure_limit
 from firsttoken.worker.shared_weights import SHARED_WEIGHTS, PreparedWeights, WeightsForm
 from firsttoken.worker.w8a8_weights import load_w8a8_weights
 
@@ -58,6 +60,7 @@ class LoadedModel:
     backend: AttentionBackend
     kernels: Kernels
     shared_weights: PreparedWeights | None
+    flash_limit: FlashLimit | None  # measured here: where fresh prompts' attention moves to SDPA
 
 
 def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPlacement) -> LoadedModel:
@@ -70,6 +73,14 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
     streaming = config.streaming_llm
     _check_streaming_runs_here(streaming.window, native_kernels, checkpoint.arch, device)
     attention_arch = attention_arch_of(checkpoint.arch, placement.shard)
+    plain_attention = every_layer_is_plain(
+        checkpoint.arch, placement.max_model_len, streaming.window, streaming.sink_tokens
+    )
+    flash_limit = (
+        _measured_flash_limit(native_kernels, attention_arch, placement)
+        if plain_attention and not placement.batch_invariant
+        else None
+    )
     backend = select_attention_backend(
         config.attention,
         device,
@@ -77,8 +88,9 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
         attention_arch.num_kv_heads,
         native_kernels,
         batch_invariant=placement.batch_invariant,
-        plain_attention=every_layer_is_plain(
-            checkpoint.arch, placement.max_model_len, streaming.window, streaming.sink_tokens
+        plain_attention=plain_attention,
+        flash_max_queries=(
+            flash_limit.max_queries if flash_limit is not None else FLASH_MAX_QUERIES_BESIDE_SDPA
         ),
     )
     kernels = Kernels(
@@ -100,10 +112,34 @@ def load_model(config: EngineConfig, checkpoint: Checkpoint, placement: ModelPla
         )
         shared.lend_to(model)
         # The weights are on the device already; this moves the model's own rotary tables.
-        return LoadedModel(model.to(device), backend, kernels, shared)
+        return LoadedModel(model.to(device), backend, kernels, shared, flash_limit)
     model = _prepared_model(config, checkpoint, placement, backend, kernels, pack_onednn)
     prepared = SHARED_WEIGHTS.add(form, model) if form is not None else None
-    return LoadedModel(model, backend, kernels, prepared)
+    return LoadedModel(model, backend, kernels, prepared, flash_limit)
+
+
+def _measured_flash_limit(
+    native_kernels: NativeKernels | None, attention_arch: ModelArch, placement: ModelPlacement
+) -> FlashLimit | None:
+    """Where this machine's fresh prompts attend faster on SDPA than on the portable flash
+    kernel, where both can take them: plain layers without invariance on the CPU, in a dtype
+    the AVX512-BF16 prefill kernel does not take."""
+    dtype = placement.dtype
+    if native_kernels is None or (dtype == torch.bfloat16 and native_kernels.has_prefill_attention):
+        return None
+    head_dim = attention_arch.head_dim
+    probe = torch.empty(1, attention_arch.num_heads, head_dim, dtype=dtype)
+    if not native_kernels.flash_attention_supports(probe, probe):
+        return None
+    return load_or_measure_limit(
+        placement.cache_dir,
+        native_kernels,
+        attention_arch.num_heads,
+        attention_arch.num_kv_heads,
+        head_dim,
+        dtype,
+        torch.get_num_threads(),
+    )
 
 
 def native_kernels_for(

@@ -90,6 +90,7 @@ class Worker:
         """Load the model (this rank's slice of it) in its fastest form here."""
         loaded = load_model(self.config, self.checkpoint, self.placement)
         self.model, self.backend, self.kernels = loaded.model, loaded.backend, loaded.kernels
+        self.flash_limit = loaded.flash_limit
         # Held while this worker lives: engines started after it share these weights.
         self.shared_weights = loaded.shared_weights
         self.batch_invariant = claims_batch_invariance(
@@ -186,7 +187,8 @@ class Worker:
         )
 
     def describe_choices(self) -> list[str]:
-        """The start-up log's lines on what this worker chose and why: dtype, batch invariance."""
+        """The start-up log's lines on what this worker chose and why: dtype, batch invariance,
+        and where measured, the longest prompt the native prefill attention keeps."""
         compute = self.compute
         if compute.batch_invariant and not self.batch_invariant:
             invariance = (
@@ -199,7 +201,8 @@ class Worker:
             )
         else:
             invariance = f"{compute.invariance_reason}: the fastest kernels for each step's rows"
-        return [compute.dtype_reason, invariance]
+        flash_limit = [self.flash_limit.reason] if self.flash_limit is not None else []
+        return [compute.dtype_reason, invariance, *flash_limit]
 
     def _kernels_description(self) -> str:
         if self.device.type != "cpu":

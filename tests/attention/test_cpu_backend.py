@@ -433,6 +433,26 @@ def test_long_chunks_take_sdpa_unless_decodes_need_the_prefills_bits(
     torch.testing.assert_close(output, expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize(
+    "flash_max_queries,flash_calls", [(None, 2), (40, 1), (0, 0)], ids=["no-limit", "limit-40", "limit-0"]
+)
+def test_a_measured_limit_sends_longer_prompts_to_sdpa(
+    native_kernels, monkeypatch, flash_max_queries, flash_calls
+):
+    """Prompts of 41 and 40 tokens without invariance: the native kernel takes those within the
+    limit (None: all), SDPA the others; every row as the reference computes it."""
+    kernels = _flash_kernels_or_skip(native_kernels, torch.float32)
+    calls = _counting(kernels, monkeypatch, "flash_attention")
+    backend = CPUAttentionBackend(torch.device("cpu"), kernels, flash_max_queries=flash_max_queries)
+    layout, slot_mapping, kv_cache, query, key, value = _random_batch(
+        [(0, 41), (0, 40)], 16, 2, 1, 16, torch.float32
+    )
+    output = backend.forward(query, key, value, kv_cache, backend.build_metadata(layout, slot_mapping))
+    assert calls["flash_attention"] == flash_calls
+    expected = paged_attention_reference(query, kv_cache, layout)
+    torch.testing.assert_close(output, expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("window", [24, 100])
 @pytest.mark.parametrize("in_order", [False, True], ids=["gathered", "in-place"])
 @pytest.mark.parametrize("decode_as_prefill", [False, True])

@@ -244,14 +244,14 @@ def _seed_choice(cache_dir: str, model_path: str, choice_timings: list[FormTimin
     """Write the choice these timings make into the cache an engine of default options reads."""
     from firsttoken.models.registry import open_checkpoint
     from firsttoken.ops.native import load_native_kernels
-    from firsttoken.worker.compute_choice import _write_choice
+    from firsttoken.worker.compute_choice import write_cached
     from firsttoken.worker.compute_form import arch_shapes
 
     native = load_native_kernels(os.path.join(cache_dir, "native"))
     arch = open_checkpoint(model_path, cache_dir).arch
     key = choice_key(native.isa, threads, arch_shapes(arch), AUTO)
     path = os.path.join(cache_dir, "compute_choice", key.file_name())
-    _write_choice(path, key, choose_form(AUTO, choice_timings, 512))
+    write_cached(path, key, choose_form(AUTO, choice_timings, 512).to_json())
 
 
 def _cache_sharing_the_runs_builds(tmp_path) -> str:
