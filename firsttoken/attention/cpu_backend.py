@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from firsttoken.arithmetic import ceil_div
 from firsttoken.attention.backend import PLAIN_ATTENTION, BatchLayout, LayerAttention, decode_tables
 from firsttoken.attention.reference import write_kv_reference
+from firsttoken.attention.sdpa import causal_self_attention
 from firsttoken.ops import native, native_abi
 from firsttoken.ops.native_decode import DecodeTables
 
@@ -486,25 +487,11 @@ def _gather_decode_context(
     return keys[:, :num_keys].transpose(1, 2), values[:, :num_keys].transpose(1, 2)
 
 
-def sdpa_causal_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """A fresh prompt's causal attention on SDPA: query [n, heads, D], key and value [n, kv_heads,
-    D], out [n, heads, D]."""
-    # [n, heads, D] -> [1, heads, n, D]
-    output = F.scaled_dot_product_attention(
-        query.transpose(0, 1).unsqueeze(0),
-        key.transpose(0, 1).unsqueeze(0),
-        value.transpose(0, 1).unsqueeze(0),
-        is_causal=True,
-        enable_gqa=True,
-    )
-    return output.squeeze(0).transpose(0, 1)
-
-
 def _prefill_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan
 ) -> torch.Tensor:
     if not span.num_context_tokens:
-        return sdpa_causal_prefill(query, key, value)
+        return causal_self_attention(query, key, value)
     # [n, heads, D] -> [1, heads, n, D]
     query_t = query.transpose(0, 1).unsqueeze(0)
     key_t = key.transpose(0, 1).unsqueeze(0)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from firsttoken.attention.backend import (
     PLAIN_ATTENTION,
@@ -44,6 +43,7 @@ from firsttoken.attention.triton_kernels import (
     prefill_tile_shape,
     store_kv,
 )
+from firsttoken.attention.sdpa import causal_self_attention
 from firsttoken.attention.staging import StagingBuffer
 
 
@@ -174,19 +174,6 @@ class CudaAttentionBackend:
             rows = slice(prefill.first_row, prefill.first_row + prefill.num_tokens)
             output[rows] = causal_self_attention(query[rows], key[rows], value[rows])
         return output
-
-
-def causal_self_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """[n, heads, D] causal attention of a prompt over its own K/V [n, kv_heads, D]."""
-    # [n, heads, D] -> [1, heads, n, D]
-    output = F.scaled_dot_product_attention(
-        query.transpose(0, 1).unsqueeze(0),
-        key.transpose(0, 1).unsqueeze(0),
-        value.transpose(0, 1).unsqueeze(0),
-        is_causal=True,
-        enable_gqa=True,
-    )
-    return output.squeeze(0).transpose(0, 1)
 
 
 def chunk_tile_array(query_rows: list[tuple[int, int, int]], tile_tokens: int) -> np.ndarray:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from firsttoken.attention.cpu_backend import sdpa_causal_prefill
+from firsttoken.attention.sdpa import causal_self_attention
 from firsttoken.ops.native import NativeKernels
 from firsttoken.worker.compute_choice import ChoiceKey, ComputeRequest, choice_key, read_cached, write_cached
 
@@ -28,6 +28,16 @@ logger = logging.getLogger(__name__)
 PROBE_LENGTHS = (512, 1024, 2048)
 PROBE_RUNS = 3
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What of a model's attention the two kernels are timed on."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -85,10 +95,7 @@ def decide_limit(timings: list[LengthTiming]) -> FlashLimit:
 
 def measure_lengths(
     native_kernels: NativeKernels,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
+    shape: AttentionShape,
     num_threads: int,
     lengths: tuple[int, ...] = PROBE_LENGTHS,
 ) -> list[LengthTiming]:
@@ -96,16 +103,18 @@ def measure_lengths(
     generator = torch.Generator().manual_seed(0)
     runs: list[tuple[int, Callable[[], object], Callable[[], object]]] = []
     for queries in lengths:
-        query = torch.randn(queries, num_heads, head_dim, generator=generator).to(dtype)
-        key = torch.randn(queries, num_kv_heads, head_dim, generator=generator).to(dtype)
-        value = torch.randn(queries, num_kv_heads, head_dim, generator=generator).to(dtype)
+
+        def rows(heads: int, queries: int = queries) -> torch.Tensor:
+            return torch.randn(queries, heads, shape.head_dim, generator=generator).to(shape.dtype)
+
+        query, key, value = rows(shape.num_heads), rows(shape.num_kv_heads), rows(shape.num_kv_heads)
         out = torch.empty_like(query)
 
         def flash(query=query, key=key, value=value, out=out) -> object:
             return native_kernels.flash_attention(query, key, value, num_threads, out=out)
 
         def sdpa(query=query, key=key, value=value) -> object:
-            return sdpa_causal_prefill(query, key, value)
+            return causal_self_attention(query, key, value)
 
         runs.append((queries, flash, sdpa))
     samples = {queries: ([], []) for queries, _, _ in runs}
@@ -122,29 +131,16 @@ def measure_lengths(
     ]
 
 
-def flash_limit_key(
-    native_kernels: NativeKernels,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    threads: int,
-) -> ChoiceKey:
-    shapes = f"flash-limit:q{num_heads}:kv{num_kv_heads}:d{head_dim}"
-    return choice_key(native_kernels.isa, threads, shapes, ComputeRequest(_DTYPE_NAMES[dtype], False))
+def flash_limit_key(native_kernels: NativeKernels, shape: AttentionShape, threads: int) -> ChoiceKey:
+    shapes = f"flash-limit:q{shape.num_heads}:kv{shape.num_kv_heads}:d{shape.head_dim}"
+    return choice_key(native_kernels.isa, threads, shapes, ComputeRequest(_DTYPE_NAMES[shape.dtype], False))
 
 
 def load_or_measure_limit(
-    cache_dir: str,
-    native_kernels: NativeKernels,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    num_threads: int,
+    cache_dir: str, native_kernels: NativeKernels, shape: AttentionShape, num_threads: int
 ) -> FlashLimit:
     """The cached limit for this machine and shape, else one measured now (~0.5 s) and cached."""
-    key = flash_limit_key(native_kernels, num_heads, num_kv_heads, head_dim, dtype, num_threads)
+    key = flash_limit_key(native_kernels, shape, num_threads)
     path = os.path.join(cache_dir, "flash_limit", key.file_name())
     cached = read_cached(path, key)
     if cached is not None:
@@ -153,9 +149,7 @@ def load_or_measure_limit(
         except (KeyError, TypeError, ValueError) as error:
             logger.warning("ignoring the cached flash limit %s (%s); measuring again", path, error)
     started = time.perf_counter()
-    limit = decide_limit(
-        measure_lengths(native_kernels, num_heads, num_kv_heads, head_dim, dtype, num_threads)
-    )
+    limit = decide_limit(measure_lengths(native_kernels, shape, num_threads))
     logger.info("measured the native and SDPA prefill attention in %.2f s", time.perf_counter() - started)
     write_cached(path, key, limit.to_json())
     return limit

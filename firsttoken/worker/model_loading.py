@@ -28,7 +28,7 @@ from firsttoken.ops.linear import NativeRowInvariantLinear, onednn_packing_avail
 from firsttoken.ops.native import NativeKernels, load_native_kernels
 from firsttoken.ops.w8a8 import W8A8Linear, w8a8_on_native_matmul, w8a8_unsupported_reason
 from firsttoken.worker.activation_stats import load_activation_maxima
-from firsttoken.worker.flash_limit import FlashLimit, load_or_measure_limit
+from firsttoken.worker.flash_limit import AttentionShape, FlashLimit, load_or_measure_limit
 from firsttoken.worker.shared_weights import SHARED_WEIGHTS, PreparedWeights, WeightsForm
 from firsttoken.worker.w8a8_weights import load_w8a8_weights
 
@@ -131,15 +131,8 @@ def _measured_flash_limit(
     probe = torch.empty(1, attention_arch.num_heads, head_dim, dtype=dtype)
     if not native_kernels.flash_attention_supports(probe, probe):
         return None
-    return load_or_measure_limit(
-        placement.cache_dir,
-        native_kernels,
-        attention_arch.num_heads,
-        attention_arch.num_kv_heads,
-        head_dim,
-        dtype,
-        torch.get_num_threads(),
-    )
+    shape = AttentionShape(attention_arch.num_heads, attention_arch.num_kv_heads, head_dim, dtype)
+    return load_or_measure_limit(placement.cache_dir, native_kernels, shape, torch.get_num_threads())
 
 
 def native_kernels_for(

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from firsttoken.worker import flash_limit
-from firsttoken.worker.flash_limit import FlashLimit, LengthTiming, decide_limit, load_or_measure_limit
+from firsttoken.worker.flash_limit import (
+    AttentionShape,
+    FlashLimit,
+    LengthTiming,
+    decide_limit,
+    load_or_measure_limit,
+)
 
 
 def _timings(*pairs: tuple[int, float, float]) -> list[LengthTiming]:
@@ -56,32 +62,34 @@ def test_the_limit_is_measured_once_then_read_from_the_cache(tmp_path, float32_f
     measured = []
 
     def fake_lengths(*args, **kwargs):
-        measured.append(args[1:5])
+        measured.append(args[1:])
         return _timings((512, 1, 2), (1024, 5, 4))
 
     monkeypatch.setattr(flash_limit, "measure_lengths", fake_lengths)
-    shape = (9, 3, 64, torch.float32, 2)
-    first = load_or_measure_limit(str(tmp_path), float32_flash_kernels, *shape)
-    again = load_or_measure_limit(str(tmp_path), float32_flash_kernels, *shape)
+    shape = AttentionShape(9, 3, 64, torch.float32)
+    first = load_or_measure_limit(str(tmp_path), float32_flash_kernels, shape, 2)
+    again = load_or_measure_limit(str(tmp_path), float32_flash_kernels, shape, 2)
     assert first == again and first.max_queries == 512 and len(measured) == 1
-    load_or_measure_limit(str(tmp_path), float32_flash_kernels, 8, 2, 64, torch.float32, 2)
-    load_or_measure_limit(str(tmp_path), float32_flash_kernels, 9, 3, 64, torch.float32, 1)
+    load_or_measure_limit(str(tmp_path), float32_flash_kernels, AttentionShape(8, 2, 64, torch.float32), 2)
+    load_or_measure_limit(str(tmp_path), float32_flash_kernels, shape, 1)
     assert len(measured) == 3
 
 
 def test_a_damaged_cache_file_is_measured_again(tmp_path, float32_flash_kernels, monkeypatch):
     monkeypatch.setattr(flash_limit, "measure_lengths", lambda *args, **kwargs: _timings((512, 1, 2)))
-    key = flash_limit.flash_limit_key(float32_flash_kernels, 9, 3, 64, torch.float32, 2)
+    shape = AttentionShape(9, 3, 64, torch.float32)
+    key = flash_limit.flash_limit_key(float32_flash_kernels, shape, 2)
     path = tmp_path / "flash_limit" / key.file_name()
     path.parent.mkdir()
     path.write_text("{not json")
-    limit = load_or_measure_limit(str(tmp_path), float32_flash_kernels, 9, 3, 64, torch.float32, 2)
+    limit = load_or_measure_limit(str(tmp_path), float32_flash_kernels, shape, 2)
     assert limit.max_queries is None
     assert FlashLimit.from_json(json.loads(path.read_text())["choice"]) == limit
 
 
 def test_both_kernels_are_timed_at_each_length(float32_flash_kernels):
-    timings = flash_limit.measure_lengths(float32_flash_kernels, 4, 2, 64, torch.float32, 1, lengths=(16, 64))
+    shape = AttentionShape(4, 2, 64, torch.float32)
+    timings = flash_limit.measure_lengths(float32_flash_kernels, shape, 1, lengths=(16, 64))
     assert [timing.queries for timing in timings] == [16, 64]
     for timing in timings:
         assert math.isfinite(timing.flash_s) and timing.flash_s > 0
