@@ -75,7 +75,7 @@ def main() -> None:
         "plain": LLM(**options, batch_invariant=False),
     }
     invariant = engines["invariant"]
-    in_effect = invariant.core.worker.batch_invariant
+    in_effect = invariant.inspect().batch_invariant
     print(f"{engine_dtype_name(invariant)}, batch invariance in effect: {in_effect}")
     rows, payload = [], {}
     for input_len in args.input_lens:

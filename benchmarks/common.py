@@ -68,7 +68,7 @@ def _format(value: object) -> str:
 
 def engine_dtype_name(llm) -> str:
     """The dtype an engine computes in, as `dtype="auto"` resolved it ("float32", "bfloat16")."""
-    return str(llm.core.worker.dtype).removeprefix("torch.")
+    return llm.inspect().dtype
 
 
 def save_result(name: str, payload: dict) -> str:

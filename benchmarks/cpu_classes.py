@@ -75,7 +75,7 @@ def decode_run(llm: LLM, num_tokens: int):
 def decode_weight_bytes(llm: LLM) -> int:
     """Bytes of the weights a decode step reads: the decode form of every projection, the LM
     head, and one embedding row (negligible)."""
-    model = llm.core.worker.model
+    model = llm.core.single_rank_model()
     seen: set[int] = set()
     total = 0
     for module in model.modules():
@@ -131,7 +131,7 @@ def main() -> None:
             for name, extra in settings.items()}
     print(f"{len(settings) * 3} engines loaded in {time.perf_counter() - started:.0f} s; "
           f"{torch.get_num_threads()} threads; native kernels built for "
-          + ", ".join(f"{isa} -> {cold[isa].core.worker.kernels.native.isa}" for isa in isas))
+          + ", ".join(f"{isa} -> {cold[isa].inspect().native_isa}" for isa in isas))
 
     results: dict[str, dict[str, float]] = {}
     for length in args.lengths:

@@ -23,6 +23,7 @@ run measures the emulation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -52,7 +53,7 @@ def matmul_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 10) -> fl
 
 def forward_flops(llm: LLM, num_tokens: int) -> float:
     """2 x non-embedding params per token, plus causal attention (QK^T and PV)."""
-    arch = llm.core.worker.checkpoint.arch
+    arch = llm.core.single_rank_model().arch
     attention = 4 * arch.num_layers * arch.num_heads * arch.head_dim * num_tokens * (num_tokens + 1) / 2
     return 2 * arch.num_non_embedding_params * num_tokens + attention
 
@@ -89,13 +90,11 @@ def firsttoken_decode_run(llm: LLM, num_tokens: int, native_step: bool = True):
     """Seconds per decoded token at batch 1 after a 512-token prompt; `native_step=False`
     sets the runner's whole-step native decode aside for the run (the per-op path)."""
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    runner = llm.core.worker.runner
-    whole_step = runner.whole_step_decode
 
     def run(index: int) -> float:
-        runner.whole_step_decode = whole_step if native_step else None
         prompt = random_prompt(DECODE_PROMPT_LEN, seed=9_000 + index)
-        (output,) = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
+        with llm.core.forward_op_by_op() if not native_step else contextlib.nullcontext():
+            (output,) = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
         return 1.0 / output.metrics.decode_tokens_per_s
 
     return run
@@ -163,7 +162,7 @@ def main() -> None:
         quantization: LLM(path, quantization=quantization, **engine_options)
         for quantization in ("int8", "int4")
     }
-    dtype = llm.core.worker.dtype
+    dtype = getattr(torch, llm.inspect().dtype)
     label = DTYPE_LABELS[dtype]
     # float32 is the reference rate beside bf16; bf16's rate is measured only when bf16 runs.
     matmul_dtypes = [dtype] if dtype == torch.float32 else [dtype, torch.float32]
@@ -228,7 +227,7 @@ def main() -> None:
             for quantization, engine in quantized.items()
         },
     }
-    if quantized["int4"].core.worker.runner.whole_step_decode is not None:
+    if "int4 decode" in quantized["int4"].inspect().whole_step_forwards:
         decode_runs["firsttoken int4, per-op decode"] = firsttoken_decode_run(
             quantized["int4"], args.decode_tokens, native_step=False
         )

@@ -454,7 +454,7 @@ def check_batch_invariance(
     return [
         {
             "engine": name,
-            "claimed": llm.core.worker.batch_invariant,
+            "claimed": llm.inspect().batch_invariant,
             "must_claim": name == "invariant" and device.type == "cuda",
             "same_bits_beside_others": same_bits_beside_others(llm, shape, plan, seed),
         }
@@ -650,9 +650,9 @@ def run(
         llm = open_engine(folder, shape, plan, device, cuda_graphs=device.type == "cuda")
         say(
             f"\n== {shape.name}: weights seeded, saved and loaded in {time.perf_counter() - started:.1f} s; "
-            f"runner {type(llm.core.worker.runner).__name__}, {llm.stats().num_kv_blocks} KV blocks"
+            f"{llm.inspect().description}, {llm.stats().num_kv_blocks} KV blocks"
         )
-        capture = llm.core.worker.graph_capture
+        capture = llm.inspect().graph_capture
         if capture is not None:
             results["graph_capture"].append({"shape": shape.name} | asdict(capture))
             say(

@@ -148,7 +148,7 @@ def decode_seconds_per_token(llm: LLM, batch: int, index: int) -> float:
 def decode_weight_bytes(llm: LLM) -> int:
     """Bytes of the weights a quantized decode step reads: every quantized projection's
     buffers (the layers' int4 and the LM head's int8)."""
-    model = llm.core.worker.model
+    model = llm.core.single_rank_model()
     quantized = [module.quantized for module in model.modules() if hasattr(module, "quantized")]
     return sum(buffer.nbytes for module in quantized for buffer in module.buffers())
 

@@ -95,13 +95,9 @@ def main() -> None:
                    adaptive_threads=not args.fixed_threads)
     engines = {"tp1": LLM(**options), "tp2": LLM(**options, tensor_parallel_size=2)}
     clocks = {name: AllReduceClock(llm) for name, llm in engines.items()}
-    print(
-        f"tp1: {engines['tp1'].core.worker.describe()}, {engines['tp1'].core.worker.num_threads} threads"
-    )
-    print(
-        f"tp2: {engines['tp2'].core.worker.describe()}, {engines['tp2'].core.worker.num_threads} threads "
-        "per rank"
-    )
+    inspections = {name: llm.inspect() for name, llm in engines.items()}
+    print(f"tp1: {inspections['tp1'].description}, {inspections['tp1'].num_threads} threads")
+    print(f"tp2: {inspections['tp2'].description}, {inspections['tp2'].num_threads} threads per rank")
     rows, reduce_rows, payload = [], [], {}
     for input_len in args.input_lens:
         runs = {name: ttft_run(llm, clocks[name], input_len) for name, llm in engines.items()}

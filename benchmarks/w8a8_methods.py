@@ -156,7 +156,7 @@ def projection_slots(llm: LLM) -> dict[str, tuple[nn.Module, str]]:
     """Where each layer projection's float module sits: a turned model's down_proj is the
     projection behind its Hadamard transform."""
     slots = {}
-    for name, owner, attribute in layer_projections(llm.core.worker.model.layers):
+    for name, owner, attribute in layer_projections(llm.core.single_rank_model().layers):
         module = getattr(owner, attribute)
         slots[name] = (module, "projection") if isinstance(module, HadamardInputs) else (owner, attribute)
     return slots
@@ -165,7 +165,7 @@ def projection_slots(llm: LLM) -> dict[str, tuple[nn.Module, str]]:
 def record_input_statistics(llm: LLM, prompts: list[list[int]]) -> dict[str, InputStatistics]:
     """Each layer projection's InputStatistics while `llm` prefills the prompts (the maxima of an
     unturned model's inputs, which only smoothing reads; the moments of the inputs it multiplies)."""
-    layers = llm.core.worker.model.layers
+    layers = llm.core.single_rank_model().layers
     names = {name for name, _, _ in layer_projections(layers)}
     maxima, moments = ActivationMaxima(layers), InputMoments(layers, names)
     try:
@@ -195,7 +195,7 @@ class EmulatedMethods:
     def install(self, method: Method) -> None:
         if method.rotated and not self.rotated:
             self._restore()
-            rotate_model(self.llm.core.worker.model)
+            rotate_model(self.llm.core.single_rank_model())
             self.rotated = True
             self._capture()
         key = (method.rotated, method.gptq)

@@ -179,6 +179,49 @@ class EngineCompute:
 
 
 @dataclass(frozen=True)
+class GraphCaptureReport:
+    """What capturing the graphs cost at start-up."""
+
+    batch_sizes: tuple[int, ...]  # decode-only steps
+    token_sizes: tuple[int, ...]  # steps with prefill rows; empty when they run eagerly
+    seconds: float
+    device_memory_bytes: int  # taken on the device by the graphs' pool and static inputs; 0 on a CPU
+
+
+@dataclass(frozen=True)
+class EngineInspection:
+    """What an engine was built with, for tools and tests to read instead of its internals: the
+    model, the kernels chosen at start and the KV cache. Every tensor-parallel rank runs the same
+    choices on its shard of each projection, so one description speaks for all of them."""
+
+    model_path: str
+    architecture: str
+    num_layers: int
+    vocab_size: int
+    max_model_len: int
+    device: str
+    dtype: str
+    batch_invariant: bool
+    # "int4", "int8", "w8a8" or None (float projections).
+    quantization: str | None
+    # The ISA the native CPU kernels were built for; None where torch ops run (or on a GPU).
+    native_isa: str | None
+    # The whole-step native forwards the runner holds ("int4 decode", "w8a8"), else empty.
+    whole_step_forwards: tuple[str, ...]
+    num_threads: int
+    tensor_parallel_size: int
+    num_kv_blocks: int
+    block_size: int
+    # What makes the KV of a token sequence this engine's (part of every prefix hash).
+    kv_identity: str
+    # The CUDA graphs captured at start, and what they cost; None where steps run eagerly.
+    graph_capture: GraphCaptureReport | None
+    # The start-up log's line on the engine, and its lines on each measured choice.
+    description: str
+    start_up_choices: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's gauges and counters."""
 

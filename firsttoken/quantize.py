@@ -71,7 +71,7 @@ def record_activation_maxima(llm: LLM, windows: list[list[int]]) -> dict[str, to
     from firsttoken.sampling_params import SamplingParams
     from firsttoken.worker.activation_stats import ActivationMaxima
 
-    recorder = ActivationMaxima(llm.core.worker.model.layers)
+    recorder = ActivationMaxima(llm.core.single_rank_model().layers)
     try:
         llm.generate(prompt_token_ids=windows, sampling_params=SamplingParams(temperature=0, max_tokens=1))
     finally:
@@ -113,7 +113,7 @@ def gptq_weights(llm: LLM, windows: list[list[int]]) -> dict[str, Int8Weight]:
     from firsttoken.sampling_params import SamplingParams
     from firsttoken.worker.w8a8_weights import InputMoments, multiplied_projections
 
-    model = llm.core.worker.model
+    model = llm.core.single_rank_model()
     reason = rotation_unsupported_reason(model)
     if reason is not None:
         raise InvalidInputError("model", f"GPTQ rounds the model turned by w8a8_rotation, and {reason}")
@@ -158,10 +158,10 @@ def calibrate(
         max_num_batched_tokens=CALIBRATION_WINDOW_TOKENS, adaptive_threads=False, batch_invariant=False,
     )
     try:
-        checkpoint = llm.core.worker.checkpoint
-        if checkpoint.quantization is not None:
+        inspection = llm.inspect()
+        if inspection.quantization is not None:
             raise InvalidInputError(
-                "model", f"{checkpoint.source} is quantized already: calibrate its float checkpoint"
+                "model", f"{inspection.model_path} is quantized already: calibrate its float checkpoint"
             )
         windows = calibration_prompts(llm, text, num_tokens, chat_template)
         if not windows:

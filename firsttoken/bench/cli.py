@@ -393,8 +393,9 @@ def run_compare(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     llm = _bench_llm(args, dtype="float32")
-    model_path = llm.core.model_path
-    peers = [FirsttokenPeer(llm), TransformersPeer.load(model_path, llm.core.worker.dtype)]
+    inspection = llm.inspect()
+    model_path = inspection.model_path
+    peers = [FirsttokenPeer(llm), TransformersPeer.load(model_path, inspection.dtype)]
     llama_cpp = (
         None if args.no_llama_cpp else _llama_cpp_peer(model_path, max(spec.input_lens) + spec.output_len)
     )

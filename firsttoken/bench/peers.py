@@ -52,7 +52,7 @@ class FirsttokenPeer:
 
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
-        self.note = _dtype_name(llm.core.worker.dtype)
+        self.note = llm.inspect().dtype
 
     def time_prompt(self, prompt_ids: list[int], output_len: int) -> PeerTiming:
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -76,12 +76,14 @@ class TransformersPeer:
         self.note = f"{_dtype_name(model.dtype)}, {torch.get_num_threads()} threads"
 
     @classmethod
-    def load(cls, model_path: str, dtype: torch.dtype) -> TransformersPeer:
-        """Load a GGUF file (transformers dequantizes it) or a Hugging Face folder in `dtype`."""
+    def load(cls, model_path: str, dtype_name: str) -> TransformersPeer:
+        """Load a GGUF file (transformers dequantizes it) or a Hugging Face folder in the dtype
+        named (e.g. "float32")."""
         if importlib.util.find_spec("transformers") is None:
             raise ValueError("compare: transformers is not installed; `pip install -e '.[dev]'` brings it")
         from transformers import AutoModelForCausalLM
 
+        dtype = getattr(torch, dtype_name)
         if is_hf_folder(model_path):
             return cls(AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype))
         folder, file_name = os.path.split(model_path)

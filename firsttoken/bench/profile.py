@@ -9,12 +9,10 @@ is the cost of the instrumentation itself.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,10 +131,11 @@ def first_token(llm: LLM, prompt: str) -> FirstToken:
 
 def profile_ttft(llm: LLM, spec: ProfileSpec) -> ProfileResult:
     """Plain and instrumented runs, interleaved, on fresh prompts of `spec.input_len` tokens,
-    all on the model's forward (see `forward_op_by_op`)."""
-    with forward_op_by_op(llm) as set_aside:
+    all on the model's forward (see `EngineCore.forward_op_by_op`)."""
+    with llm.core.forward_op_by_op() as set_aside:
         result = _profile_runs(llm, spec)
-    if set_aside:
+    # Only the W8A8 one takes prompts: the int4 one runs decode steps, which a first token has none of.
+    if "w8a8" in set_aside:
         description = f"{result.engine_description}; {WHOLE_STEP_SET_ASIDE}"
         result = dataclasses.replace(result, engine_description=description)
     return result
@@ -146,20 +145,6 @@ def profile_ttft(llm: LLM, spec: ProfileSpec) -> ProfileResult:
 WHOLE_STEP_SET_ASIDE = (
     "timed on the model's forward op by op (the engine runs its steps in one native call, faster)"
 )
-
-
-@contextlib.contextmanager
-def forward_op_by_op(llm: LLM) -> Iterator[bool]:
-    """The runner's whole-step W8A8 forward set aside while profiling, so every step runs the
-    model's forward, whose modules the stages are timed on (a step in one native call has no
-    stages to see); yields whether there was one, and puts it back after."""
-    runner = llm.core.worker.runner
-    whole_step = runner.whole_step_w8a8
-    runner.whole_step_w8a8 = None
-    try:
-        yield whole_step is not None
-    finally:
-        runner.whole_step_w8a8 = whole_step
 
 
 def _profile_runs(llm: LLM, spec: ProfileSpec) -> ProfileResult:
@@ -184,7 +169,7 @@ def _profile_runs(llm: LLM, spec: ProfileSpec) -> ProfileResult:
         instrumented_ttft=summarize(instrumented_ttfts),
         stage_runs=stage_runs,
         chunk_plans=auto_chunk_plans(llm, plain[0].metrics.num_prompt_tokens),
-        engine_description=llm.core.worker.describe(),
+        engine_description=llm.inspect().description,
         start_up_choices=llm.compute.start_up_choices,
     )
 
@@ -209,7 +194,7 @@ def auto_chunk_plans(llm: LLM, prompt_tokens: int) -> dict[int, PrefillPlan]:
 def _instrumented_run(
     llm: LLM, parts: EngineParts, prompt: str, trace: bool = False
 ) -> tuple[float, dict[str, float]]:
-    with instrumented(parts, StageClock(llm.core.worker.device, trace)) as clock:
+    with instrumented(parts, StageClock(torch.device(llm.inspect().device), trace)) as clock:
         result = first_token(llm, prompt)
     return result.ttft_s, stage_seconds(parts, clock, result.ttft_s, result.metrics)
 
@@ -217,7 +202,7 @@ def _instrumented_run(
 def write_trace(llm: LLM, parts: EngineParts, prompt: str, path: str) -> None:
     """A Chrome trace (chrome://tracing, Perfetto) of one instrumented request, with a scope per stage."""
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if llm.core.worker.device.type == "cuda":
+    if torch.device(llm.inspect().device).type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with (
         torch.profiler.profile(activities=activities, record_shapes=True) as profiler,

@@ -63,17 +63,17 @@ class EngineParts:
 
 
 def find_engine_parts(engine: Any) -> EngineParts:
-    """The timed parts of an EngineCore, found by attribute name; a ValueError names what is missing."""
-    worker = _attribute(engine, "worker", "the engine")
-    model = _attribute(worker, "model", "the worker")
+    """The timed parts of an EngineCore (from its `stage_hook_targets()`), found by attribute
+    name; a ValueError names what is missing."""
+    targets = engine.stage_hook_targets()
+    model = targets.model
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise ValueError(f"profile: {type(model).__name__} has no `layers` ModuleList of decoder layers")
     _attribute(model, "compute_logits", type(model).__name__)
-    runner = _attribute(worker, "runner", "the worker")
-    sampler = _attribute(runner, "sampler", type(runner).__name__)
+    sampler = targets.sampler
     _attribute(sampler, "sample", type(sampler).__name__)
-    output_processor = _attribute(engine, "output_processor", "the engine")
+    output_processor = targets.output_processor
     _attribute(output_processor, "detokenize", type(output_processor).__name__)
     return EngineParts(
         model=model,

@@ -32,7 +32,7 @@ from firsttoken.engine.prompt_encoder import (
     render_system_prompt,
 )
 from firsttoken.errors import EngineDeadError, InvalidInputError
-from firsttoken.outputs import EngineCompute, EngineStats, PinnedPrefix, RequestDelta
+from firsttoken.outputs import EngineCompute, EngineInspection, EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -202,6 +202,7 @@ class AsyncEngine:
         self.model_path = core.model_path
         self.max_model_len = core.max_model_len
         self.compute: EngineCompute = core.compute
+        self._inspection: EngineInspection = core.inspect()
         self.max_request_tokens = core.max_request_tokens
         self.vocab_size = core.worker.vocab_size
         self.block_size = core.config.cache.block_size
@@ -454,6 +455,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The engine's gauges and counters as of its latest step (a consistent snapshot)."""
         return self._stats
+
+    def inspect(self) -> EngineInspection:
+        """What the engine was built with (fixed at start, so read without the loop thread)."""
+        return self._inspection
 
     # -- the loop thread -----------------------------------------------------------------------
 

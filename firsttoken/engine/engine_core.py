@@ -9,10 +9,13 @@ thread it runs on.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from firsttoken.config import EngineConfig
 from firsttoken.core.batch import ModelOutput, SchedulerOutput
@@ -23,7 +26,7 @@ from firsttoken.core.scheduler import Scheduler
 from firsttoken.engine.output_processor import OutputProcessor
 from firsttoken.engine.pinned_prefixes import PinnedPrefixes
 from firsttoken.errors import InvalidInputError
-from firsttoken.outputs import EngineCompute, EngineStats, PinnedPrefix, RequestDelta
+from firsttoken.outputs import EngineCompute, EngineInspection, EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.request import Request, RequestStatus, RequestTimestamps
 from firsttoken.sample.grammar import GrammarCompiler
 from firsttoken.sampling_params import SamplingParams, StructuredOutput
@@ -31,6 +34,16 @@ from firsttoken.speculative.proposer import DraftProposer
 from firsttoken.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageHookTargets:
+    """The objects of one engine whose calls a stage profiler may wrap: the model (its layers'
+    forwards), the sampler and the output processor (detokenizing)."""
+
+    model: Any
+    sampler: Any
+    output_processor: OutputProcessor
 
 
 class EngineCore:
@@ -317,6 +330,53 @@ class EngineCore:
         self.pinned_prefixes.forget_resident()
 
     # -- observability -------------------------------------------------------------------
+
+    def inspect(self) -> EngineInspection:
+        """What this engine was built with: model, kernels, KV cache, the start-up choices."""
+        worker = self.worker
+        arch = worker.checkpoint.arch
+        return EngineInspection(
+            model_path=str(self.model_path),
+            architecture=arch.architecture,
+            num_layers=arch.num_layers,
+            vocab_size=worker.vocab_size,
+            max_model_len=self.max_model_len,
+            device=str(worker.device),
+            dtype=self.compute.dtype,
+            batch_invariant=self.compute.batch_invariant,
+            quantization=worker.config.model_config.quantization,
+            native_isa=worker.native_isa,
+            whole_step_forwards=worker.whole_step_forwards,
+            num_threads=worker.num_threads,
+            tensor_parallel_size=worker.tensor_parallel_size,
+            num_kv_blocks=self.kv_manager.num_blocks,
+            block_size=self.config.cache.block_size,
+            kv_identity=worker.kv_identity,
+            graph_capture=worker.graph_capture,
+            description=worker.describe(),
+            start_up_choices=self.compute.start_up_choices,
+        )
+
+    def single_rank_model(self) -> Any:
+        """The model's modules, for tools that calibrate or turn its weights in place (quantize,
+        rotation); refused under tensor parallelism, where this process holds one shard."""
+        if self.worker.tensor_parallel_size > 1:
+            raise InvalidInputError(
+                "tensor_parallel_size", "must be 1 to reach the model's modules: each rank holds a shard"
+            )
+        return self.worker.model
+
+    def stage_hook_targets(self) -> StageHookTargets:
+        """What a stage profiler wraps; refused under tensor parallelism (see single_rank_model)."""
+        return StageHookTargets(self.single_rank_model(), self.worker.runner.sampler, self.output_processor)
+
+    @contextlib.contextmanager
+    def forward_op_by_op(self) -> Iterator[tuple[str, ...]]:
+        """Steps on the model's forward, op by op, while inside; yields the whole-step forwards
+        set aside (see Worker.forward_op_by_op)."""
+        with self.worker.forward_op_by_op() as set_aside:
+            yield set_aside
+
 
     def stats(self) -> EngineStats:
         scheduler_stats = self.scheduler.stats

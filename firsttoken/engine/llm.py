@@ -10,7 +10,14 @@ from firsttoken.engine.builder import build_engine_core
 from firsttoken.engine.pinned_prefixes import default_pin_id
 from firsttoken.engine.prompt_encoder import render_system_prompt
 from firsttoken.errors import InvalidInputError
-from firsttoken.outputs import EngineCompute, EngineStats, PinnedPrefix, RequestDelta, RequestOutput
+from firsttoken.outputs import (
+    EngineCompute,
+    EngineInspection,
+    EngineStats,
+    PinnedPrefix,
+    RequestDelta,
+    RequestOutput,
+)
 from firsttoken.sampling_params import SamplingParams
 
 Messages = Sequence[dict[str, Any]]
@@ -110,6 +117,10 @@ class LLM:
     def compute(self) -> EngineCompute:
         """The dtype and batch invariance chosen at start, and why (measured where asked "auto")."""
         return self.core.compute
+
+    def inspect(self) -> EngineInspection:
+        """What this engine was built with: the model, the kernels chosen at start, the KV cache."""
+        return self.core.inspect()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks' processes now (they also stop when this LLM is

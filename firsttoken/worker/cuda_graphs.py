@@ -20,7 +20,6 @@ block; padding tiles have no rows. None of them is sampled.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
@@ -67,16 +66,6 @@ def max_chunk_tiles(num_tokens: int, max_num_seqs: int, tile_tokens: int) -> int
     each sequence's first tile, plus one per further `tile_tokens` of its tokens; never more
     than one per token."""
     return min(num_tokens, max_num_seqs + (num_tokens - 1) // tile_tokens)
-
-
-@dataclass(frozen=True)
-class GraphCaptureReport:
-    """What capturing the graphs cost at start-up."""
-
-    batch_sizes: tuple[int, ...]  # decode-only steps
-    token_sizes: tuple[int, ...]  # steps with prefill rows; empty when they run eagerly
-    seconds: float
-    device_memory_bytes: int  # taken on the device by the graphs' pool and static inputs; 0 on a CPU
 
 
 def device_memory_in_use(device: torch.device) -> int:

@@ -24,7 +24,7 @@ from firsttoken.attention.backend import AttentionBackend
 from firsttoken.attention.staging import StagingBuffer
 from firsttoken.core.batch import ModelOutput, ScheduledChunk, SchedulerOutput
 from firsttoken.models.llama import LlamaForCausalLM
-from firsttoken.outputs import SampledToken
+from firsttoken.outputs import GraphCaptureReport, SampledToken
 from firsttoken.sample.sampler import Sampler
 from firsttoken.worker.prompt_logprobs import PromptRows, find_prompt_rows, score_prompt_rows
 from firsttoken.worker.step_inputs import HostStep, build_host_step
@@ -32,7 +32,7 @@ from firsttoken.worker.whole_step_decode import WholeStepDecode, build_whole_ste
 from firsttoken.worker.whole_step_w8a8 import WholeStepW8A8, build_whole_step_w8a8
 
 if TYPE_CHECKING:
-    from firsttoken.worker.cuda_graphs import DecodeGraphs, GraphCapture, GraphCaptureReport, StepGraphs
+    from firsttoken.worker.cuda_graphs import DecodeGraphs, GraphCapture, StepGraphs
 
 
 class ModelRunner:
@@ -79,7 +79,6 @@ class ModelRunner:
         from firsttoken.worker.cuda_graphs import (
             CudaGraphCapture,
             DecodeGraphs,
-            GraphCaptureReport,
             StepGraphs,
             device_memory_in_use,
             graph_batch_sizes,

@@ -8,9 +8,10 @@ the block count every rank holds and builds the runner. Then the executor hands 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
 import torch
 
@@ -20,6 +21,7 @@ from firsttoken.core.cost_model import StepCostModel, attention_pairs
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.models.registry import open_checkpoint, resolve_model_path
 from firsttoken.ops.cpu_info import physical_core_count
+from firsttoken.outputs import GraphCaptureReport
 from firsttoken.sample.sampler import Sampler
 from firsttoken.tokenizer import Tokenizer
 from firsttoken.worker.batch_invariance import claims_batch_invariance
@@ -39,9 +41,6 @@ from firsttoken.worker.pinned_prefix_kv import PinnedPrefixKV, open_prefix_store
 from firsttoken.worker.pinned_prefix_store import StoredPrefix, projections_form
 from firsttoken.worker.tensor_parallel import RankGroup
 from firsttoken.worker.thread_governor import ThreadGovernor
-
-if TYPE_CHECKING:
-    from firsttoken.worker.cuda_graphs import GraphCaptureReport
 
 logger = logging.getLogger(__name__)
 
@@ -204,11 +203,37 @@ class Worker:
         flash_limit = [self.flash_limit.reason] if self.flash_limit is not None else []
         return [compute.dtype_reason, invariance, *flash_limit]
 
+    @property
+    def native_isa(self) -> str | None:
+        """The ISA the native CPU kernels were built for; None where torch ops run."""
+        native_kernels = self.kernels.native if self.device.type == "cpu" else None
+        return native_kernels.isa if native_kernels is not None else None
+
+    @property
+    def whole_step_forwards(self) -> tuple[str, ...]:
+        """The runner's whole-step native forwards: int4 decode steps, W8A8 steps."""
+        forwards = (("int4 decode", self.runner.whole_step_decode), ("w8a8", self.runner.whole_step_w8a8))
+        return tuple(name for name, forward in forwards if forward is not None)
+
+    @contextlib.contextmanager
+    def forward_op_by_op(self) -> Iterator[tuple[str, ...]]:
+        """The runner's whole-step native forwards set aside while inside, so every step runs the
+        model's forward op by op: the per-op path a benchmark compares with, and the modules a
+        profiler's hooks can time (a step in one native call has no stages to see). Yields the
+        names of those set aside (see `whole_step_forwards`); puts them back after."""
+        runner = self.runner
+        set_aside = self.whole_step_forwards
+        whole_step_decode, whole_step_w8a8 = runner.whole_step_decode, runner.whole_step_w8a8
+        runner.whole_step_decode = runner.whole_step_w8a8 = None
+        try:
+            yield set_aside
+        finally:
+            runner.whole_step_decode, runner.whole_step_w8a8 = whole_step_decode, whole_step_w8a8
+
     def _kernels_description(self) -> str:
         if self.device.type != "cpu":
             return ""
-        native_kernels = self.kernels.native
-        return f", native kernels for {native_kernels.isa}" if native_kernels is not None else ", torch ops"
+        return f", native kernels for {self.native_isa}" if self.native_isa is not None else ", torch ops"
 
     # -- steps ---------------------------------------------------------------------------
 

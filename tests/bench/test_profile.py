@@ -27,6 +27,7 @@ from firsttoken.bench.stage_hooks import (
     stage_seconds,
 )
 from firsttoken.bench.stats import summarize
+from firsttoken.engine.engine_core import StageHookTargets
 from firsttoken.outputs import RequestMetrics
 from tests.conftest import FIXED_THREADS
 
@@ -84,13 +85,13 @@ def test_a_breakdown_that_misses_the_ttft_says_so():
 
 
 def test_profiling_leaves_no_hook_or_wrapper_behind(profiled_llm):
-    engine = profiled_llm.core
+    targets = profiled_llm.core.stage_hook_targets()
     profile_ttft(profiled_llm, ProfileSpec(input_len=16, runs=1, warmup_runs=0))
-    for module in engine.worker.model.modules():
+    for module in targets.model.modules():
         assert not module._forward_hooks and not module._forward_pre_hooks
-    assert "compute_logits" not in vars(engine.worker.model)
-    assert "sample" not in vars(engine.worker.runner.sampler)
-    assert "detokenize" not in vars(engine.output_processor)
+    assert "compute_logits" not in vars(targets.model)
+    assert "sample" not in vars(targets.sampler)
+    assert "detokenize" not in vars(targets.output_processor)
 
 
 def test_a_w8a8_engine_is_profiled_op_by_op_and_keeps_its_whole_step_forward(two_layer_model_path):
@@ -101,13 +102,12 @@ def test_a_w8a8_engine_is_profiled_op_by_op_and_keeps_its_whole_step_forward(two
         enable_prompt_cache=False, **FIXED_THREADS,
     )
     try:
-        whole_step = llm.core.worker.runner.whole_step_w8a8
-        if whole_step is None:
+        if "w8a8" not in llm.inspect().whole_step_forwards:
             pytest.skip("no whole-step W8A8 forward here (AVX512-BF16 kernels, native int8 matmul)")
         result = profile_ttft(llm, ProfileSpec(input_len=16, runs=1, warmup_runs=0))
         assert WHOLE_STEP_SET_ASIDE in result.engine_description
         assert result.stage_medians["attention"] > 0 and result.stage_medians["mlp"] > 0
-        assert llm.core.worker.runner.whole_step_w8a8 is whole_step
+        assert "w8a8" in llm.inspect().whole_step_forwards
     finally:
         llm.shutdown()
 
@@ -140,12 +140,12 @@ class _DirectCallModel(nn.Module):
 
 
 def _fake_engine(model: nn.Module) -> SimpleNamespace:
-    return SimpleNamespace(
-        worker=SimpleNamespace(
-            model=model, runner=SimpleNamespace(sampler=SimpleNamespace(sample=lambda logits: [0]))
-        ),
+    targets = StageHookTargets(
+        model,
+        sampler=SimpleNamespace(sample=lambda logits: [0]),
         output_processor=SimpleNamespace(detokenize=lambda progress: None),
     )
+    return SimpleNamespace(stage_hook_targets=lambda: targets)
 
 
 def test_a_layer_without_attention_is_named_in_the_error():
@@ -161,8 +161,8 @@ def test_hooks_the_model_bypasses_fail_instead_of_misreporting():
     parts = find_engine_parts(engine)
     with instrumented(parts, StageClock(torch.device("cpu"))) as clock:
         hidden = model(torch.ones(2, 4))
-        engine.worker.runner.sampler.sample(model.compute_logits(hidden))
-        engine.output_processor.detokenize(None)
+        parts.sampler.sample(model.compute_logits(hidden))
+        parts.output_processor.detokenize(None)
     metrics = RequestMetrics(0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 4, 1, 0, 1, 0)
     with pytest.raises(ValueError, match="no longer calls its layers"):
         stage_seconds(parts, clock, 1.0, metrics)

@@ -54,6 +54,14 @@ def test_two_ranks_give_one_ranks_greedy_tokens_on_the_parity_prompts_batched(tp
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+def test_two_ranks_inspect_as_one_engine_and_refuse_reaching_one_shard(tp2, llm):
+    inspection = tp2.inspect()
+    assert inspection.tensor_parallel_size == 2 and "2 tensor-parallel ranks" in inspection.description
+    assert inspection.num_layers == llm.inspect().num_layers
+    with pytest.raises(InvalidInputError, match="tensor_parallel_size: must be 1"):
+        tp2.core.single_rank_model()
+
+
 def test_two_ranks_reuse_the_prefix_cache_with_the_same_tokens(tp2, llm):
     shared = llm.tokenizer.encode(long_prompt(1))
     prompts = [shared + llm.tokenizer.encode(suffix) for suffix in (" First,", " Second,", " In short,")]

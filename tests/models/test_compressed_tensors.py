@@ -133,8 +133,8 @@ def test_a_w8a8_checkpoint_runs_on_its_own_levels_and_scales(tmp_path):
     hf_model = tiny_hf_model("llama", tie_word_embeddings=False)
     stored = write_w8a8_folder(hf_model, str(tmp_path / "w8a8"), ignore=("model.layers.1.mlp.down_proj",))
     llm = _engine(str(tmp_path / "w8a8"))
-    model = llm.core.worker.model
-    assert llm.core.worker.config.model_config.quantization == "w8a8"
+    model = llm.core.single_rank_model()
+    assert llm.inspect().quantization == "w8a8"
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, W8A8Linear) and isinstance(model.layers[1].mlp.gate_up_proj, W8A8Linear)
     assert not isinstance(model.layers[1].mlp.down_proj, W8A8Linear)  # ignored: float
@@ -164,8 +164,8 @@ def test_without_exact_int8_sums_the_checkpoint_runs_its_dequantized_weights(tmp
     hf_model = tiny_hf_model("llama", tie_word_embeddings=True)
     stored = write_w8a8_folder(hf_model, str(tmp_path / "w8a8"))
     llm = _engine(str(tmp_path / "w8a8"))
-    assert llm.core.worker.config.model_config.quantization is None
-    model = llm.core.worker.model
+    assert llm.inspect().quantization is None
+    model = llm.core.single_rank_model()
     assert not any(isinstance(module, W8A8Linear) for module in model.modules())
     with torch.no_grad():
         for module_name, (levels, scales) in stored.items():

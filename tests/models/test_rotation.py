@@ -70,7 +70,7 @@ def test_a_rotated_float_model_gives_the_same_tokens_and_logprobs(tmp_path, mode
     llm = LLM(folder, **FLOAT_OPTIONS)
     try:
         before = _replies(llm)
-        rotate_model(llm.core.worker.model)
+        rotate_model(llm.core.single_rank_model())
         _assert_the_same_function(before, _replies(llm))
     finally:
         llm.shutdown()
@@ -79,7 +79,7 @@ def test_a_rotated_float_model_gives_the_same_tokens_and_logprobs(tmp_path, mode
 def test_the_embedded_model_rotated_gives_the_same_tokens_and_logprobs(model_path):
     llm = LLM(model_path, **FLOAT_OPTIONS)
     try:
-        model = llm.core.worker.model
+        model = llm.core.single_rank_model()
         before = _replies(llm)
         rotate_model(model)
         assert model.lm_head.weight is not model.embed_weight
@@ -96,7 +96,7 @@ def test_norms_after_attention_and_mlp_are_refused_with_the_reason(tmp_path, mon
     )
     llm = LLM(folder, **FLOAT_OPTIONS)
     try:
-        assert "do not commute with a rotation" in rotation_unsupported_reason(llm.core.worker.model)
+        assert "do not commute with a rotation" in rotation_unsupported_reason(llm.core.single_rank_model())
     finally:
         llm.shutdown()
     # The rotation is refused before any projection is quantized, on CPUs with or without W8A8.

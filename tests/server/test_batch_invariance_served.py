@@ -45,7 +45,7 @@ def invariant_server(model_path):
         batch_invariant=True,
         chunk_size="auto",
     ) as running:
-        if not running.engine.core.worker.batch_invariant:
+        if not running.engine.inspect().batch_invariant:
             pytest.skip(f"no {dtype} batch invariance on this machine (no native kernels built)")
         yield running
 
