@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from firsttoken.bench.cli import add_compare_args, run_compare
+from firsttoken.bench.bench_commands import add_compare_args, run_compare
 
 
 def main() -> int:

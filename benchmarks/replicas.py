@@ -33,10 +33,10 @@ from common import print_table, save_result  # noqa: E402
 from firsttoken.bench.datasets import DatasetSpec, build_prompts  # noqa: E402
 from firsttoken.bench.serve_client import LoadShape, ServeTarget, run_load  # noqa: E402
 from firsttoken.bench.serve_stats import SLO, summarize_run  # noqa: E402
-from firsttoken.deploy.config import ReplicasConfig  # noqa: E402
+from firsttoken.deploy.deploy_config import ReplicasConfig  # noqa: E402
 from firsttoken.deploy.ray import build_application  # noqa: E402
 from firsttoken.models.registry import default_model_path, open_checkpoint  # noqa: E402
-from firsttoken.server.config import ServerConfig  # noqa: E402
+from firsttoken.server.server_config import ServerConfig  # noqa: E402
 
 APP_NAME = "firsttoken-bench"
 ROUTERS = ("pow2", "prefix")

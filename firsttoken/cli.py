@@ -8,8 +8,8 @@ import logging
 import sys
 from typing import Sequence
 
-from firsttoken.bench.cli import register_bench_verbs
-from firsttoken.deploy.cli import add_replica_args
+from firsttoken.bench.bench_commands import register_bench_verbs
+from firsttoken.deploy.deploy_command import add_replica_args
 from firsttoken.engine_args import (
     add_engine_args,
     add_model_arg,
@@ -18,7 +18,7 @@ from firsttoken.engine_args import (
     read_system_prompt,
 )
 from firsttoken.quantize import register_quantize_verb
-from firsttoken.server.cli import register_serve_verb
+from firsttoken.server.serve_command import register_serve_verb
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -573,6 +573,29 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     streaming_llm: StreamingLLMConfig = field(default_factory=StreamingLLMConfig)
 
+    def __post_init__(self) -> None:
+        if self.parallel.tensor_parallel_size > 1:
+            self._check_splits_over_ranks()
+
+    def _check_splits_over_ranks(self) -> None:
+        """What tensor parallelism cannot hold: each rank has a slice of the KV and of each
+        projection's inputs."""
+        _require(
+            self.prompt_cache.persist_dir is None or not self.prompt_cache.enable,
+            "prompt_cache_dir",
+            "persisted pinned prefixes need tensor_parallel_size 1 (each rank holds a KV slice)",
+        )
+        _require(
+            self.model_config.w8a8_activation_stats is None,
+            "w8a8_activation_stats",
+            "maxima are for a whole model, not with tensor_parallel_size > 1",
+        )
+        _require(
+            not self.model_config.w8a8_rotation,
+            "w8a8_rotation",
+            "each rank would hold part of each rotation's inputs: tensor_parallel_size 1 only",
+        )
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat keywords (`block_size=32`) and/or whole sections (`cache=CacheConfig()`,

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from firsttoken.cli import build_parser, main
-from firsttoken.server.cli import server_config
+from firsttoken.server.serve_command import server_config
 from tests.conftest import on_this_workers_cores
 from tests.server.conftest import running_server
 

@@ -21,13 +21,13 @@ from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp
 
 from firsttoken.deploy.client import ReplicaEngineClient, RouterCollector
-from firsttoken.deploy.config import ReplicasConfig
+from firsttoken.deploy.deploy_config import ReplicasConfig
 from firsttoken.deploy.replica import EngineReplica
 from firsttoken.deploy.router import PrefixAwareRouter
 from firsttoken.metrics.prometheus import PrometheusMetrics
 from firsttoken.models.registry import resolve_model_path
 from firsttoken.server.app import create_app
-from firsttoken.server.config import ServerConfig, default_model_name
+from firsttoken.server.server_config import ServerConfig, default_model_name
 
 
 def engine_deployment_options(replicas: ReplicasConfig) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from firsttoken.engine.futures import settle_future
 from firsttoken.engine.pinned_prefixes import default_pin_id
 from firsttoken.engine.prompt_encoder import (
     Messages,
-    Prompt,
+    TextOrTokenIds,
     PromptEncoder,
     TokenizedPrompt,
     render_system_prompt,
@@ -290,7 +290,7 @@ class AsyncEngine:
 
     async def tokenize(
         self,
-        prompt: Prompt | None = None,
+        prompt: TextOrTokenIds | None = None,
         *,
         messages: Messages | None = None,
         add_generation_prompt: bool = True,
@@ -363,7 +363,7 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: Prompt | None = None,
+        prompt: TextOrTokenIds | None = None,
         sampling_params: SamplingParams | None = None,
         *,
         messages: Messages | None = None,

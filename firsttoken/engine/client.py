@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Protocol, Sequence
 
 from firsttoken.engine.async_engine import RequestObserver
-from firsttoken.engine.prompt_encoder import Messages, Prompt, TokenizedPrompt
+from firsttoken.engine.prompt_encoder import Messages, TextOrTokenIds, TokenizedPrompt
 from firsttoken.outputs import EngineCompute, EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.sampling_params import SamplingParams
 from firsttoken.tokenizer import Tokenizer
@@ -50,7 +50,7 @@ class EngineClient(Protocol):
 
     async def tokenize(
         self,
-        prompt: Prompt | None = None,
+        prompt: TextOrTokenIds | None = None,
         *,
         messages: Messages | None = None,
         add_generation_prompt: bool = True,

@@ -22,8 +22,8 @@ from firsttoken.sampling_params import SamplingParams
 
 Messages = Sequence[dict[str, Any]]
 # A prompt is text, or as vLLM takes it a dict: {"prompt": text} or {"prompt_token_ids": ids}.
-Prompt = Union[str, Mapping[str, Any]]
-PromptInput = Union[Prompt, Sequence[Prompt], None]
+OfflinePrompt = Union[str, Mapping[str, Any]]
+PromptInput = Union[OfflinePrompt, Sequence[OfflinePrompt], None]
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 

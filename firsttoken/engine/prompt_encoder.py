@@ -19,7 +19,7 @@ from firsttoken.errors import InvalidInputError
 from firsttoken.tokenizer import Tokenizer
 
 Messages = Sequence[dict[str, Any]]
-Prompt = Union[str, Sequence[int]]  # text, or token ids
+TextOrTokenIds = Union[str, Sequence[int]]
 Result = TypeVar("Result")
 
 
@@ -43,7 +43,7 @@ class PromptEncoder:
 
     async def tokenize(
         self,
-        prompt: Prompt | None = None,
+        prompt: TextOrTokenIds | None = None,
         *,
         messages: Messages | None = None,
         add_generation_prompt: bool = True,

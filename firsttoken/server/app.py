@@ -20,7 +20,7 @@ from firsttoken.server.auth import ApiKeyGate
 from firsttoken.server.body_limit import BodySizeLimit
 from firsttoken.server.chat import create_chat_completion
 from firsttoken.server.completions import create_completion
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 from firsttoken.server.errors import APIError, install_error_handlers
 from firsttoken.server.json_body import checked_json_route
 from firsttoken.server.pins import list_pins, pin_system_prompt, unpin

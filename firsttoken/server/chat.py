@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from firsttoken.engine import EngineClient, Tokenizer
 from firsttoken.outputs import RequestDelta, SampledToken, TokenLogprob
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 from firsttoken.server.generation import Choice, check_num_choices, sampling_params, start_choices
 from firsttoken.server.protocol import (
     AssistantMessage,

@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from firsttoken.engine import InvalidInputError
-from firsttoken.server.config import JSONLimits
+from firsttoken.server.server_config import JSONLimits
 from firsttoken.server.errors import APIError, is_json_content_type
 
 

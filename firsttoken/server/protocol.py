@@ -49,7 +49,7 @@ def _one_error_for_union(expected: str) -> WrapValidator:
     return WrapValidator(validate)
 
 
-Prompt = Annotated[
+CompletionPrompt = Annotated[
     Union[str, list[str], list[int], list[list[int]]],
     _one_error_for_union("a string, a list of strings, a list of token ids or a list of token-id lists"),
 ]
@@ -378,7 +378,7 @@ def _check_stop_strings(stop: str | list[str] | None) -> None:
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions."""
 
-    prompt: Prompt
+    prompt: CompletionPrompt
     max_tokens: int | None = Field(
         None, ge=0, description="default: the rest of the context; 0 only with echo (the prompt scored)"
     )

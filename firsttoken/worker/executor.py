@@ -14,7 +14,7 @@ from collections.abc import Callable
 from firsttoken.config import EngineConfig
 from firsttoken.core.batch import ModelOutput, SchedulerOutput
 from firsttoken.core.cost_model import StepCostModel
-from firsttoken.errors import InvalidInputError, TensorParallelError
+from firsttoken.errors import TensorParallelError
 from firsttoken.worker.device import resolve_device
 from firsttoken.worker.startup import measure_step_cost, warm_up
 from firsttoken.worker.tensor_parallel import RankGroup, RankProcesses, RankStart, rank_device, serve_steps
@@ -41,20 +41,6 @@ class Executor:
         """This process's worker, once every rank has loaded its slice and joined the process
         group; a split that cannot be is refused before any other rank starts."""
         config = self.config
-        if config.prompt_cache.persist_dir is not None and config.prompt_cache.enable:
-            raise InvalidInputError(
-                "prompt_cache_dir",
-                "persisted pinned prefixes need tensor_parallel_size 1 (each rank holds a KV slice)",
-            )
-        if config.model_config.w8a8_activation_stats is not None:
-            raise InvalidInputError(
-                "w8a8_activation_stats", "maxima are for a whole model, not with tensor_parallel_size > 1"
-            )
-        if config.model_config.w8a8_rotation:
-            raise InvalidInputError(
-                "w8a8_rotation",
-                "each rank would hold part of each rotation's inputs: tensor_parallel_size 1 only",
-            )
         self.rank_group = group = rank_group(config, 0)
         worker = Worker(config, group)  # its slice is chosen here: a split that cannot be raises
         self.rank_processes = processes = RankProcesses(config, run_rank)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from firsttoken.cli import build_parser
-from firsttoken.deploy.cli import replicas_config
-from firsttoken.deploy.config import ReplicasConfig
+from firsttoken.deploy.deploy_command import replicas_config
+from firsttoken.deploy.deploy_config import ReplicasConfig
 
 
 def test_serve_flags_set_the_replicas_config():

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 from tests.http_client import HTTP
 
 MODEL_NAME = "smollm2"
@@ -42,7 +42,7 @@ def _free_port() -> int:
 def ray_cluster():
     """A local Ray instance for the module (Ray is imported here, not when tests are collected)."""
     ray = pytest.importorskip("ray")
-    from firsttoken.deploy.cli import PROXY_CHECK_ENVIRONMENT
+    from firsttoken.deploy.deploy_command import PROXY_CHECK_ENVIRONMENT
 
     # The proxy's health checks as patient as `firsttoken serve --replicas` makes them: the
     # replicas load while the proxy starts, which on a busy machine makes it miss the default ones.

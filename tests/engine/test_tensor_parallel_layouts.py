@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from firsttoken import LLM, SamplingParams
+from firsttoken.config import EngineConfig
 from firsttoken.errors import InvalidInputError
 from tests.conftest import FIXED_THREADS
 from tests.engine.test_tensor_parallel import GREEDY, assert_same_outputs
@@ -64,6 +65,20 @@ def test_w8a8_maxima_are_refused_with_ranks(tiny_model, tmp_path):
     stats = str(tmp_path / "maxima.safetensors")
     with pytest.raises(InvalidInputError, match="w8a8_activation_stats: maxima are for a whole model"):
         LLM(tiny_model, tensor_parallel_size=2, quantization="w8a8", w8a8_activation_stats=stats, **OPTIONS)
+
+
+@pytest.mark.parametrize(
+    ("options", "field_name"),
+    [
+        ({"prompt_cache_dir": "/tmp/pins"}, "prompt_cache_dir"),
+        ({"quantization": "w8a8", "w8a8_activation_stats": "maxima.safetensors"}, "w8a8_activation_stats"),
+        ({"quantization": "w8a8", "w8a8_rotation": True}, "w8a8_rotation"),
+    ],
+)
+def test_the_config_refuses_what_ranks_cannot_split_before_anything_loads(options, field_name):
+    with pytest.raises(InvalidInputError, match=f"^{field_name}: .*tensor_parallel_size"):
+        EngineConfig.from_kwargs(tensor_parallel_size=2, **options)
+    EngineConfig.from_kwargs(tensor_parallel_size=1, **options)
 
 
 @pytest.mark.slow

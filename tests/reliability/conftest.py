@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 from tests.server.conftest import MODEL_NAME, running_server
 
 MAX_MODEL_LEN = 256

@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 from tests.server.conftest import MODEL_NAME, running_server
 
 # The 2-layer model of SmolLM2-135M's shapes in float32 takes 48 KiB a 16-token block: about 12

@@ -15,7 +15,7 @@ from prometheus_client.samples import Sample
 from firsttoken.engine import AsyncEngine
 from firsttoken.outputs import EngineStats
 from firsttoken.server.app import create_app
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 from firsttoken.server.http_server import build_server
 from tests.conftest import FIXED_THREADS
 from tests.http_client import HTTP

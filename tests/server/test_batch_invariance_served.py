@@ -9,7 +9,7 @@ import random
 import httpx
 import pytest
 
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 from tests.conftest import may_claim_batch_invariance
 from tests.server.conftest import MODEL_NAME, running_server
 

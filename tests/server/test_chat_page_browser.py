@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 from tests.http_client import HTTP
 from tests.server.browser import start_chromium, system_browser
 from tests.server.conftest import MODEL_NAME, running_server

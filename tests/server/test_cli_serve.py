@@ -15,7 +15,7 @@ import pytest
 
 from firsttoken.cli import build_parser
 from firsttoken.config import SUBCONFIGS, flat_name
-from firsttoken.server.cli import engine_options, server_config
+from firsttoken.server.serve_command import engine_options, server_config
 from tests.http_client import HTTP
 
 

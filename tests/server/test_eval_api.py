@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, running_server
 from tests.server.test_tools_api import ASK, TOOLS, _create

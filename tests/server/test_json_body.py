@@ -8,7 +8,7 @@ import json
 import pytest
 
 from firsttoken.engine import InvalidInputError
-from firsttoken.server.config import JSONLimits
+from firsttoken.server.server_config import JSONLimits
 from firsttoken.server.errors import APIError
 from firsttoken.server.json_body import count_json_values, find_lone_surrogate, parse_json_body
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, running_server
 

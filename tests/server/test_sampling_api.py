@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from firsttoken import SamplingParams
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, running_server
 

@@ -14,7 +14,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, RunningServer, running_server
 

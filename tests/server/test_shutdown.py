@@ -18,7 +18,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 from firsttoken.server.http_server import DrainingServer
 from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, running_server

@@ -7,7 +7,7 @@ import gc
 import weakref
 
 
-from firsttoken.server.config import ServerConfig
+from firsttoken.server.server_config import ServerConfig
 from tests.http_client import HTTP
 from tests.server.conftest import MODEL_NAME, running_server
 

@@ -100,10 +100,6 @@ typedef struct {
 
 static const float zero_row[ATTENTION_MAX_HEAD_DIM];
 
-static inline int64_t element_size(int dtype) {
-    return dtype == DTYPE_BFLOAT16 ? 2 : 4;
-}
-
 static inline int64_t row_slot(const KeyValueRows *rows, int64_t index) {
     if (rows->blocks == NULL) {
         return index;

@@ -134,6 +134,10 @@ static inline int64_t max_i64(int64_t a, int64_t b) {
     return a > b ? a : b;
 }
 
+static inline int64_t element_size(int dtype) {
+    return dtype == DTYPE_BFLOAT16 ? 2 : 4;
+}
+
 /* Steps of fewer elements stay on the calling thread: waking the others costs more. */
 #define PARALLEL_MIN_ELEMENTS 65536
 

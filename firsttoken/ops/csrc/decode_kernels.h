@@ -8,9 +8,32 @@
 
 #include "common.h"
 
-/* Both steps (portable_decode_step.c): whether every slot, block id and length of the batch lies
- * inside the cache (1, else 0), and the widest input a projection of the step reads. */
-FT_INTERNAL int decode_batch_in_bounds(const DecodeModel *m, const DecodeBatch *b);
+/* What one whole-step decode runs that the other does not: its activations' dtype, and the
+ * kernels of its projections and attention. The layer around them is written once, in
+ * decode_layers. Each kernel runs this OpenMP thread's share, with no barrier at its end (the
+ * layer puts one after it); a call per projection, the hot loops inside. */
+typedef struct {
+    int dtype;
+    /* This thread's scratch for project and attend, NULL when out of memory; freed by
+     * free_scratch (which takes NULL). */
+    void *(*thread_scratch)(const DecodeModel *m, const DecodeBatch *b, int num_threads);
+    void (*free_scratch)(void *scratch);
+    /* out [rows, w->out_features] = x [rows, w->in_features] . W^T (+ bias). */
+    void (*project)(const Int4Weight *w, const void *x, int64_t rows, void *scratch, void *out);
+    /* attended [rows, heads * head_dim] from the rotated queries in qkv [rows, (heads + 2 kv_heads)
+     * * head_dim] over the layer's cache, the new keys already in it. */
+    void (*attend)(const DecodeModel *m, const DecodeLayer *layer, const DecodeBatch *b, const void *qkv,
+                   void *attended, void *scratch);
+} DecodeStepKernels;
+
+/* Every layer of `m` (portable_decode_step.c) for one new token per sequence of `b`, on `kernels`
+ * and num_threads threads: `hidden` [rows, hidden_size] holds the tokens' embeddings on entry and
+ * the last layer's output plus its residual on return; each layer's K/V go into its cache at the
+ * batch's slots. Returns FT_OK, FT_OUT_OF_MEMORY, or FT_OUT_OF_BOUNDS (touching nothing) when a
+ * slot, block id or length lies outside the cache or there are more than DECODE_MAX_ROWS sequences. */
+FT_INTERNAL FtStatus decode_layers(const DecodeStepKernels *kernels, const DecodeModel *m, const DecodeBatch *b,
+                                   void *hidden, int num_threads);
+/* The widest input a projection of the step reads. */
 FT_INTERNAL int64_t decode_widest_input(const DecodeModel *m);
 
 /* Per row of float32 x [rows, in_features] (in_features a multiple of INT4_GROUP_SIZE), the sum

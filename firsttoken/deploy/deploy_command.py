@@ -13,8 +13,8 @@ import sys
 import threading
 from typing import Any
 
-from firsttoken.deploy.config import ROUTERS, ReplicasConfig
-from firsttoken.server import cli as server_cli
+from firsttoken.deploy.deploy_config import ROUTERS, ReplicasConfig
+from firsttoken.server import serve_command
 
 APP_NAME = "firsttoken"
 # Flags whose names differ from their field's.
@@ -67,7 +67,7 @@ def replicas_config(args: argparse.Namespace) -> ReplicasConfig:
 
 def run_serve(args: argparse.Namespace) -> int:
     if args.replicas_num_replicas is None and args.ray_address is None:
-        return server_cli.run_serve(args)
+        return serve_command.run_serve(args)
     return run_replicated(args)
 
 
@@ -88,13 +88,13 @@ def run_replicated(args: argparse.Namespace) -> int:
     replicas = replicas_config(args)
     system_prompt = read_system_prompt(args)
     model = resolve_model_path(args.model)
-    config = server_cli.server_config(args, model)
+    config = serve_command.server_config(args, model)
     for name, value in PROXY_CHECK_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     ray.init(address=args.ray_address)
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
-        engine_options = server_cli.engine_options(args)
+        engine_options = serve_command.engine_options(args)
         application = build_application(model, engine_options, config, replicas, system_prompt)
         serve.run(application, name=APP_NAME, route_prefix="/")
     except (ray.exceptions.RayError, RuntimeError) as error:

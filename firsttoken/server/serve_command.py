@@ -13,7 +13,7 @@ from firsttoken.engine_args import (
     engine_kwargs,
     read_system_prompt,
 )
-from firsttoken.server.config import JSONLimits, ServerConfig, default_model_name
+from firsttoken.server.server_config import JSONLimits, ServerConfig, default_model_name
 
 _DEFAULTS = ServerConfig()
 
