@@ -138,6 +138,11 @@ static inline int64_t element_size(int dtype) {
     return dtype == DTYPE_BFLOAT16 ? 2 : 4;
 }
 
+/* The cases of a switch over a tile's row count, CASE(count) each (the including file's macro):
+ * every count its own unrolled code. */
+#define TILE_CASES_1_TO_6(CASE) CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+#define TILE_CASES_7_TO_12(CASE) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+
 /* Steps of fewer elements stay on the calling thread: waking the others costs more. */
 #define PARALLEL_MIN_ELEMENTS 65536
 

@@ -157,19 +157,9 @@ ALWAYS_INLINE void multiply_tile(
 static void multiply_rows(int rows, const Matmul *m, int64_t row, int64_t panel, int64_t k_begin,
                           int64_t k_end) {
     switch (rows) {
-        TILE_CASE(1)
-        TILE_CASE(2)
-        TILE_CASE(3)
-        TILE_CASE(4)
-        TILE_CASE(5)
-        TILE_CASE(6)
+        TILE_CASES_1_TO_6(TILE_CASE)
 #if TILE_ROWS > 6
-        TILE_CASE(7)
-        TILE_CASE(8)
-        TILE_CASE(9)
-        TILE_CASE(10)
-        TILE_CASE(11)
-        TILE_CASE(12)
+        TILE_CASES_7_TO_12(TILE_CASE)
 #endif
     }
 }

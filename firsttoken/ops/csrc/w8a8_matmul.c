@@ -278,18 +278,8 @@ static inline __attribute__((always_inline)) void multiply_tile(const int rows, 
 
 static void multiply_rows(int rows, const W8A8Matmul *m, int64_t row, int64_t panel) {
     switch (rows) {
-        TILE_CASE(1)
-        TILE_CASE(2)
-        TILE_CASE(3)
-        TILE_CASE(4)
-        TILE_CASE(5)
-        TILE_CASE(6)
-        TILE_CASE(7)
-        TILE_CASE(8)
-        TILE_CASE(9)
-        TILE_CASE(10)
-        TILE_CASE(11)
-        TILE_CASE(12)
+        TILE_CASES_1_TO_6(TILE_CASE)
+        TILE_CASES_7_TO_12(TILE_CASE)
     }
 }
 
