@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     native = load_native_kernels(os.path.join(default_cache_dir(), "native"))
-    if native is None or not native.has_prefill_attention:
+    if native is None or not native.attention.has_prefill_attention:
         sys.exit("needs the native prefill attention (a C compiler and a CPU with AVX512-BF16 or AMX)")
     backend = CPUAttentionBackend(torch.device("cpu"), native)
     rows, payload = [], []

@@ -75,7 +75,7 @@ def prefill_row(native: NativeKernels, num_tokens: int, dtype: torch.dtype, thre
     medians = call_medians(
         {
             "sdpa": lambda: _prefill_attention(query, key, value, torch.empty(0), span),
-            "ours": lambda: native.flash_attention(query, key, value, threads),
+            "ours": lambda: native.flash.flash_attention(query, key, value, threads),
         }
     )
     return ["prefill", num_tokens, medians["sdpa"], medians["ours"], medians["sdpa"] / medians["ours"]]
@@ -90,7 +90,7 @@ def chunk_row(native: NativeKernels, num_context: int, dtype: torch.dtype, threa
     medians = call_medians(
         {
             "sdpa": lambda: _prefill_attention(query, key, value, kv_cache, span),
-            "ours": lambda: native.flash_attention_paged(query, kv_cache, block_ids, num_keys, threads),
+            "ours": lambda: native.flash.flash_attention_paged(query, kv_cache, block_ids, num_keys, threads),
         }
     )
     label = f"chunk {CHUNK_TOKENS} on"
@@ -112,7 +112,9 @@ def decode_row(native: NativeKernels, num_context: int, rows: int, dtype: torch.
     medians = call_medians(
         {
             "sdpa": lambda: _decode_attention(query, kv_cache, torch_metadata, window=None),
-            "ours": lambda: native.flash_decode_attention(query, kv_cache, ours.block_table, ours.seq_lens),
+            "ours": lambda: native.flash.flash_decode_attention(
+                query, kv_cache, ours.block_table, ours.seq_lens
+            ),
         }
     )
     return [

@@ -12,7 +12,7 @@ Then an engine's start alone against its start beside a live engine of the same 
 same process, which lends it its prepared weights (firsttoken/worker/shared_weights.py).
 
 Last, one part of a float32 start on native kernels: the search for the GGUF levels of every
-projection weight (`NativeKernels.find_levels`, which decode-sized steps then read), on one
+projection weight (`MatmulKernels.find_levels`, which decode-sized steps then read), on one
 thread, against a copy of the same weights (the least a pass over them costs).
 """
 
@@ -91,7 +91,7 @@ def levels_search_and_copy(model: str, repeats: int) -> tuple[float, float]:
     torch.set_num_threads(1)
     search, copy = [], []
     for _ in range(repeats):
-        search.append(timed(lambda: [kernels.find_levels(weight) for weight in weights]))
+        search.append(timed(lambda: [kernels.matmul.find_levels(weight) for weight in weights]))
         copy.append(timed(lambda: [weight.clone() for weight in weights]))
     torch.set_num_threads(threads)
     return statistics.median(search), statistics.median(copy)

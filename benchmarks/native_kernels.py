@@ -84,12 +84,13 @@ def kernel_rows(native: NativeKernels) -> list[list[object]]:
         cos, sin = rotary_cos_sin(table, torch.randint(0, 4096, (num_rows,)), torch.bfloat16)
         query_key = torch.randn(num_rows, 15 * 64).to(torch.bfloat16)[:, : 12 * 64].view(num_rows, 12, 64)
         ops = {
-            "add+RMSNorm": (lambda: native.add_rms_norm(x, residual, weight, 1e-5),
+            "add+RMSNorm": (lambda: native.rows.add_rms_norm(x, residual, weight, 1e-5),
                             lambda: kernels._fused_add_rms_norm(x, residual, weight, 1e-5),
                             lambda: kernels.add_rms_norm_reference(x, residual, weight, 1e-5)),
-            "SwiGLU": (lambda: native.silu_and_mul(gate_up), lambda: kernels._fused_silu_and_mul(gate_up),
+            "SwiGLU": (lambda: native.rows.silu_and_mul(gate_up),
+                       lambda: kernels._fused_silu_and_mul(gate_up),
                        lambda: kernels.silu_and_mul_reference(gate_up)),
-            "rotary": (lambda: native.apply_rotary_(query_key, cos, sin),
+            "rotary": (lambda: native.rows.apply_rotary_(query_key, cos, sin),
                        lambda: kernels._fused_apply_rotary(query_key, cos, sin),
                        lambda: kernels.apply_rotary_reference(query_key, cos, sin)),
         }
@@ -107,7 +108,7 @@ def attention_rows(native: NativeKernels) -> list[list[object]]:
         query = torch.randn(length, 9, 64).to(torch.bfloat16)
         key, value = (torch.randn(length, 3, 64).to(torch.bfloat16) for _ in range(2))
         us = call_medians({
-            "native": lambda: native.prefill_attention(query, key, value, torch.get_num_threads()),
+            "native": lambda: native.attention.prefill_attention(query, key, value, torch.get_num_threads()),
             "sdpa": lambda: F.scaled_dot_product_attention(
                 query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None],
                 is_causal=True, enable_gqa=True,
@@ -132,8 +133,12 @@ def decode_attention_rows(native: NativeKernels) -> list[list[object]]:
         seq_lens = torch.full((DECODE_ATTENTION_ROWS,), context + 1)
         query = torch.randn(DECODE_ATTENTION_ROWS, 9, 64, generator=generator).to(torch.bfloat16)
         us = call_medians({
-            "as prefill": lambda: native.paged_decode_attention(query, kv_cache, block_table, seq_lens, True),
-            "exact": lambda: native.paged_decode_attention(query, kv_cache, block_table, seq_lens, False),
+            "as prefill": lambda: native.attention.paged_decode_attention(
+                query, kv_cache, block_table, seq_lens, True
+            ),
+            "exact": lambda: native.attention.paged_decode_attention(
+                query, kv_cache, block_table, seq_lens, False
+            ),
         })
         rows.append([context, us["as prefill"], us["exact"], us["as prefill"] / us["exact"]])
     return rows
@@ -144,7 +149,7 @@ def argmax_rows(native: NativeKernels) -> list[list[object]]:
     for num_rows in ARGMAX_ROWS:
         logits = torch.randn(num_rows, VOCAB_SIZE)
         us = call_medians({
-            "native": lambda: native.argmax_rows(logits), "torch": lambda: torch.argmax(logits, dim=-1)
+            "native": lambda: native.rows.argmax_rows(logits), "torch": lambda: torch.argmax(logits, dim=-1)
         })
         rows.append([num_rows, us["native"], us["torch"], us["native"] / us["torch"]])
     return rows
@@ -155,7 +160,7 @@ def print_kernel_tables(native: NativeKernels) -> None:
         ["op (bf16)", "rows", "native us", "compiled us", "eager us", "native / compiled"],
         kernel_rows(native),
     )
-    if native.has_prefill_attention:
+    if native.attention.has_prefill_attention:
         form = "AMX" if native.has_amx else "AVX512-BF16"
         print()
         print_table(

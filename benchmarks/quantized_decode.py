@@ -102,10 +102,12 @@ def projection_runs(
         )
         if native is not None:
             runs[f"portable int4, {label} x"] = over_layers(
-                lambda w, x: native.portable_int4_matmul(w.levels, w.scales_zeros, None, x), dtype
+                lambda w, x: native.quantized.portable_int4_matmul(w.levels, w.scales_zeros, None, x), dtype
             )
             runs[f"portable int8, {label} x"] = over_layers(
-                lambda w, x, dtype=dtype: native.portable_int8_matmul(w.int8, w.int8_scales[dtype], None, x),
+                lambda w, x, dtype=dtype: native.quantized.portable_int8_matmul(
+                    w.int8, w.int8_scales[dtype], None, x
+                ),
                 dtype,
             )
     return runs

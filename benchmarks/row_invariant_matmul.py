@@ -72,9 +72,9 @@ def kernel_rows(native: NativeKernels, row_counts: list[int], repeats: int) -> l
         blocks = GGMLQuantizationType.Q8_0 if name == "lm_head" else GGMLQuantizationType.Q4_1
         values = (torch.randn(out_features, in_features) / in_features**0.5).numpy()
         weight = torch.from_numpy(dequantize(quantize(values, blocks), blocks).astype("float32"))
-        packed = native.pack_matmul_weight(weight)
-        packed_bf16 = native.pack_matmul_weight(weight, torch.bfloat16)
-        packed_levels = pack_levels(native.find_levels(weight), native.matmul_panel_width)
+        packed = native.matmul.pack_matmul_weight(weight)
+        packed_bf16 = native.matmul.pack_matmul_weight(weight, torch.bfloat16)
+        packed_levels = pack_levels(native.matmul.find_levels(weight), native.matmul.matmul_panel_width)
         for rows in row_counts:
             if name == "lm_head" and rows > LM_HEAD_MAX_ROWS:
                 continue
@@ -82,12 +82,12 @@ def kernel_rows(native: NativeKernels, row_counts: list[int], repeats: int) -> l
             # Fewer turns where one call is long: the ratio, not the count, is what is read.
             turns = max(3, min(repeats, int(repeats * 2e8 / (2 * rows * out_features * in_features))))
             calls = {
-                "ours": lambda: native.row_invariant_matmul(x, packed, None, out_features),
-                "ours bf16 W": lambda: native.row_invariant_matmul(x, packed_bf16, None, out_features),
+                "ours": lambda: native.matmul.row_invariant_matmul(x, packed, None, out_features),
+                "ours bf16 W": lambda: native.matmul.row_invariant_matmul(x, packed_bf16, None, out_features),
                 "torch": lambda: F.linear(x, weight),
             }
             if rows <= LEVELS_MAX_ROWS:
-                calls["ours levels"] = lambda: native.row_invariant_levels_matmul(
+                calls["ours levels"] = lambda: native.matmul.row_invariant_levels_matmul(
                     x, packed_levels, None, out_features
                 )
             ms = call_medians(calls, turns)

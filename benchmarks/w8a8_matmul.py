@@ -44,9 +44,9 @@ def main() -> None:
     parser.add_argument("--isa", default="auto")
     args = parser.parse_args()
     kernels = native.load_native_kernels(tempfile.mkdtemp(), args.isa)
-    if kernels is None or not kernels.has_w8a8_matmul:
+    if kernels is None or not kernels.w8a8.has_w8a8_matmul:
         sys.exit(f"the {args.isa} build has no native int8 matmul (x86 with AVX2 only)")
-    instructions = "AVX512-VNNI" if kernels.w8a8_matmul_uses_vnni else "AVX2"
+    instructions = "AVX512-VNNI" if kernels.w8a8.w8a8_matmul_uses_vnni else "AVX2"
     generator = torch.Generator().manual_seed(0)
     on_onednn = onednn_int8_sums_exact()
     layers = []
@@ -54,11 +54,11 @@ def main() -> None:
         for in_features, out_features in PROJECTIONS:
             levels, scales = quantize_int8(torch.randn(out_features, in_features, generator=generator))
             onednn_weight = torch.ops.onednn.qlinear_prepack(levels, None) if on_onednn else None
-            layers.append((in_features, onednn_weight, kernels.pack_w8a8_weight(levels), scales))
+            layers.append((in_features, onednn_weight, kernels.w8a8.pack_w8a8_weight(levels), scales))
     results = []
     for rows in args.rows:
         inputs = {
-            width: kernels.quantize_rows_int8(torch.randn(rows, width, generator=generator).bfloat16())
+            width: kernels.w8a8.quantize_rows_int8(torch.randn(rows, width, generator=generator).bfloat16())
             for width in {in_features for in_features, _ in PROJECTIONS}
         }
 
@@ -68,15 +68,17 @@ def main() -> None:
                 sums = _onednn_int8_matmul(
                     levels, onednn_weight, scales, _no_zero_points(scales.shape[0]), ACTIVATION_ZERO_POINT
                 )
-                kernels.rescale_rows(sums, row_scales, None, torch.bfloat16)
+                kernels.rows.rescale_rows(sums, row_scales, None, torch.bfloat16)
 
         def native_matmul(use_amx: bool) -> None:
             for in_features, _, packed, scales in layers:
                 levels, row_scales = inputs[in_features]
-                kernels.w8a8_matmul(levels, row_scales, packed, scales, None, torch.bfloat16, use_amx=use_amx)
+                kernels.w8a8.w8a8_matmul(
+                    levels, row_scales, packed, scales, None, torch.bfloat16, use_amx=use_amx
+                )
 
         runs = {f"native int8 matmul ({instructions})": lambda index: timed(lambda: native_matmul(False))}
-        if kernels.w8a8_matmul_uses_amx:
+        if kernels.w8a8.w8a8_matmul_uses_amx:
             runs["native int8 matmul (AMX-INT8)"] = lambda index: timed(lambda: native_matmul(True))
         if on_onednn:
             runs["oneDNN int8 matmul + rescale pass"] = lambda index: timed(onednn_then_rescale)

@@ -39,7 +39,7 @@ from firsttoken.arithmetic import ceil_div
 from firsttoken.attention.backend import PLAIN_ATTENTION, BatchLayout, LayerAttention, decode_tables
 from firsttoken.attention.reference import write_kv_reference
 from firsttoken.attention.sdpa import causal_self_attention
-from firsttoken.ops import native, native_abi
+from firsttoken.ops import native, native_abi, native_library
 from firsttoken.ops.native_decode import DecodeTables
 
 
@@ -168,7 +168,7 @@ class CPUAttentionBackend:
         sink_query: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.native is not None and _native_writable(kv_cache, key, value, metadata.slot_mapping):
-            self.native.write_kv(kv_cache, key, value, metadata.slot_mapping)
+            self.native.attention.write_kv(kv_cache, key, value, metadata.slot_mapping)
         else:
             write_kv_reference(kv_cache, key, value, metadata.slot_mapping)
         if not metadata.prefills:  # a decode-only step: no output to assemble
@@ -197,13 +197,13 @@ class CPUAttentionBackend:
         portable flash kernel (the prefill's arithmetic, always), else SDPA."""
         paged = metadata.paged_decodes
         layer = options.layer
-        if paged is not None and self.native.paged_decode_attention_supports(query, kv_cache):
+        if paged is not None and self.native.attention.paged_decode_attention_supports(query, kv_cache):
             # Windows and caps only on the prefill's arithmetic (the exact kernel has neither).
             as_prefill = (self.decode_as_prefill or not layer.is_plain) and self.decodes_as_prefill(
                 kv_cache.shape[2], query.dtype, query.shape[2]
             )
             if layer.is_plain or (as_prefill and _vector_bf16_attends(layer)):
-                return self.native.paged_decode_attention(
+                return self.native.attention.paged_decode_attention(
                     query,
                     kv_cache,
                     paged.block_table,
@@ -214,10 +214,10 @@ class CPUAttentionBackend:
                 )
         if (
             paged is not None
-            and self.native.flash_attention_supports(query, kv_cache)
+            and self.native.flash.flash_attention_supports(query, kv_cache)
             and kv_cache.is_contiguous()
         ):
-            return self.native.flash_decode_attention(
+            return self.native.flash.flash_decode_attention(
                 query, kv_cache, paged.block_table, paged.seq_lens, **options.arguments()
             )
         if options.layer.logit_softcap is not None:
@@ -232,11 +232,11 @@ class CPUAttentionBackend:
             return False
         if _takes_vector_bf16_attention(self.native, dtype, head_dim):
             return (
-                self.native.has_prefill_attention
+                self.native.attention.has_prefill_attention
                 and block_size % native_abi.DECODE_AS_PREFILL_BLOCK_MULTIPLE == 0
             )
         probe = torch.empty(1, 1, head_dim, dtype=dtype)
-        return self.native.flash_attention_supports(probe, probe)
+        return self.native.flash.flash_attention_supports(probe, probe)
 
     def _prefill(
         self,
@@ -253,11 +253,15 @@ class CPUAttentionBackend:
         `flash_max_queries` queries unless decode rows take the prefill's arithmetic),
         else SDPA."""
         layer = options.layer
-        if self.native is not None and self.native.has_prefill_attention and _vector_bf16_attends(layer):
+        if (
+            self.native is not None
+            and self.native.attention.has_prefill_attention
+            and _vector_bf16_attends(layer)
+        ):
             window = layer.sliding_window or 0
             keys_values = _keys_values_in_window(key, value, kv_cache, span, window)
-            if self.native.prefill_attention_supports(query, *keys_values):
-                self.native.prefill_attention(
+            if self.native.attention.prefill_attention_supports(query, *keys_values):
+                self.native.attention.prefill_attention(
                     query,
                     *keys_values,
                     torch.get_num_threads(),
@@ -293,7 +297,7 @@ def _vector_bf16_attends(layer: LayerAttention) -> bool:
 def _takes_vector_bf16_attention(kernels: native.NativeKernels, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the AVX512-BF16 kernels take decode rows and prefills of this dtype and head size."""
     probe = torch.empty(1, 1, head_dim, dtype=dtype)
-    return kernels.paged_decode_attention_supports(probe, probe.view(1, 1, 1, 1, head_dim))
+    return kernels.attention.paged_decode_attention_supports(probe, probe.view(1, 1, 1, 1, head_dim))
 
 
 def _flash_takes(
@@ -305,12 +309,12 @@ def _flash_takes(
     span: PrefillSpan,
 ) -> bool:
     if span.num_context_tokens:
-        return kernels.flash_attention_supports(query, kv_cache) and kv_cache.is_contiguous()
+        return kernels.flash.flash_attention_supports(query, kv_cache) and kv_cache.is_contiguous()
     return (
-        kernels.flash_attention_supports(query, key)
+        kernels.flash.flash_attention_supports(query, key)
         and key.dtype == value.dtype
-        and native.heads_contiguous(key)
-        and native.heads_contiguous(value)
+        and native_library.heads_contiguous(key)
+        and native_library.heads_contiguous(value)
     )
 
 
@@ -330,14 +334,14 @@ def _flash_prefill(
     threads = torch.get_num_threads()
     arguments = options.arguments()
     if not span.num_context_tokens:
-        kernels.flash_attention(query, key, value, threads, **arguments, out=out)
+        kernels.flash.flash_attention(query, key, value, threads, **arguments, out=out)
         return
     num_keys = span.num_context_tokens + span.query_len
     if span.sequence_first_block is not None:
         keys_values = context_in_place(kv_cache, span.sequence_first_block, num_keys)
-        kernels.flash_attention(query, *keys_values, threads, **arguments, out=out)
+        kernels.flash.flash_attention(query, *keys_values, threads, **arguments, out=out)
         return
-    kernels.flash_attention_paged(
+    kernels.flash.flash_attention_paged(
         query, kv_cache, span.sequence_block_ids, num_keys, threads, **arguments, out=out
     )
 
@@ -369,11 +373,11 @@ def _native_writable(
 ) -> bool:
     """The native copy takes rows of contiguous heads into a contiguous cache."""
     return (
-        native.supports(key)
+        native_library.supports(key)
         and kv_cache.dtype == key.dtype == value.dtype
         and kv_cache.is_contiguous()
-        and native.heads_contiguous(key)
-        and native.heads_contiguous(value)
+        and native_library.heads_contiguous(key)
+        and native_library.heads_contiguous(value)
         and slot_mapping.dtype == torch.long
         and slot_mapping.is_contiguous()
         and slot_mapping.shape[0] == key.shape[0]

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from firsttoken.ops import native
+from firsttoken.ops import native, native_library
 from firsttoken.ops.activation import gelu_tanh_and_mul_reference, silu_and_mul_reference
 from firsttoken.ops.norm import add_rms_norm_reference, rms_norm_reference
 from firsttoken.ops.rotary import apply_rotary_reference
@@ -77,11 +77,11 @@ class Kernels:
         return self.triton is not None and x.stride(-1) == 1
 
     def _use_native(self, x: torch.Tensor) -> bool:
-        return self.native is not None and native.supports(x)
+        return self.native is not None and native_library.supports(x)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self._use_native(x) and x.is_contiguous() and weight.dtype == x.dtype:
-            return self.native.rms_norm(x, weight, eps)
+            return self.native.rows.rms_norm(x, weight, eps)
         if self._use_triton(x):
             return self.triton.rms_norm(x, weight, eps)
         if self._use_compiled(x):
@@ -92,7 +92,7 @@ class Kernels:
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._use_native(x) and x.is_contiguous() and residual.is_contiguous() and weight.dtype == x.dtype:
-            return self.native.add_rms_norm(x, residual, weight, eps)
+            return self.native.rows.add_rms_norm(x, residual, weight, eps)
         if self._use_triton(x) and residual.stride(-1) == 1:
             return self.triton.add_rms_norm(x, residual, weight, eps)
         if self._use_compiled(x):
@@ -101,7 +101,7 @@ class Kernels:
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self._use_native(gate_up) and gate_up.is_contiguous():
-            return self.native.silu_and_mul(gate_up)
+            return self.native.rows.silu_and_mul(gate_up)
         if self._use_triton(gate_up):
             return self.triton.silu_and_mul(gate_up)
         if self._use_compiled(gate_up):
@@ -118,11 +118,11 @@ class Kernels:
         """x [T, heads, head_dim] rotated; the native kernel rotates x in place."""
         if (
             self._use_native(x)
-            and native.heads_contiguous(x)
+            and native_library.heads_contiguous(x)
             and cos.is_contiguous()
             and cos.dtype == x.dtype
         ):
-            return self.native.apply_rotary_(x, cos, sin)
+            return self.native.rows.apply_rotary_(x, cos, sin)
         if self._use_triton(x) and cos.stride(-1) == 1 and sin.stride(-1) == 1:
             return self.triton.apply_rotary_(x, cos, sin)
         if self._use_compiled(x):

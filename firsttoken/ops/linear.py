@@ -131,22 +131,26 @@ class NativeRowInvariantLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.out_features = weight.shape[0]
-        self.register_buffer("packed_weight", kernels.pack_matmul_weight(weight.float(), weight_dtype))
+        self.register_buffer("packed_weight", kernels.matmul.pack_matmul_weight(weight.float(), weight_dtype))
         self.bias = bias.float().contiguous() if bias is not None else None
         self.kernels = kernels
         # A weight dequantized from GGUF blocks, also as its levels: decode-sized steps read
         # those, with the same bits (ops/weight_levels.py).
-        found = kernels.find_levels(weight) if weight_dtype == torch.float32 else None
-        self.levels = pack_levels(found, kernels.matmul_panel_width) if found is not None else None
+        found = kernels.matmul.find_levels(weight) if weight_dtype == torch.float32 else None
+        self.levels = pack_levels(found, kernels.matmul.matmul_panel_width) if found is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if flat.stride(-1) != 1:
             flat = flat.contiguous()
         if self.levels is not None and flat.shape[0] <= native_abi.LEVELS_MAX_ROWS:
-            output = self.kernels.row_invariant_levels_matmul(flat, self.levels, self.bias, self.out_features)
+            output = self.kernels.matmul.row_invariant_levels_matmul(
+                flat, self.levels, self.bias, self.out_features
+            )
         else:
-            output = self.kernels.row_invariant_matmul(flat, self.packed_weight, self.bias, self.out_features)
+            output = self.kernels.matmul.row_invariant_matmul(
+                flat, self.packed_weight, self.bias, self.out_features
+            )
         return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -229,11 +233,14 @@ class Int8Linear(nn.Module):
         leading = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
         if self._native_takes(flat):
-            return self.kernels.int8_matmul(self.weight, self.scales, self.bias, flat.contiguous()).reshape(
-                *leading, -1
+            output = self.kernels.quantized.int8_matmul(
+                self.weight, self.scales, self.bias, flat.contiguous()
             )
+            return output.reshape(*leading, -1)
         if self.runs_portable and flat.shape[0] <= native_abi.DECODE_MAX_ROWS and flat.dtype == torch.float32:
-            output = self.kernels.portable_int8_matmul(self.weight, self.scales, self.bias, flat.contiguous())
+            output = self.kernels.quantized.portable_int8_matmul(
+                self.weight, self.scales, self.bias, flat.contiguous()
+            )
             return output.reshape(*leading, -1)
         output = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
         if self.bias is not None:
@@ -396,7 +403,9 @@ class NativeInt4Linear(_PackedInt4Linear):
         if flat.dtype != torch.bfloat16:
             flat = flat.to(torch.bfloat16)
         if flat.shape[0] <= native_abi.DECODE_MAX_ROWS:
-            output = self.kernels.int4_matmul(self.levels, self.scales_zeros, self.bias, flat.contiguous())
+            output = self.kernels.quantized.int4_matmul(
+                self.levels, self.scales_zeros, self.bias, flat.contiguous()
+            )
         else:
             output = int4_linear_reference(
                 flat, *unpack_int4(self.levels, self.scales_zeros), INT4_GROUP_SIZE, self.bias
@@ -415,7 +424,7 @@ class PortableInt4Linear(_PackedInt4Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()
         pieces = [
-            self.kernels.portable_int4_matmul(self.levels, self.scales_zeros, self.bias, piece)
+            self.kernels.quantized.portable_int4_matmul(self.levels, self.scales_zeros, self.bias, piece)
             for piece in flat.split(native_abi.DECODE_MAX_ROWS)
         ]
         output = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
@@ -548,7 +557,7 @@ def fastest_linear(
 
 
 class Float32LogitsHead(nn.Module):
-    """A bf16 LM head whose logits are summed and kept in float32 (`NativeKernels.float32_logits`),
+    """A bf16 LM head whose logits are summed and kept in float32 (`MatmulKernels.float32_logits`),
     where a bf16 matmul rounds each to bf16: logits near 15 move in steps of 0.06 there, and which
     of two close candidates a greedy step takes is that rounding's pick. On SmolLM2-135M, teacher-
     forced over GPL-3's text, bf16's top-1 tokens agree with float32's at 0.969 of the positions
@@ -558,12 +567,12 @@ class Float32LogitsHead(nn.Module):
         super().__init__()
         self.out_features = weight.shape[0]
         self.native_kernels = native_kernels
-        self.register_buffer("packed_weight", native_kernels.pack_logits_weight(weight))
+        self.register_buffer("packed_weight", native_kernels.matmul.pack_logits_weight(weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         leading = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
-        logits = self.native_kernels.float32_logits(flat, self.packed_weight, self.out_features)
+        logits = self.native_kernels.matmul.float32_logits(flat, self.packed_weight, self.out_features)
         return logits.reshape(*leading, self.out_features)
 
 
@@ -572,8 +581,9 @@ def takes_float32_logits(linear: Linear, native_kernels: native.NativeKernels | 
     the CPU, native kernels with AVX512-BF16, a hidden size divisible by 4."""
     weight = linear.weight
     return (
-        native_kernels is not None and native_kernels.has_float32_logits and weight.dtype == torch.bfloat16
-        and weight.device.type == "cpu" and linear.bias is None and weight.shape[1] % 4 == 0
+        native_kernels is not None and native_kernels.matmul.has_float32_logits
+        and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and linear.bias is None
+        and weight.shape[1] % 4 == 0
     )
 
 

@@ -2,7 +2,7 @@
 
 The kernels' limits and shape multiples, their dtype codes, the status every kernel returns,
 the structs the decode step reads and every exported function's parameter list are defined
-here only: the build (`native.py`) writes `c_header()` into the build folder as
+here only: the build (`native_build.py`) writes `c_header()` into the build folder as
 native_abi.h, which csrc/common.h includes, so the compiler checks each kernel's definition
 against its declaration here; Python fills the ctypes classes below and calls each kernel
 by its parameters' names (`bind`). A constant, a field or a parameter cannot change on one

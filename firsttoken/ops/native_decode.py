@@ -91,7 +91,7 @@ def _head_shape_taken(kernels: native.NativeKernels, shape: StepShape, dtype: to
     if dtype == torch.bfloat16:
         multiple, largest = native_abi.DECODE_HEAD_DIM_MULTIPLE, native_abi.DECODE_MAX_HEAD_DIM
     else:
-        multiple, largest = kernels.flash_head_dim_multiple, native_abi.ATTENTION_MAX_HEAD_DIM
+        multiple, largest = kernels.flash.flash_head_dim_multiple, native_abi.ATTENTION_MAX_HEAD_DIM
     return shape.head_dim % multiple == 0 and shape.head_dim <= largest
 
 
@@ -168,5 +168,5 @@ class NativeDecodeStep:
             cos.data_ptr(),
             sin.data_ptr(),
         )
-        self.kernels.decode_step(self._model, batch, hidden)
+        self.kernels.steps.decode_step(self._model, batch, hidden)
         return hidden

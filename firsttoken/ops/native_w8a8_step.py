@@ -120,7 +120,7 @@ def supports_layers(
     projection a W8A8 one on the native int8 matmul, gate_up storing SwiGLU's product."""
     head_dim = shape.head_dim
     if (
-        not kernels.has_w8a8_step
+        not kernels.steps.has_w8a8_step
         or not kernels.has_decode_kernels
         or head_dim % native_abi.PREFILL_HEAD_DIM_MULTIPLE != 0
         or head_dim % native_abi.DECODE_HEAD_DIM_MULTIPLE != 0
@@ -181,7 +181,7 @@ class NativeW8A8Step:
         self.head_dim = shape.head_dim
         self._model = native_abi.W8A8StepModel(
             *shape.model_fields(len(layers), layers[0].kv_cache),
-            int(kernels.w8a8_matmul_uses_amx),
+            int(kernels.w8a8.w8a8_matmul_uses_amx),
             int(kernels.has_amx),
             int(decode_as_prefill),
             ctypes.addressof(self._layer_array),
@@ -227,5 +227,5 @@ class NativeW8A8Step:
             cos.data_ptr(),
             sin.data_ptr(),
         )
-        self.kernels.w8a8_step(self._model, batch, hidden, residual)
+        self.kernels.steps.w8a8_step(self._model, batch, hidden, residual)
         return hidden, residual

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from firsttoken.ops import native
+from firsttoken.ops import native, native_library
 from firsttoken.ops.cpu_info import cpu_flags
 from firsttoken.ops.hadamard import check_hadamard_block, walsh_hadamard_rows
 
@@ -152,12 +152,12 @@ def w8a8_on_native_matmul(kernels: native.NativeKernels | None) -> bool:
     back (`benchmarks/w8a8_matmul.py`, SmolLM2's projections at 512 and 2048 rows: on 2 Zen 4
     cores 0.85-0.92x the time of oneDNN's product and that pass; on 2 Sapphire Rapids-class
     cores, on its AMX tiles, 0.60-0.69x)."""
-    if kernels is None or not kernels.has_w8a8_matmul:
+    if kernels is None or not kernels.w8a8.has_w8a8_matmul:
         return False
     return (
         not onednn_int8_sums_exact()
-        or kernels.w8a8_matmul_uses_amx
-        or (kernels.w8a8_matmul_uses_vnni and "amx_int8" not in cpu_flags())
+        or kernels.w8a8.w8a8_matmul_uses_amx
+        or (kernels.w8a8.w8a8_matmul_uses_vnni and "amx_int8" not in cpu_flags())
     )
 
 
@@ -168,7 +168,7 @@ def w8a8_unsupported_reason(
     CPU with VNNI or AMX-INT8, or from `kernels` where they hold the native int8 matmul."""
     if device.type != "cpu":
         return f"w8a8 runs on CPU only, not {device.type}"
-    if kernels is not None and kernels.has_w8a8_matmul:
+    if kernels is not None and kernels.w8a8.has_w8a8_matmul:
         return None
     if not torch.backends.mkldnn.is_available():
         return "w8a8 needs PyTorch built with oneDNN"
@@ -255,12 +255,12 @@ class W8A8Linear(nn.Module):
         self.makes_swiglu_product = (
             swiglu_output
             and self.native_matmul
-            and kernels.w8a8_matmul_makes_swiglu
+            and kernels.w8a8.w8a8_matmul_makes_swiglu
             and weight.shape[0] % 2 == 0
         )
         self.out_features = weight.shape[0] // 2 if self.makes_swiglu_product else weight.shape[0]
         if self.native_matmul:
-            packed = kernels.pack_w8a8_weight(weight, silu_gated=self.makes_swiglu_product)
+            packed = kernels.w8a8.pack_w8a8_weight(weight, silu_gated=self.makes_swiglu_product)
         else:
             packed = torch.ops.onednn.qlinear_prepack(weight, None)
         self.register_buffer("packed_weight", packed)
@@ -310,7 +310,7 @@ class W8A8Linear(nn.Module):
             self.kernels is not None
             and x.dim() == 2
             and all(
-                native.supports(tensor) and tensor.dtype == x.dtype and tensor.is_contiguous()
+                native_library.supports(tensor) and tensor.dtype == x.dtype and tensor.is_contiguous()
                 for tensor in tensors
             )
         )
@@ -332,12 +332,12 @@ class W8A8Linear(nn.Module):
         """The product of the norm's rows, quantized in the norm's own pass (the levels this
         projection's quantization pass would make of them), the norm's `summed` set."""
         if self.native_matmul:
-            output, norm.summed = self.kernels.w8a8_norm_matmul(
+            output, norm.summed = self.kernels.w8a8.w8a8_norm_matmul(
                 norm.x, norm.residual, norm.weight, norm.eps, self.packed_weight, self.weight_scales,
                 self.bias, self.input_scales, self.hadamard_block, self.makes_swiglu_product,
             )
             return output
-        levels, row_scales, norm.summed = self.kernels.rms_norm_quantize_int8(
+        levels, row_scales, norm.summed = self.kernels.w8a8.rms_norm_quantize_int8(
             norm.x, norm.residual, norm.weight, norm.eps, self.input_scales, self.hadamard_block
         )
         return self._multiply(levels, row_scales, norm.x.dtype)
@@ -346,13 +346,13 @@ class W8A8Linear(nn.Module):
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if self.native_matmul:
             # One native call: the quantization pass and the matmul back to back.
-            output = self.kernels.w8a8_quantize_matmul(
+            output = self.kernels.w8a8.w8a8_quantize_matmul(
                 flat.contiguous(), self.packed_weight, self.weight_scales, self.bias, self.input_scales,
                 self.hadamard_block, silu_gated, self.makes_swiglu_product,
             )
             return output if x.dim() == 2 else output.reshape(*x.shape[:-1], self.out_features)
         if self.kernels is not None:
-            levels, row_scales = self.kernels.quantize_rows_int8(
+            levels, row_scales = self.kernels.w8a8.quantize_rows_int8(
                 flat.contiguous(), self.input_scales, self.hadamard_block, silu_gated
             )
         else:
@@ -363,7 +363,7 @@ class W8A8Linear(nn.Module):
     def _multiply(self, levels: torch.Tensor, row_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[rows, out] in `dtype` from the quantized rows."""
         if self.native_matmul:
-            return self.kernels.w8a8_matmul(
+            return self.kernels.w8a8.w8a8_matmul(
                 levels, row_scales, self.packed_weight, self.weight_scales, self.bias, dtype,
                 silu_gated=self.makes_swiglu_product,
             )
@@ -371,5 +371,5 @@ class W8A8Linear(nn.Module):
             levels, self.packed_weight, self.weight_scales, self.weight_zero_points, ACTIVATION_ZERO_POINT
         )
         if self.kernels is not None:
-            return self.kernels.rescale_rows(sums, row_scales, self.bias, dtype)
+            return self.kernels.rows.rescale_rows(sums, row_scales, self.bias, dtype)
         return rescale_rows(sums, row_scales, self.bias, dtype)

@@ -4,7 +4,7 @@ seeds, logprobs.
 Rows whose parameters have logits processors (penalties, logit_bias, bad words, min_tokens; see
 logits_processors.py) have their logits processed first; logprobs are those of the raw logits,
 as vLLM's default. Greedy rows take the argmax of their (processed) logits: on CPU, the native
-kernels' one vectorized pass per row (`NativeKernels.argmax_rows`, torch.argmax's index, in
+kernels' one vectorized pass per row (`RowKernels.argmax_rows`, torch.argmax's index, in
 0.12-0.17x its time for 1 to 48 rows of 49152 logits: `python benchmarks/native_kernels.py`).
 Every other row is drawn by tensor ops over all such rows at once; the only Python loops are over
 a step's specs (building parameter lists) and over its few candidate widths (see below).
@@ -269,7 +269,7 @@ class Sampler:
             self.native_kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32
             and logits.dim() == 2 and logits.shape[1] > 0 and logits.is_contiguous()
         ):
-            return self.native_kernels.argmax_rows(logits)
+            return self.native_kernels.rows.argmax_rows(logits)
         return torch.argmax(logits, dim=-1)
 
     def _with_grammar_errors(

@@ -111,7 +111,7 @@ def measure_lengths(
         out = torch.empty_like(query)
 
         def flash(query=query, key=key, value=value, out=out) -> object:
-            return native_kernels.flash_attention(query, key, value, num_threads, out=out)
+            return native_kernels.flash.flash_attention(query, key, value, num_threads, out=out)
 
         def sdpa(query=query, key=key, value=value) -> object:
             return causal_self_attention(query, key, value)

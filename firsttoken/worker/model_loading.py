@@ -125,11 +125,11 @@ def _measured_flash_limit(
     kernel, where both can take them: plain layers without invariance on the CPU, in a dtype
     the AVX512-BF16 prefill kernel does not take."""
     dtype = placement.dtype
-    if native_kernels is None or (dtype == torch.bfloat16 and native_kernels.has_prefill_attention):
+    if native_kernels is None or (dtype == torch.bfloat16 and native_kernels.attention.has_prefill_attention):
         return None
     head_dim = attention_arch.head_dim
     probe = torch.empty(1, attention_arch.num_heads, head_dim, dtype=dtype)
-    if not native_kernels.flash_attention_supports(probe, probe):
+    if not native_kernels.flash.flash_attention_supports(probe, probe):
         return None
     shape = AttentionShape(attention_arch.num_heads, attention_arch.num_kv_heads, head_dim, dtype)
     return load_or_measure_limit(placement.cache_dir, native_kernels, shape, torch.get_num_threads())
@@ -223,9 +223,9 @@ def _log_w8a8_matmul(model: LlamaForCausalLM) -> None:
     first = projections[0]
     if not first.native_matmul:
         multiplier = "oneDNN's int8 matmul"
-    elif first.kernels.w8a8_matmul_uses_amx:
+    elif first.kernels.w8a8.w8a8_matmul_uses_amx:
         multiplier = "the native int8 matmul on AMX-INT8"
-    elif first.kernels.w8a8_matmul_uses_vnni:
+    elif first.kernels.w8a8.w8a8_matmul_uses_vnni:
         multiplier = "the native int8 matmul on AVX512-VNNI"
     else:
         multiplier = "the native int8 matmul on AVX2 (VPMADDWD)"
@@ -257,7 +257,7 @@ def _weights_form(
         native_isa=native_kernels.isa if native_kernels is not None else None,
         pack_onednn=pack_onednn,
         w8a8_native_matmul=w8a8_native_matmul,
-        w8a8_swiglu_product=w8a8_native_matmul and native_kernels.w8a8_matmul_makes_swiglu,
+        w8a8_swiglu_product=w8a8_native_matmul and native_kernels.w8a8.w8a8_matmul_makes_swiglu,
         w8a8_rotation=model_config.w8a8_rotation,
     )
 
@@ -275,7 +275,7 @@ def _check_streaming_runs_here(
             "StreamingLLM runs on the CPU's native kernels (native_kernels on) or on cuda",
         )
     probe = torch.empty(1, arch.num_heads, arch.head_dim)
-    if not native_kernels.flash_attention_supports(probe, probe):
+    if not native_kernels.flash.flash_attention_supports(probe, probe):
         raise InvalidInputError(
             "streaming_window",
             f"StreamingLLM needs a head size of whole vectors of this CPU's kernels, not {arch.head_dim}",

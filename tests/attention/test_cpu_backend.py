@@ -126,9 +126,9 @@ def test_contexts_in_consecutive_blocks_are_read_in_place_and_match_reference(
     backend = CPUAttentionBackend(torch.device("cpu"), kernels)
     native_calls = []
     if with_native:
-        attend = native_kernels.prefill_attention
+        attend = native_kernels.attention.prefill_attention
         monkeypatch.setattr(
-            native_kernels, "prefill_attention", _counted(attend, 1, native_calls)
+            native_kernels.attention, "prefill_attention", _counted(attend, 1, native_calls)
         )
     metadata = backend.build_metadata(layout, slot_mapping)
     if layout.num_decodes == 1:
@@ -140,7 +140,7 @@ def test_contexts_in_consecutive_blocks_are_read_in_place_and_match_reference(
     output = backend.forward(query, key, value, kv_cache, metadata)
     expected = paged_attention_reference(query, kv_cache, layout)
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    uses_native = with_native and dtype == torch.bfloat16 and native_kernels.has_prefill_attention
+    uses_native = with_native and dtype == torch.bfloat16 and native_kernels.attention.has_prefill_attention
     assert len(native_calls) == (len(metadata.prefills) if uses_native else 0)
 
 
@@ -163,7 +163,7 @@ def test_scattered_context_takes_the_native_kernel_with_the_in_place_bits(seqs, 
     """A chunk on cached context whose blocks are scattered gathers them once and runs the same
     native kernel: the bits of the same step laid out in consecutive blocks."""
     native_kernels = _native_or_skip(native_kernels)
-    if not native_kernels.has_prefill_attention:
+    if not native_kernels.attention.has_prefill_attention:
         pytest.skip("no native prefill attention on this CPU")
     layout, slot_mapping, kv_cache, query, key, value = _random_batch(
         seqs, 16, 9, 3, 64, torch.bfloat16, in_order=True
@@ -171,9 +171,9 @@ def test_scattered_context_takes_the_native_kernel_with_the_in_place_bits(seqs, 
     scattered = _relabelled(layout, slot_mapping, kv_cache, torch.Generator().manual_seed(1))
     assert all(first_of_run(s.block_table) is None for s in scattered[0].sequences if len(s.block_table) > 1)
     native_calls = []
-    attend = native_kernels.prefill_attention
+    attend = native_kernels.attention.prefill_attention
     monkeypatch.setattr(
-        native_kernels, "prefill_attention", _counted(attend, 1, native_calls)
+        native_kernels.attention, "prefill_attention", _counted(attend, 1, native_calls)
     )
     backend = CPUAttentionBackend(torch.device("cpu"), native_kernels)
     outputs = []
@@ -227,9 +227,9 @@ def test_bf16_decode_rows_take_the_paged_kernel_and_give_the_same_bits_whatever_
     same bits alone, beside other decodes or beside prefill chunks."""
     kernels = _decode_kernels_or_skip(native_kernels)
     calls = []
-    attend = kernels.paged_decode_attention
+    attend = kernels.attention.paged_decode_attention
     monkeypatch.setattr(
-        kernels,
+        kernels.attention,
         "paged_decode_attention",
         lambda *args, **kwargs: calls.append(kwargs) or attend(*args, **kwargs),
     )
@@ -264,9 +264,9 @@ def test_exact_paged_decode_rows_give_the_same_bits_alone_as_in_a_batch(
         block_table[row, : len(sequence.block_table)] = torch.tensor(sequence.block_table)
     # the new token's K/V: what the cache holds at its slot (zeros here), as the reference reads it
     seq_lens = torch.tensor(context_lengths) + 1
-    batched = kernels.paged_decode_attention(query, kv_cache, block_table, seq_lens)
+    batched = kernels.attention.paged_decode_attention(query, kv_cache, block_table, seq_lens)
     for row in range(len(context_lengths)):
-        alone = kernels.paged_decode_attention(
+        alone = kernels.attention.paged_decode_attention(
             query[row : row + 1], kv_cache, block_table[row : row + 1], seq_lens[row : row + 1]
         )
         assert torch.equal(alone[0], batched[row]), row
@@ -310,14 +310,14 @@ def test_decode_rows_as_prefill_get_the_bits_a_prefill_gives_their_positions(
     query = torch.randn(num_keys, num_heads, head_dim, generator=torch.Generator().manual_seed(1)).to(
         torch.bfloat16
     )
-    prefill = kernels.prefill_attention(query, keys, values, num_threads=2)
+    prefill = kernels.attention.prefill_attention(query, keys, values, num_threads=2)
     block_table = block_ids.repeat(len(positions), 1)
     seq_lens = torch.tensor(positions) + 1
-    decoded = kernels.paged_decode_attention(
+    decoded = kernels.attention.paged_decode_attention(
         query[positions], kv_cache, block_table, seq_lens, as_prefill=True
     )
     assert torch.equal(decoded, prefill[positions])
-    exact = kernels.paged_decode_attention(query[positions], kv_cache, block_table, seq_lens)
+    exact = kernels.attention.paged_decode_attention(query[positions], kv_cache, block_table, seq_lens)
     torch.testing.assert_close(decoded.float(), exact.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -326,7 +326,7 @@ def test_decode_rows_as_prefill_need_blocks_of_whole_16_key_tiles(native_kernels
     kv_cache = torch.zeros(2, 8, 8, 2, 64, dtype=torch.bfloat16)
     query = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="blocks of 8"):
-        kernels.paged_decode_attention(
+        kernels.attention.paged_decode_attention(
             query, kv_cache, torch.tensor([[0, 1]]), torch.tensor([9]), as_prefill=True
         )
     assert not CPUAttentionBackend(torch.device("cpu"), kernels, decode_as_prefill=True).decodes_as_prefill(
@@ -340,15 +340,15 @@ def test_paged_decode_attention_rejects_a_block_outside_the_cache(native_kernels
     kv_cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
     query = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
     with pytest.raises(IndexError, match="outside the KV cache"):
-        kernels.paged_decode_attention(
+        kernels.attention.paged_decode_attention(
             query, kv_cache, torch.tensor([[0, 4]]), torch.tensor([20]), as_prefill
         )
     with pytest.raises(IndexError, match="outside the KV cache"):
-        kernels.paged_decode_attention(
+        kernels.attention.paged_decode_attention(
             query, kv_cache, torch.tensor([[0, 1]]), torch.tensor([33]), as_prefill
         )
     with pytest.raises(ValueError, match="block table"):
-        kernels.paged_decode_attention(
+        kernels.attention.paged_decode_attention(
             query, kv_cache, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20])
         )
 
@@ -385,7 +385,7 @@ def test_portable_flash_takes_every_row_and_decodes_get_a_prefills_bits(
     gives its position."""
     kernels = _flash_kernels_or_skip(native_kernels, dtype)
     calls = _counting(
-        kernels, monkeypatch, "flash_attention", "flash_attention_paged", "flash_decode_attention"
+        kernels.flash, monkeypatch, "flash_attention", "flash_attention_paged", "flash_decode_attention"
     )
     backend = CPUAttentionBackend(torch.device("cpu"), kernels, decode_as_prefill=True)
     assert backend.decodes_as_prefill(16, dtype, 64)
@@ -421,7 +421,7 @@ def test_long_chunks_take_sdpa_unless_decodes_need_the_prefills_bits(
     decode_as_prefill, native_kernels, monkeypatch
 ):
     kernels = _flash_kernels_or_skip(native_kernels, torch.float32)
-    calls = _counting(kernels, monkeypatch, "flash_attention")
+    calls = _counting(kernels.flash, monkeypatch, "flash_attention")
     backend = CPUAttentionBackend(torch.device("cpu"), kernels, decode_as_prefill=decode_as_prefill)
     num_tokens = FLASH_MAX_QUERIES_BESIDE_SDPA + 1
     layout, slot_mapping, kv_cache, query, key, value = _random_batch(
@@ -442,7 +442,7 @@ def test_a_measured_limit_sends_longer_prompts_to_sdpa(
     """Prompts of 41 and 40 tokens without invariance: the native kernel takes those within the
     limit (None: all), SDPA the others; every row as the reference computes it."""
     kernels = _flash_kernels_or_skip(native_kernels, torch.float32)
-    calls = _counting(kernels, monkeypatch, "flash_attention")
+    calls = _counting(kernels.flash, monkeypatch, "flash_attention")
     backend = CPUAttentionBackend(torch.device("cpu"), kernels, flash_max_queries=flash_max_queries)
     layout, slot_mapping, kv_cache, query, key, value = _random_batch(
         [(0, 41), (0, 40)], 16, 2, 1, 16, torch.float32
@@ -475,8 +475,8 @@ def test_windowed_bf16_rows_on_the_vector_kernels_match_reference_without_readin
         kv_cache[:, sequence.block_table[: first_needed // 16]] = float("nan")
     calls = []
     for name in ("prefill_attention", "paged_decode_attention"):
-        kernel = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, _counted(kernel, name, calls))
+        kernel = getattr(kernels.attention, name)
+        monkeypatch.setattr(kernels.attention, name, _counted(kernel, name, calls))
     backend = CPUAttentionBackend(torch.device("cpu"), kernels, decode_as_prefill=decode_as_prefill)
     metadata = backend.build_metadata(layout, slot_mapping)
     output = backend.forward(query, key, value, kv_cache, metadata, layer)

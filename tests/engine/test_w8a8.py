@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
-from firsttoken.ops import native, w8a8
+from firsttoken.ops import native_w8a8, w8a8
 from firsttoken.ops.native_w8a8_step import PrefillChunk
 from firsttoken.ops.w8a8 import W8A8Linear, w8a8_unsupported_reason
 from firsttoken.worker import model_loading, model_runner
@@ -236,7 +236,7 @@ def test_the_native_int8_matmul_gives_the_onednn_engines_bits(two_layer_model_pa
     replies = {}
     for on_native in (False, True):
         def chosen(kernels, on_native=on_native):
-            return on_native and kernels is not None and kernels.has_w8a8_matmul
+            return on_native and kernels is not None and kernels.w8a8.has_w8a8_matmul
 
         for module in (w8a8, model_loading):  # the weights' form (shared by engines) and the projections
             monkeypatch.setattr(module, "w8a8_on_native_matmul", chosen)
@@ -244,7 +244,7 @@ def test_the_native_int8_matmul_gives_the_onednn_engines_bits(two_layer_model_pa
             llm = LLM(**options)
         try:
             native_kernels = llm.core.worker.kernels.native
-            if native_kernels is None or not native_kernels.has_w8a8_matmul:
+            if native_kernels is None or not native_kernels.w8a8.has_w8a8_matmul:
                 pytest.skip("no native int8 matmul in this build (x86 with AVX2 only)")
             projections = [m for m in llm.core.worker.model.modules() if isinstance(m, W8A8Linear)]
             assert projections and all(projection.native_matmul == on_native for projection in projections)
@@ -268,7 +268,7 @@ def test_the_swiglu_epilogue_gives_the_engines_bits_without_it(two_layer_model_p
     for fused in (True, False):
         if not fused:
             without = property(lambda self: False)
-            monkeypatch.setattr(native.NativeKernels, "w8a8_matmul_makes_swiglu", without)
+            monkeypatch.setattr(native_w8a8.W8A8Kernels, "w8a8_matmul_makes_swiglu", without)
         llm = LLM(**options)
         try:
             gate_up_proj = llm.core.worker.model.layers[0].mlp.gate_up_proj

@@ -1,4 +1,4 @@
-"""Greedy sampling's native argmax (`NativeKernels.argmax_rows`) against torch.argmax, on every
+"""Greedy sampling's native argmax (`RowKernels.argmax_rows`) against torch.argmax, on every
 build this CPU runs (the conftest's `kernels`): the same index, ties and NaNs included."""
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ def _rows(kind: str, rows: int, cols: int, generator: torch.Generator) -> torch.
 @pytest.mark.parametrize("kind", ["random", "ties", "all -inf"])
 def test_argmax_rows_gives_torch_argmax_index(kernels, cols, kind):
     logits = _rows(kind, 5, cols, torch.Generator().manual_seed(cols))
-    assert kernels.argmax_rows(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
+    assert kernels.rows.argmax_rows(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
 
 
 def test_argmax_rows_split_over_threads_gives_each_row_its_own_index(kernels):
     logits = torch.randn(48, 3000, generator=torch.Generator().manual_seed(1))
     logits[7, 2999] = logits[7].max() + 1  # the last column, in the scalar tail
     logits[8, :] = logits[8].max()  # every value tied: the first
-    assert kernels.argmax_rows(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
+    assert kernels.rows.argmax_rows(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
 
 
 @pytest.mark.parametrize("positions", [[0], [5], [70, 3], [999], [64, 640]])
@@ -42,17 +42,17 @@ def test_argmax_rows_takes_the_first_nan_as_torch_does(kernels, positions):
     logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(2))
     logits[1, positions] = float("nan")
     logits[1, 500] = float("inf")
-    assert kernels.argmax_rows(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
-    assert kernels.argmax_rows(logits)[1] == min(positions)
+    assert kernels.rows.argmax_rows(logits).tolist() == torch.argmax(logits, dim=-1).tolist()
+    assert kernels.rows.argmax_rows(logits)[1] == min(positions)
 
 
 def test_argmax_rows_names_what_it_cannot_take(kernels):
     with pytest.raises(ValueError, match="float32"):
-        kernels.argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
+        kernels.rows.argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="contiguous"):
-        kernels.argmax_rows(torch.zeros(8, 2).t())
+        kernels.rows.argmax_rows(torch.zeros(8, 2).t())
     with pytest.raises(ValueError, match="no values"):
-        kernels.argmax_rows(torch.zeros(2, 0))
+        kernels.rows.argmax_rows(torch.zeros(2, 0))
 
 
 def test_the_sampler_picks_the_same_tokens_on_the_native_argmax(kernels):

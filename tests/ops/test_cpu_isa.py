@@ -10,7 +10,7 @@ import pytest
 
 from firsttoken.config import CPU_ISAS, ModelConfig
 from firsttoken.errors import InvalidInputError
-from firsttoken.ops import cpu_isa, native
+from firsttoken.ops import cpu_isa, native_build
 from firsttoken.ops.cpu_info import cpu_flags
 from tests.native_builds import AMX_CPU_FLAG, DEFAULT_RUN_ISAS, ISA_PARAMS, built_kernels
 
@@ -70,6 +70,6 @@ def test_every_isa_compiles_here_even_one_this_cpu_cannot_run(tmp_path, monkeypa
         pytest.skip("no GCC on this machine (the ISA flags are GCC's)")
     monkeypatch.setenv("CC", compiler)
     try:
-        native.check_sources(cpu_isa.ISAS[isa], tmp_path)
+        native_build.check_sources(cpu_isa.ISAS[isa], tmp_path)
     except subprocess.CalledProcessError as error:
         pytest.fail(error.stderr.decode(errors="replace"))

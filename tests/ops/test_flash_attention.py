@@ -67,8 +67,8 @@ def test_flash_attention_matches_plain_math(
     kernels, dtype, num_heads, num_kv_heads, head_dim, num_queries, num_keys
 ):
     query, key, value = _qkv(num_queries, num_keys, num_heads, num_kv_heads, head_dim, dtype)
-    assert kernels.flash_attention_supports(query, key)
-    output = kernels.flash_attention(query, key, value, num_threads=2)
+    assert kernels.flash.flash_attention_supports(query, key)
+    output = kernels.flash.flash_attention(query, key, value, num_threads=2)
     assert output.dtype == dtype
     torch.testing.assert_close(
         output.float(), _causal_attention_reference(query, key, value), **TOLERANCE[dtype]
@@ -83,10 +83,10 @@ def test_a_row_has_the_same_bits_whatever_the_other_rows_and_threads(
     """The last rows of a 300-token prefill, as a chunk of 1, 17 or 70 queries on the others'
     keys, on one thread or two: the same bits."""
     query, key, value = _qkv(300, 300, num_heads, num_kv_heads, head_dim, dtype)
-    whole = kernels.flash_attention(query, key, value, num_threads=2)
+    whole = kernels.flash.flash_attention(query, key, value, num_threads=2)
     for num_queries in (1, 17, 70):
         for threads in (1, 2):
-            chunk = kernels.flash_attention(query[-num_queries:], key, value, num_threads=threads)
+            chunk = kernels.flash.flash_attention(query[-num_queries:], key, value, num_threads=threads)
             assert torch.equal(chunk, whole[-num_queries:])
 
 
@@ -98,8 +98,8 @@ def test_a_chunk_reads_its_paged_context_in_place_with_the_bits_of_consecutive_k
 ):
     query, key, value = _qkv(num_queries, num_keys, 9, 3, 64, dtype)
     kv_cache, block_ids = _paged(key, value, block_size)
-    paged = kernels.flash_attention_paged(query, kv_cache, block_ids, num_keys, num_threads=2)
-    assert torch.equal(paged, kernels.flash_attention(query, key, value, num_threads=2))
+    paged = kernels.flash.flash_attention_paged(query, kv_cache, block_ids, num_keys, num_threads=2)
+    assert torch.equal(paged, kernels.flash.flash_attention(query, key, value, num_threads=2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -112,13 +112,13 @@ def test_decode_rows_get_the_bits_a_prefill_gives_their_positions(
     bit its row in one prefill of the whole sequence, alone or beside the others."""
     num_keys = 300
     query, key, value = _qkv(num_keys, num_keys, num_heads, num_kv_heads, head_dim, dtype, seed=head_dim)
-    prefill = kernels.flash_attention(query, key, value, num_threads=2)
+    prefill = kernels.flash.flash_attention(query, key, value, num_threads=2)
     kv_cache, block_ids = _paged(key, value, block_size)
     positions = torch.tensor(POSITIONS_ON_TILE_EDGES)
     block_table = block_ids.repeat(len(positions), 1)
-    decoded = kernels.flash_decode_attention(query[positions], kv_cache, block_table, positions + 1)
+    decoded = kernels.flash.flash_decode_attention(query[positions], kv_cache, block_table, positions + 1)
     assert torch.equal(decoded, prefill[positions])
-    alone = kernels.flash_decode_attention(
+    alone = kernels.flash.flash_decode_attention(
         query[positions[-2:]], kv_cache, block_table[-2:], positions[-2:] + 1
     )
     assert torch.equal(alone, prefill[positions[-2:]])
@@ -128,35 +128,35 @@ def test_decode_rows_get_the_bits_a_prefill_gives_their_positions(
 def test_a_given_out_slice_gets_the_bits_a_new_tensor_gets(kernels, dtype):
     query, key, value = _qkv(40, 100, 9, 3, 64, dtype)
     kv_cache, block_ids = _paged(key, value, 16)
-    fresh = kernels.flash_attention(query, key, value, num_threads=2)
+    fresh = kernels.flash.flash_attention(query, key, value, num_threads=2)
     step_output = torch.full((44, 9, 64), float("nan"), dtype=dtype)
     rows = step_output[2:42]
-    assert kernels.flash_attention(query, key, value, num_threads=2, out=rows) is rows
+    assert kernels.flash.flash_attention(query, key, value, num_threads=2, out=rows) is rows
     assert torch.equal(step_output[2:42], fresh)
     assert step_output[:2].isnan().all() and step_output[42:].isnan().all()
     step_output.fill_(float("nan"))
-    kernels.flash_attention_paged(query, kv_cache, block_ids, 100, num_threads=2, out=rows)
+    kernels.flash.flash_attention_paged(query, kv_cache, block_ids, 100, num_threads=2, out=rows)
     assert torch.equal(step_output[2:42], fresh)
     with pytest.raises(ValueError, match="flash_attention_paged: out must be a contiguous CPU"):
-        kernels.flash_attention_paged(query, kv_cache, block_ids, 100, num_threads=2, out=rows[:, :3])
+        kernels.flash.flash_attention_paged(query, kv_cache, block_ids, 100, num_threads=2, out=rows[:, :3])
 
 
 def test_bad_shapes_and_tables_are_named(kernels):
     query, key, value = _qkv(8, 8, 4, 4, 64, torch.float32)
     with pytest.raises(ValueError, match="8 queries of 4 heads over 4 keys"):
-        kernels.flash_attention(query, key[:4], value[:4], num_threads=1)
+        kernels.flash.flash_attention(query, key[:4], value[:4], num_threads=1)
     odd = torch.zeros(1, 2, 12)
-    assert not kernels.flash_attention_supports(odd, odd)  # head size not whole vectors
-    assert not kernels.flash_attention_supports(query, key.to(torch.bfloat16))
+    assert not kernels.flash.flash_attention_supports(odd, odd)  # head size not whole vectors
+    assert not kernels.flash.flash_attention_supports(query, key.to(torch.bfloat16))
     kv_cache = torch.zeros(2, 4, 16, 4, 64)
     with pytest.raises(IndexError, match="outside the KV cache"):
-        kernels.flash_attention_paged(query, kv_cache, torch.tensor([0, 4]), 20, num_threads=1)
+        kernels.flash.flash_attention_paged(query, kv_cache, torch.tensor([0, 4]), 20, num_threads=1)
     with pytest.raises(IndexError, match="outside the KV cache"):
-        kernels.flash_attention_paged(query, kv_cache, torch.tensor([0]), 20, num_threads=1)
+        kernels.flash.flash_attention_paged(query, kv_cache, torch.tensor([0]), 20, num_threads=1)
     with pytest.raises(IndexError, match="outside the KV cache"):
-        kernels.flash_decode_attention(query[:1], kv_cache, torch.tensor([[0, 1]]), torch.tensor([33]))
+        kernels.flash.flash_decode_attention(query[:1], kv_cache, torch.tensor([[0, 1]]), torch.tensor([33]))
     with pytest.raises(ValueError, match="block table"):
-        kernels.flash_decode_attention(
+        kernels.flash.flash_decode_attention(
             query[:1], kv_cache, torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([9])
         )
 
@@ -170,7 +170,7 @@ WINDOWS = [1, 5, 16, 64, 65, 130, 1000]
 @pytest.mark.parametrize("num_queries,num_keys", [(1, 1), (64, 64), (65, 129), (17, 300), (300, 300)])
 def test_a_sliding_window_matches_plain_math(kernels, dtype, window, num_queries, num_keys):
     query, key, value = _qkv(num_queries, num_keys, 9, 3, 64, dtype)
-    output = kernels.flash_attention(query, key, value, num_threads=2, window=window)
+    output = kernels.flash.flash_attention(query, key, value, num_threads=2, window=window)
     torch.testing.assert_close(
         output.float(), _causal_attention_reference(query, key, value, window), **TOLERANCE[dtype]
     )
@@ -183,15 +183,15 @@ def test_windowed_chunks_and_decode_rows_get_the_bits_of_one_prefill(kernels, dt
     through block ids) and as a decode row, alone or beside others, it equals its prefill row."""
     num_keys = 300
     query, key, value = _qkv(num_keys, num_keys, 9, 3, 64, dtype)
-    prefill = kernels.flash_attention(query, key, value, num_threads=2, window=window)
+    prefill = kernels.flash.flash_attention(query, key, value, num_threads=2, window=window)
     kv_cache, block_ids = _paged(key, value, 16)
-    chunk = kernels.flash_attention_paged(
+    chunk = kernels.flash.flash_attention_paged(
         query[-70:], kv_cache, block_ids, num_keys, num_threads=1, window=window
     )
     assert torch.equal(chunk, prefill[-70:])
     positions = torch.tensor(POSITIONS_ON_TILE_EDGES)
     block_table = block_ids.repeat(len(positions), 1)
-    decoded = kernels.flash_decode_attention(
+    decoded = kernels.flash.flash_decode_attention(
         query[positions], kv_cache, block_table, positions + 1, window=window
     )
     assert torch.equal(decoded, prefill[positions])
@@ -203,19 +203,21 @@ def test_blocks_before_every_window_are_never_read(kernels):
     window, block_size, num_keys = 40, 16, 200
     query, key, value = _qkv(num_keys, num_keys, 9, 3, 64, torch.float32)
     kv_cache, block_ids = _paged(key, value, block_size)
-    intact = kernels.flash_attention_paged(
+    intact = kernels.flash.flash_attention_paged(
         query[-30:], kv_cache, block_ids, num_keys, num_threads=2, window=window
     )
     first_seen = num_keys - 30 - window + 1
     kv_cache[:, block_ids[: first_seen // block_size]] = float("nan")
     assert torch.equal(
-        kernels.flash_attention_paged(
+        kernels.flash.flash_attention_paged(
             query[-30:], kv_cache, block_ids, num_keys, num_threads=2, window=window
         ),
         intact,
     )
     last = torch.tensor([num_keys - 1])
-    decoded = kernels.flash_decode_attention(query[last], kv_cache, block_ids[None], last + 1, window=window)
+    decoded = kernels.flash.flash_decode_attention(
+        query[last], kv_cache, block_ids[None], last + 1, window=window
+    )
     assert torch.equal(decoded, intact[-1:])
 
 
@@ -227,13 +229,13 @@ def test_soft_capped_scores_match_plain_math_and_keep_a_rows_bits(kernels, dtype
     num_keys = 200
     query, key, value = _qkv(num_keys, num_keys, 9, 3, 64, dtype, seed=3)
     query = query * 4  # scores of several units: the cap bends them
-    output = kernels.flash_attention(query, key, value, num_threads=2, window=window, softcap=softcap)
+    output = kernels.flash.flash_attention(query, key, value, num_threads=2, window=window, softcap=softcap)
     torch.testing.assert_close(
         output.float(), _causal_attention_reference(query, key, value, window, softcap), **TOLERANCE[dtype]
     )
     kv_cache, block_ids = _paged(key, value, 16)
     positions = torch.tensor([0, 63, 64, 150, 199])
-    decoded = kernels.flash_decode_attention(
+    decoded = kernels.flash.flash_decode_attention(
         query[positions].contiguous(),
         kv_cache,
         block_ids.repeat(len(positions), 1),
@@ -284,7 +286,7 @@ def test_attention_sinks_beside_a_window_match_plain_math_and_keep_a_rows_bits(
     query, key, value = _qkv(num_keys, num_keys, 9, 3, 64, dtype, seed=5)
     sink_query = _qkv(num_keys, num_keys, 9, 3, 64, dtype, seed=6)[0].contiguous()
     sinks = dict(window=window, sink_tokens=sink_tokens)
-    output = kernels.flash_attention(query, key, value, num_threads=2, sink_query=sink_query, **sinks)
+    output = kernels.flash.flash_attention(query, key, value, num_threads=2, sink_query=sink_query, **sinks)
     torch.testing.assert_close(
         output.float(),
         _sinks_reference(query, sink_query, key, value, window, sink_tokens),
@@ -294,12 +296,12 @@ def test_attention_sinks_beside_a_window_match_plain_math_and_keep_a_rows_bits(
     first_kept = -(-sink_tokens // 8)
     first_seen = num_keys - 60 - window + 1
     kv_cache[:, block_ids[first_kept : max(first_kept, first_seen // 8)]] = float("nan")
-    chunk = kernels.flash_attention_paged(
+    chunk = kernels.flash.flash_attention_paged(
         query[-60:], kv_cache, block_ids, num_keys, num_threads=1, sink_query=sink_query[-60:], **sinks
     )
     assert torch.equal(chunk, output[-60:])
     positions = torch.tensor([150, 199])
-    decoded = kernels.flash_decode_attention(
+    decoded = kernels.flash.flash_decode_attention(
         query[positions].contiguous(),
         kv_cache,
         block_ids.repeat(2, 1),

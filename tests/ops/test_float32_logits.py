@@ -12,7 +12,7 @@ VOCAB, HIDDEN = 1000, 576  # 1000: a last panel of 8 outputs
 
 
 def _kernels_or_skip(native_kernels):
-    if native_kernels is None or not native_kernels.has_float32_logits:
+    if native_kernels is None or not native_kernels.matmul.has_float32_logits:
         pytest.skip("no float32 logits kernel on this machine (needs a C compiler and AVX512-BF16)")
     return native_kernels
 
@@ -34,41 +34,41 @@ def _rows(count: int, seed: int = 1) -> torch.Tensor:
 def test_float32_logits_are_float32_sums_of_the_bf16_products(native_kernels, rows):
     kernels = _kernels_or_skip(native_kernels)
     weight, x = _head(), _rows(rows)
-    packed = kernels.pack_logits_weight(weight)
+    packed = kernels.matmul.pack_logits_weight(weight)
     expected = x.double() @ weight.double().T
     for use_amx in _forms(kernels):
-        logits = kernels.float32_logits(x, packed, VOCAB, use_amx)
+        logits = kernels.matmul.float32_logits(x, packed, VOCAB, use_amx)
         assert logits.dtype == torch.float32 and logits.shape == (rows, VOCAB)
         # float32 sums of 576 products: far inside bf16's step (1/128 of a logit near 1)
         torch.testing.assert_close(logits.double(), expected, atol=1e-4, rtol=1e-5)
     bf16_grid = expected.to(torch.bfloat16).double()
-    assert not torch.equal(kernels.float32_logits(x, packed, VOCAB).double(), bf16_grid)
+    assert not torch.equal(kernels.matmul.float32_logits(x, packed, VOCAB).double(), bf16_grid)
 
 
 def test_a_rows_logits_are_the_same_bits_alone_and_in_any_batch(native_kernels):
     kernels = _kernels_or_skip(native_kernels)
-    packed = kernels.pack_logits_weight(_head())
+    packed = kernels.matmul.pack_logits_weight(_head())
     x = _rows(37)
     for use_amx in _forms(kernels):
-        batched = kernels.float32_logits(x, packed, VOCAB, use_amx)
+        batched = kernels.matmul.float32_logits(x, packed, VOCAB, use_amx)
         for row in (0, 15, 16, 31, 36):
-            alone = kernels.float32_logits(x[row : row + 1], packed, VOCAB, use_amx)
+            alone = kernels.matmul.float32_logits(x[row : row + 1], packed, VOCAB, use_amx)
             assert torch.equal(alone[0], batched[row]), (use_amx, row)
-        assert torch.equal(kernels.float32_logits(x[8:24], packed, VOCAB, use_amx), batched[8:24])
+        assert torch.equal(kernels.matmul.float32_logits(x[8:24], packed, VOCAB, use_amx), batched[8:24])
 
 
 def test_float32_logits_refuse_what_they_cannot_take(native_kernels):
     kernels = _kernels_or_skip(native_kernels)
     with pytest.raises(ValueError, match="divisible by 4"):
-        kernels.pack_logits_weight(torch.zeros(16, 30, dtype=torch.bfloat16))
+        kernels.matmul.pack_logits_weight(torch.zeros(16, 30, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="bf16 weights"):
-        kernels.pack_logits_weight(torch.zeros(16, 32))
-    packed = kernels.pack_logits_weight(_head())
+        kernels.matmul.pack_logits_weight(torch.zeros(16, 32))
+    packed = kernels.matmul.pack_logits_weight(_head())
     with pytest.raises(ValueError, match="for a head of 1100 outputs"):
-        kernels.float32_logits(_rows(2), packed, 1100)
+        kernels.matmul.float32_logits(_rows(2), packed, 1100)
     if not kernels.has_amx:
         with pytest.raises(ValueError, match="no AMX"):
-            kernels.float32_logits(_rows(2), packed, VOCAB, use_amx=True)
+            kernels.matmul.float32_logits(_rows(2), packed, VOCAB, use_amx=True)
 
 
 def test_an_unquantized_bf16_head_takes_float32_logits_and_others_keep_theirs(native_kernels):
@@ -78,7 +78,8 @@ def test_an_unquantized_bf16_head_takes_float32_logits_and_others_keep_theirs(na
     head = head_linear(bf16_head, True, kernels, False)
     assert isinstance(head, Float32LogitsHead)
     x = _rows(3)
-    assert torch.equal(head(x), kernels.float32_logits(x, kernels.pack_logits_weight(_head()), VOCAB))
+    packed = kernels.matmul.pack_logits_weight(_head())
+    assert torch.equal(head(x), kernels.matmul.float32_logits(x, packed, VOCAB))
     float32_head = Linear(HIDDEN, VOCAB, False, torch.float32)
     assert not isinstance(head_linear(float32_head, True, kernels, False), Float32LogitsHead)
     biased = Linear(HIDDEN, VOCAB, True, torch.bfloat16)

@@ -259,7 +259,7 @@ def test_float32_int8_linear_takes_the_portable_kernel_and_matches_its_reference
     expected = int8_linear_reference(x, linear.weight, linear.scales, bias)
     torch.testing.assert_close(linear(x), expected, atol=1e-5, rtol=1e-5)
     if rows <= PORTABLE_QUANTIZED_MAX_ROWS:
-        portable = kernels.portable_int8_matmul(linear.weight, linear.scales, bias, x)
+        portable = kernels.quantized.portable_int8_matmul(linear.weight, linear.scales, bias, x)
         assert torch.equal(linear(x), portable)
 
 

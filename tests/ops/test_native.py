@@ -27,7 +27,7 @@ def kernels(native_kernels) -> native.NativeKernels:
 
 @pytest.fixture(scope="module")
 def attention_kernels(kernels) -> native.NativeKernels:
-    if not kernels.has_prefill_attention:
+    if not kernels.attention.has_prefill_attention:
         pytest.skip("no native prefill attention on this CPU (needs AVX512-BF16)")
     return kernels
 
@@ -52,7 +52,7 @@ def test_rotary_rotates_strided_heads_in_place(kernels, dtype, rows, head_dim):
     value_before = qkv[:, 12 * head_dim :].clone()
     query_key = qkv[:, : 12 * head_dim].view(rows, 12, head_dim)  # rows strided as in the model
     expected = apply_rotary_reference(query_key, cos, sin)
-    rotated = kernels.apply_rotary_(query_key, cos, sin)
+    rotated = kernels.rows.apply_rotary_(query_key, cos, sin)
     assert rotated.data_ptr() == qkv.data_ptr()
     torch.testing.assert_close(rotated, expected, **TOLERANCE[dtype])
     torch.testing.assert_close(qkv[:, 12 * head_dim :], value_before, atol=0, rtol=0)
@@ -69,7 +69,7 @@ def test_write_kv_matches_index_copy(kernels, dtype, rows):
     expected = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
     ours = expected.clone()
     write_kv_reference(expected, key, value, slots)
-    kernels.write_kv(ours, key, value, slots)
+    kernels.attention.write_kv(ours, key, value, slots)
     torch.testing.assert_close(ours, expected, atol=0, rtol=0)
 
 
@@ -77,7 +77,7 @@ def test_write_kv_rejects_a_slot_outside_the_cache_and_writes_nothing(kernels):
     cache = torch.zeros(2, 2, 4, 1, 64)
     key = value = torch.ones(2, 1, 64)
     with pytest.raises(IndexError, match="slot_mapping"):
-        kernels.write_kv(cache, key, value, torch.tensor([1, 8]))
+        kernels.attention.write_kv(cache, key, value, torch.tensor([1, 8]))
     assert not cache.any()
 
 
@@ -159,8 +159,8 @@ def test_prefill_attention_matches_plain_math(
         num_keys, num_kv_heads, head_dim
     )
     value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_keys, num_kv_heads, head_dim)
-    assert attention_kernels.prefill_attention_supports(query, key, value)
-    output = attention_kernels.prefill_attention(query, key, value, num_threads=2, use_amx=use_amx)
+    assert attention_kernels.attention.prefill_attention_supports(query, key, value)
+    output = attention_kernels.attention.prefill_attention(query, key, value, num_threads=2, use_amx=use_amx)
     expected = _causal_attention_reference(query, key, value)
     # bf16 inputs, probabilities rounded to bf16 before P V (as torch's flash kernel does).
     torch.testing.assert_close(output.float(), expected, atol=2e-2, rtol=2e-2)
@@ -186,7 +186,7 @@ def test_windowed_and_soft_capped_prefill_attention_matches_plain_math(
     attention_kernels, use_amx, window, softcap, num_queries, num_keys
 ):
     query, key, value = _bf16_qkv(num_queries, num_keys, seed=window)
-    output = attention_kernels.prefill_attention(query, key, value, 2, use_amx, window, softcap)
+    output = attention_kernels.attention.prefill_attention(query, key, value, 2, use_amx, window, softcap)
     expected = _causal_attention_reference(query, key, value, window, softcap)
     torch.testing.assert_close(output.float(), expected, atol=2e-2, rtol=2e-2)
     if softcap:
@@ -203,10 +203,10 @@ def test_windowed_rows_keep_their_bits_in_any_chunk_and_as_decodes(
     window hold NaN (back in the pool, they may hold anything): the same bits each way."""
     num_keys, block_size = 300, 16
     query, key, value = _bf16_qkv(num_keys, num_keys, seed=window)
-    whole = attention_kernels.prefill_attention(query, key, value, 2, use_amx, window, softcap)
+    whole = attention_kernels.attention.prefill_attention(query, key, value, 2, use_amx, window, softcap)
     for start, end in ((0, 45), (45, 46), (46, 200), (200, 300)):
         rows = slice(start, end)
-        chunk = attention_kernels.prefill_attention(
+        chunk = attention_kernels.attention.prefill_attention(
             query[rows], key[:end], value[:end], 2, use_amx, window, softcap
         )
         assert torch.equal(chunk, whole[start:end]), (start, end)
@@ -221,7 +221,7 @@ def test_windowed_rows_keep_their_bits_in_any_chunk_and_as_decodes(
         poisoned = kv_cache.clone()
         first_seen = max(0, position - window + 1) if window else 0
         poisoned.view(2, -1, 3, 64)[:, :first_seen] = float("nan")
-        decoded = attention_kernels.paged_decode_attention(
+        decoded = attention_kernels.attention.paged_decode_attention(
             query[position : position + 1],
             poisoned,
             torch.arange(num_blocks)[None, :],
@@ -235,20 +235,21 @@ def test_windowed_rows_keep_their_bits_in_any_chunk_and_as_decodes(
 
 def test_windowed_prefill_never_reads_keys_before_its_first_querys_window(attention_kernels, use_amx):
     query, key, value = _bf16_qkv(40, 300, seed=3)
-    clean = attention_kernels.prefill_attention(query, key, value, 2, use_amx, window=32)
+    clean = attention_kernels.attention.prefill_attention(query, key, value, 2, use_amx, window=32)
     first_seen = 300 - 40 - 32 + 1
     key, value = key.clone(), value.clone()
     key[:first_seen] = float("nan")
     value[:first_seen] = float("nan")
-    assert torch.equal(attention_kernels.prefill_attention(query, key, value, 2, use_amx, window=32), clean)
+    unseen = attention_kernels.attention.prefill_attention(query, key, value, 2, use_amx, window=32)
+    assert torch.equal(unseen, clean)
 
 
 def test_prefill_attention_writes_into_a_given_slice_the_bits_it_returns(attention_kernels, use_amx):
     query, key, value = _bf16_qkv(70, 70, seed=4)
-    alone = attention_kernels.prefill_attention(query, key, value, 2, use_amx)
+    alone = attention_kernels.attention.prefill_attention(query, key, value, 2, use_amx)
     step_output = torch.full((75, 9, 64), float("nan"), dtype=torch.bfloat16)
     rows = step_output[3:73]
-    returned = attention_kernels.prefill_attention(query, key, value, 2, use_amx, out=rows)
+    returned = attention_kernels.attention.prefill_attention(query, key, value, 2, use_amx, out=rows)
     assert returned is rows
     assert torch.equal(step_output[3:73], alone)
     assert step_output[:3].isnan().all() and step_output[73:].isnan().all()  # nothing outside the slice
@@ -265,18 +266,18 @@ def test_prefill_attention_writes_into_a_given_slice_the_bits_it_returns(attenti
 def test_prefill_attention_names_an_out_it_cannot_write(attention_kernels, out, complaint):
     query, key, value = _bf16_qkv(70, 70, seed=4)
     with pytest.raises(ValueError, match=f"prefill_attention: out must be .*{complaint}"):
-        attention_kernels.prefill_attention(query, key, value, 1, out=out)
+        attention_kernels.attention.prefill_attention(query, key, value, 1, out=out)
 
 
 def test_prefill_attention_declines_what_it_cannot_take_and_names_bad_shapes(attention_kernels):
     query = torch.randn(4, 4, 16).to(torch.bfloat16)
-    assert not attention_kernels.prefill_attention_supports(query, query, query)  # head_dim 16
-    assert not attention_kernels.prefill_attention_supports(
+    assert not attention_kernels.attention.prefill_attention_supports(query, query, query)  # head_dim 16
+    assert not attention_kernels.attention.prefill_attention_supports(
         *(torch.randn(4, 4, 64) for _ in range(3))
     )  # float32
     query, key = torch.randn(8, 4, 64).to(torch.bfloat16), torch.randn(4, 4, 64).to(torch.bfloat16)
     with pytest.raises(ValueError, match="8 queries"):
-        attention_kernels.prefill_attention(query, key, key, num_threads=1)
+        attention_kernels.attention.prefill_attention(query, key, key, num_threads=1)
     if not attention_kernels.has_amx:
         with pytest.raises(ValueError, match="without AMX"):
-            attention_kernels.prefill_attention(key, key, key, num_threads=1, use_amx=True)
+            attention_kernels.attention.prefill_attention(key, key, key, num_threads=1, use_amx=True)

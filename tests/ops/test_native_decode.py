@@ -69,7 +69,7 @@ def test_native_int4_linear_matches_dequantized_weights(int4_kernels, in_feature
 def test_native_int4_matmul_names_a_bad_shape(int4_kernels):
     linear = NativeInt4Linear.from_float(torch.randn(8, 128), None, int4_kernels)
     with pytest.raises(ValueError, match="int4_matmul: 1 rows of 64 inputs"):
-        int4_kernels.int4_matmul(
+        int4_kernels.quantized.int4_matmul(
             linear.levels, linear.scales_zeros, None, torch.zeros(1, 64, dtype=torch.bfloat16)
         )
 

@@ -61,7 +61,7 @@ def test_int4_matmul_matches_the_dequantized_weights(kernels, dtype, rows, with_
     packed, scales_zeros, exact_weight = _int4_case(103, 96)
     bias = torch.randn(103).to(dtype) if with_bias else None
     x = _inputs(rows, 96, dtype)
-    out = kernels.portable_int4_matmul(packed, scales_zeros, bias, x)
+    out = kernels.quantized.portable_int4_matmul(packed, scales_zeros, bias, x)
     assert out.dtype == dtype and out.shape == (rows, 103)
     product = x.double() @ exact_weight.t()
     if dtype == torch.bfloat16:
@@ -77,7 +77,7 @@ def test_int8_matmul_matches_the_dequantized_weights(kernels, dtype, rows, with_
     scales = scales.to(dtype)
     bias = torch.randn(101).to(dtype) if with_bias else None
     x = _inputs(rows, 160, dtype)
-    out = kernels.portable_int8_matmul(weight, scales, bias, x)
+    out = kernels.quantized.portable_int8_matmul(weight, scales, bias, x)
     assert out.dtype == dtype and out.shape == (rows, 101)
     product = x.double() @ (weight.double() * scales.double()[:, None]).t()
     if dtype == torch.bfloat16:
@@ -94,8 +94,8 @@ def test_a_row_gets_the_same_bits_at_every_row_count(kernels, dtype):
     scales = scales.to(dtype)
     x = _inputs(DECODE_MAX_ROWS, 576, dtype)
     for matmul in (
-        lambda rows: kernels.portable_int4_matmul(packed, scales_zeros, None, rows),
-        lambda rows: kernels.portable_int8_matmul(weight, scales, None, rows),
+        lambda rows: kernels.quantized.portable_int4_matmul(packed, scales_zeros, None, rows),
+        lambda rows: kernels.quantized.portable_int8_matmul(weight, scales, None, rows),
     ):
         alone = [matmul(x[row : row + 1]) for row in range(DECODE_MAX_ROWS)]
         for rows in range(2, DECODE_MAX_ROWS + 1):
@@ -110,24 +110,26 @@ def test_int4_sums_do_not_depend_on_the_thread_count(kernels):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = kernels.portable_int4_matmul(packed, scales_zeros, None, x)
+        single = kernels.quantized.portable_int4_matmul(packed, scales_zeros, None, x)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(kernels.portable_int4_matmul(packed, scales_zeros, None, x), single)
+    assert torch.equal(kernels.quantized.portable_int4_matmul(packed, scales_zeros, None, x), single)
 
 
 def test_bad_shapes_and_dtypes_are_errors_naming_the_kernel(kernels):
     packed, scales_zeros, _ = _int4_case(8, 64)
     with pytest.raises(ValueError, match="portable_int4_matmul: 9 rows"):
-        kernels.portable_int4_matmul(
+        kernels.quantized.portable_int4_matmul(
             packed, scales_zeros, None, _inputs(DECODE_MAX_ROWS + 1, 64, torch.float32)
         )
     with pytest.raises(ValueError, match="portable_int4_matmul: 1 rows of 32"):
-        kernels.portable_int4_matmul(packed, scales_zeros, None, _inputs(1, 32, torch.float32))
+        kernels.quantized.portable_int4_matmul(packed, scales_zeros, None, _inputs(1, 32, torch.float32))
     with pytest.raises(ValueError, match="bias"):
-        kernels.portable_int4_matmul(packed, scales_zeros, torch.zeros(8), _inputs(1, 64, torch.bfloat16))
+        kernels.quantized.portable_int4_matmul(
+            packed, scales_zeros, torch.zeros(8), _inputs(1, 64, torch.bfloat16)
+        )
     weight, scales = quantize_int8(_weight(8, 24))
     with pytest.raises(ValueError, match="portable_int8_matmul: 1 rows of 24"):
-        kernels.portable_int8_matmul(weight, scales, None, _inputs(1, 24, torch.float32))
+        kernels.quantized.portable_int8_matmul(weight, scales, None, _inputs(1, 24, torch.float32))
     with pytest.raises(ValueError, match="scales"):
-        kernels.portable_int8_matmul(weight, scales, None, _inputs(1, 24, torch.bfloat16))
+        kernels.quantized.portable_int8_matmul(weight, scales, None, _inputs(1, 24, torch.bfloat16))

@@ -28,8 +28,8 @@ def _weights(out_features: int, in_features: int, bias: bool, seed: int = 0):
 def test_float32_weights_match_f_linear(kernels, out_features, in_features, rows, bias):
     weight, bias_values = _weights(out_features, in_features, bias)
     x = torch.randn(rows, in_features)
-    packed = kernels.pack_matmul_weight(weight)
-    result = kernels.row_invariant_matmul(x, packed, bias_values, out_features)
+    packed = kernels.matmul.pack_matmul_weight(weight)
+    result = kernels.matmul.row_invariant_matmul(x, packed, bias_values, out_features)
     torch.testing.assert_close(result, F.linear(x, weight, bias_values), **TOLERANCE)
 
 
@@ -37,11 +37,11 @@ def test_float32_weights_match_f_linear(kernels, out_features, in_features, rows
 def test_bf16_stored_weights_match_f_linear_on_the_rounded_weights(kernels, out_features, in_features):
     weight, bias = _weights(out_features, in_features, True)
     x = torch.randn(9, in_features)
-    packed = kernels.pack_matmul_weight(weight, torch.bfloat16)
+    packed = kernels.matmul.pack_matmul_weight(weight, torch.bfloat16)
     assert packed.dtype == torch.bfloat16
     expected = F.linear(x, weight.to(torch.bfloat16).float(), bias)
     torch.testing.assert_close(
-        kernels.row_invariant_matmul(x, packed, bias, out_features), expected, **TOLERANCE
+        kernels.matmul.row_invariant_matmul(x, packed, bias, out_features), expected, **TOLERANCE
     )
 
 
@@ -49,9 +49,9 @@ def test_strided_rows_give_the_contiguous_result(kernels):
     weight, bias = _weights(64, 40, True)
     wide = torch.randn(7, 100)
     x = wide[:, 30:70]  # rows 100 floats apart
-    packed = kernels.pack_matmul_weight(weight)
-    expected = kernels.row_invariant_matmul(x.contiguous(), packed, bias, 64)
-    assert torch.equal(kernels.row_invariant_matmul(x, packed, bias, 64), expected)
+    packed = kernels.matmul.pack_matmul_weight(weight)
+    expected = kernels.matmul.row_invariant_matmul(x.contiguous(), packed, bias, 64)
+    assert torch.equal(kernels.matmul.row_invariant_matmul(x, packed, bias, 64), expected)
 
 
 # Up to 60 rows: every tile remainder (tiles of 6 rows on AVX2, 12 on AVX-512) and where two
@@ -74,16 +74,16 @@ def test_a_row_has_the_same_bits_at_every_row_count_and_thread_count(
     """Steps of 1 to 300 rows: every tile remainder, blocks of rows split over threads or not; the
     first rows and the last are compared, so a row is checked at many positions in its tile."""
     weight, bias = _weights(out_features, in_features, True)
-    packed = kernels.pack_matmul_weight(weight, weight_dtype)
+    packed = kernels.matmul.pack_matmul_weight(weight, weight_dtype)
     x = torch.randn(300, in_features)
     torch.set_num_threads(1)
     alone = torch.cat(
-        [kernels.row_invariant_matmul(x[r : r + 1], packed, bias, out_features) for r in range(300)]
+        [kernels.matmul.row_invariant_matmul(x[r : r + 1], packed, bias, out_features) for r in range(300)]
     )
     for num_threads in (1, 2):
         torch.set_num_threads(num_threads)
         for rows in row_counts:
-            together = kernels.row_invariant_matmul(x[:rows], packed, bias, out_features)
+            together = kernels.matmul.row_invariant_matmul(x[:rows], packed, bias, out_features)
             assert torch.equal(together[:3], alone[: min(rows, 3)]), (num_threads, rows)
             assert torch.equal(together[-2:], alone[max(0, rows - 2) : rows]), (num_threads, rows)
         assert torch.equal(together, alone), num_threads
@@ -92,20 +92,21 @@ def test_a_row_has_the_same_bits_at_every_row_count_and_thread_count(
 def test_a_row_keeps_its_bits_wherever_it_sits_in_the_step(kernels, threads):
     """The same input row at each position of a 40-row step (every place in a tile)."""
     weight, bias = _weights(576, 576, True)
-    packed = kernels.pack_matmul_weight(weight)
+    packed = kernels.matmul.pack_matmul_weight(weight)
     row = torch.randn(1, 576)
-    expected = kernels.row_invariant_matmul(row, packed, bias, 576)
+    expected = kernels.matmul.row_invariant_matmul(row, packed, bias, 576)
     for position in range(40):
         x = torch.randn(40, 576)
         x[position] = row[0]
         assert torch.equal(
-            kernels.row_invariant_matmul(x, packed, bias, 576)[position : position + 1], expected
+            kernels.matmul.row_invariant_matmul(x, packed, bias, 576)[position : position + 1], expected
         )
 
 
 def test_no_rows_give_an_empty_result(kernels):
     weight, _ = _weights(32, 16, False)
-    result = kernels.row_invariant_matmul(torch.empty(0, 16), kernels.pack_matmul_weight(weight), None, 32)
+    packed = kernels.matmul.pack_matmul_weight(weight)
+    result = kernels.matmul.row_invariant_matmul(torch.empty(0, 16), packed, None, 32)
     assert result.shape == (0, 32)
 
 
@@ -122,7 +123,8 @@ def test_no_rows_give_an_empty_result(kernels):
 def test_mismatched_arguments_are_an_error_naming_the_shapes(kernels, change):
     weight, bias = _weights(32, 16, True)
     arguments = dict(
-        x=torch.randn(3, 16), packed_weight=kernels.pack_matmul_weight(weight), bias=bias, out_features=32
+        x=torch.randn(3, 16), packed_weight=kernels.matmul.pack_matmul_weight(weight), bias=bias,
+        out_features=32,
     )
     with pytest.raises(ValueError, match="row_invariant_matmul: x"):
-        kernels.row_invariant_matmul(**{**arguments, **change})
+        kernels.matmul.row_invariant_matmul(**{**arguments, **change})

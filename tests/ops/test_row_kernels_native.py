@@ -25,8 +25,8 @@ def test_norms_match_reference(kernels, dtype, rows, cols):
     x, residual = (torch.randn(rows, cols, generator=generator).to(dtype) for _ in range(2))
     weight = torch.randn(cols, generator=generator).to(dtype)
     expected = rms_norm_reference(x, weight, 1e-5)
-    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), expected, **TOLERANCE[dtype])
-    normed, summed = kernels.add_rms_norm(x, residual, weight, 1e-6)
+    torch.testing.assert_close(kernels.rows.rms_norm(x, weight, 1e-5), expected, **TOLERANCE[dtype])
+    normed, summed = kernels.rows.add_rms_norm(x, residual, weight, 1e-6)
     expected_normed, expected_summed = add_rms_norm_reference(x, residual, weight, 1e-6)
     torch.testing.assert_close(summed, expected_summed, atol=0, rtol=0)
     torch.testing.assert_close(normed, expected_normed, **TOLERANCE[dtype])
@@ -37,7 +37,7 @@ def test_norms_match_reference(kernels, dtype, rows, cols):
 def test_silu_and_mul_matches_reference(kernels, dtype, rows):
     gate_up = (4 * torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows))).to(dtype)
     torch.testing.assert_close(
-        kernels.silu_and_mul(gate_up), silu_and_mul_reference(gate_up), **TOLERANCE[dtype]
+        kernels.rows.silu_and_mul(gate_up), silu_and_mul_reference(gate_up), **TOLERANCE[dtype]
     )
 
 
@@ -47,10 +47,10 @@ def test_gates_whose_exponential_overflows_give_zero_not_nan(kernels, dtype):
     in the vector lanes and the scalar tail alike (35 columns: two vectors and a tail on AVX2)."""
     gates = torch.tensor(EXTREME_GATES).repeat(3)[:35]
     gate_up = torch.cat([gates, torch.full_like(gates, 2.0)])[None, :].to(dtype)
-    product = kernels.silu_and_mul(gate_up)
+    product = kernels.rows.silu_and_mul(gate_up)
     assert not product.isnan().any()
     expected = silu_and_mul_reference(gate_up)
     torch.testing.assert_close(product, expected, atol=1e-30, rtol=TOLERANCE[dtype]["rtol"])
-    levels, scales = kernels.quantize_rows_int8(gate_up, silu_gated=True)
+    levels, scales = kernels.w8a8.quantize_rows_int8(gate_up, silu_gated=True)
     assert not scales.isnan().any()
-    assert torch.equal(levels, kernels.quantize_rows_int8(product)[0])
+    assert torch.equal(levels, kernels.w8a8.quantize_rows_int8(product)[0])

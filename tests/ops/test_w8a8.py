@@ -61,7 +61,7 @@ def test_native_quantization_gives_the_torch_levels_and_scales(native_kernels, d
     if native_kernels is None:
         pytest.skip("no C compiler: no native kernels")
     x = _activations(300, cols, dtype)
-    levels, scales = native_kernels.quantize_rows_int8(x)
+    levels, scales = native_kernels.w8a8.quantize_rows_int8(x)
     expected_levels, expected_scales = quantize_rows(x)
     assert torch.equal(levels, expected_levels)
     assert torch.equal(scales, expected_scales)
@@ -76,7 +76,7 @@ def test_native_quantization_turns_rows_by_the_torch_hadamard_bits(kernels, dtyp
     """Blocks of whole vectors take the vectorized butterflies (pairs closer than a vector
     swapped within one), smaller ones the scalar loop: the torch bits either way."""
     x = _activations(300, cols, dtype)
-    levels, scales = kernels.quantize_rows_int8(x, hadamard_block=block)
+    levels, scales = kernels.w8a8.quantize_rows_int8(x, hadamard_block=block)
     expected_levels, expected_scales = quantize_rows(x, hadamard_block=block)
     assert torch.equal(levels, expected_levels)
     assert torch.equal(scales, expected_scales)
@@ -91,8 +91,9 @@ def test_silu_gated_rows_quantize_as_silu_and_mul_s_rows(native_kernels, dtype, 
         pytest.skip("no C compiler: no native kernels")
     gate_up = _activations(97, 2 * half, dtype)
     column_scales = torch.rand(half, generator=torch.Generator().manual_seed(half)) + 0.5
-    fused = native_kernels.quantize_rows_int8(gate_up, column_scales, block, silu_gated=True)
-    unfused = native_kernels.quantize_rows_int8(native_kernels.silu_and_mul(gate_up), column_scales, block)
+    fused = native_kernels.w8a8.quantize_rows_int8(gate_up, column_scales, block, silu_gated=True)
+    product = native_kernels.rows.silu_and_mul(gate_up)
+    unfused = native_kernels.w8a8.quantize_rows_int8(product, column_scales, block)
     assert torch.equal(fused[0], unfused[0])
     assert torch.equal(fused[1], unfused[1])
 
@@ -111,14 +112,14 @@ def test_quantizing_in_the_norm_s_pass_gives_the_norm_then_quantization_bits(
     weight = (torch.rand(cols, generator=generator) + 0.5).to(dtype)
     column_scales = torch.rand(cols, generator=generator) + 0.5
     if with_residual:
-        normed, expected_sum = kernels.add_rms_norm(x, residual, weight, 1e-5)
+        normed, expected_sum = kernels.rows.add_rms_norm(x, residual, weight, 1e-5)
     else:
-        normed, expected_sum = kernels.rms_norm(x, weight, 1e-5), x
+        normed, expected_sum = kernels.rows.rms_norm(x, weight, 1e-5), x
     for scales, block in ((None, 1), (column_scales, 1), (None, 64 if cols % 64 == 0 else 1)):
-        levels, row_scales, summed = kernels.rms_norm_quantize_int8(
+        levels, row_scales, summed = kernels.w8a8.rms_norm_quantize_int8(
             x, residual if with_residual else None, weight, 1e-5, scales, block
         )
-        expected_levels, expected_scales = kernels.quantize_rows_int8(normed, scales, block)
+        expected_levels, expected_scales = kernels.w8a8.quantize_rows_int8(normed, scales, block)
         assert torch.equal(levels, expected_levels) and torch.equal(row_scales, expected_scales)
         assert torch.equal(summed, expected_sum)
 
@@ -127,7 +128,7 @@ def test_silu_gated_rows_of_odd_width_are_refused(native_kernels):
     if native_kernels is None:
         pytest.skip("no C compiler: no native kernels")
     with pytest.raises(ValueError, match="even width"):
-        native_kernels.quantize_rows_int8(torch.randn(4, 65), silu_gated=True)
+        native_kernels.w8a8.quantize_rows_int8(torch.randn(4, 65), silu_gated=True)
 
 
 @pytest.mark.parametrize("block", [3, 1024, 0])
@@ -136,7 +137,7 @@ def test_a_hadamard_block_that_does_not_tile_the_inputs_in_powers_of_two_is_refu
         W8A8Linear.from_float(torch.randn(8, 1536), None, hadamard_block=block)
     if native_kernels is not None:
         with pytest.raises(ValueError, match="does not tile"):
-            native_kernels.quantize_rows_int8(torch.randn(4, 1536), hadamard_block=block)
+            native_kernels.w8a8.quantize_rows_int8(torch.randn(4, 1536), hadamard_block=block)
 
 
 def test_a_projection_with_turned_inputs_and_folded_weights_keeps_the_float_product(native_kernels):
@@ -147,7 +148,7 @@ def test_a_projection_with_turned_inputs_and_folded_weights_keeps_the_float_prod
     x = torch.randn(64, 1536, generator=generator)
     x[:, 9] *= 60
     turned_weight = (weight.double() @ torch.block_diag(*[walsh_hadamard(512)] * 3)).float()
-    kernels = native_kernels if native_kernels is not None and native_kernels.has_w8a8_matmul else None
+    kernels = native_kernels if native_kernels is not None and native_kernels.w8a8.has_w8a8_matmul else None
     if kernels is None and w8a8_unsupported_reason(torch.device("cpu")) is not None:
         pytest.skip(w8a8_unsupported_reason(torch.device("cpu")))
     plain = W8A8Linear.from_float(weight, None, kernels)
@@ -167,7 +168,7 @@ def test_native_rescaling_gives_the_torch_bits(native_kernels, dtype, with_bias)
     sums = torch.randn(70, 37, generator=generator) * 1000
     row_scales = torch.rand(70, generator=generator)
     bias = torch.randn(37, generator=generator) if with_bias else None
-    output = native_kernels.rescale_rows(sums, row_scales, bias, dtype)
+    output = native_kernels.rows.rescale_rows(sums, row_scales, bias, dtype)
     assert torch.equal(output, rescale_rows(sums.clone(), row_scales, bias, dtype))
 
 
@@ -274,7 +275,7 @@ def isa_kernels(request) -> native.NativeKernels:
     built = built_kernels(request.param)
     if built is None:
         pytest.skip("no working C compiler on this machine")
-    if not built.has_w8a8_matmul:
+    if not built.w8a8.has_w8a8_matmul:
         pytest.skip(f"the {built.isa} build has no int8 matmul (x86 with AVX2 only)")
     return built
 
@@ -295,9 +296,9 @@ def test_the_native_int8_matmul_is_the_integer_product_rescaled(
     bias = torch.randn(out_features, generator=generator)
     levels, scales = quantize_int8(weight)
     x = _activations(19, in_features, dtype)
-    activation_levels, row_scales = isa_kernels.quantize_rows_int8(x)
-    packed = isa_kernels.pack_w8a8_weight(levels)
-    output = isa_kernels.w8a8_matmul(activation_levels, row_scales, packed, scales, bias, dtype)
+    activation_levels, row_scales = isa_kernels.w8a8.quantize_rows_int8(x)
+    packed = isa_kernels.w8a8.pack_w8a8_weight(levels)
+    output = isa_kernels.w8a8.w8a8_matmul(activation_levels, row_scales, packed, scales, bias, dtype)
     expected = w8a8_linear_reference(x, levels, scales, bias)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(output, expected, rtol=tolerance, atol=tolerance)
@@ -318,17 +319,17 @@ def test_amx_tiles_give_the_vnni_bits(isa_kernels, out_features, in_features, dt
     at every row count: under one tile (tiles configured to it), rows past the last whole tile
     (their padded copy), up to 512 rows panel by panel and more in blocks of rows, outputs past a
     panel; inputs not in whole 64-byte rows (65) run on VNNI."""
-    if not isa_kernels.w8a8_matmul_uses_amx:
+    if not isa_kernels.w8a8.w8a8_matmul_uses_amx:
         pytest.skip(f"the {isa_kernels.isa} build on this CPU has no AMX-INT8 tiles")
     generator = torch.Generator().manual_seed(out_features * in_features)
     levels, scales = quantize_int8(torch.randn(out_features, in_features, generator=generator))
     bias = torch.randn(out_features, generator=generator)
-    packed = isa_kernels.pack_w8a8_weight(levels)
+    packed = isa_kernels.w8a8.pack_w8a8_weight(levels)
     x = _activations(600, in_features, dtype, seed=out_features)
-    activation_levels, row_scales = isa_kernels.quantize_rows_int8(x)
+    activation_levels, row_scales = isa_kernels.w8a8.quantize_rows_int8(x)
     for rows in (1, 31, 32, 33, 64, 100, 300, 512, 545, 600):
         on_tiles, on_vectors = (
-            isa_kernels.w8a8_matmul(
+            isa_kernels.w8a8.w8a8_matmul(
                 activation_levels[:rows], row_scales[:rows], packed, scales, bias, dtype, use_amx=use_amx
             )
             for use_amx in (True, False)
@@ -349,23 +350,23 @@ SWIGLU_SHAPES = [(1536, 576), (40, 128), (8, 64), (48, 65)]
 def test_the_swiglu_epilogue_gives_silu_and_mul_s_bits(isa_kernels, features, in_features, dtype):
     """Gates paired with their ups in each panel, the epilogue's silu(gate) * up: the bits of
     silu_and_mul over the plain gate | up product, on tiles and on vectors, at every row count."""
-    if not isa_kernels.w8a8_matmul_makes_swiglu:
+    if not isa_kernels.w8a8.w8a8_matmul_makes_swiglu:
         pytest.skip(f"the {isa_kernels.isa} build's int8 matmul makes no SwiGLU product")
     generator = torch.Generator().manual_seed(features + in_features)
     levels, scales = quantize_int8(torch.randn(2 * features, in_features, generator=generator))
     bias = torch.randn(2 * features, generator=generator)
-    plain, gated = (isa_kernels.pack_w8a8_weight(levels, silu_gated=paired) for paired in (False, True))
+    plain, gated = (isa_kernels.w8a8.pack_w8a8_weight(levels, silu_gated=paired) for paired in (False, True))
     x = _activations(545, in_features, dtype, seed=features)
-    activation_levels, row_scales = isa_kernels.quantize_rows_int8(x)
-    for use_amx in (True, False) if isa_kernels.w8a8_matmul_uses_amx else (False,):
+    activation_levels, row_scales = isa_kernels.w8a8.quantize_rows_int8(x)
+    for use_amx in (True, False) if isa_kernels.w8a8.w8a8_matmul_uses_amx else (False,):
         for rows in (1, 31, 33, 100, 545):
             args = (activation_levels[:rows], row_scales[:rows])
-            gate_up = isa_kernels.w8a8_matmul(*args, plain, scales, bias, dtype, use_amx=use_amx)
-            product = isa_kernels.w8a8_matmul(
+            gate_up = isa_kernels.w8a8.w8a8_matmul(*args, plain, scales, bias, dtype, use_amx=use_amx)
+            product = isa_kernels.w8a8.w8a8_matmul(
                 *args, gated, scales, bias, dtype, use_amx=use_amx, silu_gated=True
             )
             assert product.shape == (rows, features)
-            assert torch.equal(product, isa_kernels.silu_and_mul(gate_up)), (use_amx, rows)
+            assert torch.equal(product, isa_kernels.rows.silu_and_mul(gate_up)), (use_amx, rows)
 
 
 # (outputs, inputs, Hadamard block, SwiGLU product out): SmolLM2's four projections (a rotated
@@ -384,12 +385,12 @@ def test_a_projection_in_one_call_gives_the_two_calls_bits(
     """Quantization then matmul in one native call (from plain rows, from SwiGLU's gate | up
     rows, from an RMSNorm with and without a residual): the bits of the two calls, whatever the
     row count, none included."""
-    if swiglu and not isa_kernels.w8a8_matmul_makes_swiglu:
+    if swiglu and not isa_kernels.w8a8.w8a8_matmul_makes_swiglu:
         pytest.skip(f"the {isa_kernels.isa} build's int8 matmul makes no SwiGLU product")
     generator = torch.Generator().manual_seed(out_features + in_features)
     levels, scales = quantize_int8(torch.randn(out_features, in_features, generator=generator))
     bias = torch.randn(out_features, generator=generator)
-    packed = isa_kernels.pack_w8a8_weight(levels, silu_gated=swiglu)
+    packed = isa_kernels.w8a8.pack_w8a8_weight(levels, silu_gated=swiglu)
     column_scales = torch.rand(in_features, generator=generator) + 0.5 if block == 1 else None
     norm_weight = (torch.rand(in_features, generator=generator) + 0.5).to(dtype)
     x = _activations(100, in_features, dtype, seed=in_features)
@@ -397,27 +398,27 @@ def test_a_projection_in_one_call_gives_the_two_calls_bits(
     gate_up = _activations(100, 2 * in_features, dtype, seed=in_features + 2)
 
     def two_calls(activation_levels, row_scales):
-        return isa_kernels.w8a8_matmul(
+        return isa_kernels.w8a8.w8a8_matmul(
             activation_levels, row_scales, packed, scales, bias, dtype, silu_gated=swiglu
         )
 
     for rows in (0, 1, 33, 100):
-        quantized = isa_kernels.quantize_rows_int8(x[:rows], column_scales, block)
-        one_call = isa_kernels.w8a8_quantize_matmul(
+        quantized = isa_kernels.w8a8.quantize_rows_int8(x[:rows], column_scales, block)
+        one_call = isa_kernels.w8a8.w8a8_quantize_matmul(
             x[:rows], packed, scales, bias, column_scales, block, silu_gated=swiglu
         )
         assert torch.equal(one_call, two_calls(*quantized)), rows
-        quantized = isa_kernels.quantize_rows_int8(gate_up[:rows], column_scales, block, silu_gated=True)
-        one_call = isa_kernels.w8a8_quantize_matmul(
+        quantized = isa_kernels.w8a8.quantize_rows_int8(gate_up[:rows], column_scales, block, silu_gated=True)
+        one_call = isa_kernels.w8a8.w8a8_quantize_matmul(
             gate_up[:rows], packed, scales, bias, column_scales, block,
             silu_gated_inputs=True, silu_gated=swiglu,
         )
         assert torch.equal(one_call, two_calls(*quantized)), rows
         for rows_residual in (residual[:rows], None):
-            *quantized, summed = isa_kernels.rms_norm_quantize_int8(
+            *quantized, summed = isa_kernels.w8a8.rms_norm_quantize_int8(
                 x[:rows], rows_residual, norm_weight, 1e-5, column_scales, block
             )
-            one_call, one_call_summed = isa_kernels.w8a8_norm_matmul(
+            one_call, one_call_summed = isa_kernels.w8a8.w8a8_norm_matmul(
                 x[:rows], rows_residual, norm_weight, 1e-5, packed, scales, bias, column_scales, block, swiglu
             )
             assert torch.equal(one_call, two_calls(*quantized)), rows
@@ -426,40 +427,44 @@ def test_a_projection_in_one_call_gives_the_two_calls_bits(
 
 def test_a_projection_in_one_call_refuses_what_its_passes_refuse(isa_kernels):
     levels, scales = quantize_int8(torch.randn(8, 96))
-    packed = isa_kernels.pack_w8a8_weight(levels)
+    packed = isa_kernels.w8a8.pack_w8a8_weight(levels)
     x = torch.randn(4, 96)
     with pytest.raises(ValueError, match="even width, got 95"):
-        isa_kernels.w8a8_quantize_matmul(torch.randn(4, 95), packed, scales, None, silu_gated_inputs=True)
+        isa_kernels.w8a8.w8a8_quantize_matmul(
+            torch.randn(4, 95), packed, scales, None, silu_gated_inputs=True
+        )
     with pytest.raises(ValueError, match="a Hadamard block of 64 does not tile 96 inputs"):
-        isa_kernels.w8a8_quantize_matmul(x, packed, scales, None, hadamard_block=64)
+        isa_kernels.w8a8.w8a8_quantize_matmul(x, packed, scales, None, hadamard_block=64)
     with pytest.raises(ValueError, match="a Hadamard block of 64 does not tile 96 inputs"):
-        isa_kernels.w8a8_norm_matmul(x, None, torch.ones(96), 1e-5, packed, scales, None, hadamard_block=64)
+        isa_kernels.w8a8.w8a8_norm_matmul(
+            x, None, torch.ones(96), 1e-5, packed, scales, None, hadamard_block=64
+        )
     odd = quantize_int8(torch.randn(9, 96))
-    if isa_kernels.w8a8_matmul_makes_swiglu:
+    if isa_kernels.w8a8.w8a8_matmul_makes_swiglu:
         with pytest.raises(ValueError, match="even count, got 9"):
-            isa_kernels.w8a8_quantize_matmul(
-                x, isa_kernels.pack_w8a8_weight(odd[0]), odd[1], None, silu_gated=True
+            isa_kernels.w8a8.w8a8_quantize_matmul(
+                x, isa_kernels.w8a8.pack_w8a8_weight(odd[0]), odd[1], None, silu_gated=True
             )
 
 
 def test_swiglu_pairs_need_an_even_count_and_a_build_that_makes_them(isa_kernels):
     levels, _ = quantize_int8(torch.randn(9, 64))
-    if not isa_kernels.w8a8_matmul_makes_swiglu:
+    if not isa_kernels.w8a8.w8a8_matmul_makes_swiglu:
         with pytest.raises(ValueError, match="makes no SwiGLU product"):
-            isa_kernels.pack_w8a8_weight(levels[:8], silu_gated=True)
+            isa_kernels.w8a8.pack_w8a8_weight(levels[:8], silu_gated=True)
         return
     with pytest.raises(ValueError, match="even count, got 9"):
-        isa_kernels.pack_w8a8_weight(levels, silu_gated=True)
+        isa_kernels.w8a8.pack_w8a8_weight(levels, silu_gated=True)
 
 
 def test_amx_asked_for_without_tiles_is_refused(isa_kernels):
-    if isa_kernels.w8a8_matmul_uses_amx:
+    if isa_kernels.w8a8.w8a8_matmul_uses_amx:
         pytest.skip("this build has AMX-INT8 tiles")
     levels, scales = quantize_int8(torch.randn(16, 64))
-    activation_levels, row_scales = isa_kernels.quantize_rows_int8(torch.randn(4, 64))
+    activation_levels, row_scales = isa_kernels.w8a8.quantize_rows_int8(torch.randn(4, 64))
     with pytest.raises(ValueError, match="use_amx"):
-        isa_kernels.w8a8_matmul(
-            activation_levels, row_scales, isa_kernels.pack_w8a8_weight(levels), scales, None,
+        isa_kernels.w8a8.w8a8_matmul(
+            activation_levels, row_scales, isa_kernels.w8a8.pack_w8a8_weight(levels), scales, None,
             torch.float32, use_amx=True,
         )
 

@@ -34,7 +34,7 @@ def gguf_weight(
 @pytest.mark.parametrize("blocks", list(LEVEL_BITS), ids=lambda blocks: blocks.name)
 def test_levels_rebuild_every_bit_of_a_gguf_dequantized_weight(kernels, blocks):
     weight = gguf_weight(blocks, 96, 128)
-    levels = kernels.find_levels(weight)
+    levels = kernels.matmul.find_levels(weight)
     assert levels is not None and levels.bits == LEVEL_BITS[blocks]
     # Every value, bit for bit but a zero's sign (Q4_0 gives -0.0 where its scale is negative),
     # which no FMA chain started from +0 can see.
@@ -46,7 +46,7 @@ def test_levels_rebuild_every_bit_of_a_gguf_dequantized_weight(kernels, blocks):
 def test_a_constant_group_has_scale_zero(kernels):
     weight = gguf_weight(GGMLQuantizationType.Q4_1, 8, 64)
     weight[3, 32:] = weight[3, 40].half().float()  # as Q4_1 stores one: all at its offset
-    levels = kernels.find_levels(weight)
+    levels = kernels.matmul.find_levels(weight)
     assert levels is not None and levels.scales[3, 1] == 0
     assert torch.equal(levels.dequantized(), weight)
 
@@ -62,16 +62,16 @@ def test_a_constant_group_has_scale_zero(kernels):
     ids=["random", "bf16-rounded", "in-not-a-multiple-of-32", "float64"],
 )
 def test_weights_of_no_block_grid_have_no_levels(kernels, make):
-    assert kernels.find_levels(make()) is None
+    assert kernels.matmul.find_levels(make()) is None
 
 
 def test_one_value_off_the_grid_leaves_the_weight_without_levels(kernels):
     """Even in rows past the ones tried first."""
     weight = gguf_weight(GGMLQuantizationType.Q4_1, 200, 64)
     weight[150, 7] = torch.nextafter(weight[150, 7], torch.tensor(1.0))
-    assert kernels.find_levels(weight) is None
+    assert kernels.matmul.find_levels(weight) is None
     weight[150, 7] = float("nan")
-    assert kernels.find_levels(weight) is None
+    assert kernels.matmul.find_levels(weight) is None
 
 
 @pytest.mark.parametrize(
@@ -85,23 +85,25 @@ def test_a_step_on_the_levels_is_the_bits_of_the_float32_matmul(
     """Every row count the levels take, on one thread and two."""
     weight = gguf_weight(blocks, out_features, in_features)
     bias_values = torch.randn(out_features) if bias else None
-    packed_float = kernels.pack_matmul_weight(weight)
-    packed_levels = pack_levels(kernels.find_levels(weight), kernels.matmul_panel_width)
+    packed_float = kernels.matmul.pack_matmul_weight(weight)
+    packed_levels = pack_levels(kernels.matmul.find_levels(weight), kernels.matmul.matmul_panel_width)
     x = torch.randn(native_abi.LEVELS_MAX_ROWS, in_features)
     for num_threads in (1, 2):
         torch.set_num_threads(num_threads)
         for rows in range(1, native_abi.LEVELS_MAX_ROWS + 1):
-            expected = kernels.row_invariant_matmul(x[:rows], packed_float, bias_values, out_features)
-            result = kernels.row_invariant_levels_matmul(x[:rows], packed_levels, bias_values, out_features)
+            expected = kernels.matmul.row_invariant_matmul(x[:rows], packed_float, bias_values, out_features)
+            result = kernels.matmul.row_invariant_levels_matmul(
+                x[:rows], packed_levels, bias_values, out_features
+            )
             assert torch.equal(result, expected), (num_threads, rows)
 
 
 def test_a_step_of_more_rows_than_the_levels_take_is_an_error_naming_the_limit(kernels):
     weight = gguf_weight(GGMLQuantizationType.Q4_1, 64, 64)
-    packed = pack_levels(kernels.find_levels(weight), kernels.matmul_panel_width)
+    packed = pack_levels(kernels.matmul.find_levels(weight), kernels.matmul.matmul_panel_width)
     rows = native_abi.LEVELS_MAX_ROWS + 1
     with pytest.raises(ValueError, match=f"at most {native_abi.LEVELS_MAX_ROWS} rows"):
-        kernels.row_invariant_levels_matmul(torch.randn(rows, 64), packed, None, 64)
+        kernels.matmul.row_invariant_levels_matmul(torch.randn(rows, 64), packed, None, 64)
 
 
 def test_a_projection_reads_levels_for_decode_sized_steps_and_floats_past_them(kernels):
@@ -113,7 +115,7 @@ def test_a_projection_reads_levels_for_decode_sized_steps_and_floats_past_them(k
     decode_rows = native_abi.LEVELS_MAX_ROWS
     x = torch.randn(3 * decode_rows, 576)
     expected = torch.cat(
-        [kernels.row_invariant_matmul(row[None], projection.packed_weight, None, 576) for row in x]
+        [kernels.matmul.row_invariant_matmul(row[None], projection.packed_weight, None, 576) for row in x]
     )
     assert torch.equal(projection(x), expected)
     projection.packed_weight.zero_()

@@ -53,7 +53,7 @@ def test_a_limit_survives_its_json_form():
 @pytest.fixture
 def float32_flash_kernels(native_kernels):
     probe = torch.empty(1, 9, 64)
-    if native_kernels is None or not native_kernels.flash_attention_supports(probe, probe):
+    if native_kernels is None or not native_kernels.flash.flash_attention_supports(probe, probe):
         pytest.skip("no native flash kernel here")
     return native_kernels
 
