@@ -33,6 +33,7 @@ from firsttoken.engine.prompt_encoder import (
 )
 from firsttoken.errors import EngineDeadError, InvalidInputError
 from firsttoken.outputs import EngineCompute, EngineInspection, EngineStats, PinnedPrefix, RequestDelta
+from firsttoken.sample.grammar import CompiledGrammar
 from firsttoken.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class _AddCommand:
     tokenized_time: float
     priority: int
     ttft_slo_ms: float | None
+    # Its structured output's grammar, compiled on a tokenizer thread; None without one.
+    grammar: CompiledGrammar | None
 
 
 @dataclass(frozen=True)
@@ -334,10 +337,11 @@ class AsyncEngine:
         # Refused here, on the asyncio thread: the loop thread would only see it after the step
         # it is running (a long prefill may take seconds).
         self.core.validate_request(prompt.token_ids, sampling_params)
+        grammar = None
         if sampling_params.structured_output is not None:
             # Compiled here, on a tokenizer thread, not on the loop thread that steps the other
-            # requests; the core's add_request then finds it cached. A bad schema raises here.
-            await self._encoder.run(self.core.compile_grammar, sampling_params.structured_output)
+            # requests; the core's add_request takes it as it is. A bad schema raises here.
+            grammar = await self._encoder.run(self.core.compile_grammar, sampling_params.structured_output)
         req_id = req_id or self.core.new_req_id()
         if req_id in self._streams:
             raise InvalidInputError("req_id", f"{req_id!r} is already in use")
@@ -352,6 +356,7 @@ class AsyncEngine:
                 prompt.tokenized_time,
                 priority,
                 ttft_slo_ms,
+                grammar,
             )
         )
         try:
@@ -521,6 +526,7 @@ class AsyncEngine:
                     command.tokenized_time,
                     command.priority,
                     command.ttft_slo_ms,
+                    command.grammar,
                 )
                 live.add(command.req_id)
                 admissions.append((command.req_id, None))

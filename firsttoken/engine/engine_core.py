@@ -28,7 +28,7 @@ from firsttoken.engine.pinned_prefixes import PinnedPrefixes
 from firsttoken.errors import InvalidInputError
 from firsttoken.outputs import EngineCompute, EngineInspection, EngineStats, PinnedPrefix, RequestDelta
 from firsttoken.request import Request, RequestStatus, RequestTimestamps
-from firsttoken.sample.grammar import GrammarCompiler
+from firsttoken.sample.grammar import CompiledGrammar, GrammarCompiler
 from firsttoken.sampling_params import SamplingParams, StructuredOutput
 from firsttoken.speculative.proposer import DraftProposer
 from firsttoken.worker.executor import Executor
@@ -133,16 +133,19 @@ class EngineCore:
         tokenized_time: float | None = None,
         priority: int = 0,
         ttft_slo_ms: float | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         """Queue a request; raises InvalidInputError or QueueFullError (SloUnattainableError
         when refused as predicted to miss its TTFT objective), changing nothing.
-        `ttft_slo_ms`: its TTFT objective (default: the engine's scheduler.ttft_slo_ms)."""
+        `ttft_slo_ms`: its TTFT objective (default: the engine's scheduler.ttft_slo_ms).
+        `grammar`: its structured output's grammar where a front end compiled it already
+        (`compile_grammar`); compiled here otherwise."""
         if ttft_slo_ms is not None and not ttft_slo_ms > 0:
             raise InvalidInputError("ttft_slo_ms", f"must be > 0, got {ttft_slo_ms}")
         self.validate_request(prompt_token_ids, sampling_params)
         structured = sampling_params.structured_output
-        # A cache hit when the front end compiled it on arrival (AsyncEngine.add_request).
-        grammar = None if structured is None else self.grammar_compiler.compile(structured)
+        if structured is not None and grammar is None:
+            grammar = self.grammar_compiler.compile(structured)
         now = time.perf_counter()
         arrival = arrival_time if arrival_time is not None else now
         request = Request(
@@ -191,10 +194,10 @@ class EngineCore:
                         field, f"{token_id} is not a token id: the vocabulary has {vocab_size} tokens"
                     )
 
-    def compile_grammar(self, structured: StructuredOutput) -> None:
-        """Compile a constraint ahead of add_request, from any thread (add_request then finds it
-        cached); raises InvalidInputError naming its field when it is not valid."""
-        self.grammar_compiler.compile(structured)
+    def compile_grammar(self, structured: StructuredOutput) -> CompiledGrammar:
+        """Compile a constraint ahead of add_request, from any thread (add_request then takes
+        it); raises InvalidInputError naming its field when it is not valid."""
+        return self.grammar_compiler.compile(structured)
 
     def abort_request(self, req_id: str) -> RequestDelta | None:
         """End a request now; its KV blocks are freed before this returns."""

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from firsttoken import SamplingParams
+from firsttoken.sampling_params import StructuredOutput
 from firsttoken.config import EngineConfig
 from firsttoken.engine.async_engine import AsyncEngine
 from firsttoken.errors import EngineDeadError, InvalidInputError, QueueFullError
@@ -349,3 +350,29 @@ def test_from_options_raises_the_loaders_error_on_the_callers_thread(monkeypatch
     monkeypatch.setattr(async_engine, "build_engine_core", refuse)
     with pytest.raises(InvalidInputError, match="no such file"):
         async_engine.AsyncEngine.from_options("missing.gguf")
+
+
+def test_a_grammar_is_compiled_once_off_the_loop_thread(core, monkeypatch):
+    """The front end compiles it on a tokenizer thread and hands it to the core, which does not
+    compile it again on the loop thread (where it would stall every running stream), even when
+    the compiler's cache no longer holds it."""
+    compiler = core.grammar_compiler
+    compiling_threads = []
+    compile_now = compiler.compile
+
+    def counted_compile(structured):
+        compiling_threads.append(threading.current_thread().name)
+        compiler._compiled.clear()  # nothing for a second compile to find
+        return compile_now(structured)
+
+    monkeypatch.setattr(compiler, "compile", counted_compile)
+    params = SamplingParams(
+        temperature=0, max_tokens=8, structured_output=StructuredOutput(regex="[a-z]{3,6}")
+    )
+
+    async def test(engine: AsyncEngine) -> None:
+        deltas = [delta async for delta in engine.generate("Name a colour:", params)]
+        assert deltas[-1].finished
+
+    run(core, test)
+    assert len(compiling_threads) == 1 and compiling_threads[0].startswith("firsttoken-tokenize")
