@@ -27,7 +27,9 @@ from tests.server.conftest import running_server
 ROOT = pathlib.Path(__file__).parents[1]
 README = ROOT / "README.md"
 DOC_PAGES = sorted((ROOT / "docs").glob("*.md"))
-PAGES = [README, *DOC_PAGES]
+# Measurement records behind the doc pages, each linked from the page it backs.
+NOTE_PAGES = sorted((ROOT / "docs" / "notes").glob("*.md"))
+PAGES = [README, *DOC_PAGES, *NOTE_PAGES]
 README_MAX_LINES = 150
 DOCS_SERVER = "http://127.0.0.1:8000"
 SET_UP_PREFIX = "python3 -m venv .venv && . .venv/bin/activate && pip install"
@@ -123,6 +125,15 @@ def test_relative_links_point_at_files_that_exist(page):
 def test_every_doc_page_is_linked_from_the_readme():
     linked = set(re.findall(r"\]\((docs/[^)#]+\.md)", README.read_text()))
     assert {_page_name(page) for page in DOC_PAGES} <= linked
+
+
+def test_every_note_page_is_linked_from_a_doc_page():
+    linked = {
+        (page.parent / target).resolve()
+        for page in DOC_PAGES
+        for target in re.findall(r"\]\((notes/[^)#]+\.md)", page.read_text())
+    }
+    assert set(NOTE_PAGES) <= linked
 
 
 def test_readme_stays_short():
