@@ -66,8 +66,16 @@ TINY_ARGUMENTS = {
         f"--text {W8A8_TEXT_NAME}"
     ),
 }
-# Modules the scripts share, not scripts themselves.
-HELPER_MODULES = {"common.py"}
+# Modules the scripts import, not scripts themselves: common.py, shared by all, and the steps of
+# gpu_check.py, split by what each measures.
+HELPER_MODULES = {
+    "common.py",
+    "gpu_check_invariance.py",
+    "gpu_check_models.py",
+    "gpu_check_parity.py",
+    "gpu_check_plan.py",
+    "gpu_check_speed.py",
+}
 
 
 def test_every_script_has_tiny_arguments_or_a_reason_it_cannot_run_here():
