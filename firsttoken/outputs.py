@@ -206,8 +206,10 @@ class EngineInspection:
     quantization: str | None
     # The ISA the native CPU kernels were built for; None where torch ops run (or on a GPU).
     native_isa: str | None
-    # The whole-step native forwards the runner holds ("int4 decode", "w8a8"), else empty.
+    # The whole-step native forwards the runner holds ("int4 decode", "w8a8"), else empty, and
+    # why none can run this model at all (None where the weights' form decides).
     whole_step_forwards: tuple[str, ...]
+    whole_step_unsupported_reason: str | None
     num_threads: int
     tensor_parallel_size: int
     num_kv_blocks: int

@@ -350,6 +350,7 @@ class EngineCore:
             quantization=worker.config.model_config.quantization,
             native_isa=worker.native_isa,
             whole_step_forwards=worker.whole_step_forwards,
+            whole_step_unsupported_reason=worker.runner.whole_step_unsupported_reason,
             num_threads=worker.num_threads,
             tensor_parallel_size=worker.tensor_parallel_size,
             num_kv_blocks=self.kv_manager.num_blocks,

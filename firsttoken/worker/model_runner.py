@@ -29,6 +29,7 @@ from firsttoken.sample.sampler import Sampler
 from firsttoken.worker.prompt_logprobs import PromptRows, find_prompt_rows, score_prompt_rows
 from firsttoken.worker.step_inputs import HostStep, build_host_step
 from firsttoken.worker.whole_step_decode import WholeStepDecode, build_whole_step_decode
+from firsttoken.worker.whole_step_layers import whole_step_unsupported_reason
 from firsttoken.worker.whole_step_w8a8 import WholeStepW8A8, build_whole_step_w8a8
 
 if TYPE_CHECKING:
@@ -58,8 +59,12 @@ class ModelRunner:
         self.device = device
         self.index_dtype = np.dtype(str(backend.index_dtype).removeprefix("torch."))
         self.staging = StagingBuffer(device, backend.index_dtype)
-        self.whole_step_decode: WholeStepDecode | None = build_whole_step_decode(model)
-        self.whole_step_w8a8: WholeStepW8A8 | None = build_whole_step_w8a8(model)
+        # The one place a model is found fit for the whole-step forwards at all; each then asks
+        # whether the model's weights are of its form.
+        self.whole_step_unsupported_reason = whole_step_unsupported_reason(model)
+        fits = self.whole_step_unsupported_reason is None
+        self.whole_step_decode: WholeStepDecode | None = build_whole_step_decode(model) if fits else None
+        self.whole_step_w8a8: WholeStepW8A8 | None = build_whole_step_w8a8(model) if fits else None
         self.decode_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
 

@@ -15,7 +15,7 @@ from firsttoken.attention.backend import BatchLayout, decode_tables
 from firsttoken.models.arch import ModelArch
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.ops import native_abi
-from firsttoken.ops.linear import DecodeQuantizedLinear
+from firsttoken.ops.linear_choice import DecodeQuantizedLinear
 from firsttoken.ops.native_decode import (
     STEP_PROJECTIONS,
     DecodeLayerWeights,
@@ -53,17 +53,12 @@ class WholeStepDecode:
 
 
 def build_whole_step_decode(model: LlamaForCausalLM) -> WholeStepDecode | None:
-    """The whole-step decode of a model with its KV caches bound, where the native kernels run
-    it and every projection's decode form is the int4 kind of the model's dtype's step
-    (`native_decode.STEP_PROJECTIONS`); None elsewhere. A sharded model has none: its
-    row-parallel projections sum over the ranks between layers."""
+    """The whole-step decode of a model with its KV caches bound, for a model a whole step can
+    run (`whole_step_unsupported_reason`, which the runner asks first) whose every projection's
+    decode form is the int4 kind of the model's dtype's step (`native_decode.STEP_PROJECTIONS`);
+    None elsewhere."""
     native_kernels = model.kernels.native
-    # The native steps run Llama's layers over every earlier key: no per-head query/key norms
-    # (Qwen3), no Gemma layers, no sliding window.
-    if (
-        native_kernels is None or model.embed_weight.dtype not in STEP_PROJECTIONS
-        or not model.arch.plain_llama_layers or model.has_sliding_window
-    ):
+    if native_kernels is None or model.embed_weight.dtype not in STEP_PROJECTIONS:
         return None
     layers = []
     for layer in model.layers:

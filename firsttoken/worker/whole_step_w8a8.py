@@ -73,18 +73,13 @@ def prefill_chunks(layout: BatchLayout) -> list[PrefillChunk]:
 
 
 def build_whole_step_w8a8(model: LlamaForCausalLM) -> WholeStepW8A8 | None:
-    """The whole-step W8A8 forward of a model with its KV caches bound, where the native kernels
-    run it: bf16 Llama layers attending over every earlier key (no per-head query/key norms, no
-    Gemma layers, no sliding window, no attention sinks) on the CPU backend's native attention,
-    every projection W8A8 on the native int8 matmul; None elsewhere. A sharded model has none:
-    its row-parallel projections sum over the ranks between layers."""
+    """The whole-step W8A8 forward of a model with its KV caches bound, for a model a whole step
+    can run (`whole_step_unsupported_reason`, which the runner asks first): bf16 layers on the
+    CPU backend's native attention, every projection W8A8 on the native int8 matmul; None
+    elsewhere."""
     native_kernels = model.kernels.native
     backends = {layer.self_attn.backend for layer in model.layers}
-    if (
-        native_kernels is None or len(backends) != 1 or model.embed_weight.dtype != torch.bfloat16
-        or not model.arch.plain_llama_layers or model.has_sliding_window or model.kv_sink_tokens
-        or model.collectives is not None
-    ):
+    if native_kernels is None or len(backends) != 1 or model.embed_weight.dtype != torch.bfloat16:
         return None
     (backend,) = backends
     if not isinstance(backend, CPUAttentionBackend) or backend.native is None:

@@ -116,6 +116,14 @@ def test_past_the_window_alone_batched_chunked_and_on_a_prefix_hit(windowed_mode
     assert all_blocks_free(llm)
 
 
+def test_a_windowed_int4_model_steps_op_by_op_and_says_why(windowed_model):
+    """No whole-step native forward attends within a window: the per-op path runs every step."""
+    _, _, folder = windowed_model
+    inspection = _engine(folder, quantization="int4").inspect()
+    assert inspection.whole_step_forwards == ()
+    assert inspection.whole_step_unsupported_reason is not None
+
+
 def test_a_long_sequence_holds_about_its_windows_blocks(windowed_model):
     """Every layer windowed (Mistral): prefilled in chunks of 32 then decoded 200 tokens in a KV
     cache of 16 blocks, where full attention would need 37: never more blocks than the window and

@@ -22,6 +22,7 @@ from firsttoken.ops.linear import (
 from firsttoken.ops.native_abi import DECODE_MAX_ROWS
 from firsttoken.worker.kv_cache import allocate_kv_caches
 from firsttoken.worker.whole_step_decode import build_whole_step_decode
+from firsttoken.worker.whole_step_layers import whole_step_unsupported_reason
 
 
 @pytest.fixture
@@ -274,7 +275,10 @@ def test_float32_decode_step_needs_int4_projections(portable_kernels, quantizati
     assert build_whole_step_decode(model) is None
 
 
-def test_float32_decode_step_leaves_query_key_norms_to_the_per_op_path(portable_kernels):
-    """Qwen3 normalizes each query and key head before rotary; the native steps do not."""
+def test_query_key_norms_are_left_to_the_per_op_path(portable_kernels):
+    """Qwen3 normalizes each query and key head before rotary; the native steps do not, so no
+    whole step runs such a model, and a plain one of the same weights may."""
     model = _int4_model(_arch(32, 4, 2, False, qk_norm=True), portable_kernels, dtype=torch.float32)
-    assert build_whole_step_decode(model) is None
+    assert "query/key norms" in whole_step_unsupported_reason(model)
+    plain = _int4_model(_arch(32, 4, 2, False), portable_kernels, dtype=torch.float32)
+    assert whole_step_unsupported_reason(plain) is None

@@ -1,0 +1,24 @@
+"""Which models the whole-step native forwards can run at all, decided once for all of them.
+
+Every whole step (the int4 decode, the W8A8 forward) runs Llama's layer over every earlier key,
+on the native kernels, on one rank. A model outside that gets the per-op forward for every
+step; its weights' form (int4, W8A8, dtype) is each whole step's own question after this one.
+"""
+
+from __future__ import annotations
+
+from firsttoken.models.llama import LlamaForCausalLM
+
+
+def whole_step_unsupported_reason(model: LlamaForCausalLM) -> str | None:
+    """Why no whole-step native forward can run this model; None where one may."""
+    if model.kernels.native is None:
+        return "no native kernels were built here"
+    if not model.arch.plain_llama_layers:
+        return "its layers are not Llama's (per-head query/key norms, Gemma's norms or soft-caps)"
+    if model.has_sliding_window or model.kv_sink_tokens:
+        return "its layers attend within a sliding window or keep attention sinks"
+    if model.collectives is not None:
+        # Row-parallel projections sum over the ranks between layers.
+        return "it is sharded over tensor-parallel ranks"
+    return None
