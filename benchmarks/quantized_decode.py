@@ -32,8 +32,10 @@ from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.config import CPU_ISAS  # noqa: E402
 from firsttoken.models.loaders.conversion_cache import default_cache_dir  # noqa: E402
 from firsttoken.models.registry import default_model_path  # noqa: E402
-from firsttoken.ops.linear import INT4_GROUP_SIZE, pack_int4, quantize_int4, quantize_int8  # noqa: E402
 from firsttoken.ops.native import NativeKernels, load_native_kernels  # noqa: E402
+from firsttoken.ops.native_abi import INT4_GROUP_SIZE  # noqa: E402
+from firsttoken.ops.quantized_linear import pack_int4, quantize_int4  # noqa: E402
+from firsttoken.ops.w8a8 import quantize_int8  # noqa: E402
 
 # (in_features, out_features) of one SmolLM2-135M layer's fused projections.
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]

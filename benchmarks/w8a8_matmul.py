@@ -24,8 +24,8 @@ from common import interleaved_medians, print_table, save_result, timed  # noqa:
 from firsttoken.ops import native  # noqa: E402
 from firsttoken.ops.w8a8 import (  # noqa: E402
     ACTIVATION_ZERO_POINT,
-    _no_zero_points,
-    _onednn_int8_matmul,
+    no_zero_points,
+    onednn_int8_matmul,
     onednn_int8_sums_exact,
     quantize_int8,
 )
@@ -65,8 +65,8 @@ def main() -> None:
         def onednn_then_rescale() -> None:
             for in_features, onednn_weight, _, scales in layers:
                 levels, row_scales = inputs[in_features]
-                sums = _onednn_int8_matmul(
-                    levels, onednn_weight, scales, _no_zero_points(scales.shape[0]), ACTIVATION_ZERO_POINT
+                sums = onednn_int8_matmul(
+                    levels, onednn_weight, scales, no_zero_points(scales.shape[0]), ACTIVATION_ZERO_POINT
                 )
                 kernels.rows.rescale_rows(sums, row_scales, None, torch.bfloat16)
 

@@ -31,15 +31,14 @@ from firsttoken.ops.hadamard import HadamardInputs
 from firsttoken.ops.linear import (
     Linear,
     PackedLinear,
-    convert_linears,
-    fastest_linear,
-    head_linear,
     native_row_invariant_available,
     replace_linears,
     row_invariant_linear,
 )
+from firsttoken.ops.linear_choice import convert_linears, fastest_linear, head_linear
 from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin
-from firsttoken.ops.w8a8 import Int8Weight, PendingNorm, W8A8Linear
+from firsttoken.ops.w8a8 import Int8Weight
+from firsttoken.ops.w8a8_linear import PendingNorm, W8A8Linear
 
 
 def _empty(*shape: int, dtype: torch.dtype) -> nn.Parameter:

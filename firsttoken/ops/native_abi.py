@@ -107,7 +107,7 @@ def _shared_struct(struct: type[ctypes.Structure]) -> type[ctypes.Structure]:
 
 @_shared_struct
 class Int4Weight(ctypes.Structure):
-    """An int4 projection in the layout of `firsttoken.ops.linear.pack_int4`."""
+    """An int4 projection in the layout of `firsttoken.ops.quantized_linear.pack_int4`."""
 
     c_fields: tuple[tuple[str, CType], ...] = (
         ("levels", "const uint8_t *"),  # [out, in / 2]
@@ -169,7 +169,7 @@ class DecodeBatch(ctypes.Structure):
 
 @_shared_struct
 class W8A8Weight(ctypes.Structure):
-    """A W8A8 projection on the native int8 matmul (`firsttoken.ops.w8a8.W8A8Linear`)."""
+    """A W8A8 projection on the native int8 matmul (`firsttoken.ops.w8a8_linear.W8A8Linear`)."""
 
     c_fields: tuple[tuple[str, CType], ...] = (
         ("packed", "const void *"),  # ft_pack_w8a8_weight's layout (SwiGLU-paired for gate_up)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from firsttoken.ops import native, native_abi
-from firsttoken.ops.linear import NativeInt4Linear, PortableInt4Linear
+from firsttoken.ops.quantized_linear import NativeInt4Linear, PortableInt4Linear
 
 
 @dataclass(frozen=True)

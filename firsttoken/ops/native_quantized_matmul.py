@@ -29,7 +29,7 @@ class QuantizedMatmulKernels:
         self, levels: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
     ) -> torch.Tensor:
         """x [rows, in] . W^T for rows <= `native_abi.DECODE_MAX_ROWS`, in a multiple of 64, all
-        bf16 and contiguous; W in the layout of `firsttoken.ops.linear.pack_int4`: levels uint8
+        bf16 and contiguous; W in the layout of `firsttoken.ops.quantized_linear.pack_int4`: levels uint8
         [out, in / 2], scales_zeros [out, 2 * in / 32]."""
         return self._quantized_matmul(
             "int4", levels, scales_zeros, bias, x, 2 * levels.shape[1], native_abi.INT4_INPUT_MULTIPLE
@@ -49,7 +49,7 @@ class QuantizedMatmulKernels:
     ) -> torch.Tensor:
         """x [rows, in] . W^T (+ bias) on any ISA, rows <= `native_abi.DECODE_MAX_ROWS`, in a
         multiple of 32; x and bias float32 or bf16 (one dtype, the output's), all contiguous; W
-        in the layout of `firsttoken.ops.linear.pack_int4` (scales_zeros bf16)."""
+        in the layout of `firsttoken.ops.quantized_linear.pack_int4` (scales_zeros bf16)."""
         return self._portable_matmul(
             "int4", levels, scales_zeros, bias, x, 2 * levels.shape[1],
             native_abi.PORTABLE_INT4_INPUT_MULTIPLE,

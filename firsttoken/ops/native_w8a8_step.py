@@ -19,7 +19,7 @@ import torch
 from firsttoken.ops import native, native_abi
 from firsttoken.ops.hadamard import hadamard_norm
 from firsttoken.ops.native_decode import DecodeTables, StepShape
-from firsttoken.ops.w8a8 import W8A8Linear
+from firsttoken.ops.w8a8_linear import W8A8Linear
 
 
 @dataclass

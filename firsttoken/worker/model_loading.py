@@ -26,7 +26,8 @@ from firsttoken.models.sharding import Collectives, ModelShard
 from firsttoken.ops.kernels import Kernels
 from firsttoken.ops.linear import NativeRowInvariantLinear, onednn_packing_available
 from firsttoken.ops.native import NativeKernels, load_native_kernels
-from firsttoken.ops.w8a8 import W8A8Linear, w8a8_on_native_matmul, w8a8_unsupported_reason
+from firsttoken.ops.w8a8 import w8a8_on_native_matmul, w8a8_unsupported_reason
+from firsttoken.ops.w8a8_linear import W8A8Linear
 from firsttoken.worker.activation_stats import load_activation_maxima
 from firsttoken.worker.flash_limit import AttentionShape, FlashLimit, load_or_measure_limit
 from firsttoken.worker.shared_weights import SHARED_WEIGHTS, PreparedWeights, WeightsForm

@@ -8,14 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from firsttoken import LLM, SamplingParams
-from firsttoken.ops.linear import (
-    INT4_GROUP_SIZE,
-    DecodeQuantizedLinear,
-    Int8Linear,
-    PortableInt4Linear,
-    dequantize_int4,
-    unpack_int4,
-)
+from firsttoken.ops.linear_choice import DecodeQuantizedLinear
+from firsttoken.ops.native_abi import INT4_GROUP_SIZE
+from firsttoken.ops.quantized_linear import Int8Linear, PortableInt4Linear, dequantize_int4, unpack_int4
 from tests.conftest import FIXED_THREADS, cpu_has_bf16_instructions
 from tests.engine_state import all_blocks_free
 from tests.prompts import CHAT_CONVERSATION, SHORT_PROMPTS, long_prompt

@@ -12,9 +12,10 @@ import torch.nn.functional as F
 
 from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
-from firsttoken.ops import native_w8a8, w8a8
+from firsttoken.ops import native_w8a8, w8a8_linear
 from firsttoken.ops.native_w8a8_step import PrefillChunk
-from firsttoken.ops.w8a8 import W8A8Linear, w8a8_unsupported_reason
+from firsttoken.ops.w8a8 import w8a8_unsupported_reason
+from firsttoken.ops.w8a8_linear import W8A8Linear
 from firsttoken.worker import model_loading, model_runner
 from firsttoken.worker.whole_step_w8a8 import prefill_chunks
 from tests.conftest import FIXED_THREADS
@@ -238,7 +239,8 @@ def test_the_native_int8_matmul_gives_the_onednn_engines_bits(two_layer_model_pa
         def chosen(kernels, on_native=on_native):
             return on_native and kernels is not None and kernels.w8a8.has_w8a8_matmul
 
-        for module in (w8a8, model_loading):  # the weights' form (shared by engines) and the projections
+        # The projections and the weights' form (shared by engines).
+        for module in (w8a8_linear, model_loading):
             monkeypatch.setattr(module, "w8a8_on_native_matmul", chosen)
         with caplog.at_level(logging.INFO, logger="firsttoken.worker.model_loading"):
             llm = LLM(**options)
@@ -536,7 +538,7 @@ def test_an_engine_multiplies_the_gptq_files_levels_behind_its_rotation(
             assert isinstance(projection, W8A8Linear)
             levels, scales = stored[f"{name}.levels"], stored[f"{name}.scales"]
             x = torch.randn(5, levels.shape[1], generator=generator)
-            expected = w8a8.w8a8_linear_reference(
+            expected = w8a8_linear.w8a8_linear_reference(
                 x.double(), levels, scales, projection.bias, hadamard_block=projection.hadamard_block
             )
             if projection.makes_swiglu_product:

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from firsttoken import LLM, SamplingParams
 from firsttoken.errors import InvalidInputError
 from firsttoken.models.loaders.hf_folder import load_hf_folder
-from firsttoken.ops.w8a8 import W8A8Linear, w8a8_linear_reference, w8a8_unsupported_reason
+from firsttoken.ops.w8a8 import w8a8_unsupported_reason
+from firsttoken.ops.w8a8_linear import W8A8Linear, w8a8_linear_reference
 from firsttoken.worker import model_loading
 from tests.conftest import FIXED_THREADS
 from tests.models.reference import hf_greedy

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from firsttoken.ops.linear import Float32LogitsHead, Linear, PackedLinear, head_linear
+from firsttoken.ops.linear import Float32LogitsHead, Linear, PackedLinear
+from firsttoken.ops.linear_choice import head_linear
 
 VOCAB, HIDDEN = 1000, 576  # 1000: a last panel of 8 outputs
 

@@ -10,26 +10,30 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from firsttoken.ops.linear import (
-    INT4_GROUP_SIZE,
+    Linear,
+    NativeRowInvariantLinear,
+    PackedLinear,
+    WidenedLinear,
+    cpu_computes_bf16,
+    row_invariant_linear,
+)
+from firsttoken.ops.linear_choice import (
     PORTABLE_QUANTIZED_MAX_ROWS,
     QUANTIZED_MAX_ROWS,
     DecodeQuantizedLinear,
+    fastest_linear,
+)
+from firsttoken.ops.native_abi import INT4_GROUP_SIZE
+from firsttoken.ops.quantized_linear import (
     Int4Linear,
     Int8Linear,
-    Linear,
-    PackedLinear,
-    NativeRowInvariantLinear,
     PortableInt4Linear,
-    WidenedLinear,
-    cpu_computes_bf16,
     dequantize_int4,
-    fastest_linear,
     int4_linear_reference,
     int8_linear_reference,
     quantize_int4,
-    quantize_int8,
-    row_invariant_linear,
 )
+from firsttoken.ops.w8a8 import quantize_int8
 
 ROW_COUNTS = [1, 4, 8, 33]
 needs_onednn_bf16 = pytest.mark.skipif(

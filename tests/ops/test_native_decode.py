@@ -11,7 +11,7 @@ from firsttoken.attention.cpu_backend import CPUAttentionBackend
 from firsttoken.models.arch import ModelArch
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.ops.kernels import Kernels
-from firsttoken.ops.linear import (
+from firsttoken.ops.quantized_linear import (
     Int8Linear,
     NativeInt4Linear,
     dequantize_int4,

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from firsttoken.ops import native
-from firsttoken.ops.linear import dequantize_int4, pack_int4, quantize_int4, quantize_int8
+from firsttoken.ops.quantized_linear import dequantize_int4, pack_int4, quantize_int4
+from firsttoken.ops.w8a8 import quantize_int8
 from firsttoken.ops.native_abi import DECODE_MAX_ROWS
 from tests.native_builds import ISA_PARAMS, built_kernels
 

@@ -14,13 +14,11 @@ from firsttoken.ops import native, w8a8
 from firsttoken.ops.hadamard import walsh_hadamard
 from firsttoken.ops.w8a8 import (
     ACTIVATION_ZERO_POINT,
-    W8A8Linear,
     quantize_int8,
     quantize_rows,
-    rescale_rows,
-    w8a8_linear_reference,
     w8a8_unsupported_reason,
 )
+from firsttoken.ops.w8a8_linear import W8A8Linear, rescale_rows, w8a8_linear_reference
 from tests.native_builds import ISA_PARAMS, built_kernels
 
 needs_exact_int8 = pytest.mark.skipif(
