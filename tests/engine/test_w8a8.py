@@ -91,7 +91,8 @@ def test_logprobs_and_the_float_engines_replies_stay_near(w8a8_llm, engine_for):
         for entry, expected in zip(scored, output.logprobs, strict=True)
     ]
     assert sum(shifts) / len(shifts) <= MEAN_LOGPROB_SHIFT_LIMIT
-    # Measured: 85% here and 89% on a long text (docs/cpu.md); a broken product agrees on almost nothing.
+    # A long text agrees on 0.888 of its tokens (docs/notes/cpu_measurements.md); a broken product
+    # agrees on almost nothing.
     assert _teacher_forced_agreement(w8a8_llm, replies) >= 0.75
 
 
