@@ -1,7 +1,7 @@
-/* What the whole-step decodes share with the kernels they run inside their own parallel
- * region: the portable step (portable_decode_step.c) with the portable int4 projection
+/* What the whole-step decodes share: the layer both run (portable_decode_step.c), and the
+ * kernels they run inside its parallel region: the float32 step the portable int4 projection
  * (quantized_matmul.c) and flash decode attention (attention.c); the AVX512-BF16 step
- * (decode_step.c) with that build's int4 projection (quantized_matmul_bf16.c) and paged decode
+ * (decode_step.c) that build's int4 projection (quantized_matmul_bf16.c) and paged decode
  * attention (paged_decode_attention.c). */
 #ifndef FIRSTTOKEN_DECODE_KERNELS_H
 #define FIRSTTOKEN_DECODE_KERNELS_H
