@@ -25,7 +25,7 @@
  * sequence's slots in the paged cache through its block ids (no gather copy); bf16 tiles are
  * widened to float32, and keys transposed, once per block of rows.
  *
- * Built at run time by firsttoken/ops/native.py with the machine's C compiler.
+ * Built at run time by firsttoken/ops/native_build.py with the machine's C compiler.
  */
 #pragma GCC optimize("no-associative-math", "fp-contract=fast") /* before the includes: see isa.h */
 #include "decode_kernels.h"

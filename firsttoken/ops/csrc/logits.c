@@ -14,7 +14,7 @@
  * broadcasts each row's input pair.
  * The two give a row different bits, each the same at any row count.
  *
- * Built at run time by firsttoken/ops/native.py with the machine's C compiler.
+ * Built at run time by firsttoken/ops/native_build.py with the machine's C compiler.
  */
 #include "common.h"
 

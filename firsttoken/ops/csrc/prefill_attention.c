@@ -28,7 +28,7 @@
  * (paged_decode_attention.c holds the other paged decode attention, one exact softmax
  * without tiles: a little faster, without that guarantee.)
  *
- * Built at run time by firsttoken/ops/native.py with the machine's C compiler.
+ * Built at run time by firsttoken/ops/native_build.py with the machine's C compiler.
  */
 #define _GNU_SOURCE /* syscall() for the AMX permission */
 #include "common.h"

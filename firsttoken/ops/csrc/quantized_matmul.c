@@ -19,7 +19,7 @@
  * (int8), lane by lane into one vector accumulator, then vf_sum. A row's result depends on its
  * own inputs only, never on the other rows of the call nor on the thread count.
  *
- * int4 layout (firsttoken/ops/linear.py pack_int4): levels uint8 [out, in / 2], byte j of each
+ * int4 layout (firsttoken/ops/quantized_linear.py pack_int4): levels uint8 [out, in / 2], byte j of each
  * group of 32 holds level j (low nibble) and level j + 16 (high nibble); bf16 scales_zeros
  * [out, 2 * groups], a row's group scales then its zeros.
  */

@@ -8,7 +8,7 @@
  * exactly where the plain torch reference rounds, so bf16 results agree with it up to
  * float32 summation order. dtype: DTYPE_FLOAT32 or DTYPE_BFLOAT16 (raw uint16 bits).
  *
- * Built at run time by firsttoken/ops/native.py with the machine's C compiler.
+ * Built at run time by firsttoken/ops/native_build.py with the machine's C compiler.
  */
 #include "common.h"
 #include "isa.h"

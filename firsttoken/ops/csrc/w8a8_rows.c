@@ -1,4 +1,4 @@
-/* The row passes around a W8A8 projection's int8 matmul (firsttoken/ops/w8a8.py): each row
+/* The row passes around a W8A8 projection's int8 matmul (firsttoken/ops/w8a8_linear.py): each row
  * of activations quantized to int8 with its own scale on the way in, each row of products
  * scaled back on the way out. In torch ops they are eight passes over the step, which cost
  * more than the matmul; here one each, vectorized over isa.h.
