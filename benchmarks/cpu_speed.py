@@ -35,6 +35,7 @@ from common import interleaved_medians, print_table, random_prompt, save_result,
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.registry import default_model_path  # noqa: E402
+from firsttoken.outputs import WHOLE_STEP_INT4_DECODE  # noqa: E402
 
 GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
 DECODE_PROMPT_LEN = 512
@@ -227,7 +228,7 @@ def main() -> None:
             for quantization, engine in quantized.items()
         },
     }
-    if "int4 decode" in quantized["int4"].inspect().whole_step_forwards:
+    if WHOLE_STEP_INT4_DECODE in quantized["int4"].inspect().whole_step_forwards:
         decode_runs["firsttoken int4, per-op decode"] = firsttoken_decode_run(
             quantized["int4"], args.decode_tokens, native_step=False
         )

@@ -188,6 +188,11 @@ class GraphCaptureReport:
     device_memory_bytes: int  # taken on the device by the graphs' pool and static inputs; 0 on a CPU
 
 
+# The whole-step native forwards, by the names EngineInspection.whole_step_forwards gives them.
+WHOLE_STEP_INT4_DECODE = "int4 decode"
+WHOLE_STEP_W8A8 = "w8a8"
+
+
 @dataclass(frozen=True)
 class EngineInspection:
     """What an engine was built with, for tools and tests to read instead of its internals: the
@@ -202,8 +207,10 @@ class EngineInspection:
     device: str
     dtype: str
     batch_invariant: bool
-    # "int4", "int8", "w8a8" or None (float projections).
+    # How the projections run: "int4", "int8", "w8a8" or None (float projections); and how the
+    # checkpoint's files hold them (a W8A8 checkpoint runs dequantized where int8 sums are not exact).
     quantization: str | None
+    checkpoint_quantization: str | None
     # The ISA the native CPU kernels were built for; None where torch ops run (or on a GPU).
     native_isa: str | None
     # The whole-step native forwards the runner holds ("int4 decode", "w8a8"), else empty, and

@@ -159,7 +159,7 @@ def calibrate(
     )
     try:
         inspection = llm.inspect()
-        if inspection.quantization is not None:
+        if inspection.checkpoint_quantization is not None:
             raise InvalidInputError(
                 "model", f"{inspection.model_path} is quantized already: calibrate its float checkpoint"
             )

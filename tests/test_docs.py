@@ -133,7 +133,7 @@ def test_every_note_page_is_linked_from_a_doc_page():
         for page in DOC_PAGES
         for target in re.findall(r"\]\((notes/[^)#]+\.md)", page.read_text())
     }
-    assert set(NOTE_PAGES) <= linked
+    assert {page.resolve() for page in NOTE_PAGES} <= linked
 
 
 def test_readme_stays_short():

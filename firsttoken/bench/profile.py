@@ -32,7 +32,7 @@ from firsttoken.bench.stats import Distribution, summarize
 from firsttoken.bench.table import format_table
 from firsttoken.core.policy import PrefillPlan, plan_prefill
 from firsttoken.engine.llm import LLM
-from firsttoken.outputs import RequestMetrics
+from firsttoken.outputs import WHOLE_STEP_W8A8, RequestMetrics
 from firsttoken.sampling_params import SamplingParams
 
 FIRST_TOKEN_ONLY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -135,7 +135,7 @@ def profile_ttft(llm: LLM, spec: ProfileSpec) -> ProfileResult:
     with llm.core.forward_op_by_op() as set_aside:
         result = _profile_runs(llm, spec)
     # Only the W8A8 one takes prompts: the int4 one runs decode steps, which a first token has none of.
-    if "w8a8" in set_aside:
+    if WHOLE_STEP_W8A8 in set_aside:
         description = f"{result.engine_description}; {WHOLE_STEP_SET_ASIDE}"
         result = dataclasses.replace(result, engine_description=description)
     return result

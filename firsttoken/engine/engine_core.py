@@ -348,6 +348,7 @@ class EngineCore:
             dtype=self.compute.dtype,
             batch_invariant=self.compute.batch_invariant,
             quantization=worker.config.model_config.quantization,
+            checkpoint_quantization=worker.checkpoint.quantization,
             native_isa=worker.native_isa,
             whole_step_forwards=worker.whole_step_forwards,
             whole_step_unsupported_reason=worker.runner.whole_step_unsupported_reason,

@@ -59,12 +59,10 @@ class ModelRunner:
         self.device = device
         self.index_dtype = np.dtype(str(backend.index_dtype).removeprefix("torch."))
         self.staging = StagingBuffer(device, backend.index_dtype)
-        # The one place a model is found fit for the whole-step forwards at all; each then asks
-        # whether the model's weights are of its form.
+        # Each whole step asks whole_step_unsupported_reason, then whether the weights are its form.
         self.whole_step_unsupported_reason = whole_step_unsupported_reason(model)
-        fits = self.whole_step_unsupported_reason is None
-        self.whole_step_decode: WholeStepDecode | None = build_whole_step_decode(model) if fits else None
-        self.whole_step_w8a8: WholeStepW8A8 | None = build_whole_step_w8a8(model) if fits else None
+        self.whole_step_decode: WholeStepDecode | None = build_whole_step_decode(model)
+        self.whole_step_w8a8: WholeStepW8A8 | None = build_whole_step_w8a8(model)
         self.decode_graphs: DecodeGraphs | None = None
         self.step_graphs: StepGraphs | None = None
 

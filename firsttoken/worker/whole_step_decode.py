@@ -23,6 +23,7 @@ from firsttoken.ops.native_decode import (
     StepShape,
     supports_layers,
 )
+from firsttoken.worker.whole_step_layers import whole_step_unsupported_reason
 
 
 class WholeStepDecode:
@@ -54,11 +55,10 @@ class WholeStepDecode:
 
 def build_whole_step_decode(model: LlamaForCausalLM) -> WholeStepDecode | None:
     """The whole-step decode of a model with its KV caches bound, for a model a whole step can
-    run (`whole_step_unsupported_reason`, which the runner asks first) whose every projection's
-    decode form is the int4 kind of the model's dtype's step (`native_decode.STEP_PROJECTIONS`);
-    None elsewhere."""
+    run (`whole_step_unsupported_reason`) whose every projection's decode form is the int4 kind of
+    the model's dtype's step (`native_decode.STEP_PROJECTIONS`); None elsewhere."""
     native_kernels = model.kernels.native
-    if native_kernels is None or model.embed_weight.dtype not in STEP_PROJECTIONS:
+    if whole_step_unsupported_reason(model) is not None or model.embed_weight.dtype not in STEP_PROJECTIONS:
         return None
     layers = []
     for layer in model.layers:

@@ -13,7 +13,7 @@ from firsttoken.models.llama import LlamaForCausalLM
 def whole_step_unsupported_reason(model: LlamaForCausalLM) -> str | None:
     """Why no whole-step native forward can run this model; None where one may."""
     if model.kernels.native is None:
-        return "no native kernels were built here"
+        return "it does not run on a CPU with native kernels"
     if not model.arch.plain_llama_layers:
         return "its layers are not Llama's (per-head query/key norms, Gemma's norms or soft-caps)"
     if model.has_sliding_window or model.kv_sink_tokens:

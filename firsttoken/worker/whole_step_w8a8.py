@@ -21,6 +21,7 @@ from firsttoken.ops.native_w8a8_step import (
     supports_layers,
 )
 from firsttoken.worker.whole_step_decode import step_shape
+from firsttoken.worker.whole_step_layers import whole_step_unsupported_reason
 
 
 class WholeStepW8A8:
@@ -74,12 +75,14 @@ def prefill_chunks(layout: BatchLayout) -> list[PrefillChunk]:
 
 def build_whole_step_w8a8(model: LlamaForCausalLM) -> WholeStepW8A8 | None:
     """The whole-step W8A8 forward of a model with its KV caches bound, for a model a whole step
-    can run (`whole_step_unsupported_reason`, which the runner asks first): bf16 layers on the
-    CPU backend's native attention, every projection W8A8 on the native int8 matmul; None
-    elsewhere."""
+    can run (`whole_step_unsupported_reason`): bf16 layers on the CPU backend's native attention,
+    every projection W8A8 on the native int8 matmul; None elsewhere."""
     native_kernels = model.kernels.native
     backends = {layer.self_attn.backend for layer in model.layers}
-    if native_kernels is None or len(backends) != 1 or model.embed_weight.dtype != torch.bfloat16:
+    if (
+        whole_step_unsupported_reason(model) is not None or len(backends) != 1
+        or model.embed_weight.dtype != torch.bfloat16
+    ):
         return None
     (backend,) = backends
     if not isinstance(backend, CPUAttentionBackend) or backend.native is None:

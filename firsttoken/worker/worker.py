@@ -21,7 +21,7 @@ from firsttoken.core.cost_model import StepCostModel, attention_pairs
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.models.registry import open_checkpoint, resolve_model_path
 from firsttoken.ops.cpu_info import physical_core_count
-from firsttoken.outputs import GraphCaptureReport
+from firsttoken.outputs import WHOLE_STEP_INT4_DECODE, WHOLE_STEP_W8A8, GraphCaptureReport
 from firsttoken.sample.sampler import Sampler
 from firsttoken.tokenizer import Tokenizer
 from firsttoken.worker.batch_invariance import claims_batch_invariance
@@ -212,7 +212,10 @@ class Worker:
     @property
     def whole_step_forwards(self) -> tuple[str, ...]:
         """The runner's whole-step native forwards: int4 decode steps, W8A8 steps."""
-        forwards = (("int4 decode", self.runner.whole_step_decode), ("w8a8", self.runner.whole_step_w8a8))
+        forwards = (
+            (WHOLE_STEP_INT4_DECODE, self.runner.whole_step_decode),
+            (WHOLE_STEP_W8A8, self.runner.whole_step_w8a8),
+        )
         return tuple(name for name, forward in forwards if forward is not None)
 
     @contextlib.contextmanager

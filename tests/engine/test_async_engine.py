@@ -10,11 +10,11 @@ import time
 import pytest
 
 from firsttoken import SamplingParams
-from firsttoken.sampling_params import StructuredOutput
 from firsttoken.config import EngineConfig
 from firsttoken.engine.async_engine import AsyncEngine
 from firsttoken.errors import EngineDeadError, InvalidInputError, QueueFullError
 from firsttoken.engine.engine_core import EngineCore
+from firsttoken.sampling_params import StructuredOutput
 from tests.conftest import FIXED_THREADS
 from tests.prompts import SHORT_PROMPTS, long_prompt
 

@@ -121,7 +121,12 @@ def test_a_windowed_int4_model_steps_op_by_op_and_says_why(windowed_model):
     _, _, folder = windowed_model
     inspection = _engine(folder, quantization="int4").inspect()
     assert inspection.whole_step_forwards == ()
-    assert inspection.whole_step_unsupported_reason is not None
+    if inspection.native_isa is None:
+        pytest.skip("no native kernels here: nothing else to say why")
+    # Gemma's layers are refused for their norms first; the others for their window.
+    assert any(
+        reason in inspection.whole_step_unsupported_reason for reason in ("sliding window", "not Llama's")
+    )
 
 
 def test_a_long_sequence_holds_about_its_windows_blocks(windowed_model):

@@ -187,10 +187,17 @@ def test_other_quantizations_and_calibrated_maxima_are_refused_on_it(tmp_path):
         _engine(str(tmp_path / "w8a8"), quantization="w8a8", w8a8_activation_stats=str(tmp_path / "x"))
 
 
+@pytest.mark.parametrize("int8_sums_exact", [True, False], ids=["w8a8", "dequantized"])
 @pytest.mark.parametrize("method", ["smoothing", "gptq"])
-def test_calibrating_it_is_refused_naming_the_model(method, tmp_path):
+def test_calibrating_it_is_refused_naming_the_model(method, int8_sums_exact, tmp_path, monkeypatch):
+    """Whether the checkpoint runs as W8A8 or, without exact int8 sums, dequantized: its files
+    are quantized already, so there is no float checkpoint to calibrate."""
     from firsttoken.quantize import calibrate
 
+    if not int8_sums_exact:
+        monkeypatch.setattr(
+            model_loading, "w8a8_unsupported_reason", lambda device, kernels=None: "w8a8 needs VNNI"
+        )
     write_w8a8_folder(tiny_hf_model("llama"), str(tmp_path / "w8a8"))
     refusal = "model: .* is quantized already: calibrate its float checkpoint"
     with pytest.raises(InvalidInputError, match=refusal):
