@@ -23,11 +23,11 @@ _SOURCES = [
     for name in (
         "row_kernels.c", "attention.c", "matmul.c", "quantized_matmul.c", "prefill_attention.c",
         "paged_decode_attention.c", "quantized_matmul_bf16.c", "decode_step.c", "portable_decode_step.c",
-        "w8a8_rows.c", "w8a8_matmul.c", "w8a8_projection.c", "w8a8_step.c", "weight_levels.c",
-        "logits.c",
+        "llama_layer.c", "w8a8_rows.c", "w8a8_matmul.c", "w8a8_projection.c", "w8a8_step.c",
+        "weight_levels.c", "logits.c",
     )
 ]
-_HEADERS = [_SOURCE_DIR / "common.h", _SOURCE_DIR / "isa.h", _SOURCE_DIR / "decode_kernels.h"]
+_HEADERS = [_SOURCE_DIR / name for name in ("common.h", "isa.h", "decode_kernels.h", "llama_layer.h")]
 # Written into the build folder from `native_abi` (common.h includes it).
 _ABI_HEADER_NAME = "native_abi.h"
 # Reassociation lets sums vectorize. Not -ffast-math: a shared library built with it sets

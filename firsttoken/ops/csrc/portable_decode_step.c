@@ -1,18 +1,18 @@
-/* A whole decode step of a Llama-family model with int4 weights, in one call: the layer both
- * steps run (decode_layers), and the step with float32 activations, on every ISA.
+/* A whole decode step of a Llama-family model with int4 weights, in one call: the decode's
+ * stages of the Llama layer (llama_layer.h) that both int4 steps run (decode_layers), and the
+ * step with float32 activations, on every ISA.
  *
  * A decode step reads every weight once for a handful of tokens; in torch about fifteen ops
  * per layer each cost a dispatch and a call into the kernels (some 15 ms a step for a 30-layer
  * model on a 2-core AVX2 machine, half the int4 projections' time). Here the layers run back
  * to back inside one OpenMP region on torch's threads, on the very kernels the per-op path
- * calls, so each row gets the per-op path's bits:
- *   (add +) RMSNorm -> QKV -> rotary -> KV write -> attention -> O -> add + RMSNorm
- *   -> gate/up -> SiLU * up -> down, and finally hidden + residual.
- * The norms, rotary, KV write and SwiGLU are row_kernels.c's in both steps. The float32 step's
- * projections are the portable int4 kernel's (quantized_matmul.c), its attention the flash
- * decode attention's (attention.c); the bf16 step's are decode_step.c's.
+ * calls, so each row gets the per-op path's bits. The norms, rotary, KV write and SwiGLU are
+ * row_kernels.c's in both steps. The float32 step's projections are the portable int4 kernel's
+ * (quantized_matmul.c), its attention the flash decode attention's (attention.c); the bf16
+ * step's are decode_step.c's.
  */
 #include "decode_kernels.h"
+#include "llama_layer.h"
 
 /* [rows, width] each, in the step's dtype. */
 typedef struct {
@@ -104,20 +104,65 @@ static void silu_and_mul(const DecodeModel *m, Activations *a, int64_t rows) {
     }
 }
 
-static void decoder_layer(const DecodeStepKernels *k, const DecodeModel *m, const DecodeLayer *layer,
-                          int first_layer, const DecodeBatch *b, Activations *a, void *scratch) {
-    int64_t rows = b->num_sequences;
-    norm_rows(m, layer->input_norm, first_layer, a, rows);
-    project(k, &layer->qkv, a->normed, rows, scratch, a->qkv);
-    rotate_and_store(m, layer, b, a, rows);
-    k->attend(m, layer, b, a->qkv, a->attended, scratch);
-#pragma omp barrier
-    project(k, &layer->o, a->attended, rows, scratch, a->hidden);
-    norm_rows(m, layer->post_attention_norm, 0, a, rows);
-    project(k, &layer->gate_up, a->normed, rows, scratch, a->gate_up);
-    silu_and_mul(m, a, rows);
-    project(k, &layer->down, a->normed, rows, scratch, a->hidden);
+/* One thread's view of the step: what every stage reads (llama_layer.h). */
+typedef struct {
+    const DecodeStepKernels *kernels;
+    const DecodeModel *model;
+    const DecodeBatch *batch;
+    Activations *activations;
+    void *scratch; /* this thread's */
+} DecodeStep;
+
+static FtStatus norm_and_qkv(void *step, int64_t layer) {
+    DecodeStep *s = step;
+    int64_t rows = s->batch->num_sequences;
+    norm_rows(s->model, s->model->layers[layer].input_norm, layer == 0, s->activations, rows);
+    project(s->kernels, &s->model->layers[layer].qkv, s->activations->normed, rows, s->scratch, s->activations->qkv);
+    return FT_OK;
 }
+
+static FtStatus rotate_and_store_stage(void *step, int64_t layer) {
+    DecodeStep *s = step;
+    rotate_and_store(s->model, &s->model->layers[layer], s->batch, s->activations, s->batch->num_sequences);
+    return FT_OK;
+}
+
+static FtStatus attend(void *step, int64_t layer) {
+    DecodeStep *s = step;
+    s->kernels->attend(s->model, &s->model->layers[layer], s->batch, s->activations->qkv, s->activations->attended,
+                       s->scratch);
+#pragma omp barrier
+    return FT_OK;
+}
+
+static FtStatus output_projection(void *step, int64_t layer) {
+    DecodeStep *s = step;
+    project(s->kernels, &s->model->layers[layer].o, s->activations->attended, s->batch->num_sequences, s->scratch,
+            s->activations->hidden);
+    return FT_OK;
+}
+
+static FtStatus norm_and_gate_up(void *step, int64_t layer) {
+    DecodeStep *s = step;
+    int64_t rows = s->batch->num_sequences;
+    norm_rows(s->model, s->model->layers[layer].post_attention_norm, 0, s->activations, rows);
+    project(s->kernels, &s->model->layers[layer].gate_up, s->activations->normed, rows, s->scratch,
+            s->activations->gate_up);
+    silu_and_mul(s->model, s->activations, rows);
+    return FT_OK;
+}
+
+static FtStatus down_projection(void *step, int64_t layer) {
+    DecodeStep *s = step;
+    project(s->kernels, &s->model->layers[layer].down, s->activations->normed, s->batch->num_sequences, s->scratch,
+            s->activations->hidden);
+    return FT_OK;
+}
+
+/* Every stage runs on every thread and notes, never returns, a failure: no thread may skip a
+ * barrier the others wait at. */
+static const LayerStages DECODE_STAGES = {norm_and_qkv,      rotate_and_store_stage, attend,
+                                          output_projection, norm_and_gate_up,       down_projection};
 
 /* hidden += residual, rounded to the dtype once as the per-op path's add rounds it. */
 static void add_residual(const DecodeModel *m, Activations *a, int64_t rows) {
@@ -168,9 +213,8 @@ FT_INTERNAL FtStatus decode_layers(const DecodeStepKernels *kernels, const Decod
         all_allocated &= scratch != NULL;
 #pragma omp barrier
         if (all_allocated) {
-            for (int64_t l = 0; l < m->num_layers; l++) {
-                decoder_layer(kernels, m, &m->layers[l], l == 0, b, &activations, scratch);
-            }
+            DecodeStep step = {kernels, m, b, &activations, scratch};
+            llama_layers(&DECODE_STAGES, &step, m->num_layers);
             add_residual(m, &activations, rows);
         }
         kernels->free_scratch(scratch);

@@ -1,14 +1,16 @@
 /* A W8A8 model's step in one call: every layer's projections (ft_w8a8_norm_matmul,
  * ft_w8a8_quantize_matmul), rotary (ft_rotary), KV write (ft_write_kv) and attention (decode rows:
  * ft_paged_decode_attention or ft_decode_attention_as_prefill; prefill chunks:
- * ft_prefill_attention) back to back, as the model's forward calls them one by one from Python.
+ * ft_prefill_attention) back to back, as the model's forward calls them one by one from Python:
+ * the W8A8 kernels of the Llama layer's stages (llama_layer.h), its norms fused into the
+ * projections that read them and SiLU * up into gate/up's.
  *
  * A 512-token prefill of SmolLM2 makes some 210 kernel calls; between two of them the
  * interpreter's work (modules, views, output tensors, ctypes) runs slow, the kernel having
  * evicted its data from the caches. Here the same functions run in the same order on the same
  * rows, so the bits are the per-call path's.
  */
-#include "common.h"
+#include "llama_layer.h"
 
 #if VECTOR_BF16
 /* The step's intermediate rows, bf16, in one allocation. */
@@ -134,55 +136,83 @@ static FtStatus attend(const W8A8StepModel *model, const W8A8StepBatch *batch, c
     return FT_OK;
 }
 
-/* One layer: hidden [T, hidden] (with residual [T, hidden] before its first norm, or none for
- * the first layer) in, the MLP's product in hidden and the residual after the MLP's add in
- * residual out. */
-static FtStatus run_layer(const W8A8StepModel *model, const W8A8StepLayer *layer,
-                          const W8A8StepBatch *batch, uint16_t *hidden, uint16_t *residual, int has_residual,
-                          const StepRows *rows, int num_threads) {
-    int64_t tokens = batch->num_tokens, head_dim = model->head_dim;
-    int64_t q = model->num_heads * head_dim, kv = model->num_kv_heads * head_dim, qkv_stride = q + 2 * kv;
-    float eps = model->rms_norm_eps;
-    int amx = model->matmul_amx;
-    const W8A8Weight *qkv = &layer->qkv, *o = &layer->o, *gate_up = &layer->gate_up, *down = &layer->down;
-    /* Without a residual the norm's input is the residual after it (and `summed` is untouched). */
-    FtStatus status = ft_w8a8_norm_matmul(
-        hidden, has_residual ? residual : NULL, layer->input_norm, rows->attention_sum, eps, qkv->column_scales,
-        qkv->hadamard_block, qkv->hadamard_norm, qkv->packed, qkv->weight_scales, qkv->bias, rows->qkv, tokens,
-        qkv->out_features, qkv->in_features, DTYPE_BFLOAT16, num_threads, amx, 0);
-    const uint16_t *attention_residual = has_residual ? rows->attention_sum : hidden;
-    if (status == FT_OK) {
-        status = ft_rotary(rows->qkv, qkv_stride, tokens, model->num_heads + model->num_kv_heads, head_dim,
-                           batch->cos, batch->sin, DTYPE_BFLOAT16, num_threads);
+/* The step's state its stages (llama_layer.h) share: hidden [T, hidden] holds the embeddings, then
+ * each layer's MLP product; residual [T, hidden] the residual after each layer's MLP add (read
+ * by the next layer's first norm: the first layer has none). */
+typedef struct {
+    const W8A8StepModel *model;
+    const W8A8StepBatch *batch;
+    uint16_t *hidden;
+    uint16_t *residual;
+    const StepRows *rows;
+    int num_threads;
+} W8A8Step;
+
+/* out [T, w->out_features] = quantized x . W^T, x [T, w->in_features] (SiLU(gate) * up when
+ * `silu_gated`), after the norm of x (+ residual, the sum into `summed`) where `norm` is set. */
+static FtStatus project(const W8A8Step *s, const W8A8Weight *w, const uint16_t *x, const uint16_t *residual,
+                        const uint16_t *norm, uint16_t *summed, uint16_t *out, int silu_gated) {
+    const W8A8StepModel *m = s->model;
+    int64_t tokens = s->batch->num_tokens;
+    if (norm == NULL) {
+        return ft_w8a8_quantize_matmul(x, 0, w->column_scales, w->hadamard_block, w->hadamard_norm, w->packed,
+                                       w->weight_scales, w->bias, out, tokens, w->out_features, w->in_features,
+                                       DTYPE_BFLOAT16, s->num_threads, m->matmul_amx, silu_gated);
     }
-    if (status == FT_OK) {
-        status = ft_write_kv(layer->kv_cache, model->num_slots * kv, model->num_slots, rows->qkv + q, qkv_stride,
-                             rows->qkv + q + kv, qkv_stride, batch->slot_mapping, tokens, kv, DTYPE_BFLOAT16,
-                             num_threads);
-    }
-    if (status == FT_OK) {
-        status = attend(model, batch, layer->kv_cache, rows, num_threads);
-    }
-    if (status == FT_OK) {
-        status = ft_w8a8_quantize_matmul(rows->attended, 0, o->column_scales, o->hadamard_block, o->hadamard_norm,
-                                         o->packed, o->weight_scales, o->bias, rows->attention_out, tokens,
-                                         o->out_features, o->in_features, DTYPE_BFLOAT16, num_threads, amx, 0);
-    }
-    if (status == FT_OK) {
-        status = ft_w8a8_norm_matmul(
-            rows->attention_out, attention_residual, layer->post_attention_norm, residual, eps,
-            gate_up->column_scales, gate_up->hadamard_block, gate_up->hadamard_norm, gate_up->packed,
-            gate_up->weight_scales, gate_up->bias, rows->activations, tokens, gate_up->out_features,
-            gate_up->in_features, DTYPE_BFLOAT16, num_threads, amx, 1);
-    }
-    if (status == FT_OK) {
-        status = ft_w8a8_quantize_matmul(rows->activations, 0, down->column_scales, down->hadamard_block,
-                                         down->hadamard_norm, down->packed, down->weight_scales, down->bias, hidden,
-                                         tokens, down->out_features, down->in_features, DTYPE_BFLOAT16, num_threads,
-                                         amx, 0);
-    }
-    return status;
+    return ft_w8a8_norm_matmul(x, residual, norm, summed, m->rms_norm_eps, w->column_scales, w->hadamard_block,
+                               w->hadamard_norm, w->packed, w->weight_scales, w->bias, out, tokens, w->out_features,
+                               w->in_features, DTYPE_BFLOAT16, s->num_threads, m->matmul_amx, silu_gated);
 }
+
+/* Without a residual (the first layer) the norm's input is the residual after it, and the
+ * attention's sum is left untouched. */
+static FtStatus norm_and_qkv(void *step, int64_t layer) {
+    W8A8Step *s = step;
+    const W8A8StepLayer *l = &s->model->layers[layer];
+    return project(s, &l->qkv, s->hidden, layer > 0 ? s->residual : NULL, l->input_norm, s->rows->attention_sum,
+                   s->rows->qkv, 0);
+}
+
+static FtStatus rotate_and_store(void *step, int64_t layer) {
+    W8A8Step *s = step;
+    const W8A8StepModel *m = s->model;
+    int64_t tokens = s->batch->num_tokens, head_dim = m->head_dim;
+    int64_t q = m->num_heads * head_dim, kv = m->num_kv_heads * head_dim, qkv_stride = q + 2 * kv;
+    FtStatus status = ft_rotary(s->rows->qkv, qkv_stride, tokens, m->num_heads + m->num_kv_heads, head_dim,
+                                s->batch->cos, s->batch->sin, DTYPE_BFLOAT16, s->num_threads);
+    if (status != FT_OK) {
+        return status;
+    }
+    return ft_write_kv(m->layers[layer].kv_cache, m->num_slots * kv, m->num_slots, s->rows->qkv + q, qkv_stride,
+                       s->rows->qkv + q + kv, qkv_stride, s->batch->slot_mapping, tokens, kv, DTYPE_BFLOAT16,
+                       s->num_threads);
+}
+
+static FtStatus attend_stage(void *step, int64_t layer) {
+    W8A8Step *s = step;
+    return attend(s->model, s->batch, s->model->layers[layer].kv_cache, s->rows, s->num_threads);
+}
+
+static FtStatus output_projection(void *step, int64_t layer) {
+    W8A8Step *s = step;
+    return project(s, &s->model->layers[layer].o, s->rows->attended, NULL, NULL, NULL, s->rows->attention_out, 0);
+}
+
+static FtStatus norm_and_gate_up(void *step, int64_t layer) {
+    W8A8Step *s = step;
+    const W8A8StepLayer *l = &s->model->layers[layer];
+    const uint16_t *attention_residual = layer > 0 ? s->rows->attention_sum : s->hidden;
+    return project(s, &l->gate_up, s->rows->attention_out, attention_residual, l->post_attention_norm, s->residual,
+                   s->rows->activations, 1);
+}
+
+static FtStatus down_projection(void *step, int64_t layer) {
+    W8A8Step *s = step;
+    return project(s, &s->model->layers[layer].down, s->rows->activations, NULL, NULL, NULL, s->hidden, 0);
+}
+
+static const LayerStages W8A8_STAGES = {norm_and_qkv,      rotate_and_store, attend_stage,
+                                        output_projection, norm_and_gate_up, down_projection};
 
 /* hidden [T, hidden] bf16: the step's embeddings in, the last layer's MLP product out; residual
  * [T, hidden] bf16 out: the residual after its add (the model's output is their sum). */
@@ -192,10 +222,8 @@ FtStatus ft_w8a8_step(const W8A8StepModel *model, const W8A8StepBatch *batch, ui
     if (!allocate_rows(model, batch, &rows)) {
         return FT_OUT_OF_MEMORY;
     }
-    FtStatus status = FT_OK;
-    for (int64_t l = 0; l < model->num_layers && status == FT_OK; l++) {
-        status = run_layer(model, &model->layers[l], batch, hidden, residual, l > 0, &rows, num_threads);
-    }
+    W8A8Step step = {model, batch, hidden, residual, &rows, num_threads};
+    FtStatus status = llama_layers(&W8A8_STAGES, &step, model->num_layers);
     free(rows.allocation);
     return status;
 }
