@@ -1,13 +1,16 @@
-"""Shared helpers of the benchmark scripts: prompts, timing, medians, tables, engine facts."""
+"""Shared helpers of the benchmark scripts: prompts, timing, medians, and `firsttoken bench`'s tables
+and result files (firsttoken/bench holds the user-facing verbs; these scripts build on them)."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import statistics
 import time
 from typing import Callable
+
+from firsttoken.bench.results import write_json
+from firsttoken.bench.table import format_table
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench_results")
 
@@ -52,12 +55,8 @@ def timed(function: Callable[[], object]) -> float:
 
 
 def print_table(headers: list[str], rows: list[list[object]]) -> None:
-    cells = [[str(h) for h in headers]] + [[_format(value) for value in row] for row in rows]
-    widths = [max(len(row[column]) for row in cells) for column in range(len(headers))]
-    for index, row in enumerate(cells):
-        print("  ".join(value.rjust(width) for value, width in zip(row, widths)))
-        if index == 0:
-            print("  ".join("-" * width for width in widths))
+    """`firsttoken bench`'s table, with a third decimal under 100 (the scripts' seconds and ratios)."""
+    print(format_table(headers, [[_format(value) for value in row] for row in rows]))
 
 
 def _format(value: object) -> str:
@@ -73,7 +72,4 @@ def engine_dtype_name(llm) -> str:
 
 def save_result(name: str, payload: dict) -> str:
     os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, f"{name}.json")
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=2)
-    return path
+    return write_json(os.path.join(RESULTS_DIR, f"{name}.json"), payload)
