@@ -184,7 +184,11 @@ def auto_chunk_plans(llm: LLM, prompt_tokens: int) -> dict[int, PrefillPlan]:
     max_decodes = llm.core.config.scheduler.max_num_seqs - 1
     return {
         num_decodes: plan_prefill(
-            prompt_tokens, num_decodes, prompt_tokens, scheduler.step_times.model, scheduler.latency_targets
+            prompt_tokens,
+            num_decodes,
+            prompt_tokens,
+            scheduler.step_times.model,
+            scheduler.prefill_planner.latency_targets,
         )
         for num_decodes in PLAN_DECODE_COUNTS
         if num_decodes <= max_decodes

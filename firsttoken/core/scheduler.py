@@ -19,13 +19,13 @@ never delayed by them) and of at most `max_num_speculating_seqs` decodes.
 TTFT objectives (core/slo.py): a request with one is predicted on arrival and, under the
 "refuse" policy, refused at once when it would miss; prefills run earliest deadline first, and a
 prefill at risk of missing takes whole steps and sits out as many decodes as it must (each
-decode sits out at most one step running).
+decode sits out at most one step running). The prefill budgets, usual and at risk, and the
+predictions are core/prefill_planner.py's; this module keeps the queues and the KV blocks.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Container
@@ -42,31 +42,9 @@ from firsttoken.core.batch import (
 from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
 from firsttoken.core.hashing import BlockHash, extend_block_hashes
 from firsttoken.core.kv_cache_manager import KVCacheManager
-from firsttoken.core.arrival_rate import ArrivalRate
-from firsttoken.core.policy import (
-    LatencyTargets,
-    StepLoad,
-    adaptive_prefill_budget,
-    decode_step_seconds,
-    StepSharing,
-    overtaking_size,
-    step_limit_seconds,
-)
-from firsttoken.core.slo import (
-    ON_TIME,
-    DecodeLoad,
-    PrefillWork,
-    QueuedPrefill,
-    deadline,
-    decodes_within_deadlines,
-    misses_a_deadline,
-    order_class,
-    prefill_seconds,
-    queue_finish_seconds,
-    rush_prefill_budget,
-    slack_seconds,
-    slo_order_key,
-)
+from firsttoken.core.policy import StepSharing
+from firsttoken.core.prefill_planner import PrefillLine, PrefillPlanner
+from firsttoken.core.slo import DecodeLoad, PrefillWork, slo_order_key
 from firsttoken.errors import InvalidInputError, QueueFullError, SloUnattainableError
 from firsttoken.outputs import SampledToken
 from firsttoken.request import Request, RequestStatus
@@ -140,7 +118,7 @@ class Scheduler:
         self.block_size = kv_manager.block_size
         self.max_model_len = max_model_len
         self.hash_root = hash_root
-        self.step_times = step_times
+        self.prefill_planner = PrefillPlanner(config, chunked_prefill, step_times, clock)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -153,7 +131,11 @@ class Scheduler:
         # those sent whose end the sampler has not been told of.
         self._unsent_tracked: dict[str, TrackedRequest] = {}
         self._finished_tracked: list[str] = []
-        self.arrival_rate = ArrivalRate()
+
+    @property
+    def step_times(self) -> StepTimeTracker | None:
+        """This device's measured step cost, which the prefill planner sizes steps by."""
+        return self.prefill_planner.step_times
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -176,7 +158,7 @@ class Scheduler:
             raise
         self.requests[request.req_id] = request
         self.waiting.append(request)
-        self.arrival_rate.record(request.timestamps.arrival, request.num_prompt_tokens)
+        self.prefill_planner.record_arrival(request)
 
     def validate_capacity(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise InvalidInputError if a request of this size could never run, whatever the load."""
@@ -215,81 +197,25 @@ class Scheduler:
             )
 
     def _predict_ttft(self, request: Request) -> None:
-        """Give the request its objective and predicted TTFT: the time it has waited, then the
-        prefills ordered before it and its own in whole steps beside the running decodes. Under
-        the refuse policy one predicted to miss is refused, with how long until it would not."""
+        """Give the request its objective and, with a cost model, its predicted TTFT; under the
+        refuse policy one predicted to miss is refused (PrefillPlanner.predict_ttft)."""
         if request.ttft_slo_s is None and self.config.ttft_slo_ms is not None:
             request.ttft_slo_s = self.config.ttft_slo_ms / 1000
         if request.ttft_slo_s is None or self.step_times is None:
             return
-        now = self.clock()
-        cost_model = self.step_times.model
         num_cached_tokens = len(self.kv_manager.find_cached_prefix(request)) * self.block_size
         own = PrefillWork.of(request, num_cached_tokens)
         key = slo_order_key(request, self.step_index, self.chunked_prefill.aging_steps)
-        candidates = self._ordered_candidates(now)
-        ahead = [(r, r_key) for r, r_key in candidates if r_key <= key]
-        queue = [*self._queued_prefills(ahead, now), QueuedPrefill(own, deadline(request))]
-        in_line = [r for r, _ in ahead] + [request] + [r for r, _ in candidates[len(ahead) :]]
-        decodes = self._decode_load()
-        if self._at_risk(queue, now, decodes, in_line):
-            max_tokens = self.config.max_num_batched_tokens
-            decodes = decodes.capped(decodes_within_deadlines(queue, now, decodes, max_tokens, cost_model))
-            budget = self._max_prefill_tokens(decodes)
-        else:
-            budget = self._prefill_budget(decodes.num_decodes, in_line)
-        finish = queue_finish_seconds([item.work for item in queue], decodes, budget, cost_model)
-        request.predicted_ttft_s = now - request.timestamps.arrival + finish[-1]
-        excess_s = request.predicted_ttft_s - request.ttft_slo_s
-        if self.config.slo_policy == "refuse" and excess_s > 0:
+        line = PrefillLine(self._ordered_candidates(), self._decode_load())
+        try:
+            self.prefill_planner.predict_ttft(request, own, key, line)
+        except SloUnattainableError:
             self.stats.num_slo_refusals += 1
-            raise SloUnattainableError(
-                f"ttft_slo_ms: the first token is predicted in {request.predicted_ttft_s * 1000:.0f} ms "
-                f"({len(ahead)} prefills ahead), past the objective of {request.ttft_slo_s * 1000:g} ms",
-                retry_after_s=max(1, math.ceil(excess_s)),
-            )
+            raise
 
     def _decode_load(self) -> DecodeLoad:
         decoding = self._decoding()
         return DecodeLoad(len(decoding), sum(r.num_computed_tokens + 1 for r in decoding))
-
-    def _queued_prefills(self, candidates: list[tuple[Request, tuple]], now: float) -> list[QueuedPrefill]:
-        """The candidates up to the last one holding a deadline: each with its deadline if it is
-        expected on time and could still meet it were it served next (a slipped one holds none,
-        or the queue would look at risk, and decodes sit out steps, until it is served)."""
-        queue = []
-        for request, key in candidates:
-            work = PrefillWork.of(request)
-            holds_deadline = False
-            if order_class(key) == ON_TIME:
-                slack = slack_seconds(request, now, self._best_case_prefill_seconds(work))
-                holds_deadline = slack is not None and slack >= 0
-            queue.append(QueuedPrefill(work, deadline(request) if holds_deadline else None))
-        while queue and queue[-1].due is None:
-            queue.pop()
-        return queue
-
-    def _at_risk(
-        self, queue: list[QueuedPrefill], now: float, decodes: DecodeLoad, in_line: list[Request]
-    ) -> bool:
-        """Whether under the usual budget some prefill in `queue` (the first of the prefills
-        `in_line`) would miss its deadline."""
-        if self.step_times is None or not queue:
-            return False
-        usual = self._prefill_budget(decodes.num_decodes, in_line)
-        return misses_a_deadline(queue, now, decodes, usual, self.step_times.model)
-
-    def _max_prefill_tokens(self, decodes: DecodeLoad) -> int:
-        """Prefill tokens a step holds when a prefill takes the whole step beside the decodes."""
-        return max(1, self.config.max_num_batched_tokens - decodes.num_decodes)
-
-    def _best_case_prefill_seconds(self, work: PrefillWork) -> float:
-        """Its prefill were it served next in whole steps, every decode sitting out."""
-        if self.step_times is None:
-            return 0.0
-        no_decodes = DecodeLoad(0, 0)
-        budget = self._max_prefill_tokens(no_decodes)
-        return prefill_seconds([work], no_decodes, budget, self.step_times.model)
 
     def expire_waiting(self, exempt: Container[str] = ()) -> list[Request]:
         """End the requests that waited longer than max_queue_wait_s for their first step; they
@@ -349,16 +275,24 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         preempted: list[str] = []
         self._drafts = {}
-        rush_decode_cap = self._rush_decode_cap()
+        planner = self.prefill_planner
+        line = PrefillLine(self._ordered_candidates(), self._decode_load())
+        rush_decode_cap = planner.rush_decode_cap(line)
         self._schedule_decodes(scheduled, preempted, rush_decode_cap)
         num_decode_tokens = len(scheduled) + sum(len(draft) for draft in self._drafts.values())
         sharing = None
         if rush_decode_cap is None:
             candidates = self._prefill_candidates()
-            prefill_budget = self._prefill_budget(len(scheduled), candidates)
-            sharing = self._step_sharing(len(scheduled), candidates)
+            # Every decode left running is scheduled (none sits out outside a rush).
+            decodes = DecodeLoad(len(scheduled), self._decode_load().attention_pairs)
+            prefill_budget = planner.prefill_budget(decodes, candidates)
+            sharing = planner.step_sharing(decodes, candidates)
         else:
-            prefill_budget = self._rush_prefill_budget(scheduled)
+            scheduled_decodes = DecodeLoad(
+                len(scheduled), sum(self.requests[req_id].num_computed_tokens + 1 for req_id in scheduled)
+            )
+            line = PrefillLine(self._ordered_candidates(), scheduled_decodes)
+            prefill_budget = planner.rush_prefill_budget(line)
         token_budget = min(self.config.max_num_batched_tokens, num_decode_tokens + prefill_budget)
         self._schedule_prefills(scheduled, preempted, token_budget - num_decode_tokens, sharing)
         self.stats.last_prefill_budget = prefill_budget
@@ -368,32 +302,6 @@ class Scheduler:
         if new_tracked:
             self._unsent_tracked.clear()
         return SchedulerOutput(chunks, new_tracked)
-
-    def _rush_decode_cap(self) -> int | None:
-        """None when every prefill in line meets its objective (or has none) under the usual
-        chunking; otherwise prefills take whole steps, and this is how many decodes may share
-        them while those prefills still meet theirs (the batch cap)."""
-        if self.step_times is None:
-            return None
-        now = self.clock()
-        candidates = self._ordered_candidates(now)
-        queue = self._queued_prefills(candidates, now)
-        decodes = self._decode_load()
-        if not self._at_risk(queue, now, decodes, [r for r, _ in candidates]):
-            return None
-        max_tokens = self.config.max_num_batched_tokens
-        return decodes_within_deadlines(queue, now, decodes, max_tokens, self.step_times.model)
-
-    def _rush_prefill_budget(self, scheduled: dict[str, int]) -> int:
-        """Prefill tokens of a step beside the decodes `scheduled` while prefills are at risk."""
-        assert self.step_times is not None  # a rush needs the cost model
-        now = self.clock()
-        queue = self._queued_prefills(self._ordered_candidates(now), now)
-        decodes = DecodeLoad(
-            len(scheduled), sum(self.requests[req_id].num_computed_tokens + 1 for req_id in scheduled)
-        )
-        max_budget = self.config.max_num_batched_tokens - len(scheduled)
-        return rush_prefill_budget(queue, now, decodes, max_budget, self.step_times.model)
 
     def _decodes_beside_rush(self, decoding: list[Request], max_decodes: int) -> list[Request]:
         """The decodes that share an at-risk prefill's step: those that sat out the last step,
@@ -463,79 +371,9 @@ class Scheduler:
         )
         return max(0, num_room - 1)
 
-    @property
-    def latency_targets(self) -> LatencyTargets:
-        """The bounds `auto` sizes prefill chunks within."""
-        max_chunk = self.config.max_num_batched_tokens
-        itl_target_ms = self.chunked_prefill.itl_target_ms
-        return LatencyTargets(
-            max_stall_factor=self.chunked_prefill.max_stall_factor,
-            max_step_s=None if itl_target_ms is None else itl_target_ms / 1000,
-            min_chunk=min(self.chunked_prefill.min_chunk_size, max_chunk),
-            max_chunk=max_chunk,
-        )
-
-    def _prefill_budget(self, num_decodes: int, candidates: list[Request] | None = None) -> int:
-        """The usual prefill tokens of a step beside `num_decodes` decodes, with `candidates` (by
-        default those waiting now, in order) in line for prefill."""
-        max_chunk = self.config.max_num_batched_tokens
-        chunk_size = self.chunked_prefill.chunk_size
-        if not self.chunked_prefill.enable:
-            return max_chunk
-        if chunk_size != "auto":
-            return min(chunk_size, max_chunk)
-        if self.step_times is None:
-            return max_chunk
-        if candidates is None:
-            candidates = self._prefill_candidates()
-        head_holds_deadline = bool(candidates) and candidates[0].ttft_slo_s is not None
-        if num_decodes == 0 and head_holds_deadline:
-            # Deadlines order this line, and no stream stalls: a cut would only cost it a step.
-            return max_chunk
-        decode_attention_pairs = sum(
-            r.num_computed_tokens + 1 for r in self.running if r.num_uncomputed_tokens == 1
-        )
-        head_remaining = candidates[0].num_uncomputed_tokens if candidates else 0
-        if head_holds_deadline:
-            # Earliest deadline first: nobody overtakes, and the objectives' predictions count
-            # the stall bound alone (the line's length would change it under them).
-            num_delayed, overtaking_per_s = 1.0, 0.0
-        else:
-            num_delayed = len(candidates) + self._arrivals_behind(candidates, num_decodes)
-            overtaking_per_s = self._overtaking_rate(head_remaining)
-        load = StepLoad(
-            num_decodes=num_decodes,
-            decode_attention_pairs=decode_attention_pairs,
-            head_prefill_context_tokens=candidates[0].num_computed_tokens if candidates else 0,
-            head_prefill_remaining_tokens=head_remaining,
-            num_delayed_prompts=num_delayed,
-            overtaking_arrivals_per_s=overtaking_per_s,
-        )
-        budget = adaptive_prefill_budget(load, self.step_times.model, self.latency_targets)
-        logger.debug("step %d: prefill budget %d for %s", self.step_index, budget, load)
-        return budget
-
     def describe_chunking(self) -> str:
-        """One line for the start-up log: how prompts are cut into steps, and the figures behind it."""
-        chunked = self.chunked_prefill
-        max_chunk = self.config.max_num_batched_tokens
-        if not chunked.enable:
-            return "chunked prefill off: each prompt in one step (one past max_num_batched_tokens alone)"
-        if chunked.chunk_size != "auto":
-            return f"chunked prefill: fixed chunks of {min(chunked.chunk_size, max_chunk)} tokens"
-        if self.step_times is None:
-            return f"chunked prefill auto without a step-cost model: steps of up to {max_chunk} tokens"
-        cost_model = self.step_times.model
-        load = StepLoad(1, 1, 0, max_chunk)
-        budget = adaptive_prefill_budget(load, cost_model, self.latency_targets)
-        decode_step_ms = decode_step_seconds(load, cost_model) * 1000
-        limit_ms = step_limit_seconds(load, cost_model, self.latency_targets) * 1000
-        return (
-            f"chunked prefill auto: a step with prompt tokens takes at most {chunked.max_stall_factor:g}x "
-            f"its decodes' own step (one decode: {decode_step_ms:.1f} ms here, so {limit_ms:.0f} ms, "
-            f"{budget} prompt tokens); longer with more decodes or a queue behind the prompt, shorter "
-            "while shorter prompts keep arriving"
-        )
+        """One line for the start-up log: how prompts are cut into steps."""
+        return self.prefill_planner.describe_chunking()
 
     def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
         """Feed a finished step's duration to the cost model's online correction."""
@@ -544,9 +382,9 @@ class Scheduler:
             self.step_times.observe(output.num_tokens, pairs, seconds)
 
     def _prefill_candidates(self) -> list[Request]:
-        return [request for request, _ in self._ordered_candidates(self.clock())]
+        return [request for request, _ in self._ordered_candidates()]
 
-    def _ordered_candidates(self, now: float) -> list[tuple[Request, tuple]]:
+    def _ordered_candidates(self) -> list[tuple[Request, tuple]]:
         """The requests with prompt tokens to compute, each with its order key, in order."""
         partial = [r for r in self.running if r.num_uncomputed_tokens > 1]
         aging_steps = self.chunked_prefill.aging_steps
@@ -606,46 +444,6 @@ class Scheduler:
             request.waiting_since_step = self.step_index
             budget -= num_new
             num_prompts_in_step += 1
-
-    def _step_sharing(self, num_decodes: int, candidates: list[Request]) -> StepSharing | None:
-        """Auto's rule for further prompts to share a step beside `num_decodes` decodes, with
-        `candidates` in line for prefill; None
-        where chunks are fixed, without a cost model, or when a prompt in line holds a TTFT
-        objective: deadlines then order the line, and the objectives' predictions count its
-        prompts sharing steps."""
-        chunked = self.chunked_prefill
-        if not chunked.enable or chunked.chunk_size != "auto" or self.step_times is None:
-            return None
-        if any(request.ttft_slo_s is not None for request in candidates):
-            return None
-        cost_model = self.step_times.model
-        load = StepLoad(num_decodes, self._decode_load().attention_pairs, 0, 0)
-        num_arriving = self._arrivals_behind(candidates, num_decodes)
-        return StepSharing(decode_step_seconds(load, cost_model), num_arriving, cost_model)
-
-    def _arrivals_behind(self, candidates: list[Request], num_decodes: int) -> float:
-        """Prompts expected to arrive, at the recent rate, while the line's prefills run in steps
-        of their own beside `num_decodes` decodes, and to queue behind its head: all but those
-        that overtake it (policy.overtaking_size), which wait only for the step in flight."""
-        if not candidates:
-            return 0.0
-        assert self.step_times is not None  # auto's rules need the cost model
-        cost_model = self.step_times.model
-        decode_step_s = decode_step_seconds(
-            StepLoad(num_decodes, self._decode_load().attention_pairs, 0, 0), cost_model
-        )
-        num_line_tokens = sum(request.num_uncomputed_tokens for request in candidates)
-        line_s = cost_model.seconds_per_token * num_line_tokens + decode_step_s * len(candidates)
-        now = self.clock()
-        overtaking = overtaking_size(candidates[0].num_uncomputed_tokens)
-        share_behind = 1 - self.arrival_rate.share_shorter_than(now, overtaking)
-        return self.arrival_rate.per_second(now) * share_behind * line_s
-
-    def _overtaking_rate(self, num_head_tokens: int) -> float:
-        """Prompts per second lately that would overtake a head with `num_head_tokens` left."""
-        now = self.clock()
-        share_overtaking = self.arrival_rate.share_shorter_than(now, overtaking_size(num_head_tokens))
-        return self.arrival_rate.per_second(now) * share_overtaking
 
     def _uncomputed_after_cached_prefix(self, request: Request) -> int:
         """Prompt tokens this request still has to compute, after the prefix cache's blocks for

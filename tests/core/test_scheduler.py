@@ -6,6 +6,7 @@ import pytest
 
 from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
 from firsttoken.core.batch import ModelOutput
+from firsttoken.core.cost_model import StepCostModel, StepTimeTracker
 from firsttoken.outputs import SampledToken
 from firsttoken.core.hashing import root_hash
 from firsttoken.core.kv_cache_manager import KVCacheManager
@@ -28,6 +29,7 @@ def make_scheduler(
     max_model_len: int = 1024,
     caching: bool = True,
     max_waiting: int | None = None,
+    step_times: StepTimeTracker | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -37,6 +39,7 @@ def make_scheduler(
         KVCacheManager(num_blocks, BLOCK, enable_caching=caching),
         max_model_len,
         root_hash("fake"),
+        step_times,
     )
 
 
@@ -255,11 +258,14 @@ def test_prefix_cache_hit_skips_prefill_of_shared_blocks():
 
 
 def test_auto_budget_keeps_steps_with_decodes_within_the_stall_bound():
-    from firsttoken.core.cost_model import StepCostModel, StepTimeTracker
-
     cost = StepCostModel(seconds_fixed=0.005, seconds_per_token=0.0002, seconds_per_attention_pair=0.0)
-    scheduler = make_scheduler(num_blocks=2048, chunk_size="auto", max_batched=2048, max_model_len=8192)
-    scheduler.step_times = StepTimeTracker(cost)
+    scheduler = make_scheduler(
+        num_blocks=2048,
+        chunk_size="auto",
+        max_batched=2048,
+        max_model_len=8192,
+        step_times=StepTimeTracker(cost),
+    )
     for index in range(4):
         scheduler.add_request(make_request(f"stream{index}", 4, max_tokens=500, first_token=10 * index))
     step(scheduler)
@@ -276,11 +282,14 @@ def test_auto_budget_keeps_steps_with_decodes_within_the_stall_bound():
 
 def test_auto_budget_alone_bounds_the_step_by_one_decode_step_s_multiple():
     """Nothing decodes, but a prompt arriving during the step would wait for all of it."""
-    from firsttoken.core.cost_model import StepCostModel, StepTimeTracker
-
     cost = StepCostModel(0.005, 0.0002, 0.0)
-    scheduler = make_scheduler(num_blocks=2048, chunk_size="auto", max_batched=1024, max_model_len=8192)
-    scheduler.step_times = StepTimeTracker(cost)
+    scheduler = make_scheduler(
+        num_blocks=2048,
+        chunk_size="auto",
+        max_batched=1024,
+        max_model_len=8192,
+        step_times=StepTimeTracker(cost),
+    )
     scheduler.add_request(make_request("long", 3000, max_tokens=1))
     limit_s = scheduler.chunked_prefill.max_stall_factor * cost.predict(1, 1)
     assert step(scheduler).chunks[0].num_tokens == int(
@@ -300,11 +309,15 @@ def test_auto_gives_long_prompts_steps_of_their_own_and_lets_short_ones_share():
     spares the newcomer (and those behind it) a step of ~5.2 ms: four prompts of 600 tokens
     (120 ms each) go one a step, while prompts of 10 tokens (2 ms) share, up to the fourth,
     which would delay three first tokens by 2 ms each to spare itself one step."""
-    from firsttoken.core.cost_model import StepCostModel, StepTimeTracker
 
     def first_step_of(num_prompt_tokens: int) -> list[str]:
-        scheduler = make_scheduler(num_blocks=2048, chunk_size="auto", max_batched=4096, max_model_len=8192)
-        scheduler.step_times = StepTimeTracker(StepCostModel(0.005, 0.0002, 0.0))
+        scheduler = make_scheduler(
+            num_blocks=2048,
+            chunk_size="auto",
+            max_batched=4096,
+            max_model_len=8192,
+            step_times=StepTimeTracker(StepCostModel(0.005, 0.0002, 0.0)),
+        )
         for index in range(4):
             scheduler.add_request(
                 make_request(f"p{index}", num_prompt_tokens, max_tokens=1, first_token=1000 * index)
