@@ -11,7 +11,7 @@ from starlette.responses import Response
 from firsttoken.engine import EngineClient, Tokenizer
 from firsttoken.outputs import RequestDelta, SampledToken, TokenLogprob
 from firsttoken.server.server_config import ServerConfig
-from firsttoken.server.generation import Choice, check_num_choices, sampling_params, start_choices
+from firsttoken.server.generation import Choice, ChoiceParams, Generation, plan_generation
 from firsttoken.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -49,7 +49,7 @@ async def create_chat_completion(
     request: Request,
 ) -> Response:
     checks.check_fields(body)
-    check_num_choices(engine, 1, body.n, config.max_choices_per_request)
+    plan = plan_generation(engine, body, 1, config.max_choices_per_request)
     checks.check_prompt_bytes("messages", [message.text() for message in body.messages])
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
     messages, chat_template_args = _template_input(engine.tokenizer, body, tools)
@@ -60,20 +60,13 @@ async def create_chat_completion(
         structured = forcing_constraint(tools, body.forced_function, body.parallel_tool_calls)
     else:
         structured = body.structured_output()
-    requests = [
-        (
-            prompt,
-            sampling_params(body, prompt, max_tokens, engine.max_request_tokens, logprobs, index, structured,
-                            prompt_logprobs=body.prompt_logprobs),
-        )
-        for index in range(body.n)
-    ]
-    choices = await start_choices(engine, requests, body.priority, body.ttft_slo_ms)
+    params = ChoiceParams(max_tokens, logprobs, structured, prompt_logprobs=body.prompt_logprobs)
+    generation = await plan.start([prompt], params)
     parses_tool_calls = tools is not None and body.tool_choice_name != "none"
     reply = _ChatReply(
         config.model_name, engine.tokenizer, parses_tool_calls, body.prompt_logprobs, body.parallel_tool_calls
     )
-    return await respond(choices, reply, body.stream, body.include_usage, config.retry_after_s, request)
+    return await respond(generation, reply, body.stream, body.include_usage, config.retry_after_s, request)
 
 
 def _template_input(
@@ -150,11 +143,11 @@ class _ChatReply(Reply):
             finish_reason=finish_reason,
         )
 
-    def whole(self, choices: list[Choice]) -> BaseModel:
+    def whole(self, generation: Generation) -> BaseModel:
         """vLLM's prompt_logprobs sit beside the choices: they share one prompt."""
-        response = super().whole(choices)
+        response = super().whole(generation)
         if self.num_prompt_logprobs is not None:
-            scored = choices[0].output.prompt_logprobs
+            scored = generation.choices[0].output.prompt_logprobs
             response.prompt_logprobs = self.prompt_logprobs(scored, self.num_prompt_logprobs)
         return response
 

@@ -10,7 +10,7 @@ from starlette.responses import Response
 from firsttoken.engine import EngineClient, InvalidInputError, Tokenizer
 from firsttoken.outputs import RequestDelta, SampledToken
 from firsttoken.server.server_config import ServerConfig
-from firsttoken.server.generation import Choice, check_num_choices, sampling_params, start_choices
+from firsttoken.server.generation import Choice, ChoiceParams, plan_generation
 from firsttoken.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -34,37 +34,29 @@ async def create_completion(
 ) -> Response:
     checks.check_fields(body)
     items = _prompt_items(body)
-    check_num_choices(engine, len(items), body.n, config.max_choices_per_request)
+    plan = plan_generation(engine, body, len(items), config.max_choices_per_request)
     for index, item in enumerate(items):
         if isinstance(item, str):
             checks.check_prompt_bytes("prompt" if len(items) == 1 else f"prompt[{index}]", [item])
     prompts = [await engine.tokenize(item) for item in items]
     echo_only = body.echo and body.max_tokens == 0
     # max_tokens 0 with echo: one token runs (its prefill scores the prompt) and is not shown.
-    max_tokens = 1 if echo_only else body.max_tokens
-    requests = [
-        (
-            prompt,
-            sampling_params(body, prompt, max_tokens, engine.max_request_tokens, body.logprobs, index,
-                            prompt_logprobs=body.scores_prompt),
-        )
-        for prompt in prompts
-        for index in range(body.n)
-    ]
+    params = ChoiceParams(
+        1 if echo_only else body.max_tokens, body.logprobs,
+        prompt_logprobs=body.scores_prompt, discards_output=echo_only,
+    )
     try:
-        choices = await start_choices(engine, requests, body.priority, body.ttft_slo_ms)
+        generation = await plan.start(prompts, params)
     except InvalidInputError as error:
         if error.field != _ENGINE_PROMPT_FIELD:
             raise
         raise InvalidInputError("prompt", str(error)) from error  # the client knows it as `prompt`
-    for choice in choices:
-        choice.discards_output = echo_only
     needs_texts = body.logprobs is not None or body.echo
     prompt_texts = _prompt_texts(engine, items) if needs_texts else [""] * len(items)
     reply = _CompletionReply(
         config.model_name, engine.tokenizer, [text for text in prompt_texts for _ in range(body.n)], body
     )
-    return await respond(choices, reply, body.stream, body.include_usage, config.retry_after_s, request)
+    return await respond(generation, reply, body.stream, body.include_usage, config.retry_after_s, request)
 
 
 def _prompt_items(body: CompletionRequest) -> list[str | list[int]]:

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from firsttoken.engine import Tokenizer
 from firsttoken.outputs import RequestDelta, SampledToken
-from firsttoken.server.generation import Choice, ttft_extension, usage
+from firsttoken.server.generation import Choice, Generation
 from firsttoken.server.protocol import FirstTokenExtension, PromptLogprob, PromptLogprobs, Usage
 
 
@@ -54,12 +54,12 @@ class Reply(ABC):
     def usage_chunk(self, total: Usage, extension: FirstTokenExtension) -> BaseModel:
         return self.chunk_model(**self._envelope(), choices=[], usage=total, firsttoken=extension)
 
-    def whole(self, choices: list[Choice]) -> BaseModel:
+    def whole(self, generation: Generation) -> BaseModel:
         return self.response_model(
             **self._envelope(),
-            choices=[self.whole_choice(choice) for choice in choices],
-            usage=usage(choices),
-            firsttoken=ttft_extension(choices),
+            choices=[self.whole_choice(choice) for choice in generation.choices],
+            usage=generation.usage(),
+            firsttoken=generation.ttft_extension(),
         )
 
     def token_text(self, token_id: int) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from firsttoken.server.generation import unless_disconnected
+from firsttoken.server.streaming import unless_disconnected
 
 
 class _LeavingClient:
