@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from firsttoken.arithmetic import ceil_div
-from firsttoken.ops.native_decode import DecodeTables
+from firsttoken.ops.native_step_inputs import DecodeTables
 
 
 @dataclass(frozen=True)

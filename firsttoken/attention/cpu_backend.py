@@ -40,7 +40,7 @@ from firsttoken.attention.backend import PLAIN_ATTENTION, BatchLayout, LayerAtte
 from firsttoken.attention.reference import write_kv_reference
 from firsttoken.attention.sdpa import causal_self_attention
 from firsttoken.ops import native, native_abi, native_library
-from firsttoken.ops.native_decode import DecodeTables
+from firsttoken.ops.native_step_inputs import DecodeTables
 
 
 # Longer chunks take SDPA unless decode rows must get a prefill's bits, where nothing was

@@ -19,16 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from firsttoken.ops import native, native_abi
+from firsttoken.ops.native_step_inputs import DecodeTables, LayerShape
 from firsttoken.ops.quantized_linear import NativeInt4Linear, PortableInt4Linear
-
-
-@dataclass(frozen=True)
-class DecodeTables:
-    """A decode-only step's addressing as tensors, for a kernel that runs the whole step."""
-
-    slot_mapping: torch.Tensor  # long [B]
-    block_table: torch.Tensor  # long [B, max_blocks], short rows padded with block 0
-    seq_lens: torch.Tensor  # long [B]: keys each sequence attends over, its new one included
 
 
 # The int4 projection each dtype's step runs on.
@@ -52,28 +44,6 @@ class DecodeLayerWeights:
     kv_cache: torch.Tensor  # [2, blocks, block_size, kv_heads, head_dim], contiguous
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """The model dimensions a whole-step native call needs (this int4 decode, the W8A8 step)."""
-
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-
-    def model_fields(self, num_layers: int, kv_cache: torch.Tensor) -> tuple[int | float, ...]:
-        """The leading fields of both native step models (DecodeModel, W8A8StepModel), in their
-        order: the layer count, these dimensions, the cache's slots, the norm's epsilon and the
-        attention scale (head_dim ** -0.5, as the attention kernels' wrappers pass it)."""
-        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-        return (
-            num_layers, self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.intermediate_size, num_slots, self.rms_norm_eps, self.head_dim**-0.5,
-        )
-
-
 def _int4_weight(linear: NativeInt4Linear | PortableInt4Linear) -> native_abi.Int4Weight:
     bias = linear.bias.data_ptr() if linear.bias is not None else None
     out_features, packed_inputs = linear.levels.shape
@@ -82,7 +52,7 @@ def _int4_weight(linear: NativeInt4Linear | PortableInt4Linear) -> native_abi.In
     )
 
 
-def _head_shape_taken(kernels: native.NativeKernels, shape: StepShape, dtype: torch.dtype) -> bool:
+def _head_shape_taken(kernels: native.NativeKernels, shape: LayerShape, dtype: torch.dtype) -> bool:
     """The bf16 step's attention takes whole `DECODE_HEAD_DIM_MULTIPLE`-dim chunks up to
     `DECODE_MAX_HEAD_DIM`; the float32 step's (the flash decode attention) whole vectors of the
     build up to `ATTENTION_MAX_HEAD_DIM`."""
@@ -96,7 +66,7 @@ def _head_shape_taken(kernels: native.NativeKernels, shape: StepShape, dtype: to
 
 
 def supports_layers(
-    kernels: native.NativeKernels, shape: StepShape, layers: list[DecodeLayerWeights]
+    kernels: native.NativeKernels, shape: LayerShape, layers: list[DecodeLayerWeights]
 ) -> bool:
     """Whether a native step of this build takes these layers: norms and caches all bf16 (on
     AVX512-BF16 builds) or all float32, contiguous CPU tensors, every projection the int4 kind
@@ -121,7 +91,7 @@ class NativeDecodeStep:
     """Holds the layers' weights and caches (keeping them alive for the pointers it passes)."""
 
     def __init__(
-        self, kernels: native.NativeKernels, shape: StepShape, layers: list[DecodeLayerWeights]
+        self, kernels: native.NativeKernels, shape: LayerShape, layers: list[DecodeLayerWeights]
     ) -> None:
         if not supports_layers(kernels, shape, layers):
             raise ValueError(

@@ -18,7 +18,7 @@ import torch
 
 from firsttoken.ops import native, native_abi
 from firsttoken.ops.hadamard import hadamard_norm
-from firsttoken.ops.native_decode import DecodeTables, StepShape
+from firsttoken.ops.native_step_inputs import DecodeTables, LayerShape
 from firsttoken.ops.w8a8_linear import W8A8Linear
 
 
@@ -95,7 +95,7 @@ def _check_step(
         raise ValueError(f"W8A8 step: slot_mapping must be long [{num_tokens}]")
 
 
-def _projection_shapes(layer: W8A8StepLayerWeights, shape: StepShape) -> bool:
+def _projection_shapes(layer: W8A8StepLayerWeights, shape: LayerShape) -> bool:
     """Whether the layer's projections and cache have the shapes the step sizes its rows for."""
     q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     outputs = (
@@ -113,7 +113,7 @@ def _projection_shapes(layer: W8A8StepLayerWeights, shape: StepShape) -> bool:
 
 
 def supports_layers(
-    kernels: native.NativeKernels, shape: StepShape, layers: list[W8A8StepLayerWeights]
+    kernels: native.NativeKernels, shape: LayerShape, layers: list[W8A8StepLayerWeights]
 ) -> bool:
     """Whether this build's step takes these layers: the bf16 prefill and paged decode attention
     (AVX512-BF16 builds) for this head shape, bf16 norms and contiguous bf16 caches, and every
@@ -150,7 +150,7 @@ class NativeW8A8Step:
     def __init__(
         self,
         kernels: native.NativeKernels,
-        shape: StepShape,
+        shape: LayerShape,
         layers: list[W8A8StepLayerWeights],
         decode_as_prefill: bool,
     ) -> None:

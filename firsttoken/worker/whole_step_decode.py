@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from firsttoken.attention.backend import BatchLayout, decode_tables
-from firsttoken.models.arch import ModelArch
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.ops import native_abi
 from firsttoken.ops.linear_choice import DecodeQuantizedLinear
@@ -20,10 +19,9 @@ from firsttoken.ops.native_decode import (
     STEP_PROJECTIONS,
     DecodeLayerWeights,
     NativeDecodeStep,
-    StepShape,
     supports_layers,
 )
-from firsttoken.worker.whole_step_layers import whole_step_unsupported_reason
+from firsttoken.worker.whole_step_layers import layer_shape, whole_step_unsupported_reason
 
 
 class WholeStepDecode:
@@ -75,22 +73,10 @@ def build_whole_step_decode(model: LlamaForCausalLM) -> WholeStepDecode | None:
                 attention.kv_cache,
             )
         )
-    shape = step_shape(model.arch)
+    shape = layer_shape(model.arch)
     if not supports_layers(native_kernels, shape, layers):
         return None
     return WholeStepDecode(model, NativeDecodeStep(native_kernels, shape, layers))
-
-
-def step_shape(arch: ModelArch) -> StepShape:
-    """The dimensions a whole-step native call reads from the model's architecture."""
-    return StepShape(
-        arch.hidden_size,
-        arch.num_heads,
-        arch.num_kv_heads,
-        arch.head_dim,
-        arch.intermediate_size,
-        arch.rms_norm_eps,
-    )
 
 
 def _decode_form(projection: nn.Module) -> nn.Module:

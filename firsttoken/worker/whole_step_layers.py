@@ -7,7 +7,9 @@ step; its weights' form (int4, W8A8, dtype) is each whole step's own question af
 
 from __future__ import annotations
 
+from firsttoken.models.arch import ModelArch
 from firsttoken.models.llama import LlamaForCausalLM
+from firsttoken.ops.native_step_inputs import LayerShape
 
 
 def whole_step_unsupported_reason(model: LlamaForCausalLM) -> str | None:
@@ -22,3 +24,15 @@ def whole_step_unsupported_reason(model: LlamaForCausalLM) -> str | None:
         # Row-parallel projections sum over the ranks between layers.
         return "it is sharded over tensor-parallel ranks"
     return None
+
+
+def layer_shape(arch: ModelArch) -> LayerShape:
+    """The dimensions a whole-step native call reads from the model's architecture."""
+    return LayerShape(
+        arch.hidden_size,
+        arch.num_heads,
+        arch.num_kv_heads,
+        arch.head_dim,
+        arch.intermediate_size,
+        arch.rms_norm_eps,
+    )

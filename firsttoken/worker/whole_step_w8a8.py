@@ -20,8 +20,7 @@ from firsttoken.ops.native_w8a8_step import (
     W8A8StepLayerWeights,
     supports_layers,
 )
-from firsttoken.worker.whole_step_decode import step_shape
-from firsttoken.worker.whole_step_layers import whole_step_unsupported_reason
+from firsttoken.worker.whole_step_layers import layer_shape, whole_step_unsupported_reason
 
 
 class WholeStepW8A8:
@@ -99,7 +98,7 @@ def build_whole_step_w8a8(model: LlamaForCausalLM) -> WholeStepW8A8 | None:
         )
         for layer in model.layers
     ]
-    shape = step_shape(model.arch)
+    shape = layer_shape(model.arch)
     if not supports_layers(native_kernels, shape, layers):
         return None
     # As the backend's decode rows attend: with the prefill kernel's arithmetic where it asks.
