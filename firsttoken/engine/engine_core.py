@@ -31,6 +31,7 @@ from firsttoken.request import Request, RequestStatus, RequestTimestamps
 from firsttoken.sample.grammar import CompiledGrammar, GrammarCompiler
 from firsttoken.sampling_params import SamplingParams, StructuredOutput
 from firsttoken.speculative.proposer import DraftProposer
+from firsttoken.worker.checkpoint_quantization import resolve_checkpoint_quantization
 from firsttoken.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,9 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, proposer: DraftProposer | None = None) -> None:
         """`proposer`: drafts tokens for speculative decoding (engine/builder.py makes it)."""
-        self.config = config
+        # Resolved once, before any rank exists: the ranks, the scheduler and inspect() then read
+        # the quantization the checkpoint runs under from one config.
+        self.config = config = resolve_checkpoint_quantization(config)
         self.executor = Executor(config)
         # This process's worker (the driver's): the vocabulary, the KV blocks' count, pinned KV.
         self.worker = self.executor.worker
@@ -347,7 +350,7 @@ class EngineCore:
             device=str(worker.device),
             dtype=self.compute.dtype,
             batch_invariant=self.compute.batch_invariant,
-            quantization=worker.config.model_config.quantization,
+            quantization=self.config.model_config.quantization,
             checkpoint_quantization=worker.checkpoint.quantization,
             native_isa=worker.native_isa,
             whole_step_forwards=worker.whole_step_forwards,

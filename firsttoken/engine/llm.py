@@ -37,8 +37,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
-        self.config = EngineConfig.from_kwargs(model=model, **engine_options)
-        self.core = build_engine_core(self.config)
+        self.core = build_engine_core(EngineConfig.from_kwargs(model=model, **engine_options))
+        self.config = self.core.config  # as resolved against the checkpoint
         self.tokenizer = self.core.tokenizer
 
     def generate(

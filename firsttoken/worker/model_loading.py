@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -281,41 +281,6 @@ def _check_streaming_runs_here(
             "streaming_window",
             f"StreamingLLM needs a head size of whole vectors of this CPU's kernels, not {arch.head_dim}",
         )
-
-
-def with_checkpoint_quantization(
-    config: EngineConfig, checkpoint: Checkpoint, device: torch.device
-) -> EngineConfig:
-    """The config a quantized checkpoint runs under: a W8A8 one (compressed-tensors) as W8A8 on
-    its own levels where `quantization` is unset and oneDNN sums int8 exactly (VNNI, AMX-INT8),
-    else on their dequantized float weights, with a warning (float32 is faster there than the
-    native exact int8 matmul, which `quantization="w8a8"` asks for explicitly)."""
-    model_config = config.model_config
-    if checkpoint.quantization != "w8a8":
-        return config
-    if model_config.quantization not in (None, "w8a8"):
-        raise InvalidInputError(
-            "quantization",
-            f"{checkpoint.source} is a W8A8 checkpoint: its projections run as 'w8a8' (or unset), "
-            f"not {model_config.quantization!r}",
-        )
-    if model_config.w8a8_activation_stats is not None:
-        raise InvalidInputError(
-            "w8a8_activation_stats",
-            f"{checkpoint.source} is quantized already (smoothed, if at all, when it was made)",
-        )
-    if model_config.w8a8_rotation:
-        raise InvalidInputError(
-            "w8a8_rotation", f"{checkpoint.source} is quantized already: its levels cannot turn"
-        )
-    if model_config.quantization is None:
-        reason = w8a8_unsupported_reason(device)
-        if reason is not None:
-            logger.warning(
-                "%s is a W8A8 checkpoint; running its dequantized weights: %s", checkpoint.source, reason
-            )
-            return config
-    return replace(config, model_config=replace(model_config, quantization="w8a8"))
 
 
 def _check_quantization_runs_here(

@@ -25,6 +25,7 @@ from firsttoken.outputs import WHOLE_STEP_INT4_DECODE, WHOLE_STEP_W8A8, GraphCap
 from firsttoken.sample.sampler import Sampler
 from firsttoken.tokenizer import Tokenizer
 from firsttoken.worker.batch_invariance import claims_batch_invariance
+from firsttoken.worker.checkpoint_quantization import check_checkpoint_quantization
 from firsttoken.worker.compute_form import resolve_compute
 from firsttoken.worker.device import resolve_device
 from firsttoken.worker.host_memory import keep_freed_host_memory
@@ -34,7 +35,6 @@ from firsttoken.worker.model_loading import (
     attention_arch_of,
     load_model,
     max_model_len,
-    with_checkpoint_quantization,
 )
 from firsttoken.worker.model_runner import ModelRunner
 from firsttoken.worker.pinned_prefix_kv import PinnedPrefixKV, open_prefix_store
@@ -67,7 +67,8 @@ class Worker:
         self.cache_dir = model_config.cache_dir or default_cache_dir()
         self.model_path = resolve_model_path(model_config.model)
         self.checkpoint = open_checkpoint(self.model_path, self.cache_dir)
-        self.config = config = with_checkpoint_quantization(config, self.checkpoint, self.device)
+        # Run as given: the engine resolved the checkpoint's quantization into it, for every rank.
+        check_checkpoint_quantization(config, self.checkpoint, self.device)
         self.compute = resolve_compute(config, self.checkpoint, self.device, self.cache_dir, self.num_threads)
         self.dtype = self.compute.dtype
         self.max_model_len = max_model_len(self.checkpoint.arch, model_config.max_model_len)

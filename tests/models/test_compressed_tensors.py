@@ -1,11 +1,13 @@
 """W8A8 checkpoints in the compressed-tensors layout: a tiny random Llama quantized as
 llm-compressor writes it (int8 weights, per-channel scales, dynamic per-token activations) runs
 on exactly its levels and scales, projections it ignores stay float, and schemes the engine
-cannot run are refused naming the field."""
+cannot run are refused naming the field. The quantization it runs under is resolved into the
+engine's config once, and its worker runs that config as given."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -17,7 +19,9 @@ from firsttoken.errors import InvalidInputError
 from firsttoken.models.loaders.hf_folder import load_hf_folder
 from firsttoken.ops.w8a8 import w8a8_unsupported_reason
 from firsttoken.ops.w8a8_linear import W8A8Linear, w8a8_linear_reference
-from firsttoken.worker import model_loading
+from firsttoken.config import EngineConfig
+from firsttoken.worker import checkpoint_quantization, model_loading
+from firsttoken.worker.worker import Worker
 from tests.conftest import FIXED_THREADS
 from tests.models.reference import hf_greedy
 from tests.models.tiny_models import save_hf_folder, tiny_hf_model
@@ -158,14 +162,48 @@ def test_a_w8a8_checkpoint_runs_on_its_own_levels_and_scales(tmp_path):
     assert _first_logprobs_error(output, float_logprobs) > 10 * error
 
 
-def test_without_exact_int8_sums_the_checkpoint_runs_its_dequantized_weights(tmp_path, monkeypatch):
-    monkeypatch.setattr(
-        model_loading, "w8a8_unsupported_reason", lambda device, kernels=None: "w8a8 needs VNNI"
-    )
+def _without_exact_int8_sums(monkeypatch) -> None:
+    """The engine config's resolution and the model's loading both see a CPU whose oneDNN
+    saturates int8 sums."""
+    for module in (checkpoint_quantization, model_loading):
+        monkeypatch.setattr(module, "w8a8_unsupported_reason", lambda device, kernels=None: "w8a8 needs VNNI")
+
+
+@needs_exact_int8
+def test_the_engines_config_says_w8a8_where_the_checkpoint_runs_as_w8a8(tmp_path):
+    """The engine core and its inspection read the config resolved before the worker was
+    built, not an unresolved copy beside the worker's rewritten one."""
+    write_w8a8_folder(tiny_hf_model("llama"), str(tmp_path / "w8a8"))
+    llm = _engine(str(tmp_path / "w8a8"))
+    assert llm.core.config.model_config.quantization == "w8a8"
+    assert llm.config is llm.core.config
+    assert llm.inspect().quantization == "w8a8"
+    assert any(isinstance(module, W8A8Linear) for module in llm.core.single_rank_model().modules())
+
+
+def test_a_worker_refuses_a_config_that_was_not_resolved_against_its_checkpoint(tmp_path, monkeypatch):
+    """A worker keeps the config it is handed; one that says otherwise than its checkpoint runs
+    is refused. (On any CPU: no int8 product runs before the check.)"""
+    monkeypatch.setattr(checkpoint_quantization, "w8a8_unsupported_reason", lambda device, kernels=None: None)
+    write_w8a8_folder(tiny_hf_model("llama"), str(tmp_path / "w8a8"))
+    unresolved = EngineConfig.from_kwargs(model=str(tmp_path / "w8a8"), device="cpu", **FIXED_THREADS)
+    refusal = "quantization: .* runs as 'w8a8' on cpu, but the worker was handed None"
+    with pytest.raises(InvalidInputError, match=refusal):
+        Worker(unresolved)
+    resolved = checkpoint_quantization.resolve_checkpoint_quantization(unresolved)
+    assert resolved.model_config.quantization == "w8a8"
+    assert checkpoint_quantization.resolve_checkpoint_quantization(resolved) is resolved
+    assert Worker(resolved).config is resolved
+
+
+def test_without_exact_int8_sums_the_checkpoint_runs_its_dequantized_weights(tmp_path, monkeypatch, caplog):
+    _without_exact_int8_sums(monkeypatch)
     hf_model = tiny_hf_model("llama", tie_word_embeddings=True)
     stored = write_w8a8_folder(hf_model, str(tmp_path / "w8a8"))
-    llm = _engine(str(tmp_path / "w8a8"))
-    assert llm.inspect().quantization is None
+    with caplog.at_level(logging.WARNING, logger=checkpoint_quantization.__name__):
+        llm = _engine(str(tmp_path / "w8a8"))
+    assert caplog.text.count("is a W8A8 checkpoint; running its dequantized weights: w8a8 needs VNNI") == 1
+    assert llm.inspect().quantization is None and llm.config.model_config.quantization is None
     model = llm.core.single_rank_model()
     assert not any(isinstance(module, W8A8Linear) for module in model.modules())
     with torch.no_grad():
@@ -195,9 +233,7 @@ def test_calibrating_it_is_refused_naming_the_model(method, int8_sums_exact, tmp
     from firsttoken.quantize import calibrate
 
     if not int8_sums_exact:
-        monkeypatch.setattr(
-            model_loading, "w8a8_unsupported_reason", lambda device, kernels=None: "w8a8 needs VNNI"
-        )
+        _without_exact_int8_sums(monkeypatch)
     write_w8a8_folder(tiny_hf_model("llama"), str(tmp_path / "w8a8"))
     refusal = "model: .* is quantized already: calibrate its float checkpoint"
     with pytest.raises(InvalidInputError, match=refusal):
