@@ -1,5 +1,5 @@
 """Tools, benchmarks and tests read an engine through its inspection surface (`LLM.inspect()`,
-`EngineCore.single_rank_model()`, `stage_hook_targets()`, `forward_op_by_op()`), never by reaching
+`EngineCore.single_rank_model()`, `observing_stages()`, `forward_op_by_op()`), never by reaching
 through it to the worker's model or runner: under tensor parallelism those are rank 0's alone, and
 a reach-through ties the reader to how the engine happens to hold them.
 

@@ -1,10 +1,11 @@
 """Times the stages of a request's TTFT from outside the model, only while profiling.
 
-Forward hooks on the model, its decoder layers and their attention and MLP submodules, and
-temporary wrappers around `compute_logits`, the sampler and the detokenizer, read a clock at
-each boundary. Nothing stays installed after `instrumented()` exits, and the model code needs
-no timing of its own; the parts are found by attribute name, so a changed forward (fused
-norms, a new layer body) is still classified, and one the hooks cannot see fails loudly.
+Forward hooks on the model, its decoder layers and their attention and MLP submodules, and the
+engine's stage observer (the LM head, sampling, detokenizing: `EngineCore.observing_stages`),
+read a clock at each boundary. Nothing stays installed after `instrumented()` exits, and the
+model code needs no timing of its own; the layers' parts are found by attribute name, so a
+changed forward (fused norms, a new layer body) is still classified, and one the hooks cannot
+see fails loudly.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from firsttoken.outputs import RequestMetrics
+from firsttoken.stage_observer import DETOKENIZE, LM_HEAD, SAMPLING
 
 # The rows of a TTFT breakdown, in the order a request meets them.
 STAGES: tuple[str, ...] = (
@@ -54,44 +56,29 @@ MLP_NAMES = ("mlp", "feed_forward", "ffn")
 class EngineParts:
     """The objects of one engine whose calls the profiler times."""
 
+    engine: Any  # an EngineCore: its observing_stages() reports the LM head, sampling, detokenizing
     model: nn.Module
     layers: list[nn.Module]
     attentions: list[nn.Module]
     mlps: list[nn.Module]
-    sampler: Any
-    output_processor: Any
 
 
 def find_engine_parts(engine: Any) -> EngineParts:
-    """The timed parts of an EngineCore (from its `stage_hook_targets()`), found by attribute
+    """The timed parts of an EngineCore (its single_rank_model()'s layers), found by attribute
     name; a ValueError names what is missing."""
-    targets = engine.stage_hook_targets()
-    model = targets.model
+    model = engine.single_rank_model()
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise ValueError(f"profile: {type(model).__name__} has no `layers` ModuleList of decoder layers")
-    _attribute(model, "compute_logits", type(model).__name__)
-    sampler = targets.sampler
-    _attribute(sampler, "sample", type(sampler).__name__)
-    output_processor = targets.output_processor
-    _attribute(output_processor, "detokenize", type(output_processor).__name__)
     return EngineParts(
+        engine=engine,
         model=model,
         layers=list(layers),
         attentions=[
             _submodule(layer, index, ATTENTION_NAMES, "attention") for index, layer in enumerate(layers)
         ],
         mlps=[_submodule(layer, index, MLP_NAMES, "MLP") for index, layer in enumerate(layers)],
-        sampler=sampler,
-        output_processor=output_processor,
     )
-
-
-def _attribute(owner: Any, name: str, owner_name: str) -> Any:
-    value = getattr(owner, name, None)
-    if value is None:
-        raise ValueError(f"profile: {owner_name} has no `{name}`; the stage profiler needs it")
-    return value
 
 
 def _submodule(layer: nn.Module, index: int, names: tuple[str, ...], what: str) -> nn.Module:
@@ -176,33 +163,8 @@ def instrumented(parts: EngineParts, clock: StageClock) -> Iterator[StageClock]:
             hook(attention, lambda: clock.begin("attention"), lambda: clock.end("attention"))
         for mlp in parts.mlps:
             hook(mlp, lambda: clock.begin("mlp"), lambda: clock.end("mlp"))
-        stack.callback(_wrap_method(parts.model, "compute_logits", clock, "lm_head"))
-        stack.callback(_wrap_method(parts.sampler, "sample", clock, "sampling"))
-        stack.callback(_wrap_method(parts.output_processor, "detokenize", clock, "detokenize"))
+        stack.enter_context(parts.engine.observing_stages(clock))
         yield clock
-
-
-def _wrap_method(owner: Any, name: str, clock: StageClock, key: str) -> Callable[[], None]:
-    """Shadow `owner.name` with a timed call for this instance only; returns the undo."""
-    original = getattr(owner, name)
-    had_own = name in vars(owner)
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        clock.begin(key)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            clock.end(key)
-
-    setattr(owner, name, timed)
-
-    def undo() -> None:
-        if had_own:
-            setattr(owner, name, original)
-        else:
-            delattr(owner, name)
-
-    return undo
 
 
 def stage_seconds(
@@ -225,9 +187,9 @@ def stage_seconds(
         - seconds["attention"]
         - seconds["mlp"]
         + seconds["between_layers"],
-        "lm_head": seconds["lm_head"],
-        "sampling": seconds["sampling"],
-        "detokenize": seconds["detokenize"],
+        "lm_head": seconds[LM_HEAD],
+        "sampling": seconds[SAMPLING],
+        "detokenize": seconds[DETOKENIZE],
     }
     stages["other"] = ttft_s - sum(stages.values())
     return stages
@@ -243,6 +205,6 @@ def _check_hooks_fired(parts: EngineParts, clock: StageClock) -> None:
             f"{seen}; the model no longer calls its layers, attention and MLP as modules (compiled, or "
             "called through .forward?), so the stage breakdown cannot be measured"
         )
-    for key in ("lm_head", "sampling", "detokenize"):
+    for key in (LM_HEAD, SAMPLING, DETOKENIZE):
         if calls[key] == 0:
-            raise ValueError(f"profile: the {key} wrapper never ran; the engine no longer calls it per step")
+            raise ValueError(f"profile: the engine never reported its {key} stage in a step")

@@ -14,7 +14,6 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from firsttoken.config import EngineConfig
@@ -31,20 +30,11 @@ from firsttoken.request import Request, RequestStatus, RequestTimestamps
 from firsttoken.sample.grammar import CompiledGrammar, GrammarCompiler
 from firsttoken.sampling_params import SamplingParams, StructuredOutput
 from firsttoken.speculative.proposer import DraftProposer
+from firsttoken.stage_observer import DETOKENIZE, StageObserver, observed
 from firsttoken.worker.checkpoint_quantization import resolve_checkpoint_quantization
 from firsttoken.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StageHookTargets:
-    """The objects of one engine whose calls a stage profiler may wrap: the model (its layers'
-    forwards), the sampler and the output processor (detokenizing)."""
-
-    model: Any
-    sampler: Any
-    output_processor: OutputProcessor
 
 
 class EngineCore:
@@ -91,6 +81,7 @@ class EngineCore:
         )
         self.proposer = proposer
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.stage_observer: StageObserver | None = None  # set by observing_stages
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.worker.vocab_size)
         self._request_counter = itertools.count()
         self.pinned_prefixes = PinnedPrefixes(
@@ -259,7 +250,8 @@ class EngineCore:
             if progress.request.req_id in self.pinned_prefixes.computing_req_ids:
                 self.pinned_prefixes.complete(progress.request)
                 continue
-            stop_string = self.output_processor.detokenize(progress)
+            with observed(self.stage_observer, DETOKENIZE):
+                stop_string = self.output_processor.detokenize(progress)
             if stop_string is not None:
                 self._finish_at_stop_string(progress.request, stop_string)
             deltas.append(self.output_processor.delta(progress))
@@ -374,9 +366,18 @@ class EngineCore:
             )
         return self.worker.model
 
-    def stage_hook_targets(self) -> StageHookTargets:
-        """What a stage profiler wraps; refused under tensor parallelism (see single_rank_model)."""
-        return StageHookTargets(self.single_rank_model(), self.worker.runner.sampler, self.output_processor)
+    @contextlib.contextmanager
+    def observing_stages(self, observer: StageObserver) -> Iterator[Any]:
+        """Reports the LM head's, sampling's and detokenizing's boundaries to `observer` while
+        inside; yields the model, whose layers a profiler hooks. Refused under tensor
+        parallelism (see single_rank_model)."""
+        model = self.single_rank_model()
+        runner = self.worker.runner
+        runner.stage_observer = self.stage_observer = observer
+        try:
+            yield model
+        finally:
+            runner.stage_observer = self.stage_observer = None
 
     @contextlib.contextmanager
     def forward_op_by_op(self) -> Iterator[tuple[str, ...]]:

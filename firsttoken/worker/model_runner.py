@@ -26,6 +26,7 @@ from firsttoken.core.batch import ModelOutput, ScheduledChunk, SchedulerOutput
 from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.outputs import GraphCaptureReport, SampledToken
 from firsttoken.sample.sampler import Sampler
+from firsttoken.stage_observer import LM_HEAD, SAMPLING, StageObserver, observed
 from firsttoken.worker.prompt_logprobs import PromptRows, find_prompt_rows, score_prompt_rows
 from firsttoken.worker.step_inputs import HostStep, build_host_step
 from firsttoken.worker.whole_step_decode import WholeStepDecode, build_whole_step_decode
@@ -55,6 +56,8 @@ class ModelRunner:
         self.model = model
         self.backend = backend
         self.sampler = sampler
+        # Set while a profiler times the step's stages (EngineCore.observing_stages).
+        self.stage_observer: StageObserver | None = None
         self.block_size = block_size
         self.device = device
         self.index_dtype = np.dtype(str(backend.index_dtype).removeprefix("torch."))
@@ -135,14 +138,16 @@ class ModelRunner:
         hidden, prompt_logprobs = self.forward_and_score_prompts(step)
         if not sampling_chunks:
             return ModelOutput(sampled={}, prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden)
+        with observed(self.stage_observer, LM_HEAD):
+            logits = self.model.compute_logits(hidden)
         if self.sampler is None:  # its slice of the logits went to the driver's
             return ModelOutput(sampled={})
         assert logits is not None  # the driver holds the gathered logits
         # The step's one synchronisation: the sampler hands the ids to Python.
-        sampled = self.sampler.sample(
-            logits, [spec for chunk in sampling_chunks for spec in chunk.sample_specs()]
-        )
+        with observed(self.stage_observer, SAMPLING):
+            sampled = self.sampler.sample(
+                logits, [spec for chunk in sampling_chunks for spec in chunk.sample_specs()]
+            )
         return _model_output(sampling_chunks, sampled, prompt_logprobs)
 
     def forward_and_score_prompts(self, step: HostStep) -> tuple[torch.Tensor, dict[str, list[SampledToken]]]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from firsttoken import LLM
+from firsttoken import LLM, SamplingParams
 from firsttoken.bench.profile import (
     WHOLE_STEP_SET_ASIDE,
     ProfileResult,
@@ -27,8 +28,8 @@ from firsttoken.bench.stage_hooks import (
     stage_seconds,
 )
 from firsttoken.bench.stats import summarize
-from firsttoken.engine.engine_core import StageHookTargets
 from firsttoken.outputs import RequestMetrics
+from firsttoken.stage_observer import DETOKENIZE, LM_HEAD, SAMPLING
 from tests.conftest import FIXED_THREADS
 
 
@@ -84,14 +85,36 @@ def test_a_breakdown_that_misses_the_ttft_says_so():
     assert json.loads(format_json(result, input_len=1))["stages_add_up"] is False
 
 
-def test_profiling_leaves_no_hook_or_wrapper_behind(profiled_llm):
-    targets = profiled_llm.core.stage_hook_targets()
+def test_profiling_leaves_no_hook_or_observer_behind(profiled_llm):
+    model = profiled_llm.core.single_rank_model()
     profile_ttft(profiled_llm, ProfileSpec(input_len=16, runs=1, warmup_runs=0))
-    for module in targets.model.modules():
+    for module in model.modules():
         assert not module._forward_hooks and not module._forward_pre_hooks
-    assert "compute_logits" not in vars(targets.model)
-    assert "sample" not in vars(targets.sampler)
-    assert "detokenize" not in vars(targets.output_processor)
+    assert profiled_llm.core.stage_observer is None
+
+
+def test_the_engine_reports_each_step_stage_to_its_observer_while_observed(profiled_llm):
+    class Recorder:
+        def __init__(self) -> None:
+            self.events: list[tuple[str, str]] = []
+
+        def begin(self, stage: str) -> None:
+            self.events.append(("begin", stage))
+
+        def end(self, stage: str) -> None:
+            self.events.append(("end", stage))
+
+    recorder = Recorder()
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    with profiled_llm.core.observing_stages(recorder):
+        profiled_llm.generate(["observed"], params)
+    stages = [stage for event, stage in recorder.events if event == "begin"]
+    assert stages.count(LM_HEAD) == stages.count(SAMPLING) == stages.count(DETOKENIZE) == 2
+    first_step = [("begin", LM_HEAD), ("end", LM_HEAD), ("begin", SAMPLING), ("end", SAMPLING)]
+    assert recorder.events[:4] == first_step
+    seen_after = len(recorder.events)
+    profiled_llm.generate(["not observed"], params)
+    assert len(recorder.events) == seen_after
 
 
 def test_a_w8a8_engine_is_profiled_op_by_op_and_keeps_its_whole_step_forward(two_layer_model_path):
@@ -140,12 +163,10 @@ class _DirectCallModel(nn.Module):
 
 
 def _fake_engine(model: nn.Module) -> SimpleNamespace:
-    targets = StageHookTargets(
-        model,
-        sampler=SimpleNamespace(sample=lambda logits: [0]),
-        output_processor=SimpleNamespace(detokenize=lambda progress: None),
+    """An engine whose steps report no stage of their own."""
+    return SimpleNamespace(
+        single_rank_model=lambda: model, observing_stages=lambda observer: nullcontext(model)
     )
-    return SimpleNamespace(stage_hook_targets=lambda: targets)
 
 
 def test_a_layer_without_attention_is_named_in_the_error():
@@ -160,9 +181,7 @@ def test_hooks_the_model_bypasses_fail_instead_of_misreporting():
     engine = _fake_engine(model)
     parts = find_engine_parts(engine)
     with instrumented(parts, StageClock(torch.device("cpu"))) as clock:
-        hidden = model(torch.ones(2, 4))
-        parts.sampler.sample(model.compute_logits(hidden))
-        parts.output_processor.detokenize(None)
+        model(torch.ones(2, 4))
     metrics = RequestMetrics(0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 4, 1, 0, 1, 0)
     with pytest.raises(ValueError, match="no longer calls its layers"):
         stage_seconds(parts, clock, 1.0, metrics)
