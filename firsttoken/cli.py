@@ -17,7 +17,7 @@ from firsttoken.engine_args import (
     engine_kwargs,
     read_system_prompt,
 )
-from firsttoken.quantize import register_quantize_verb
+from firsttoken.calibration.quantize_command import register_quantize_verb
 from firsttoken.server.serve_command import register_serve_verb
 
 

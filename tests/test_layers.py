@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"__main__"},
     {"cli"},
     {"deploy"},
-    {"server", "bench", "quantize"},
+    {"server", "bench", "calibration"},
     {"firsttoken"},
     {"engine"},
     {"worker"},

@@ -319,7 +319,7 @@ def test_calibrated_maxima_are_each_projections_largest_inputs_and_smooth_an_eng
     engine_for, model_path, tmp_path
 ):
     from firsttoken.models.llama import layer_projections
-    from firsttoken.quantize import record_activation_maxima
+    from firsttoken.calibration.calibrate import record_activation_maxima
     from firsttoken.worker.activation_stats import save_activation_maxima
 
     float_llm = engine_for(enable_prompt_cache=False, **OPTIONS)  # a cached prefix would not run
@@ -422,7 +422,7 @@ def test_gptq_keeps_the_float_engines_replies_nearer_than_rounding_to_nearest(
 ):
     """GPTQ's levels make the product with real inputs err less: over the float engine's replies
     the logprobs of the rotated engine on them move less than on the levels rounded to nearest."""
-    from firsttoken.quantize import calibrate
+    from firsttoken.calibration.calibrate import calibrate
     from tests.prompts import long_prompt
 
     path = str(tmp_path / "gptq.safetensors")
@@ -507,7 +507,7 @@ def gptq_weights_path(two_layer_model_path, tmp_path_factory, native_kernels) ->
     reason = w8a8_unsupported_reason(torch.device("cpu"), native_kernels)
     if reason is not None:
         pytest.skip(reason)
-    from firsttoken.quantize import calibrate
+    from firsttoken.calibration.calibrate import calibrate
 
     path = str(tmp_path_factory.mktemp("gptq") / "weights.safetensors")
     calibrate(two_layer_model_path, " ".join(PROMPTS * 8), 512, path, method="gptq")

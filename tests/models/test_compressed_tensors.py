@@ -230,7 +230,7 @@ def test_other_quantizations_and_calibrated_maxima_are_refused_on_it(tmp_path):
 def test_calibrating_it_is_refused_naming_the_model(method, int8_sums_exact, tmp_path, monkeypatch):
     """Whether the checkpoint runs as W8A8 or, without exact int8 sums, dequantized: its files
     are quantized already, so there is no float checkpoint to calibrate."""
-    from firsttoken.quantize import calibrate
+    from firsttoken.calibration.calibrate import calibrate
 
     if not int8_sums_exact:
         _without_exact_int8_sums(monkeypatch)
