@@ -276,7 +276,7 @@ class Scheduler:
         preempted: list[str] = []
         self._drafts = {}
         planner = self.prefill_planner
-        line = PrefillLine(self._ordered_candidates(), self._decode_load())
+        line = PrefillLine(self._startable_candidates(), self._decode_load())
         rush_decode_cap = planner.rush_decode_cap(line)
         self._schedule_decodes(scheduled, preempted, rush_decode_cap)
         num_decode_tokens = len(scheduled) + sum(len(draft) for draft in self._drafts.values())
@@ -291,7 +291,7 @@ class Scheduler:
             scheduled_decodes = DecodeLoad(
                 len(scheduled), sum(self.requests[req_id].num_computed_tokens + 1 for req_id in scheduled)
             )
-            line = PrefillLine(self._ordered_candidates(), scheduled_decodes)
+            line = PrefillLine(self._startable_candidates(), scheduled_decodes)
             prefill_budget = planner.rush_prefill_budget(line)
         token_budget = min(self.config.max_num_batched_tokens, num_decode_tokens + prefill_budget)
         self._schedule_prefills(scheduled, preempted, token_budget - num_decode_tokens, sharing)
@@ -391,6 +391,20 @@ class Scheduler:
         keyed = [(r, slo_order_key(r, self.step_index, aging_steps)) for r in partial + self.waiting]
         keyed.sort(key=lambda pair: pair[1])
         return keyed
+
+    def _startable_candidates(self) -> list[tuple[Request, tuple]]:
+        """The ordered candidates this step could compute: every started prompt, and waiting ones
+        only while running seats are free (max_num_seqs). A rush for a prompt that cannot start
+        would leave decodes sitting out steps that carry nothing else."""
+        num_free_seats = self.config.max_num_seqs - len(self.running)
+        startable = []
+        for request, key in self._ordered_candidates():
+            if request.status is not RequestStatus.RUNNING:
+                if num_free_seats <= 0:
+                    continue
+                num_free_seats -= 1
+            startable.append((request, key))
+        return startable
 
     def _schedule_prefills(
         self,

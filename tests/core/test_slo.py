@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from firsttoken.bench.schedule_sim import SimulatedClock
+from firsttoken.bench.schedule_sim import SimulatedClock, SimulatedLoad, poisson_arrivals, simulate
 from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
 from firsttoken.core.batch import ModelOutput, SchedulerOutput
 from firsttoken.core.cost_model import StepCostModel, StepTimeTracker, attention_pairs
@@ -283,6 +283,17 @@ def test_an_at_risk_prefill_takes_whole_steps_and_decodes_sit_out_at_most_one_st
     assert scheduler.stats.num_deferred_decodes > 0
     for steps in deferred_in.values():
         assert all(later - earlier > 1 for earlier, later in zip(steps, steps[1:]))
+
+
+def test_decodes_do_not_sit_out_for_a_prefill_that_has_no_seat_to_start_in():
+    """Every seat (max_num_seqs) holds a decode while an at-risk prompt waits: it cannot start
+    until one finishes, so holding the decodes back ran steps with nothing in them (the
+    simulation raises on a step that schedules nothing once every request has arrived)."""
+    cost = StepCostModel(seconds_fixed=0.03, seconds_per_token=0.0003, seconds_per_attention_pair=1e-6)
+    load = SimulatedLoad(input_len=128, output_len=64, num_requests=60, rate=2.0, seed=298)
+    arrivals = poisson_arrivals(load)
+    run = simulate(cost, arrivals, ChunkedPrefillConfig(), SchedulerConfig(max_num_seqs=8, ttft_slo_ms=400))
+    assert len(run.records) == 60
 
 
 def test_the_same_prefill_misses_its_objective_when_nothing_knows_of_it():
