@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -194,3 +195,13 @@ def _checked_logit_bias(logit_bias: Mapping[int, float]) -> dict[int, float]:
             )
         checked[token_id] = float(bias)
     return checked
+
+
+def choice_seed(seed: int, choice_index: int) -> int:
+    """The seed choice `choice_index` of a request seeded `seed` draws with: `seed` itself for the
+    first (n=1 draws as before), a hash of both for the others, so that no choice draws as some
+    choice of another seed does (seed + index made choice 1 of seed 42 choice 0 of seed 43)."""
+    if choice_index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{choice_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # 63 bits, as the sampler's seeds are

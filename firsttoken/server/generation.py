@@ -17,7 +17,7 @@ from typing import AsyncIterator
 from firsttoken.engine import DeltaStream, EngineClient, InvalidInputError, TokenizedPrompt
 from firsttoken.metrics.ttft_stages import TTFTStages
 from firsttoken.outputs import RequestDelta, RequestOutput
-from firsttoken.sampling_params import SamplingParams, StructuredOutput
+from firsttoken.sampling_params import SamplingParams, StructuredOutput, choice_seed
 from firsttoken.server.protocol import (
     ChoiceTTFT,
     FirstTokenExtension,
@@ -235,7 +235,7 @@ def _sampling_params(
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=-1 if request.top_k is None else request.top_k,
         # Choices of one request draw differently from each other, reproducibly.
-        seed=None if request.seed is None else request.seed + choice_index,
+        seed=None if request.seed is None else choice_seed(request.seed, choice_index),
         stop=stop,
         ignore_eos=request.ignore_eos,
         logprobs=params.logprobs,

@@ -194,21 +194,24 @@ def test_n_and_prompt_lists_give_independent_indexed_choices(client, llm):
 
 
 def test_seeded_choices_differ_and_repeat(client):
-    def sample():
+    def sample(seed: int, n: int = 2):
         return client.chat.completions.create(
             model=MODEL_NAME,
             messages=CHAT,
             max_tokens=8,
             temperature=1.0,
-            seed=7,
-            n=2,
+            seed=seed,
+            n=n,
             extra_body={"ignore_eos": True},
         )
 
-    first, again = sample(), sample()
+    first, again = sample(7), sample(7)
     texts = [choice.message.content for choice in first.choices]
     assert texts == [choice.message.content for choice in again.choices]
     assert texts[0] != texts[1]
+    # A choice draws as no choice of a neighbouring seed does; the first as n=1 with its seed.
+    assert sample(8, n=1).choices[0].message.content != texts[1]
+    assert sample(7, n=1).choices[0].message.content == texts[0]
 
 
 def test_chat_logprobs(client):
