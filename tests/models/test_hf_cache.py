@@ -69,7 +69,9 @@ def test_uncached_repo_id_names_the_cache_searched(hub_cache):
         ValueError, match=f"^model: nobody/absent is not in the local Hugging Face cache \\({hub_cache}\\)"
     ):
         resolve_model_path("nobody/absent")
-    with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
+    with pytest.raises(ValueError, match="with `hf download nobody/absent` "):
+        resolve_model_path("nobody/absent")
+    with pytest.raises(ValueError, match="cache .*`hf download tiny-org/tiny-llama --revision v2`"):
         resolve_model_path("tiny-org/tiny-llama@v2")
 
 

@@ -29,9 +29,16 @@ def cached_model_path(model: str) -> str:
     except LocalEntryNotFoundError as error:
         raise ValueError(
             f"model: {model} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
-            "download it there first (nothing is fetched at run time) or pass a file or folder"
+            f"download it there first with `{download_command(match['repo_id'], match['revision'])}` "
+            "(nothing is fetched at run time) or pass a file or folder"
         ) from error
     return _model_in_snapshot(model, snapshot)
+
+
+def download_command(repo_id: str, revision: str | None) -> str:
+    """The command of huggingface_hub's CLI (`hf`, installed with it) that puts the repo in the
+    cache this module reads."""
+    return f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
 
 
 def _model_in_snapshot(model: str, snapshot: str) -> str:
