@@ -1,8 +1,9 @@
-"""`firsttoken generate | chat | serve | bench | profile`: the command line."""
+"""`firsttoken generate | chat | serve | bench | profile | tune | quantize`: the command line."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import sys
@@ -98,11 +99,23 @@ def sampling_params_from(args: argparse.Namespace):
     )
 
 
+def package_version() -> str:
+    """The installed distribution's version; a source tree on the path without an install has no
+    metadata, so the package's own `__version__` stands in and says so."""
+    try:
+        return importlib.metadata.version("firsttoken")
+    except importlib.metadata.PackageNotFoundError:
+        from firsttoken import __version__
+
+        return f"{__version__} (source tree, not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="firsttoken", description="LLM inference built for the shortest time to first token."
     )
     parser.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+    parser.add_argument("--version", action="version", version=f"firsttoken {package_version()}")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     generate = verbs.add_parser("generate", help="generate from one prompt, streaming to stdout")

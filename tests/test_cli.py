@@ -135,3 +135,26 @@ def test_quantize_refuses_a_token_count_below_one(tmp_path, capsys):
     command = ["quantize", "--calibration-text", str(text), "--num-tokens", "0", "--output", "x.safetensors"]
     assert main(command) == 2
     assert "num_tokens: must be >= 1" in capsys.readouterr().err
+
+
+def test_version_prints_the_installed_distributions_version(capsys):
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"firsttoken {importlib.metadata.version('firsttoken')}\n"
+
+
+def test_version_in_a_source_tree_without_an_install_is_the_packages_own(monkeypatch, capsys):
+    import importlib.metadata
+
+    import firsttoken
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out == f"firsttoken {firsttoken.__version__} (source tree, not installed)\n"
