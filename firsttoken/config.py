@@ -28,6 +28,14 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 # Process-group backends chosen by `distributed_backend=auto`; any other name passes through
 # to torch.distributed (an accelerator's own, such as hccl).
 DEFAULT_DISTRIBUTED_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+# The longest wait any option may set, a day: past it a bound is no bound, and an infinite one
+# overflows the clocks and timers it is handed to. A request's ttft_slo_ms has the same cap.
+MAX_SECONDS = 86_400
+MAX_MILLISECONDS = MAX_SECONDS * 1000
+# A step with prefill tokens this many decode steps long already bounds nothing a client sees.
+MAX_STALL_FACTOR = 10_000
+# The engine's seed takes what a request's may (torch's generators read it as 64 bits).
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 def _help(text: str, **extra: Any) -> dict[str, Any]:
@@ -37,6 +45,23 @@ def _help(text: str, **extra: Any) -> dict[str, Any]:
 def _require(condition: bool, field_name: str, message: str) -> None:
     if not condition:
         raise InvalidInputError(field_name, message)
+
+
+def _require_in_range(
+    value: float | None, field_name: str, low: float, high: float, *, low_open: bool = False
+) -> None:
+    """`value` (None: unset) is a finite number in [low, high], or (low, high] when `low_open`.
+    Checked as a range, not as a negated comparison: nan fails no `<` and would pass as valid."""
+    if value is None:
+        return
+    above_low = value > low if low_open else value >= low
+    finite = isinstance(value, int) or math.isfinite(value)
+    interval = f"{'(' if low_open else '['}{low}, {high}]"
+    _require(
+        finite and above_low and value <= high,
+        field_name,
+        f"must be a finite number in {interval}, got {value}",
+    )
 
 
 @dataclass(frozen=True)
@@ -211,6 +236,8 @@ class ModelConfig:
             "num_threads",
             f"must be >= 1, got {self.num_threads}",
         )
+        low, high = SEED_RANGE
+        _require(low <= self.seed <= high, "seed", f"must be in [{low}, {high}], got {self.seed}")
 
 
 @dataclass(frozen=True)
@@ -250,16 +277,8 @@ class CacheConfig:
             "kv_cache_memory_bytes",
             f"must be > 0, got {self.kv_cache_memory_bytes}",
         )
-        _require(
-            0 < self.kv_cache_memory_fraction <= 0.95,
-            "kv_cache_memory_fraction",
-            f"must be in (0, 0.95], got {self.kv_cache_memory_fraction}",
-        )
-        _require(
-            0 < self.gpu_memory_utilization <= 0.98,
-            "gpu_memory_utilization",
-            f"must be in (0, 0.98], got {self.gpu_memory_utilization}",
-        )
+        _require_in_range(self.kv_cache_memory_fraction, "kv_cache_memory_fraction", 0, 0.95, low_open=True)
+        _require_in_range(self.gpu_memory_utilization, "gpu_memory_utilization", 0, 0.98, low_open=True)
 
 
 @dataclass(frozen=True)
@@ -302,16 +321,8 @@ class SchedulerConfig:
             "max_waiting_requests",
             f"must be >= 1, got {self.max_waiting_requests}",
         )
-        _require(
-            self.max_queue_wait_s is None or self.max_queue_wait_s > 0,
-            "max_queue_wait_s",
-            f"must be > 0, got {self.max_queue_wait_s}",
-        )
-        _require(
-            self.ttft_slo_ms is None or self.ttft_slo_ms > 0,
-            "ttft_slo_ms",
-            f"must be > 0, got {self.ttft_slo_ms}",
-        )
+        _require_in_range(self.max_queue_wait_s, "max_queue_wait_s", 0, MAX_SECONDS, low_open=True)
+        _require_in_range(self.ttft_slo_ms, "ttft_slo_ms", 0, MAX_MILLISECONDS, low_open=True)
         _require(
             self.slo_policy in ("best_effort", "refuse"),
             "slo_policy",
@@ -357,16 +368,8 @@ class ChunkedPrefillConfig:
             "chunk_size",
             f"must be 'auto' or an int >= 1, got {self.chunk_size!r}",
         )
-        _require(
-            math.isfinite(self.max_stall_factor) and self.max_stall_factor >= 1,
-            "max_stall_factor",
-            f"must be a finite number >= 1, got {self.max_stall_factor}",
-        )
-        _require(
-            self.itl_target_ms is None or (math.isfinite(self.itl_target_ms) and self.itl_target_ms > 0),
-            "itl_target_ms",
-            f"must be a finite number > 0, got {self.itl_target_ms}",
-        )
+        _require_in_range(self.max_stall_factor, "max_stall_factor", 1, MAX_STALL_FACTOR)
+        _require_in_range(self.itl_target_ms, "itl_target_ms", 0, MAX_MILLISECONDS, low_open=True)
         _require(
             self.min_chunk_size >= 1, "min_chunk_size", f"must be >= 1, got {self.min_chunk_size}"
         )
@@ -390,7 +393,7 @@ class PromptCacheConfig:
     )
 
     def __post_init__(self) -> None:
-        _require(0 <= self.max_pinned_fraction <= 1, "max_pinned_fraction", "must be in [0, 1]")
+        _require_in_range(self.max_pinned_fraction, "max_pinned_fraction", 0, 1)
 
 
 @dataclass(frozen=True)
@@ -522,11 +525,7 @@ class ParallelConfig:
             f"must be >= 1, got {self.tensor_parallel_size}",
         )
         _require(bool(self.distributed_backend), "distributed_backend", "must not be empty")
-        _require(
-            self.distributed_timeout_s > 0,
-            "distributed_timeout_s",
-            f"must be > 0, got {self.distributed_timeout_s}",
-        )
+        _require_in_range(self.distributed_timeout_s, "distributed_timeout_s", 0, MAX_SECONDS, low_open=True)
 
 
 SUBCONFIGS: dict[str, type] = {
@@ -574,8 +573,21 @@ class EngineConfig:
     streaming_llm: StreamingLLMConfig = field(default_factory=StreamingLLMConfig)
 
     def __post_init__(self) -> None:
+        _require(
+            self.scheduler.slo_policy != "refuse" or self.predicts_ttft,
+            "slo_policy",
+            "'refuse' refuses a request predicted to miss its TTFT objective, and with neither "
+            "ttft_slo_ms nor chunk_size 'auto' (with chunked prefill) nothing is predicted: set "
+            "ttft_slo_ms, or keep chunk_size 'auto' so that requests' own ttft_slo_ms are predicted",
+        )
         if self.parallel.tensor_parallel_size > 1:
             self._check_splits_over_ranks()
+
+    @property
+    def predicts_ttft(self) -> bool:
+        """Whether requests' TTFTs are predicted (from the cost model that auto's chunks use too)."""
+        chunked = self.chunked_prefill
+        return (chunked.enable and chunked.chunk_size == "auto") or self.scheduler.ttft_slo_ms is not None
 
     def _check_splits_over_ranks(self) -> None:
         """What tensor parallelism cannot hold: each rank has a slice of the KV and of each

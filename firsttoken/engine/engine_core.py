@@ -37,6 +37,17 @@ from firsttoken.worker.executor import Executor
 logger = logging.getLogger(__name__)
 
 
+def _log_refusals_without_objective(config: EngineConfig) -> None:
+    """`refuse` without an engine objective is allowed (a request's own ttft_slo_ms is predicted
+    and may be refused), but refuses nothing else: say so, as a forgotten --ttft-slo-ms looks
+    the same."""
+    if config.scheduler.slo_policy == "refuse" and config.scheduler.ttft_slo_ms is None:
+        logger.warning(
+            "slo_policy 'refuse' without ttft_slo_ms: only requests that carry their own ttft_slo_ms "
+            "can be refused; the others hold no objective to miss"
+        )
+
+
 class EngineCore:
     """Owns the executor (and through it the workers), the KV block manager, the scheduler, the
     output processor, the grammar compiler, the pinned prefixes and the proposer of draft tokens
@@ -56,12 +67,12 @@ class EngineCore:
         block_size = config.cache.block_size
         # Warm-up and calibration run on scratch blocks, before any request can hold one.
         self.executor.warm_up()
-        auto_chunks = config.chunked_prefill.enable and config.chunked_prefill.chunk_size == "auto"
         # TTFT objectives are predicted on the same cost model as auto's chunks.
-        predicts_ttft = auto_chunks or config.scheduler.ttft_slo_ms is not None
+        predicts_ttft = config.predicts_ttft
         needs_cost = predicts_ttft or self.worker.adapts_threads
         step_cost = self.executor.step_cost_model() if needs_cost else None
         step_times = StepTimeTracker(step_cost) if predicts_ttft else None
+        _log_refusals_without_objective(config)
         self.kv_manager = KVCacheManager(
             self.worker.num_kv_blocks,
             block_size,

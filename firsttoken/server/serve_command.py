@@ -117,9 +117,12 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def server_config(args: argparse.Namespace, model_path: str) -> ServerConfig:
-    """The server's settings; without --served-model-name, the model file's name (no .gguf)."""
-    names = args.served_model_name or [default_model_name(model_path)]
+def server_config(args: argparse.Namespace, model_path: str | None = None) -> ServerConfig:
+    """The server's settings; without --served-model-name, the model file's name (no .gguf), or
+    the default name while no model is loaded."""
+    names = args.served_model_name or (
+        [default_model_name(model_path)] if model_path else list(_DEFAULTS.served_model_names)
+    )
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -143,6 +146,7 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
     from firsttoken.server.http_server import ExitDeadline, build_server, end_process
 
     system_prompt = read_system_prompt(args)
+    server_config(args)  # a bad server flag is refused before the model loads, not after
     engine = AsyncEngine.from_options(args.model, system_prompt=system_prompt, **engine_options(args))
     config = server_config(args, engine.model_path)
     server = build_server(create_app(engine, config), config, abort_in_flight=engine.shutdown)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from firsttoken.config import MAX_SECONDS
 from firsttoken.engine import InvalidInputError
 
 
@@ -65,8 +66,12 @@ class ServerConfig:
             raise InvalidInputError(
                 "max_choices_per_request", f"must be >= 1, got {self.max_choices_per_request}"
             )
-        if self.shutdown_timeout_s < 0:
-            raise InvalidInputError("shutdown_timeout_s", f"must be >= 0, got {self.shutdown_timeout_s}")
+        # A range, not `< 0`: nan passes that, and then every drain ends at once.
+        if not 0 <= self.shutdown_timeout_s <= MAX_SECONDS:
+            raise InvalidInputError(
+                "shutdown_timeout_s",
+                f"must be a finite number in [0, {MAX_SECONDS}] (seconds), got {self.shutdown_timeout_s}",
+            )
         if self.retry_after_s < 1:
             raise InvalidInputError("retry_after_s", f"must be >= 1, got {self.retry_after_s}")
         if not all(self.allowed_origins):

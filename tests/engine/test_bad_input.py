@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import re
 
 import pytest
 
 from firsttoken import LLM, SamplingParams
-from firsttoken.config import CacheConfig, ChunkedPrefillConfig, EngineConfig, SchedulerConfig
+from firsttoken.config import (
+    SUBCONFIGS,
+    CacheConfig,
+    ChunkedPrefillConfig,
+    EngineConfig,
+    SchedulerConfig,
+    flat_name,
+)
 from firsttoken.engine import InvalidInputError
 from tests.conftest import FIXED_THREADS
 from tests.engine_state import all_blocks_free
@@ -203,3 +212,46 @@ def test_unsupported_architecture_is_named(tmp_path):
 def test_engine_options_name_the_field(build, field):
     with pytest.raises(ValueError, match=field):
         build()
+
+
+def _float_options() -> list[str]:
+    return [
+        flat_name(section, config_field.name)
+        for section, section_cls in SUBCONFIGS.items()
+        for config_field in dataclasses.fields(section_cls)
+        if "float" in str(config_field.type)
+    ]
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 1e308])
+@pytest.mark.parametrize("name", _float_options())
+def test_every_float_engine_option_is_finite_and_bounded(name, value):
+    with pytest.raises(InvalidInputError, match=f"^{name}: must be a finite number") as error:
+        EngineConfig.from_kwargs(**{name: value})
+    assert error.value.field == name
+
+
+@pytest.mark.parametrize(
+    "name,value,limit",
+    [
+        ("ttft_slo_ms", 86_400_001, "(0, 86400000]"),  # as a request's own ttft_slo_ms
+        ("max_queue_wait_s", 86_401, "(0, 86400]"),
+        ("distributed_timeout_s", 86_401, "(0, 86400]"),
+        ("itl_target_ms", 86_400_001, "(0, 86400000]"),
+        ("seed", 2**64, "[-9223372036854775808, 18446744073709551615]"),
+    ],
+)
+def test_engine_options_past_their_limit_state_it(name, value, limit):
+    with pytest.raises(InvalidInputError, match=re.escape(f"{name}: must be")) as error:
+        EngineConfig.from_kwargs(**{name: value})
+    assert limit in str(error.value)
+
+
+def test_refuse_without_anything_to_predict_is_refused_at_start():
+    with pytest.raises(InvalidInputError, match="^slo_policy: 'refuse'.*set ttft_slo_ms"):
+        EngineConfig.from_kwargs(slo_policy="refuse", chunk_size=64)
+    with pytest.raises(InvalidInputError, match="^slo_policy"):
+        EngineConfig.from_kwargs(slo_policy="refuse", enable_chunked_prefill=False)
+    # An objective to predict against: the engine's, or (auto's cost model) each request's own.
+    assert EngineConfig.from_kwargs(slo_policy="refuse", chunk_size=64, ttft_slo_ms=500).predicts_ttft
+    assert EngineConfig.from_kwargs(slo_policy="refuse").predicts_ttft

@@ -178,3 +178,22 @@ def test_unreadable_system_prompt_file_is_a_clean_error(tmp_path, capsys):
 
     assert main(["serve", "--pin-system-prompt", str(tmp_path / "missing.txt")]) == 2
     assert "pin_system_prompt: cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--shutdown-timeout", "nan"], "shutdown_timeout_s: must be a finite number in [0, 86400]"),
+        (["--shutdown-timeout", "1e9"], "shutdown_timeout_s: must be a finite number in [0, 86400]"),
+        (["--ttft-slo-ms", "inf"], "ttft_slo_ms: must be a finite number in (0, 86400000]"),
+        (["--ttft-slo-ms", "1e308"], "ttft_slo_ms: must be a finite number in (0, 86400000]"),
+        (["--max-queue-wait-s", "inf"], "max_queue_wait_s: must be a finite number in (0, 86400]"),
+        (["--slo-policy", "refuse", "--chunk-size", "64"], "slo_policy: 'refuse' refuses a request"),
+    ],
+)
+def test_bad_start_up_options_are_one_line_errors_before_the_model_loads(flags, message, capsys):
+    from firsttoken.cli import main
+
+    assert main(["serve", "--model", "/nonexistent.gguf", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"firsttoken: error: {message}") and err.count("\n") == 1
