@@ -29,6 +29,7 @@ TUNE_DESCRIPTION = (
 DEFAULT_TUNE_SEARCH = ["chunk_size=auto,256,1024", "quantization=none,int4"]
 # Offline benchmarks measure full prefills: distinct prompts, and no reuse across runs.
 _BENCH_ENGINE_DEFAULTS: dict[str, Any] = {"enable_prompt_cache": False}
+MAX_PORT = 65535
 
 
 def register_bench_verbs(verbs: argparse._SubParsersAction) -> None:
@@ -119,6 +120,16 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     search.add_argument(
         "--max-probes", type=int, default=5, help="rates probed per setting (default: 5)"
     )
+    servers = parser.add_argument_group("servers")
+    servers.add_argument(
+        "--host", default="127.0.0.1", help="address the servers listen on (default: 127.0.0.1)"
+    )
+    servers.add_argument(
+        "--port",
+        type=_port,
+        default=None,
+        help="TCP port of the servers, which run one at a time (default: a free port each)",
+    )
     output = parser.add_argument_group("output")
     output.add_argument(
         "--output", default="tuned.json", help="the best setting's config file (default: tuned.json)"
@@ -127,6 +138,16 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
         "--result-dir", default=None, help="folder for the JSON result and the plot (default: bench_results)"
     )
     add_engine_args(parser)
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from error
+    if not 1 <= port <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_PORT}], got {port}")
+    return port
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -155,7 +176,9 @@ def run_tune(args: argparse.Namespace) -> int:
     for setting in settings:  # a typo fails now, not after an hour of other settings
         EngineConfig.from_kwargs(**{**base_options, **setting.as_dict})
     workload = Workload(args.input_len, args.output_len, args.num_prompts, args.seed)
-    trials = ServedTrials(args.model, base_options, workload, args.ttft_p99_ms, _prompt_tokenizer(None))
+    trials = ServedTrials(
+        args.model, base_options, workload, args.ttft_p99_ms, _prompt_tokenizer(None), args.host, args.port
+    )
 
     def report(setting: Setting, probe: Probe) -> None:
         verdict = "kept" if probe.keeps() else "lost"

@@ -1,6 +1,6 @@
-"""A server process on a free local port: `firsttoken serve` with given engine options, for
-benchmarks that compare server settings (`firsttoken tune`), or any OpenAI-compatible server's
-command (a peer's, to measure it beside firsttoken)."""
+"""A server process on a local port (a free one unless given): `firsttoken serve` with given
+engine options, for benchmarks that compare server settings (`firsttoken tune`), or any
+OpenAI-compatible server's command (a peer's, to measure it beside firsttoken)."""
 
 from __future__ import annotations
 
@@ -20,25 +20,38 @@ import httpx
 from firsttoken.engine_args import engine_flags
 
 
+LOOPBACK = "127.0.0.1"
+# Listening on these is listening on every interface: a client here reaches the server over the loopback.
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
 def free_port() -> int:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((LOOPBACK, 0))
         return probe.getsockname()[1]
 
 
+def client_url(host: str, port: int) -> str:
+    """The URL this machine reaches a server listening on `host`:`port` at."""
+    reached = LOOPBACK if host in _WILDCARD_HOSTS else host
+    return f"http://[{reached}]:{port}" if ":" in reached else f"http://{reached}:{port}"
+
+
 class LocalServer:
-    """Owns one server process on a free local port: started on entry (returns once /health
-    answers), stopped on exit with every process it started (it leads a process group of its own,
-    so a server's engine processes go with it)."""
+    """Owns one server process on a local port (`port`, else a free one): started on entry
+    (returns once /health answers), stopped on exit with every process it started (it leads a
+    process group of its own, so a server's engine processes go with it)."""
 
     def __init__(
         self,
         command_for_port: Callable[[int], list[str]],
         environment: dict[str, str] | None = None,
         start_timeout_s: float = 900.0,
+        host: str = LOOPBACK,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.port = free_port() if port is None else port
+        self.base_url = client_url(host, self.port)
         self.command = command_for_port(self.port)
         self.environment = {**(environment or os.environ), "PYTHONUNBUFFERED": "1"}
         self.start_timeout_s = start_timeout_s
@@ -93,15 +106,23 @@ class LocalServer:
 
 
 class ServerProcess(LocalServer):
-    """A `firsttoken serve` process with the given model and engine options."""
+    """A `firsttoken serve` process with the given model and engine options, listening on `host`
+    (the loopback unless given) and `port` (a free one unless given)."""
 
-    def __init__(self, model: str | None, options: dict[str, Any], start_timeout_s: float = 900.0) -> None:
+    def __init__(
+        self,
+        model: str | None,
+        options: dict[str, Any],
+        start_timeout_s: float = 900.0,
+        host: str = LOOPBACK,
+        port: int | None = None,
+    ) -> None:
         model_flags = ["--model", model] if model else []
 
         def command_for_port(port: int) -> list[str]:
             return [
-                sys.executable, "-m", "firsttoken", "serve", "--host", "127.0.0.1", "--port", str(port),
+                sys.executable, "-m", "firsttoken", "serve", "--host", host, "--port", str(port),
                 *model_flags, *engine_flags(options),
             ]  # fmt: skip
 
-        super().__init__(command_for_port, start_timeout_s=start_timeout_s)
+        super().__init__(command_for_port, start_timeout_s=start_timeout_s, host=host, port=port)

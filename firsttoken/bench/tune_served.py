@@ -12,7 +12,7 @@ from typing import Any
 
 from firsttoken.bench.datasets import DatasetSpec, PromptTokenizer, build_prompts
 from firsttoken.bench.serve_client import LoadShape, ServeTarget, run_load
-from firsttoken.bench.server_process import ServerProcess
+from firsttoken.bench.server_process import LOOPBACK, ServerProcess
 from firsttoken.bench.tune import Probe, Setting, probe_from_records
 
 
@@ -28,7 +28,9 @@ class Workload:
 
 class ServedTrials:
     """A trial function for `tune`: serves `workload` at a rate on a server with a setting's
-    options (over `base_options`), keeping that server up while the same setting is probed."""
+    options (over `base_options`), keeping that server up while the same setting is probed.
+    Servers listen on `host` and `port` (else a free port each): one at a time, each stopped
+    before the next starts, so they can share it."""
 
     def __init__(
         self,
@@ -37,12 +39,16 @@ class ServedTrials:
         workload: Workload,
         ttft_objective_ms: float,
         tokenizer: PromptTokenizer | None,
+        host: str = LOOPBACK,
+        port: int | None = None,
     ) -> None:
         self.model = model
         self.base_options = base_options
         self.workload = workload
         self.ttft_objective_ms = ttft_objective_ms
         self.tokenizer = tokenizer
+        self.host = host
+        self.port = port
         self._setting: Setting | None = None
         self._server: ServerProcess | None = None
 
@@ -70,5 +76,6 @@ class ServedTrials:
             return self._server
         self.close()
         self._setting = setting
-        self._server = ServerProcess(self.model, {**self.base_options, **setting.as_dict}).__enter__()
+        options = {**self.base_options, **setting.as_dict}
+        self._server = ServerProcess(self.model, options, host=self.host, port=self.port).__enter__()
         return self._server

@@ -145,9 +145,13 @@ def test_a_config_file_sets_engine_options_and_flags_given_beside_it_win(tmp_pat
 class FakeServedTrials:
     """Stands in for the servers: int4 keeps twice the rate of the float weights."""
 
-    def __init__(self, model, base_options, workload, ttft_objective_ms, tokenizer) -> None:
+    started: list[FakeServedTrials] = []
+
+    def __init__(self, model, base_options, workload, ttft_objective_ms, tokenizer, host, port) -> None:
         self.base_options = base_options
+        self.listen = (host, port)
         self.closed = False
+        FakeServedTrials.started.append(self)
 
     def __call__(self, setting: Setting, rate: float) -> Probe:
         options = {**self.base_options, **setting.as_dict}
@@ -181,6 +185,38 @@ def test_tune_refuses_an_unknown_option_before_starting_any_server(tmp_path, mon
     assert code == 2
     assert "unknown engine option(s): chunk_sise" in capsys.readouterr().err
     assert not output.exists()
+
+
+def test_tune_starts_its_servers_on_the_host_and_port_given(tmp_path, monkeypatch):
+    monkeypatch.setattr(tune_served, "ServedTrials", FakeServedTrials)
+    monkeypatch.setattr(FakeServedTrials, "started", [])
+    code = main([
+        "tune", "--ttft-p99-ms", "500", "--search", "quantization=none,int4", "--max-probes", "2",
+        "--host", "0.0.0.0", "--port", "8123", "--output", str(tmp_path / "tuned.json"),
+        "--result-dir", str(tmp_path),
+    ])  # fmt: skip
+    assert code == 0
+    assert [trials.listen for trials in FakeServedTrials.started] == [("0.0.0.0", 8123)]
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "http"])
+def test_a_port_out_of_range_is_refused_naming_the_option(port, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["tune", "--ttft-p99-ms", "500", "--port", port])
+    assert exit_info.value.code == 2
+    assert "argument --port:" in capsys.readouterr().err
+
+
+def test_a_server_on_every_interface_is_reached_over_the_loopback_on_its_port():
+    every_interface, ipv6_loopback = (
+        ServerProcess(None, {}, host="0.0.0.0", port=8123), ServerProcess(None, {}, host="::1", port=8124)
+    )
+    command = every_interface.command
+    assert command[command.index("--host"):][:4] == ["--host", "0.0.0.0", "--port", "8123"]
+    assert every_interface.base_url == "http://127.0.0.1:8123"
+    assert ipv6_loopback.base_url == "http://[::1]:8124"
+    every_interface.stop()  # never started: this closes their log files
+    ipv6_loopback.stop()
 
 
 @pytest.mark.server
