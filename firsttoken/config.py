@@ -128,6 +128,7 @@ class ModelConfig:
             "(AVX2 + FMA), avx512 (AVX-512 F/BW/DQ/VL, no BF16), avx512_bf16; a narrower one runs the "
             f"kernels of that CPU class here; default: ${CPU_ISA_ENVIRONMENT_VARIABLE}, else auto",
             choices=CPU_ISAS,
+            environment=CPU_ISA_ENVIRONMENT_VARIABLE,
         ),
     )
     cuda_graphs: bool = field(
@@ -630,7 +631,12 @@ class EngineConfig:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(kwargs))}")
         built: dict[str, Any] = {}
         for section, section_cls in SUBCONFIGS.items():
-            base = sections.get(section, section_cls())
+            if section not in sections:
+                # Built from the given fields alone: a default left unused (an environment
+                # variable's, such as $FIRSTTOKEN_ISA beside cpu_isa=) is never read.
+                built[section] = section_cls(**per_section[section])
+                continue
+            base = sections[section]
             if isinstance(base, dict):
                 base = _section_from_dict(section, section_cls, base)
             if not isinstance(base, section_cls):

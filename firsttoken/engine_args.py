@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from typing import Any
+import os
+from typing import Any, Callable, Sequence
 
 from firsttoken.config import SUBCONFIGS, flat_name
 from firsttoken.errors import InvalidInputError
@@ -41,6 +42,35 @@ def _flag_type(field: dataclasses.Field) -> Any:
     if "int" in text:
         return int
     return str
+
+
+class _FromEnvironment(str):
+    """The default of a flag that an environment variable sets: the variable's name. argparse
+    converts a string default with the flag's type only when the flag is not given, and after
+    --help is answered: so the variable is read only when it is used, and a bad value is a usage
+    error like a bad flag's."""
+
+
+def _checked_environment(choices: Sequence[str]) -> Callable[[str], str | None]:
+    """The flag's type: a given value passes (argparse checks its choices); the variable, when
+    set, must be one of them too. None then: the config's own default reads the variable, as
+    it does for LLM(...), and a --config file's value is not overridden by it."""
+
+    def convert(value: str) -> str | None:
+        if not isinstance(value, _FromEnvironment):
+            return value
+        setting = os.environ.get(value)
+        if setting is not None and setting not in choices:
+            raise argparse.ArgumentTypeError(f"${value} is {setting!r}, not one of {', '.join(choices)}")
+        return None
+
+    return convert
+
+
+def _shown_default(field: dataclasses.Field) -> str:
+    """The help's default; a field with a default factory (one read from the environment) says
+    what its default is in its own help, and the factory is not run to build a parser."""
+    return "" if field.default is dataclasses.MISSING else f" (default: {field.default})"
 
 
 def _dest(name: str) -> str:
@@ -105,14 +135,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     for section, section_cls in SUBCONFIGS.items():
         group = parser.add_argument_group(section.replace("_", " "))
-        defaults = section_cls()
         for field in dataclasses.fields(section_cls):
             name = flat_name(section, field.name)
             if name in _NOT_FLAGS:
                 continue
             flag = engine_flag(name)
-            default = getattr(defaults, field.name)
-            help_text = f"{field.metadata.get('help', '')} (default: {default})"
+            help_text = field.metadata.get("help", "") + _shown_default(field)
             kind = _flag_type(field)
             if kind is bool:
                 group.add_argument(
@@ -120,6 +148,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                     dest=_dest(name),
                     action=argparse.BooleanOptionalAction,
                     default=None,
+                    help=help_text,
+                )
+            elif "environment" in field.metadata:
+                group.add_argument(
+                    flag,
+                    dest=_dest(name),
+                    type=_checked_environment(field.metadata["choices"]),
+                    default=_FromEnvironment(field.metadata["environment"]),
+                    choices=field.metadata["choices"],
                     help=help_text,
                 )
             else:

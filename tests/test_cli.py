@@ -3,9 +3,13 @@ errors naming the field, quantize writes its file."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from firsttoken.cli import build_parser, main, sampling_params_from
+from firsttoken.config import EngineConfig
+from firsttoken.engine_args import engine_kwargs
 
 
 def _params(*flags: str):
@@ -78,6 +82,28 @@ def test_logit_bias_that_is_not_a_json_object_is_a_usage_error(capsys):
 def test_out_of_range_value_names_the_field_before_loading_a_model(capsys):
     assert main(["generate", "hello", "--presence-penalty", "3", "--model", "/nonexistent.gguf"]) == 2
     assert "presence_penalty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("setting", ["bogus", "", "AVX512"])
+def test_a_bad_isa_in_the_environment_is_a_usage_error_only_where_it_is_used(monkeypatch, capsys, setting):
+    monkeypatch.setenv("FIRSTTOKEN_ISA", setting)
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--help"])
+    assert exit_info.value.code == 0
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["generate", "hello"])
+    assert exit_info.value.code == 2
+    assert f"argument --cpu-isa: $FIRSTTOKEN_ISA is {setting!r}, not one of auto" in capsys.readouterr().err
+    given = build_parser().parse_args(["generate", "hello", "--cpu-isa", "avx2"])
+    assert EngineConfig.from_kwargs(**engine_kwargs(given)).model_config.cpu_isa == "avx2"
+
+
+def test_a_good_isa_in_the_environment_is_the_default_and_a_flag_wins(monkeypatch):
+    monkeypatch.setenv("FIRSTTOKEN_ISA", "avx2")
+    plain = build_parser().parse_args(["generate", "hello"])
+    assert EngineConfig.from_kwargs(**engine_kwargs(plain)).model_config.cpu_isa == "avx2"
+    given = build_parser().parse_args(["generate", "hello", "--cpu-isa", "avx512"])
+    assert EngineConfig.from_kwargs(**engine_kwargs(given)).model_config.cpu_isa == "avx512"
 
 
 @pytest.mark.slow  # two generations; bad_words itself is checked by default in the engine and API tests
@@ -158,3 +184,35 @@ def test_version_in_a_source_tree_without_an_install_is_the_packages_own(monkeyp
     with pytest.raises(SystemExit):
         main(["--version"])
     assert capsys.readouterr().out == f"firsttoken {firsttoken.__version__} (source tree, not installed)\n"
+
+
+class FakeLLM:
+    """Streams a fixed reply, in pieces, with no engine behind it."""
+
+    def __init__(self, model, **options) -> None:
+        self.model = model
+
+    def stream(self, prompt, params):
+        return iter(SimpleNamespace(text=piece, metrics=None) for piece in (" Paris", ".", ""))
+
+
+def _generate(monkeypatch, capsys, on_a_terminal: bool, *flags: str):
+    import sys
+
+    import firsttoken.engine.llm
+
+    monkeypatch.setattr(firsttoken.engine.llm, "LLM", FakeLLM)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: on_a_terminal)
+    assert main(["generate", "The capital of France is", *flags]) == 0
+    return capsys.readouterr()
+
+
+def test_generate_says_on_a_terminal_that_the_engine_is_starting(monkeypatch, capsys):
+    shown = _generate(monkeypatch, capsys, True)
+    assert shown.err.startswith("firsttoken: starting the engine")
+    assert shown.out == " Paris.\n"
+
+
+def test_generate_into_a_pipe_or_with_no_progress_says_nothing_of_its_start(monkeypatch, capsys):
+    assert _generate(monkeypatch, capsys, False) == (" Paris.\n", "")
+    assert _generate(monkeypatch, capsys, True, "--no-progress") == (" Paris.\n", "")
