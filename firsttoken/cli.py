@@ -19,6 +19,7 @@ from firsttoken.engine_args import (
     read_system_prompt,
 )
 from firsttoken.calibration.quantize_command import register_quantize_verb
+from firsttoken.progress import add_no_progress_arg, announce_engine_start, progress_wanted
 from firsttoken.server.serve_command import register_serve_verb
 
 
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arg(generate)
     add_pin_system_prompt_arg(generate)
     add_sampling_args(generate)
+    add_no_progress_arg(generate)
     add_engine_args(generate)
     generate.set_defaults(handler=run_generate)
 
@@ -134,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arg(chat)
     add_pin_system_prompt_arg(chat)
     add_sampling_args(chat)
+    add_no_progress_arg(chat)
     add_engine_args(chat)
     chat.set_defaults(handler=run_chat)
 
@@ -146,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _open_llm(args: argparse.Namespace, system_prompt: str | None):
     from firsttoken.engine.llm import LLM
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    options = engine_kwargs(args)  # a bad option fails before the notice
+    announce_engine_start(progress_wanted(args.no_progress))
+    llm = LLM(args.model, **options)
     if system_prompt is not None:
         llm.pin_system_prompt(system_prompt, pin_id="system-prompt")
     return llm

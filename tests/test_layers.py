@@ -4,8 +4,8 @@ Layers, top to bottom (LAYERS below): the command line; the Ray Serve deployment
 serving the server's app in front of engine replicas); the server and the benchmarks; the public
 API (`firsttoken/__init__.py`); the engine; the worker; the sampler; models, core, metrics and the
 speculative proposers; attention; ops; then the plain modules everything may use (arithmetic, cache
-locks, config, errors, logprobs, outputs, request, sampling parameters, the stage observer, the
-tokenizer). A module may
+locks, config, errors, logprobs, outputs, progress bars, request, sampling parameters, the stage
+observer, the tokenizer). A module may
 import its own part of the package and any part on a lower layer; every import counts, those
 inside functions and under TYPE_CHECKING too. So each layer can be read and tested without the
 ones above it: the scheduler with fake requests, a model without an engine, the server on a fake
@@ -36,8 +36,8 @@ LAYERS: list[set[str]] = [
     {"attention"},
     {"ops"},
     {
-        "arithmetic", "cache_lock", "config", "engine_args", "errors", "logprobs", "outputs", "request",
-        "sampling_params", "stage_observer", "tokenizer",
+        "arithmetic", "cache_lock", "config", "engine_args", "errors", "logprobs", "outputs", "progress",
+        "request", "sampling_params", "stage_observer", "tokenizer",
     },
 ]
 RANK = {part: len(LAYERS) - index for index, parts in enumerate(LAYERS) for part in parts}

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from firsttoken.engine_args import add_engine_args, add_model_arg, engine_kwargs
+from firsttoken.progress import add_no_progress_arg, announce_engine_start, progress_wanted
 
 COMPARE_DESCRIPTION = (
     "TTFT and decode tokens/s of firsttoken, transformers and (when installed) llama.cpp on the same "
@@ -137,6 +138,7 @@ def add_tune_args(parser: argparse.ArgumentParser) -> None:
     output.add_argument(
         "--result-dir", default=None, help="folder for the JSON result and the plot (default: bench_results)"
     )
+    add_no_progress_arg(output)
     add_engine_args(parser)
 
 
@@ -156,14 +158,13 @@ def run_tune(args: argparse.Namespace) -> int:
     from firsttoken.bench.plots import write_tune_plot
     from firsttoken.bench.results import result_stem, write_json
     from firsttoken.bench.tune import (
-        Probe,
-        Setting,
         best_result,
         format_results,
         parse_search,
         results_payload,
         tune,
     )
+    from firsttoken.bench.tune_progress import TuneProgress
     from firsttoken.bench.tune_served import ServedTrials, Workload
     from firsttoken.config import EngineConfig
 
@@ -177,19 +178,16 @@ def run_tune(args: argparse.Namespace) -> int:
         EngineConfig.from_kwargs(**{**base_options, **setting.as_dict})
     workload = Workload(args.input_len, args.output_len, args.num_prompts, args.seed)
     trials = ServedTrials(
-        args.model, base_options, workload, args.ttft_p99_ms, _prompt_tokenizer(None), args.host, args.port
-    )
-
-    def report(setting: Setting, probe: Probe) -> None:
-        verdict = "kept" if probe.keeps() else "lost"
-        print(
-            f"[{setting.label}] {probe.rate:.3g} req/s: TTFT P99 {probe.p99_ttft_ms:.0f} ms, "
-            f"{probe.num_within}/{probe.num_sent} within {args.ttft_p99_ms:g} ms: {verdict}",
-            file=sys.stderr,
-        )
-
+        args.model, base_options, workload, args.ttft_p99_ms, _prompt_tokenizer(None), args.host, args.port,
+        progress_wanted(args.no_progress),
+    )  # fmt: skip
+    progress = TuneProgress(len(settings), args.max_probes, args.ttft_p99_ms)
+    progress.plan(args.num_prompts, args.output_len, args.start_rate)
     try:
-        results = tune(settings, trials, args.start_rate, args.max_probes, on_probe=report)
+        results = tune(
+            settings, trials, args.start_rate, args.max_probes,
+            on_probe=progress.probe_ended, on_setting=progress.setting_started,
+        )  # fmt: skip
     finally:
         trials.close()
     print(format_results(results, args.ttft_p99_ms))
@@ -217,6 +215,7 @@ def _add_run_args(parser: argparse.ArgumentParser, runs: int) -> None:
     parser.add_argument("--runs", type=int, default=runs, help=f"timed runs (default: {runs})")
     parser.add_argument("--warmup-runs", type=int, default=1, help="untimed runs first (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt texts (default: 0)")
+    add_no_progress_arg(parser)
 
 
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
@@ -361,13 +360,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     output.add_argument(
         "--result-dir", default=None, help="folder for the JSON result and PNG plots (default: bench_results)"
     )
-    output.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_no_progress_arg(output)
 
 
 def _bench_llm(args: argparse.Namespace, **defaults: Any):
     from firsttoken.engine.llm import LLM
 
-    return LLM(args.model, **{**_BENCH_ENGINE_DEFAULTS, **defaults, **engine_kwargs(args)})
+    options = {**_BENCH_ENGINE_DEFAULTS, **defaults, **engine_kwargs(args)}
+    announce_engine_start(progress_wanted(args.no_progress))
+    return LLM(args.model, **options)
 
 
 def run_latency(args: argparse.Namespace) -> int:
@@ -381,7 +382,7 @@ def run_latency(args: argparse.Namespace) -> int:
         warmup_runs=args.warmup_runs,
         seed=args.seed,
     )
-    runs = measure_latency(_bench_llm(args), spec)
+    runs = measure_latency(_bench_llm(args), spec, progress_wanted(args.no_progress))
     print(format_json(runs, spec) if args.json else format_report(runs, spec))
     return 0
 
@@ -396,7 +397,7 @@ def run_profile(args: argparse.Namespace) -> int:
         seed=args.seed,
         trace_path=args.trace,
     )
-    result = profile_ttft(_bench_llm(args), spec)
+    result = profile_ttft(_bench_llm(args), spec, progress_wanted(args.no_progress))
     print(format_json(result, spec.input_len) if args.json else format_report(result, spec.input_len))
     if args.trace:
         print(f"trace: {args.trace}", file=sys.stderr)
@@ -424,7 +425,7 @@ def run_compare(args: argparse.Namespace) -> int:
     )
     if llama_cpp is not None:
         peers.append(llama_cpp)
-    results = compare_peers(peers, llm.tokenizer, spec)
+    results = compare_peers(peers, llm.tokenizer, spec, progress_wanted(args.no_progress))
     print(format_report(results, peers, spec))
     path = write_json(result_stem(args.result_dir, "compare") + ".json", results_payload(results, spec))
     print(f"saved {path}", file=sys.stderr)
@@ -477,7 +478,7 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
     prompts = build_prompts(dataset, _prompt_tokenizer(args.tokenizer))
-    run = asyncio.run(run_load(target, shape, prompts, show_progress=not args.no_progress))
+    run = asyncio.run(run_load(target, shape, prompts, show_progress=progress_wanted(args.no_progress)))
     summary = summarize_run(run.records, run.duration_s, slo)
     print(format_serve_summary(summary, slo))
     if run.server_counters is not None:

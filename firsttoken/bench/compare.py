@@ -13,7 +13,10 @@ from dataclasses import asdict, dataclass
 
 from firsttoken.bench.datasets import TextSource
 from firsttoken.bench.peers import Peer, PeerTiming
+from tqdm import tqdm
+
 from firsttoken.bench.table import format_table
+from firsttoken.progress import progress_bar
 from firsttoken.tokenizer import Tokenizer
 
 
@@ -48,30 +51,54 @@ class PeerResult:
     runs: list[PeerTiming]
 
 
-def compare_peers(peers: Sequence[Peer], tokenizer: Tokenizer, spec: CompareSpec) -> list[PeerResult]:
+def compare_peers(
+    peers: Sequence[Peer], tokenizer: Tokenizer, spec: CompareSpec, show_progress: bool = False
+) -> list[PeerResult]:
     """Time every peer on the same prompt token ids; warm-up runs are discarded."""
     source = TextSource(tokenizer, spec.seed)
     results = []
-    for input_len in spec.input_lens:
-        timings: dict[str, list[PeerTiming]] = {peer.name: [] for peer in peers}
-        for index in range(spec.warmup_runs + spec.runs):
-            prompt_ids = tokenizer.encode(source.text(input_len))
-            for peer in peers:
-                timing = peer.time_prompt(prompt_ids, spec.output_len)
-                if index >= spec.warmup_runs:
-                    timings[peer.name].append(timing)
+    num_runs = spec.warmup_runs + spec.runs
+    total = len(spec.input_lens) * num_runs * len(peers)
+    description = f"runs ({spec.warmup_runs} warm-up per length and peer)"
+    with progress_bar(total, description, "run", show_progress) as bar:
+        for input_len in spec.input_lens:
+            timings = _time_peers(peers, tokenizer, source, input_len, spec, bar)
+            results.extend(_peer_results(peers, input_len, timings))
+    return results
+
+
+def _time_peers(
+    peers: Sequence[Peer], tokenizer: Tokenizer, source: TextSource, input_len: int, spec: CompareSpec,
+    bar: tqdm,
+) -> dict[str, list[PeerTiming]]:
+    """Each peer's timed runs on prompts of `input_len` tokens, the same prompt for every peer."""
+    timings: dict[str, list[PeerTiming]] = {peer.name: [] for peer in peers}
+    for index in range(spec.warmup_runs + spec.runs):
+        prompt_ids = tokenizer.encode(source.text(input_len))
         for peer in peers:
-            runs = timings[peer.name]
-            rates = [run.decode_tokens_per_s for run in runs if run.decode_tokens_per_s is not None]
-            results.append(
-                PeerResult(
-                    peer=peer.name,
-                    input_len=input_len,
-                    ttft_s=statistics.median(run.ttft_s for run in runs),
-                    decode_tokens_per_s=statistics.median(rates) if rates else None,
-                    runs=runs,
-                )
+            timing = peer.time_prompt(prompt_ids, spec.output_len)
+            if index >= spec.warmup_runs:
+                timings[peer.name].append(timing)
+            bar.update()
+    return timings
+
+
+def _peer_results(
+    peers: Sequence[Peer], input_len: int, timings: dict[str, list[PeerTiming]]
+) -> list[PeerResult]:
+    results = []
+    for peer in peers:
+        runs = timings[peer.name]
+        rates = [run.decode_tokens_per_s for run in runs if run.decode_tokens_per_s is not None]
+        results.append(
+            PeerResult(
+                peer=peer.name,
+                input_len=input_len,
+                ttft_s=statistics.median(run.ttft_s for run in runs),
+                decode_tokens_per_s=statistics.median(rates) if rates else None,
+                runs=runs,
             )
+        )
     return results
 
 

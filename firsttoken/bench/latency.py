@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from firsttoken.bench.datasets import TextSource
 from firsttoken.bench.table import format_table
 from firsttoken.engine.llm import LLM
+from firsttoken.progress import progress_bar
 from firsttoken.sampling_params import SamplingParams
 
 
@@ -72,16 +73,20 @@ def time_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> LatencyR
     )
 
 
-def measure_latency(llm: LLM, spec: LatencySpec) -> list[LatencyRun]:
+def measure_latency(llm: LLM, spec: LatencySpec, show_progress: bool = False) -> list[LatencyRun]:
     """The timed runs (warm-up runs are discarded), each on prompts no earlier run has seen."""
     source = TextSource(llm.tokenizer, spec.seed)
     params = SamplingParams(temperature=0, max_tokens=spec.output_len, ignore_eos=True)
     runs = []
-    for index in range(spec.warmup_runs + spec.runs):
-        prompts = [source.text(spec.input_len) for _ in range(spec.batch_size)]
-        run = time_batch(llm, prompts, params)
-        if index >= spec.warmup_runs:
-            runs.append(run)
+    num_batches = spec.warmup_runs + spec.runs
+    description = f"batches ({spec.warmup_runs} warm-up)"
+    with progress_bar(num_batches, description, "batch", show_progress) as bar:
+        for index in range(num_batches):
+            prompts = [source.text(spec.input_len) for _ in range(spec.batch_size)]
+            run = time_batch(llm, prompts, params)
+            if index >= spec.warmup_runs:
+                runs.append(run)
+            bar.update()
     return runs
 
 

@@ -33,6 +33,7 @@ from firsttoken.bench.table import format_table
 from firsttoken.core.policy import PrefillPlan, plan_prefill
 from firsttoken.engine.llm import LLM
 from firsttoken.outputs import WHOLE_STEP_W8A8, RequestMetrics
+from firsttoken.progress import progress_bar
 from firsttoken.sampling_params import SamplingParams
 
 FIRST_TOKEN_ONLY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -129,11 +130,11 @@ def first_token(llm: LLM, prompt: str) -> FirstToken:
     return FirstToken(received - delta.metrics.arrival_time, delta.metrics)
 
 
-def profile_ttft(llm: LLM, spec: ProfileSpec) -> ProfileResult:
+def profile_ttft(llm: LLM, spec: ProfileSpec, show_progress: bool = False) -> ProfileResult:
     """Plain and instrumented runs, interleaved, on fresh prompts of `spec.input_len` tokens,
     all on the model's forward (see `EngineCore.forward_op_by_op`)."""
     with llm.core.forward_op_by_op() as set_aside:
-        result = _profile_runs(llm, spec)
+        result = _profile_runs(llm, spec, show_progress)
     # Only the W8A8 one takes prompts: the int4 one runs decode steps, which a first token has none of.
     if WHOLE_STEP_W8A8 in set_aside:
         description = f"{result.engine_description}; {WHOLE_STEP_SET_ASIDE}"
@@ -147,20 +148,25 @@ WHOLE_STEP_SET_ASIDE = (
 )
 
 
-def _profile_runs(llm: LLM, spec: ProfileSpec) -> ProfileResult:
+def _profile_runs(llm: LLM, spec: ProfileSpec, show_progress: bool) -> ProfileResult:
     parts = find_engine_parts(llm.core)
     source = TextSource(llm.tokenizer, spec.seed)
-    for _ in range(spec.warmup_runs):
-        first_token(llm, source.text(spec.input_len))
-        _instrumented_run(llm, parts, source.text(spec.input_len))
     plain: list[FirstToken] = []
     stage_runs: list[dict[str, float]] = []
     instrumented_ttfts: list[float] = []
-    for _ in range(spec.runs):
-        plain.append(first_token(llm, source.text(spec.input_len)))
-        ttft_s, stages = _instrumented_run(llm, parts, source.text(spec.input_len))
-        instrumented_ttfts.append(ttft_s)
-        stage_runs.append(stages)
+    # A run is a plain and an instrumented first token.
+    description = f"runs ({spec.warmup_runs} warm-up)"
+    with progress_bar(spec.warmup_runs + spec.runs, description, "run", show_progress) as bar:
+        for _ in range(spec.warmup_runs):
+            first_token(llm, source.text(spec.input_len))
+            _instrumented_run(llm, parts, source.text(spec.input_len))
+            bar.update()
+        for _ in range(spec.runs):
+            plain.append(first_token(llm, source.text(spec.input_len)))
+            ttft_s, stages = _instrumented_run(llm, parts, source.text(spec.input_len))
+            instrumented_ttfts.append(ttft_s)
+            stage_runs.append(stages)
+            bar.update()
     if spec.trace_path is not None:
         write_trace(llm, parts, source.text(spec.input_len), spec.trace_path)
     return ProfileResult(

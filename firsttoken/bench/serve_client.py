@@ -16,11 +16,11 @@ from typing import Any
 
 import httpx
 import numpy as np
-from tqdm import tqdm
 
 from firsttoken.bench.datasets import BenchPrompt
 from firsttoken.bench.server_counters import ServerCounters, read_counters
 from firsttoken.bench.serve_stats import RequestRecord
+from firsttoken.progress import progress_bar
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -103,7 +103,7 @@ async def run_load(
         model = target.model or await first_listed_model(client)
         counters_before = await read_counters(client)
         gate = asyncio.Semaphore(shape.max_concurrency or len(prompts))
-        with tqdm(total=len(prompts), desc="requests", unit="req", disable=not show_progress) as bar:
+        with progress_bar(len(prompts), "requests", "req", show_progress) as bar:
             run_start = clock.now()
 
             async def send(prompt: BenchPrompt) -> RequestRecord:

@@ -119,17 +119,26 @@ def search_rate(measure: Callable[[float], Probe], start_rate: float, max_probes
     return probes
 
 
+def least_sending_s(num_prompts: int, start_rate: float, max_probes: int) -> float:
+    """The least time a setting's search spends sending requests: a probe's Poisson arrivals span
+    (num_prompts - 1) / rate on average (the first leaves at once), and the rate at most doubles
+    from one probe to the next (a rate lost halves, or bisects below, which takes longer)."""
+    return sum((num_prompts - 1) / (start_rate * 2**probe) for probe in range(max_probes))
+
+
 def tune(
     settings: Sequence[Setting],
     trial: Callable[[Setting, float], Probe],
     start_rate: float,
     max_probes: int,
     on_probe: Callable[[Setting, Probe], None] = lambda setting, probe: None,
+    on_setting: Callable[[int, Setting], None] = lambda index, setting: None,
 ) -> list[SettingResult]:
     """Search every setting's highest rate within the objective. A setting whose trial raises
     (its server would not start, say) is kept with the error and no probes."""
     results = []
-    for setting in settings:
+    for index, setting in enumerate(settings):
+        on_setting(index, setting)
         result = SettingResult(setting)
 
         def measure(rate: float, setting: Setting = setting, result: SettingResult = result) -> Probe:

@@ -41,6 +41,7 @@ class ServedTrials:
         tokenizer: PromptTokenizer | None,
         host: str = LOOPBACK,
         port: int | None = None,
+        show_progress: bool = False,
     ) -> None:
         self.model = model
         self.base_options = base_options
@@ -49,6 +50,7 @@ class ServedTrials:
         self.tokenizer = tokenizer
         self.host = host
         self.port = port
+        self.show_progress = show_progress
         self._setting: Setting | None = None
         self._server: ServerProcess | None = None
 
@@ -63,7 +65,8 @@ class ServedTrials:
         )
         prompts = build_prompts(spec, self.tokenizer)
         target = ServeTarget(server.base_url, ignore_eos=True)
-        run = asyncio.run(run_load(target, LoadShape(rate, seed=seed), prompts, show_progress=False))
+        shape = LoadShape(rate, seed=seed)
+        run = asyncio.run(run_load(target, shape, prompts, show_progress=self.show_progress))
         return probe_from_records(rate, run.records, self.ttft_objective_ms)
 
     def close(self) -> None:

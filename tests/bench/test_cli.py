@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -42,7 +43,9 @@ def test_profile_verb_prints_json_and_writes_a_chrome_trace(tmp_path, capsys, tw
     assert {"ttft", "attention", "mlp", "lm_head", "sampling"} <= names
 
 
-def test_latency_verb_reports_medians_of_the_timed_runs(capsys, two_layer_model_path):
+def test_latency_verb_reports_medians_of_the_timed_runs(capsys, monkeypatch, two_layer_model_path):
+    # On a terminal: progress goes to stderr, the JSON on stdout stays whole.
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     argv = [
         "bench",
         "latency",
@@ -56,7 +59,9 @@ def test_latency_verb_reports_medians_of_the_timed_runs(capsys, two_layer_model_
         "2",
     ]
     assert main(argv + ["--runs", "3", "--json"] + ENGINE_FLAGS) == 0
-    report = json.loads(capsys.readouterr().out)
+    shown = capsys.readouterr()
+    report = json.loads(shown.out)
+    assert "starting the engine" in shown.err and "batches (1 warm-up)" in shown.err
     runs, median = report["runs"], report["median"]
     assert len(runs) == 3
     for run in runs:
@@ -81,7 +86,9 @@ def test_latency_table_names_every_metric(capsys, two_layer_model_path):
         "1",
     ]
     assert main(argv + ENGINE_FLAGS) == 0
-    table = capsys.readouterr().out
+    shown = capsys.readouterr()
+    table = shown.out
+    assert shown.err == "", "stderr is not a terminal here: no progress"
     for label in ("TTFT (ms)", "TPOT (ms)", "end-to-end (ms)", "prefill (tokens/s)", "decode (tokens/s)"):
         assert label in table
     # One output token has no decode: those rows say so instead of inventing a number.

@@ -15,11 +15,13 @@ from firsttoken.bench.tune import (
     Probe,
     Setting,
     best_result,
+    least_sending_s,
     parse_search,
     probe_from_records,
     search_rate,
     tune,
 )
+from firsttoken.bench.tune_progress import TuneProgress
 from firsttoken.cli import build_parser, main
 from firsttoken.engine_args import engine_flags, engine_kwargs
 from firsttoken.errors import InvalidInputError
@@ -147,7 +149,9 @@ class FakeServedTrials:
 
     started: list[FakeServedTrials] = []
 
-    def __init__(self, model, base_options, workload, ttft_objective_ms, tokenizer, host, port) -> None:
+    def __init__(
+        self, model, base_options, workload, ttft_objective_ms, tokenizer, host, port, show_progress
+    ) -> None:
         self.base_options = base_options
         self.listen = (host, port)
         self.closed = False
@@ -172,6 +176,10 @@ def test_tune_writes_the_best_setting_as_a_config_serve_reads(tmp_path, monkeypa
     written = json.loads(output.read_text())
     assert written == {"max_num_seqs": 16, "quantization": "int4"}
     shown = capsys.readouterr()
+    assert "tune: 2 settings x up to 4 rates x 30 prompts (at most 240 requests" in shown.err
+    assert "[setting 1/2] quantization=none: starting a server\n" in shown.err
+    assert "[setting 2/2] quantization=int4: starting a server; " in shown.err
+    assert "[quantization=int4] rate 4/4, " in shown.err
     assert "best: quantization=int4 at" in shown.out
     assert "quantization=none" in shown.out and "highest rate kept" in shown.out
     assert len(list((tmp_path / "results").glob("tune*_p99_by_rate.png"))) == 1
@@ -185,6 +193,21 @@ def test_tune_refuses_an_unknown_option_before_starting_any_server(tmp_path, mon
     assert code == 2
     assert "unknown engine option(s): chunk_sise" in capsys.readouterr().err
     assert not output.exists()
+
+
+def test_the_estimate_counts_arrivals_and_the_pace_gives_the_time_left(capsys):
+    clock = iter([0.0, 600.0])  # the run's start, the second setting's start
+    progress = TuneProgress(3, max_probes=3, ttft_objective_ms=500.0, clock=lambda: next(clock))
+    progress.plan(num_prompts=11, output_len=64, start_rate=0.5)
+    progress.setting_started(1, Setting((("max_num_seqs", 8),)))
+    lines = capsys.readouterr().err.splitlines()
+    # 10 gaps at 0.5, 1 and 2 req/s: 20 + 10 + 5 s a setting, 105 s for three.
+    assert "sends for at least 0.6 min (11 arrivals at 0.5 req/s span 20 s" in lines[1]
+    assert "at least 1.8 min in all" in lines[1]
+    assert lines[2] == (
+        "[setting 2/3] max_num_seqs=8: starting a server; 10.0 min so far, about 20.0 min left at this pace"
+    )
+    assert least_sending_s(11, 0.5, 3) == 35.0
 
 
 def test_tune_starts_its_servers_on_the_host_and_port_given(tmp_path, monkeypatch):
