@@ -3,6 +3,8 @@ errors naming the field, quantize writes its file."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from firsttoken.cli import build_parser, main, sampling_params_from
@@ -182,3 +184,35 @@ def test_version_in_a_source_tree_without_an_install_is_the_packages_own(monkeyp
     with pytest.raises(SystemExit):
         main(["--version"])
     assert capsys.readouterr().out == f"firsttoken {firsttoken.__version__} (source tree, not installed)\n"
+
+
+class FakeLLM:
+    """Streams a fixed reply, in pieces, with no engine behind it."""
+
+    def __init__(self, model, **options) -> None:
+        self.model = model
+
+    def stream(self, prompt, params):
+        return iter(SimpleNamespace(text=piece, metrics=None) for piece in (" Paris", ".", ""))
+
+
+def _generate(monkeypatch, capsys, on_a_terminal: bool, *flags: str):
+    import sys
+
+    import firsttoken.engine.llm
+
+    monkeypatch.setattr(firsttoken.engine.llm, "LLM", FakeLLM)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: on_a_terminal)
+    assert main(["generate", "The capital of France is", *flags]) == 0
+    return capsys.readouterr()
+
+
+def test_generate_says_on_a_terminal_that_the_engine_is_starting(monkeypatch, capsys):
+    shown = _generate(monkeypatch, capsys, True)
+    assert shown.err.startswith("firsttoken: starting the engine")
+    assert shown.out == " Paris.\n"
+
+
+def test_generate_into_a_pipe_or_with_no_progress_says_nothing_of_its_start(monkeypatch, capsys):
+    assert _generate(monkeypatch, capsys, False) == (" Paris.\n", "")
+    assert _generate(monkeypatch, capsys, True, "--no-progress") == (" Paris.\n", "")
