@@ -42,6 +42,7 @@ from firsttoken.server.protocol import (
     TokenizeResponse,
 )
 from firsttoken.server.request_checks import RequestChecks
+from firsttoken.server.streaming import respond_unless_disconnected
 from firsttoken.server.tokenize import detokenize, tokenize
 from firsttoken.server.web_ui import add_web_ui
 
@@ -113,12 +114,14 @@ def create_app(
     @v1.post("/completions", response_model=CompletionResponse, responses={200: _STREAMED})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        return await create_completion(engine, config, checks, body, request)
+        return await respond_unless_disconnected(request, create_completion(engine, config, checks, body))
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse, responses={200: _STREAMED})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        return await create_chat_completion(engine, config, checks, body, request)
+        return await respond_unless_disconnected(
+            request, create_chat_completion(engine, config, checks, body)
+        )
 
     def model_card(name: str) -> ModelCard:
         compute = engine.compute

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel
-from starlette.requests import Request
 from starlette.responses import Response
 
 from firsttoken.engine import EngineClient, Tokenizer
@@ -46,7 +45,6 @@ async def create_chat_completion(
     config: ServerConfig,
     checks: RequestChecks,
     body: ChatCompletionRequest,
-    request: Request,
 ) -> Response:
     checks.check_fields(body)
     plan = plan_generation(engine, body, 1, config.max_choices_per_request)
@@ -66,7 +64,7 @@ async def create_chat_completion(
     reply = _ChatReply(
         config.model_name, engine.tokenizer, parses_tool_calls, body.prompt_logprobs, body.parallel_tool_calls
     )
-    return await respond(generation, reply, body.stream, body.include_usage, config.retry_after_s, request)
+    return await respond(generation, reply, body.stream, body.include_usage, config.retry_after_s)
 
 
 def _template_input(

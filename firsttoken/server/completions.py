@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import codecs
 
-from starlette.requests import Request
 from starlette.responses import Response
 
 from firsttoken.engine import EngineClient, InvalidInputError, Tokenizer
@@ -30,7 +29,6 @@ async def create_completion(
     config: ServerConfig,
     checks: RequestChecks,
     body: CompletionRequest,
-    request: Request,
 ) -> Response:
     checks.check_fields(body)
     items = _prompt_items(body)
@@ -56,7 +54,7 @@ async def create_completion(
     reply = _CompletionReply(
         config.model_name, engine.tokenizer, [text for text in prompt_texts for _ in range(body.n)], body
     )
-    return await respond(generation, reply, body.stream, body.include_usage, config.retry_after_s, request)
+    return await respond(generation, reply, body.stream, body.include_usage, config.retry_after_s)
 
 
 def _prompt_items(body: CompletionRequest) -> list[str | list[int]]:

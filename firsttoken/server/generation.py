@@ -260,20 +260,28 @@ async def _submit_all(
     priority: int,
     ttft_slo_ms: float | None,
 ) -> list[DeltaStream]:
-    """Each request's stream; if one is refused, the others are closed and its error raised."""
-    results = await asyncio.gather(
-        *(
-            engine.add_request(prompt, params, priority=priority, ttft_slo_ms=ttft_slo_ms)
-            for prompt, params in requests
-        ),
-        return_exceptions=True,
-    )
+    """Each request's stream; if one is refused, the others are closed and its error raised.
+    Cancelled (the client left), it closes those already admitted: each one still waiting for
+    admission aborts its own request."""
+    submissions = [
+        asyncio.ensure_future(engine.add_request(prompt, params, priority=priority, ttft_slo_ms=ttft_slo_ms))
+        for prompt, params in requests
+    ]
+    try:
+        results = await asyncio.gather(*submissions, return_exceptions=True)
+    except asyncio.CancelledError:
+        await _close_streams([submission.result() for submission in submissions if _admitted(submission)])
+        raise
     streams = [result for result in results if not isinstance(result, BaseException)]
     error = next((result for result in results if isinstance(result, BaseException)), None)
     if error is not None:
         await _close_streams(streams)
         raise error
     return streams
+
+
+def _admitted(submission: asyncio.Future[DeltaStream]) -> bool:
+    return submission.done() and not submission.cancelled() and submission.exception() is None
 
 
 async def _close_streams(streams: list[DeltaStream]) -> None:

@@ -1,38 +1,43 @@
 """Running a response's generation to the end: as server-sent events, or collected whole.
 
-Both stop generating when the client goes away: a stream's body is cancelled by the ASGI
-server on disconnect; a non-streamed reply watches for the disconnect itself.
+Both stop generating when the client goes away. The route that starts a generation watches for
+the disconnect from the start of the request (tokenizing, waiting for admission, a whole reply's
+generation), so a request whose client left while it queued is aborted before any step runs it;
+a stream's body watches for it itself while it is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, Coroutine
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
 
 from firsttoken.server import sse
 from firsttoken.server.errors import APIError, from_exception
 from firsttoken.server.generation import Generation
 from firsttoken.server.reply import Reply
 
+T = TypeVar("T")
+
+# The status nginx logs for a request whose client closed the connection; nobody reads it.
+CLIENT_CLOSED_REQUEST = 499
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its response was complete."""
+
 
 async def respond(
-    generation: Generation,
-    reply: Reply,
-    stream: bool,
-    include_usage: bool,
-    retry_after_s: int,
-    request: Request,
+    generation: Generation, reply: Reply, stream: bool, include_usage: bool, retry_after_s: int
 ) -> Response:
     """The started generation as server-sent events, or, run to its end, as one JSON body."""
     if stream:
-        events = stream_events(generation, reply, include_usage, retry_after_s)
-        return StreamingResponse(events, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
-    if not await collect(generation, request):
-        return Response(status_code=499)  # client closed the request; nobody reads this
+        return EventStreamResponse(generation, stream_events(generation, reply, include_usage, retry_after_s))
+    await collect(generation)
     failure = generation_failure(generation)
     if failure is not None:
         return failure.response()
@@ -41,6 +46,41 @@ async def respond(
         media_type="application/json",
         headers={"Server-Timing": generation.server_timing()},
     )
+
+
+async def respond_unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """`work`'s response, or a 499 if the client disconnects first: `work` is then cancelled,
+    which aborts whatever it submitted to the engine."""
+    try:
+        return await unless_disconnected(request.receive, work)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+class EventStreamResponse(StreamingResponse):
+    """A started generation's server-sent events. Watches for the client's disconnect from its
+    first byte whatever the ASGI server's spec version (under 2.4 Starlette's StreamingResponse
+    only notices it when a send fails, which a queued stream never makes), and ends the
+    generation however the response ends, even when its body never started."""
+
+    def __init__(self, generation: Generation, events: AsyncIterator[bytes]) -> None:
+        super().__init__(events, media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await unless_disconnected(receive, self._send_events(send))
+        except (ClientDisconnected, OSError):  # OSError: a send after the disconnect (ASGI 2.4)
+            pass  # nobody is left to tell
+        finally:
+            await self.generation.close()
+
+    async def _send_events(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async with contextlib.aclosing(self.body_iterator) as events:
+            async for event in events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def stream_events(
@@ -68,6 +108,7 @@ async def stream_events(
     except Exception as error:  # the engine stopped mid-stream: say so in-band, then end
         yield sse.event(from_exception(error, retry_after_s).body())
     finally:
+        # Before [DONE]: the choices still running after an error stop now.
         await generation.close()
     yield sse.DONE
 
@@ -86,22 +127,24 @@ def generation_failure(generation: Generation) -> APIError | None:
     return None
 
 
-async def collect(generation: Generation, request: Request) -> bool:
-    """Run every choice to its end; False if the client disconnected first (all aborted)."""
+async def collect(generation: Generation) -> None:
+    """Run every choice to its end; whatever ends it early (the client leaving cancels it)
+    aborts the choices still running."""
     try:
-        return await unless_disconnected(request, generation.run_to_completion())
+        await generation.run_to_completion()
     finally:
         await generation.close()
 
 
-async def unless_disconnected(request: Request, work: Coroutine) -> bool:
-    """Run `work` unless the client disconnects first (then cancel it); True if it completed.
+async def unless_disconnected(receive: Callable[[], Awaitable[Message]], work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result, unless the client disconnects first: then `work` is cancelled, has run
+    its clean-up, and ClientDisconnected is raised.
 
-    The body is already read, so the next receive() returns only when the client goes away.
+    The request's body is already read, so the next receive() returns only when the client goes.
     """
 
     async def wait_for_disconnect() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
 
     work_task = asyncio.ensure_future(work)
@@ -114,9 +157,8 @@ async def unless_disconnected(request: Request, work: Coroutine) -> bool:
             # A cancelled task has no result until it has run its cancellation to the end.
             await _cancel_and_wait(work_task)
     if work_task.cancelled():
-        return False
-    work_task.result()
-    return True
+        raise ClientDisconnected
+    return work_task.result()
 
 
 async def _cancel_and_wait(task: asyncio.Future) -> None:

@@ -1,11 +1,13 @@
-"""A non-streamed reply's disconnect watcher: a client that simply left ends the work, and
-nothing is raised or logged for it."""
+"""The disconnect watcher of a request's work (tokenizing, admission, a whole reply, a stream's
+body): a client that simply left ends the work, and only ClientDisconnected is raised for it."""
 
 from __future__ import annotations
 
 import asyncio
 
-from firsttoken.server.streaming import unless_disconnected
+import pytest
+
+from firsttoken.server.streaming import ClientDisconnected, unless_disconnected
 
 
 class _LeavingClient:
@@ -19,7 +21,7 @@ class _LeavingClient:
         return {"type": "http.disconnect"}
 
 
-def test_a_client_that_left_cancels_the_work_and_raises_nothing():
+def test_a_client_that_left_cancels_the_work():
     events: list[str] = []
 
     async def work() -> None:
@@ -30,19 +32,20 @@ def test_a_client_that_left_cancels_the_work_and_raises_nothing():
             await asyncio.sleep(0)  # cleanup that awaits, as closing engine streams does
             events.append("cleaned up")
 
-    async def scenario() -> bool:
+    async def scenario() -> None:
         client = _LeavingClient()
-        watched = asyncio.create_task(unless_disconnected(client, work()))
+        watched = asyncio.create_task(unless_disconnected(client.receive, work()))
         await asyncio.sleep(0.01)
         client.leave.set()
-        return await watched
+        await watched
 
-    assert asyncio.run(scenario()) is False
+    with pytest.raises(ClientDisconnected):
+        asyncio.run(scenario())
     assert events == ["started", "cleaned up"]
 
 
-def test_work_that_completes_first_is_reported_as_completed():
-    async def scenario() -> bool:
-        return await unless_disconnected(_LeavingClient(), asyncio.sleep(0))
+def test_work_that_completes_first_gives_its_result():
+    async def scenario() -> str:
+        return await unless_disconnected(_LeavingClient().receive, asyncio.sleep(0, "done"))
 
-    assert asyncio.run(scenario()) is True
+    assert asyncio.run(scenario()) == "done"
