@@ -19,7 +19,7 @@ from firsttoken.engine_args import (
     read_system_prompt,
 )
 from firsttoken.calibration.quantize_command import register_quantize_verb
-from firsttoken.progress import add_no_progress_arg, announce_engine_start, progress_wanted
+from firsttoken.progress import add_no_progress_arg, announce_engine, announce_engine_start, progress_wanted
 from firsttoken.server.serve_command import register_serve_verb
 
 
@@ -152,6 +152,7 @@ def _open_llm(args: argparse.Namespace, system_prompt: str | None):
     options = engine_kwargs(args)  # a bad option fails before the notice
     announce_engine_start(progress_wanted(args.no_progress))
     llm = LLM(args.model, **options)
+    announce_engine(llm.inspect().description)
     if system_prompt is not None:
         llm.pin_system_prompt(system_prompt, pin_id="system-prompt")
     return llm

@@ -20,6 +20,12 @@ def progress_wanted(no_progress: bool) -> bool:
     return not no_progress and sys.stderr.isatty()
 
 
+def announce_engine(description: str) -> None:
+    """The engine's one-line description (model, dtype, device, the native kernels' ISA), at any
+    log level: which kernels run is the first thing to check when speed surprises."""
+    print(f"firsttoken: engine: {description}", file=sys.stderr, flush=True)
+
+
 def announce_engine_start(enabled: bool) -> None:
     """Loading the model and the start-up measurements take seconds before anything else shows."""
     if enabled:

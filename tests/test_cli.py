@@ -186,6 +186,10 @@ def test_version_in_a_source_tree_without_an_install_is_the_packages_own(monkeyp
     assert capsys.readouterr().out == f"firsttoken {firsttoken.__version__} (source tree, not installed)\n"
 
 
+ENGINE_DESCRIPTION = "model.gguf (llama, torch.float32 on cpu, native kernels for avx2)"
+ENGINE_LINE = f"firsttoken: engine: {ENGINE_DESCRIPTION}\n"
+
+
 class FakeLLM:
     """Streams a fixed reply, in pieces, with no engine behind it."""
 
@@ -194,6 +198,9 @@ class FakeLLM:
 
     def stream(self, prompt, params):
         return iter(SimpleNamespace(text=piece, metrics=None) for piece in (" Paris", ".", ""))
+
+    def inspect(self):
+        return SimpleNamespace(description=ENGINE_DESCRIPTION)
 
 
 def _generate(monkeypatch, capsys, on_a_terminal: bool, *flags: str):
@@ -210,9 +217,10 @@ def _generate(monkeypatch, capsys, on_a_terminal: bool, *flags: str):
 def test_generate_says_on_a_terminal_that_the_engine_is_starting(monkeypatch, capsys):
     shown = _generate(monkeypatch, capsys, True)
     assert shown.err.startswith("firsttoken: starting the engine")
+    assert shown.err.endswith(ENGINE_LINE)
     assert shown.out == " Paris.\n"
 
 
-def test_generate_into_a_pipe_or_with_no_progress_says_nothing_of_its_start(monkeypatch, capsys):
-    assert _generate(monkeypatch, capsys, False) == (" Paris.\n", "")
-    assert _generate(monkeypatch, capsys, True, "--no-progress") == (" Paris.\n", "")
+def test_generate_into_a_pipe_or_with_no_progress_names_only_the_engine_it_runs(monkeypatch, capsys):
+    assert _generate(monkeypatch, capsys, False) == (" Paris.\n", ENGINE_LINE)
+    assert _generate(monkeypatch, capsys, True, "--no-progress") == (" Paris.\n", ENGINE_LINE)

@@ -153,6 +153,8 @@ def run_serve(args: argparse.Namespace) -> NoReturn:
     server.exit_deadline = ExitDeadline()  # this process is the server's: a signal's deadline ends it
     address = f"http://{config.host}:{config.port}"
     chat_page = f"; chat page at {address}/" if config.web_ui else ""
+    # As `firsttoken generate` says it: which kernels run, at any log level.
+    print(f"firsttoken: engine: {engine.inspect().description}", file=sys.stderr, flush=True)
     print(f"firsttoken: serving {config.model_name} on {address}{chat_page}", file=sys.stderr, flush=True)
     server.run()
     end_process(1 if server.aborted_in_flight else 0)
