@@ -130,6 +130,7 @@ class DecodeLayer(ctypes.Structure):
         ("gate_up", Int4Weight),
         ("down", Int4Weight),
         ("kv_cache", "void *"),  # [2, num_slots, kv_heads * head_dim]
+        ("window", "int64_t"),  # > 0: each query sees its last `window` keys (the float32 step only)
     )
 
 

@@ -42,6 +42,7 @@ class DecodeLayerWeights:
     gate_up: NativeInt4Linear | PortableInt4Linear
     down: NativeInt4Linear | PortableInt4Linear
     kv_cache: torch.Tensor  # [2, blocks, block_size, kv_heads, head_dim], contiguous
+    window: int = 0  # > 0: the layer's sliding window, in keys
 
 
 def _int4_weight(linear: NativeInt4Linear | PortableInt4Linear) -> native_abi.Int4Weight:
@@ -70,9 +71,13 @@ def supports_layers(
 ) -> bool:
     """Whether a native step of this build takes these layers: norms and caches all bf16 (on
     AVX512-BF16 builds) or all float32, contiguous CPU tensors, every projection the int4 kind
-    that dtype's step runs, and a head shape its attention takes."""
+    that dtype's step runs, and a head shape its attention takes. Sliding windows: the float32
+    step's only (its attention is the per-op path's flash decode; the bf16 step's exact paged
+    kernel has none, and the per-op path takes other arithmetic for windowed bf16 rows)."""
     dtype = layers[0].kv_cache.dtype
     if dtype not in STEP_PROJECTIONS or (dtype == torch.bfloat16 and not kernels.has_decode_kernels):
+        return False
+    if dtype == torch.bfloat16 and any(layer.window for layer in layers):
         return False
     projection_kind = STEP_PROJECTIONS[dtype]
     return _head_shape_taken(kernels, shape, dtype) and all(
@@ -96,8 +101,8 @@ class NativeDecodeStep:
         if not supports_layers(kernels, shape, layers):
             raise ValueError(
                 "native decode: needs norms and caches all bf16 (AVX512-BF16 builds, NativeInt4Linear "
-                "projections) or all float32 (PortableInt4Linear projections), and a head size its "
-                f"attention takes, got {shape.num_heads} heads of {shape.head_dim} over "
+                "projections, no sliding window) or all float32 (PortableInt4Linear projections), and "
+                f"a head size its attention takes, got {shape.num_heads} heads of {shape.head_dim} over "
                 f"{shape.num_kv_heads} KV heads"
             )
         self.kernels = kernels
@@ -112,6 +117,7 @@ class NativeDecodeStep:
                     _int4_weight(layer.gate_up),
                     _int4_weight(layer.down),
                     layer.kv_cache.data_ptr(),
+                    layer.window,
                 )
                 for layer in layers
             )

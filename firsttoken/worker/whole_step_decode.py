@@ -71,6 +71,7 @@ def build_whole_step_decode(model: LlamaForCausalLM) -> WholeStepDecode | None:
                 layer.post_attention_norm_weight,
                 *projections,
                 attention.kv_cache,
+                attention.layer_attention.sliding_window or 0,
             )
         )
     shape = layer_shape(model.arch)

@@ -74,13 +74,13 @@ def prefill_chunks(layout: BatchLayout) -> list[PrefillChunk]:
 
 def build_whole_step_w8a8(model: LlamaForCausalLM) -> WholeStepW8A8 | None:
     """The whole-step W8A8 forward of a model with its KV caches bound, for a model a whole step
-    can run (`whole_step_unsupported_reason`): bf16 layers on the CPU backend's native attention,
-    every projection W8A8 on the native int8 matmul; None elsewhere."""
+    can run (`whole_step_unsupported_reason`) without a sliding window: bf16 layers on the CPU
+    backend's native attention, every projection W8A8 on the native int8 matmul; None elsewhere."""
     native_kernels = model.kernels.native
     backends = {layer.self_attn.backend for layer in model.layers}
     if (
-        whole_step_unsupported_reason(model) is not None or len(backends) != 1
-        or model.embed_weight.dtype != torch.bfloat16
+        whole_step_unsupported_reason(model) is not None or model.has_sliding_window
+        or len(backends) != 1 or model.embed_weight.dtype != torch.bfloat16
     ):
         return None
     (backend,) = backends

@@ -12,6 +12,7 @@ from firsttoken.models.llama import LlamaForCausalLM
 from firsttoken.models.loaders.gguf_file import gemma_local_layers
 from firsttoken.models.loaders.hf_folder import arch_from_config, gemma3_text_config
 from firsttoken.ops.kernels import Kernels
+from firsttoken.outputs import WHOLE_STEP_INT4_DECODE
 from firsttoken.worker.model_loading import max_model_len
 from tests.conftest import FIXED_THREADS, may_claim_batch_invariance
 from tests.engine_state import all_blocks_free, most_blocks_held
@@ -116,17 +117,29 @@ def test_past_the_window_alone_batched_chunked_and_on_a_prefix_hit(windowed_mode
     assert all_blocks_free(llm)
 
 
-def test_a_windowed_int4_model_steps_op_by_op_and_says_why(windowed_model):
-    """No whole-step native forward attends within a window: the per-op path runs every step."""
-    _, _, folder = windowed_model
-    inspection = _engine(folder, quantization="int4").inspect()
-    assert inspection.whole_step_forwards == ()
+def test_a_windowed_int4_model_decodes_in_whole_steps_with_the_per_op_bits(windowed_model):
+    """Llama-layered windowed models (Mistral, Phi-3, Qwen2's upper layers) take the float32
+    whole-step int4 decode, each layer within its own window, with the per-op path's log-probs to
+    the bit; Gemma's layers are refused, and say why."""
+    name, _, folder = windowed_model
+    # No prompt cache: a hit would prefill the second run's last tokens in a smaller step, on the
+    # int4 projections' decode form, where the first prefilled them on their prefill form.
+    llm = _engine(folder, quantization="int4", enable_prompt_cache=False)
+    inspection = llm.inspect()
     if inspection.native_isa is None:
-        pytest.skip("no native kernels here: nothing else to say why")
-    # Gemma's layers are refused for their norms first; the others for their window.
-    assert any(
-        reason in inspection.whole_step_unsupported_reason for reason in ("sliding window", "not Llama's")
-    )
+        pytest.skip("no native kernels here: no whole step")
+    if name.startswith("gemma"):
+        assert inspection.whole_step_forwards == ()
+        assert "not Llama's" in inspection.whole_step_unsupported_reason
+        return
+    assert inspection.whole_step_forwards == (WHOLE_STEP_INT4_DECODE,)
+    # Past the window: the decode steps attend within it.
+    (whole_step,) = llm.generate(prompt_token_ids=[PROMPT_IDS], sampling_params=GREEDY)
+    with llm.core.forward_op_by_op():
+        (op_by_op,) = llm.generate(prompt_token_ids=[PROMPT_IDS], sampling_params=GREEDY)
+    assert whole_step.token_ids == op_by_op.token_ids
+    assert whole_step.logprobs == op_by_op.logprobs
+    assert all_blocks_free(llm)
 
 
 def test_a_long_sequence_holds_about_its_windows_blocks(windowed_model):

@@ -94,7 +94,12 @@ def test_native_int8_linear_matches_torch_kernel(int4_kernels, rows, with_bias):
 
 
 def _arch(
-    head_dim: int, num_heads: int, num_kv_heads: int, attention_bias: bool, qk_norm: bool = False
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    attention_bias: bool,
+    qk_norm: bool = False,
+    sliding_window: int | None = None,
 ) -> ModelArch:
     return ModelArch(
         architecture="llama",
@@ -111,6 +116,7 @@ def _arch(
         tie_word_embeddings=False,
         attention_bias=attention_bias,
         qk_norm=qk_norm,
+        sliding_window=sliding_window,
     )
 
 
@@ -206,6 +212,13 @@ def _assert_a_block_outside_the_cache_is_refused(model: LlamaForCausalLM) -> Non
         assert torch.equal(layer.self_attn.kv_cache, cache)
 
 
+def test_the_bf16_decode_step_leaves_sliding_windows_to_the_per_op_path(int4_kernels):
+    """Its paged attention reads every key: a windowed model's bf16 int4 decode runs op by op."""
+    windowed = _int4_model(_arch(32, 4, 2, False, sliding_window=5), int4_kernels)
+    assert whole_step_unsupported_reason(windowed) is None
+    assert build_whole_step_decode(windowed) is None
+
+
 @torch.inference_mode()
 def test_native_decode_step_rejects_a_block_outside_the_cache(int4_kernels):
     _assert_a_block_outside_the_cache_is_refused(_int4_model(_arch(32, 4, 2, False), int4_kernels))
@@ -261,6 +274,20 @@ def test_float32_decode_step_gives_the_per_op_bits(
     assert torch.equal(native_hidden, per_op_hidden)
     for layer, per_op_cache in zip(model.layers, per_op_caches):
         assert torch.equal(layer.self_attn.kv_cache, per_op_cache)
+
+
+@pytest.mark.parametrize("sequences", SEQUENCES.values(), ids=SEQUENCES.keys())
+@torch.inference_mode()
+def test_float32_decode_step_attends_within_each_layers_window_with_the_per_op_bits(
+    portable_kernels, sequences
+):
+    """A window of 5 keys, shorter than most sequences here: the whole step reads what the per-op
+    path's flash decode reads, to the bit."""
+    model = _int4_model(_arch(32, 4, 2, False, sliding_window=5), portable_kernels, dtype=torch.float32)
+    whole_step = build_whole_step_decode(model)
+    assert whole_step is not None
+    per_op_hidden, _ = _per_op_step(model, sequences)
+    assert torch.equal(whole_step.run(*_decode_inputs(sequences)), per_op_hidden)
 
 
 @torch.inference_mode()

@@ -74,8 +74,14 @@ static void *bf16_scratch(const DecodeModel *m, const DecodeBatch *b, int num_th
 
 static const DecodeStepKernels BF16_KERNELS = {DTYPE_BFLOAT16, bf16_scratch, free, bf16_project, bf16_attend};
 
-/* decode_layers with bf16 activations, norms, caches, cos and sin. */
+/* decode_layers with bf16 activations, norms, caches, cos and sin; FT_BAD_SHAPE for a layer with a
+ * sliding window (the paged kernel attends over every key). */
 FtStatus ft_decode_step(const DecodeModel *m, const DecodeBatch *b, uint16_t *hidden, int num_threads) {
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        if (m->layers[l].window != 0) {
+            return FT_BAD_SHAPE;
+        }
+    }
     return decode_layers(&BF16_KERNELS, m, b, hidden, num_threads);
 }
 #endif

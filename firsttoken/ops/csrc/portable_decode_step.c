@@ -243,7 +243,7 @@ static void float32_attend(const DecodeModel *m, const DecodeLayer *layer, const
     DecodeAttention attention = {qkv,           qkv_width,      layer->kv_cache, m->num_slots,      b->block_table,
                                  b->max_blocks, b->seq_lens,    b->block_size,   b->num_sequences,  m->num_heads,
                                  m->num_kv_heads, m->head_dim,  m->attention_scale, attended,       DTYPE_FLOAT32,
-                                 0, 0.0f, 0, NULL /* whole-step decode: Llama's layers, no window */};
+                                 layer->window, 0.0f, 0, NULL /* Llama's layers: no soft-cap, no sinks */};
     decode_attention_share(&attention, t->heads_per_item, t->attention);
 }
 
@@ -276,10 +276,16 @@ static const DecodeStepKernels FLOAT32_KERNELS = {DTYPE_FLOAT32, float32_scratch
                                                   float32_project, float32_attend};
 
 /* decode_layers with float32 activations, norms, caches, cos and sin (int4 projections with
- * float32 biases); FT_BAD_SHAPE for a head shape the attention does not take. */
+ * float32 biases), each layer within its sliding window where it has one; FT_BAD_SHAPE for a head
+ * shape the attention does not take. */
 FtStatus ft_portable_decode_step(const DecodeModel *m, const DecodeBatch *b, float *hidden, int num_threads) {
     if (!decode_attention_supported(m->num_heads, m->num_kv_heads, m->head_dim)) {
         return FT_BAD_SHAPE;
+    }
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        if (m->layers[l].window < 0) {
+            return FT_BAD_SHAPE;
+        }
     }
     return decode_layers(&FLOAT32_KERNELS, m, b, hidden, num_threads);
 }
