@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from typing import Iterator
 
 import httpx
@@ -76,6 +77,42 @@ def test_ctrl_c_is_raised_again_after_the_shutdown_and_sigterm_is_not():
         _capture_one_signal(signal.SIGTERM)  # nothing raised: run_serve returns the exit status
     finally:
         signal.signal(signal.SIGINT, inherited)
+
+
+class _InterruptedServer:
+    """A served process's server whose shutdown after Ctrl-C is done: run() raises Ctrl-C again."""
+
+    aborted_in_flight = True
+
+    def run(self) -> None:
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_ends_the_serve_process_without_the_interpreters_teardown(monkeypatch):
+    """The exit after a (second) Ctrl-C goes through end_process, which no teardown can stretch
+    past the exit deadline: never back up to main and sys.exit."""
+    import firsttoken.server.app as app_module
+    import firsttoken.server.http_server as http_server
+    from firsttoken.cli import build_parser
+    from firsttoken.engine import AsyncEngine
+    from firsttoken.server.serve_command import run_serve
+
+    engine = SimpleNamespace(
+        model_path="/models/x.gguf", shutdown=None, inspect=lambda: SimpleNamespace(description="fake")
+    )
+    monkeypatch.setattr(AsyncEngine, "from_options", lambda *args, **options: engine)
+    monkeypatch.setattr(app_module, "create_app", lambda engine, config: None)
+    monkeypatch.setattr(http_server, "build_server", lambda *args, **options: _InterruptedServer())
+    statuses: list[int] = []
+
+    def end_process(exit_status: int) -> None:
+        statuses.append(exit_status)
+        raise SystemExit(exit_status)
+
+    monkeypatch.setattr(http_server, "end_process", end_process)
+    with pytest.raises(SystemExit):
+        run_serve(build_parser().parse_args(["serve"]))
+    assert statuses == [130]
 
 
 def _free_port() -> int:
