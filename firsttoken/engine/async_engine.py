@@ -458,7 +458,8 @@ class AsyncEngine:
         self._inbox.put(command)
 
     def stats(self) -> EngineStats:
-        """The engine's gauges and counters as of its latest step (a consistent snapshot)."""
+        """The engine's gauges and counters (a consistent snapshot) as of the latest step's
+        schedule or end: a step's requests and KV blocks show while it runs."""
         return self._stats
 
     def inspect(self) -> EngineInspection:
@@ -471,6 +472,7 @@ class AsyncEngine:
         core = self.core
         pins = core.pinned_prefixes
         live: set[str] = set()  # requests this loop added to the core and that have not ended
+        core.on_scheduled = self._publish_stats
         try:
             while True:
                 commands = self._inbox.take_all(wait=not core.has_unfinished_requests())
@@ -481,22 +483,30 @@ class AsyncEngine:
                 if core.has_unfinished_requests():
                     deltas = core.step()
                     live.difference_update(delta.req_id for delta in deltas if delta.finished)
-                    self._stats = core.stats()
+                    self._publish_stats()
                     if deltas:
                         self._post(self._deliver, deltas)
                 else:
-                    self._stats = core.stats()
+                    self._publish_stats()
         except Exception as error:
             logger.exception("the engine loop stopped")
             dead = EngineDeadError(f"the engine loop stopped: {error!r}")
             pins.fail_waiters(dead)
             self._post(self._fail_all, dead)
             return
+        finally:
+            core.on_scheduled = None
         # Shut down: leave the core with no request and every block free.
         pins.fail_waiters(EngineDeadError("the engine was shut down"))
         for req_id in [*live, *pins.computing_req_ids]:
             core.abort_request(req_id)
-        self._stats = core.stats()
+        self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        """Take a snapshot of the core's stats for `stats()` (on the loop thread, between phases
+        of a step, so that it is consistent); a reference assignment, so readers on other
+        threads see the old snapshot or the new one whole."""
+        self._stats = self.core.stats()
 
     def _apply(self, commands: list[_Command], live: set[str]) -> None:
         admissions: list[tuple[str, BaseException | None]] = []

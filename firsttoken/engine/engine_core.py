@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Callable
 
 from firsttoken.config import EngineConfig
 from firsttoken.core.batch import ModelOutput, SchedulerOutput
@@ -93,6 +93,9 @@ class EngineCore:
         self.proposer = proposer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stage_observer: StageObserver | None = None  # set by observing_stages
+        # Called between a step's schedule and its execution (the front end's step loop
+        # publishes its stats then, so that its gauges show a long step's work while it runs).
+        self.on_scheduled: Callable[[], None] | None = None
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.worker.vocab_size)
         self._request_counter = itertools.count()
         self.pinned_prefixes = PinnedPrefixes(
@@ -234,6 +237,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return expired
+        if self.on_scheduled is not None:
+            self.on_scheduled()
         scheduled = time.perf_counter()
         model_output = self.executor.execute(scheduler_output)
         executed = time.perf_counter()

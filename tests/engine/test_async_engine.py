@@ -8,12 +8,14 @@ import threading
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from firsttoken import SamplingParams
 from firsttoken.config import EngineConfig
 from firsttoken.engine.async_engine import AsyncEngine
 from firsttoken.errors import EngineDeadError, InvalidInputError, QueueFullError
 from firsttoken.engine.engine_core import EngineCore
+from firsttoken.metrics.prometheus import PrometheusMetrics
 from firsttoken.sampling_params import StructuredOutput
 from tests.conftest import FIXED_THREADS
 from tests.prompts import SHORT_PROMPTS, long_prompt
@@ -376,3 +378,41 @@ def test_a_grammar_is_compiled_once_off_the_loop_thread(core, monkeypatch):
 
     run(core, test)
     assert len(compiling_threads) == 1 and compiling_threads[0].startswith("firsttoken-tokenize")
+
+
+class _HeldExecution:
+    """Wraps the core's executor: the first step's forward pass waits until `release()`."""
+
+    def __init__(self, core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.execute = core.executor.execute
+        self.entered = threading.Event()
+        self.released = threading.Event()
+        monkeypatch.setattr(core.executor, "execute", self)
+
+    def __call__(self, scheduler_output):
+        self.entered.set()
+        self.released.wait(timeout=60)
+        return self.execute(scheduler_output)
+
+
+def test_the_gauges_show_a_steps_work_while_it_runs(core, monkeypatch):
+    held = _HeldExecution(core, monkeypatch)
+
+    async def test(engine: AsyncEngine) -> None:
+        metrics = PrometheusMetrics("m", engine.stats)
+        stream = await engine.add_request(await engine.tokenize(long_prompt(2)), GREEDY)
+        try:
+            assert await asyncio.to_thread(held.entered.wait, 60)
+            gauges = {
+                sample.name: sample.value
+                for family in text_string_to_metric_families(metrics.render().decode())
+                for sample in family.samples
+            }
+            assert gauges["firsttoken:num_requests_running"] == 1
+            assert gauges["firsttoken:num_requests_waiting"] == 0
+            assert gauges["firsttoken:kv_cache_usage_perc"] > 0
+        finally:
+            held.released.set()
+        assert [delta async for delta in stream][-1].finished
+
+    run(core, test)
