@@ -6,7 +6,7 @@ import codecs
 
 from starlette.responses import Response
 
-from firsttoken.engine import EngineClient, InvalidInputError, Tokenizer
+from firsttoken.engine import EngineClient, InvalidInputError, TokenizedPrompt, Tokenizer
 from firsttoken.outputs import RequestDelta, SampledToken
 from firsttoken.server.server_config import ServerConfig
 from firsttoken.server.generation import Choice, ChoiceParams, plan_generation
@@ -39,6 +39,8 @@ async def create_completion(
     prompts = [await engine.tokenize(item) for item in items]
     echo_only = body.echo and body.max_tokens == 0
     # max_tokens 0 with echo: one token runs (its prefill scores the prompt) and is not shown.
+    if echo_only:
+        _check_room_to_echo(prompts, engine.max_model_len)
     params = ChoiceParams(
         1 if echo_only else body.max_tokens, body.logprobs,
         prompt_logprobs=body.scores_prompt, discards_output=echo_only,
@@ -54,7 +56,22 @@ async def create_completion(
     reply = _CompletionReply(
         config.model_name, engine.tokenizer, [text for text in prompt_texts for _ in range(body.n)], body
     )
-    return await respond(generation, reply, body.stream, body.include_usage, config.retry_after_s)
+    return await respond(generation, reply, body.stream, body.include_usage, config)
+
+
+def _check_room_to_echo(prompts: list[TokenizedPrompt], max_model_len: int) -> None:
+    """The hidden token of an echo with max_tokens 0 needs one position after the prompt: refuse
+    a prompt without it in the client's terms (the engine would speak of max_tokens 1, which the
+    client never sent)."""
+    for index, prompt in enumerate(prompts):
+        num_tokens = len(prompt.token_ids)
+        if num_tokens >= max_model_len:
+            raise InvalidInputError(
+                "prompt" if len(prompts) == 1 else f"prompt[{index}]",
+                f"{num_tokens} prompt tokens, and the model's limit (max_model_len) is {max_model_len}: "
+                "echo with max_tokens 0 scores the prompt by running one token after it, so the "
+                f"prompt may hold at most {max_model_len - 1} tokens",
+            )
 
 
 def _prompt_items(body: CompletionRequest) -> list[str | list[int]]:

@@ -103,6 +103,20 @@ def test_max_tokens_zero_needs_echo(server):
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
 
 
+@pytest.mark.parametrize("prompts", [1, 2])
+def test_an_echo_with_no_room_for_its_hidden_token_speaks_of_what_was_sent(server, prompts):
+    limit = server.engine.max_model_len
+    full = [28] * limit
+    prompt = full if prompts == 1 else [[28, 29], full]
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
+    response = _post(server, "/v1/completions", body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == ("prompt" if prompts == 1 else "prompt[1]")
+    assert f"{limit} prompt tokens" in error["message"] and f"at most {limit - 1}" in error["message"]
+    assert "max_tokens (1)" not in error["message"] and str(limit + 1) not in error["message"]
+
+
 # -- vLLM's prompt_logprobs ------------------------------------------------------------------------
 
 
