@@ -40,7 +40,7 @@ from common import first_token_run, print_table, save_result  # noqa: E402
 
 from firsttoken import LLM, SamplingParams  # noqa: E402
 from firsttoken.models.registry import default_model_path  # noqa: E402
-from firsttoken.quantize import (  # noqa: E402
+from firsttoken.calibration.calibrate import (  # noqa: E402
     DEFAULT_CALIBRATION_TOKENS,
     calibrate,
     calibration_prompts,

@@ -56,7 +56,7 @@ from firsttoken.models.rotation import rotate_model  # noqa: E402
 from firsttoken.ops.gptq import gptq_int8  # noqa: E402
 from firsttoken.ops.hadamard import HadamardInputs  # noqa: E402
 from firsttoken.ops.w8a8 import INT8_LEVELS, SMOOTHING_ALPHA, smoothing_factors  # noqa: E402
-from firsttoken.quantize import DEFAULT_CALIBRATION_TOKENS, calibration_prompts  # noqa: E402
+from firsttoken.calibration.calibrate import DEFAULT_CALIBRATION_TOKENS, calibration_prompts  # noqa: E402
 from firsttoken.worker.activation_stats import ActivationMaxima  # noqa: E402
 from firsttoken.worker.w8a8_weights import InputMoments  # noqa: E402
 
