@@ -150,7 +150,7 @@ class _ChatReply(Reply):
         return response
 
     def whole_choice(self, choice: Choice) -> ChatChoice:
-        content, tool_calls = choice.output.text, []
+        content, tool_calls = choice.output.text, None
         finish_reason = choice.output.finish_reason
         if self.parses_tool_calls:
             cut_off = finish_reason == "length"
@@ -160,7 +160,7 @@ class _ChatReply(Reply):
                     id=call.id, function=ResponseFunctionCall(name=call.name, arguments=call.arguments)
                 )
                 for call in calls
-            ]
+            ] or None
             finish_reason = _finish_reason(finish_reason, len(calls))
         return ChatChoice(
             index=choice.index,

@@ -642,7 +642,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
-    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+    # Left out of a reply without calls, as OpenAI does (not an empty list).
+    tool_calls: list[ResponseToolCall] | None = _omit_if_none()
 
 
 class DeltaFunctionCall(BaseModel):

@@ -21,7 +21,9 @@ schema that does not say whether it allows more properties allows none (as OpenA
 function calling requires of every schema): otherwise the grammar could go on adding keys, and
 a call that cannot end is cut by max_tokens.
 
-Cut off. A call still open when max_tokens ends the output is dropped, never shown as text.
+Cut off. A call is never shown as text: one still open when the output ends (max_tokens cut it,
+or the model stopped), or one whose body is not a call, is dropped. An end tag inside a JSON
+string is the argument's text, not the call's end (a forced call's strings may hold anything).
 """
 
 from __future__ import annotations
@@ -169,6 +171,7 @@ class ToolCallParser:
         self._buffer = ""
         self._in_call = False
         self._after_call = False
+        self._call_end = _CallEndScanner()
 
     def feed(self, text: str) -> tuple[str, list[ParsedToolCall]]:
         """(the text now known to be the model's own, the calls completed) after `text`."""
@@ -176,19 +179,16 @@ class ToolCallParser:
         content, calls = "", []
         while True:
             if self._in_call:
-                end = self._buffer.find(TOOL_CALL_END)
+                end = self._call_end.find(self._buffer)
                 if end < 0:
                     return content, calls
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(TOOL_CALL_END) :]
                 self._in_call = False
-                call = self._parse(body)
-                if call is None:  # not a call after all: the model's text, tags included
-                    content += TOOL_CALL_START + body + TOOL_CALL_END
-                else:
-                    if self.parallel or self.num_calls == 0:
-                        self.num_calls += 1
-                        calls.append(call)
-                    self._after_call = True
+                call = self._parse(body)  # None: not a call, dropped all the same
+                if call is not None and (self.parallel or self.num_calls == 0):
+                    self.num_calls += 1
+                    calls.append(call)
+                self._after_call = True
                 continue
             if self._after_call:
                 # The newlines between and after calls are the format's, not the model's text.
@@ -201,6 +201,7 @@ class ToolCallParser:
                 content += self._buffer[:start]
                 self._buffer = self._buffer[start + len(TOOL_CALL_START) :]
                 self._in_call = True
+                self._call_end = _CallEndScanner()
                 continue
             held = _longest_tag_prefix_suffix(self._buffer)
             content += self._buffer[: len(self._buffer) - held]
@@ -208,10 +209,10 @@ class ToolCallParser:
             return content, calls
 
     def finish(self, cut_off: bool = False) -> str:
-        """The text still held back, at the end of the output. An unclosed call is text when the
-        model ended it so; when max_tokens cut it off (`cut_off`), it and a held part of a start
-        tag are a call that never completed, and are dropped."""
-        rest = "" if cut_off else (TOOL_CALL_START if self._in_call else "") + self._buffer
+        """The text still held back, at the end of the output. An unclosed call is dropped; so is
+        a held part of a start tag when max_tokens cut the output (`cut_off`): a call that never
+        completed. A model that ended on such a part wrote it as text."""
+        rest = "" if cut_off or self._in_call else self._buffer
         self._buffer, self._in_call = "", False
         return rest
 
@@ -229,6 +230,34 @@ class ToolCallParser:
             name=call["name"],
             arguments=json.dumps(arguments, ensure_ascii=False),
         )
+
+
+class _CallEndScanner:
+    """Finds an open call's end tag outside the JSON strings of its body, scanning each character
+    once however the output is split."""
+
+    def __init__(self) -> None:
+        self._scanned = 0
+        self._in_string = False
+        self._escaped = False
+
+    def find(self, body: str) -> int:
+        """Where the end tag starts in `body` (the call's text so far), or -1 not yet."""
+        while self._scanned < len(body):
+            position, char = self._scanned, body[self._scanned]
+            if self._escaped:
+                self._escaped = False
+            elif self._in_string:
+                self._escaped = char == "\\"
+                self._in_string = char != '"'
+            elif char == '"':
+                self._in_string = True
+            elif body.startswith(TOOL_CALL_END, position):
+                return position
+            elif TOOL_CALL_END.startswith(body[position:]):
+                return -1  # perhaps the tag, not all of it here yet: look again with more
+            self._scanned += 1
+        return -1
 
 
 def _longest_tag_prefix_suffix(text: str) -> int:

@@ -230,6 +230,22 @@ def test_a_forced_call_cut_off_by_max_tokens_shows_no_raw_text(client, stream):
     assert "<tool_call>" not in content and "{" not in content and calls == []
 
 
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_a_reply_without_calls_leaves_tool_calls_out_as_openai_does(server, tools):
+    body = {"messages": ASK, "max_tokens": 3, "temperature": 0, **({"tools": tools} if tools else {})}
+    whole = _post(server, "/v1/chat/completions", body)
+    assert whole.status_code == 200 and "tool_calls" not in whole.json()["choices"][0]["message"]
+    url = server.base_url + "/v1/chat/completions"
+    streamed = {"model": MODEL_NAME, **body, "stream": True}
+    with HTTP.stream("POST", url, json=streamed, timeout=300) as response:
+        deltas = [
+            json.loads(line[len("data: ") :])["choices"][0]["delta"]
+            for line in response.iter_lines()
+            if line.startswith("data: {")
+        ]
+    assert deltas and not any("tool_calls" in delta for delta in deltas)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_named_call_whose_schema_leaves_additional_properties_open_ends(client, stream):
     open_weather = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -1,7 +1,7 @@
 """The Hermes tool-call format without a server: parsing whole and streamed outputs (split
-anywhere, the same calls and text), held-back tag prefixes, malformed calls kept as text; the
-conversation rewritten for a template without tools; the forcing grammar accepts a call that
-follows a tool's schema and nothing else."""
+anywhere, the same calls and text), held-back tag prefixes, malformed, unclosed and cut-off calls
+dropped, never shown as text; the conversation rewritten for a template without tools; the
+forcing grammar accepts a call that follows a tool's schema and nothing else."""
 
 from __future__ import annotations
 
@@ -63,12 +63,26 @@ def test_text_that_only_looks_like_a_tag_is_released():
     assert parser.finish() == ""
 
 
-def test_malformed_and_unclosed_calls_stay_text():
-    assert parse_tool_calls("<tool_call>\nnot json\n</tool_call>") == (
-        "<tool_call>\nnot json\n</tool_call>",
-        [],
-    )
-    assert parse_tool_calls('<tool_call>\n{"name": "f"') == ('<tool_call>\n{"name": "f"', [])
+def test_malformed_and_unclosed_calls_are_dropped_not_shown():
+    assert parse_tool_calls("Sure.<tool_call>\nnot json\n</tool_call>\nDone.") == ("Sure.Done.", [])
+    assert parse_tool_calls('Sure. <tool_call>\n{"name": "f"') == ("Sure.", [])
+
+
+# A named call at temperature 1, cut by max_tokens 40: the end tag inside the argument's string.
+CUT_INSIDE_A_STRING = '<tool_call>\n{"name": "get_weather", "arguments": {"city": ")[1]};</tool_call>\n, \\"x'
+
+
+@pytest.mark.parametrize("piece_len", [1, 5, len(CUT_INSIDE_A_STRING)])
+def test_an_end_tag_inside_a_json_string_does_not_end_the_call(piece_len):
+    for cut_off in (True, False):
+        assert parse_tool_calls(CUT_INSIDE_A_STRING, parallel=False, cut_off=cut_off) == (None, [])
+        parser = ToolCallParser(parallel=False)
+        pieces = range(0, len(CUT_INSIDE_A_STRING), piece_len)
+        shown = "".join(parser.feed(CUT_INSIDE_A_STRING[start : start + piece_len])[0] for start in pieces)
+        assert shown + parser.finish(cut_off=cut_off) == ""
+    whole = '<tool_call>\n{"name": "f", "arguments": {"a": "x</tool_call>\\"y"}}\n</tool_call>'
+    content, (call,) = parse_tool_calls(whole)
+    assert content is None and json.loads(call.arguments) == {"a": 'x</tool_call>"y'}
 
 
 def test_conversation_for_a_template_without_tools():
