@@ -64,7 +64,7 @@ async def create_chat_completion(
     reply = _ChatReply(
         config.model_name, engine.tokenizer, parses_tool_calls, body.prompt_logprobs, body.parallel_tool_calls
     )
-    return await respond(generation, reply, body.stream, body.include_usage, config.retry_after_s)
+    return await respond(generation, reply, body.stream, body.include_usage, config)
 
 
 def _template_input(

@@ -73,6 +73,15 @@ def register_serve_verb(subparsers: Any) -> argparse.ArgumentParser:
         f"with an error; a second signal ends them at once (default: {_DEFAULTS.shutdown_timeout_s:g})",
     )
     group.add_argument(
+        "--stream-keepalive",
+        type=float,
+        default=_DEFAULTS.stream_keepalive_s,
+        metavar="SECONDS",
+        help="a stream sends an SSE comment (': queued') this often until its first chunk, so that "
+        "clients with a read timeout keep waiting while it queues "
+        f"(default: {_DEFAULTS.stream_keepalive_s:g})",
+    )
+    group.add_argument(
         "--strict-fields",
         action=argparse.BooleanOptionalAction,
         default=_DEFAULTS.strict_fields,
@@ -132,6 +141,7 @@ def server_config(args: argparse.Namespace, model_path: str | None = None) -> Se
         json_limits=JSONLimits(max_values=args.max_json_values),
         max_choices_per_request=args.max_choices,
         shutdown_timeout_s=args.shutdown_timeout,
+        stream_keepalive_s=args.stream_keepalive,
         strict_fields=args.strict_fields,
         allowed_origins=tuple(args.allowed_origins),
         access_log=args.access_log,

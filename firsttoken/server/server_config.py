@@ -49,6 +49,9 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     # Seconds a shutdown waits for in-flight requests before ending them with an error.
     shutdown_timeout_s: float = 30.0
+    # Seconds between the SSE comments a stream sends until its first chunk (while it queues
+    # and prefills), so that a client's read timeout does not end it.
+    stream_keepalive_s: float = 15.0
     access_log: bool = False
     # Serve the chat page at `/` (static files of the package; it talks to /v1 like any client).
     web_ui: bool = True
@@ -71,6 +74,11 @@ class ServerConfig:
             raise InvalidInputError(
                 "shutdown_timeout_s",
                 f"must be a finite number in [0, {MAX_SECONDS}] (seconds), got {self.shutdown_timeout_s}",
+            )
+        if not 0 < self.stream_keepalive_s <= MAX_SECONDS:
+            raise InvalidInputError(
+                "stream_keepalive_s",
+                f"must be a finite number in (0, {MAX_SECONDS}] (seconds), got {self.stream_keepalive_s}",
             )
         if self.retry_after_s < 1:
             raise InvalidInputError("retry_after_s", f"must be >= 1, got {self.retry_after_s}")

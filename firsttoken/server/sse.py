@@ -9,6 +9,8 @@ from pydantic import BaseModel
 
 MEDIA_TYPE = "text/event-stream"
 DONE = b"data: [DONE]\n\n"
+# A comment line: SSE clients skip it, and a client's (or a proxy's) read timeout starts over.
+KEEPALIVE = b": queued\n\n"
 # Proxies (nginx) must pass each event on at once rather than buffer the response.
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -3,7 +3,8 @@
 Both stop generating when the client goes away. The route that starts a generation watches for
 the disconnect from the start of the request (tokenizing, waiting for admission, a whole reply's
 generation), so a request whose client left while it queued is aborted before any step runs it;
-a stream's body watches for it itself while it is sent.
+a stream's body watches for it itself while it is sent, and sends SSE comments until its first
+chunk so that a client's read timeout does not end a stream that queues.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from firsttoken.server import sse
 from firsttoken.server.errors import APIError, from_exception
 from firsttoken.server.generation import Generation
 from firsttoken.server.reply import Reply
+from firsttoken.server.server_config import ServerConfig
 
 T = TypeVar("T")
 
@@ -32,11 +34,12 @@ class ClientDisconnected(Exception):
 
 
 async def respond(
-    generation: Generation, reply: Reply, stream: bool, include_usage: bool, retry_after_s: int
+    generation: Generation, reply: Reply, stream: bool, include_usage: bool, config: ServerConfig
 ) -> Response:
     """The started generation as server-sent events, or, run to its end, as one JSON body."""
     if stream:
-        return EventStreamResponse(generation, stream_events(generation, reply, include_usage, retry_after_s))
+        events = stream_events(generation, reply, include_usage, config.retry_after_s)
+        return EventStreamResponse(generation, with_keepalives(events, config.stream_keepalive_s))
     await collect(generation)
     failure = generation_failure(generation)
     if failure is not None:
@@ -111,6 +114,25 @@ async def stream_events(
         # Before [DONE]: the choices still running after an error stop now.
         await generation.close()
     yield sse.DONE
+
+
+async def with_keepalives(events: AsyncIterator[bytes], interval_s: float) -> AsyncIterator[bytes]:
+    """`events`, after an SSE comment each `interval_s` that passes before the first one: a
+    queued stream otherwise sends nothing after its headers, and a client (or a proxy) whose read
+    timeout is shorter than the queue's wait gives up on it."""
+    first = asyncio.ensure_future(anext(events, None))
+    try:
+        while not (await asyncio.wait({first}, timeout=interval_s))[0]:
+            yield sse.KEEPALIVE
+    finally:
+        if not first.done():  # closed early (the client left): the pending read ends first
+            await _cancel_and_wait(first)
+    event = first.result()
+    if event is None:
+        return
+    yield event
+    async for event in events:
+        yield event
 
 
 def generation_failure(generation: Generation) -> APIError | None:

@@ -46,6 +46,7 @@ def test_every_engine_option_is_a_serve_flag():
         "--max-json-values",
         "--max-choices",
         "--shutdown-timeout",
+        "--stream-keepalive",
         "--strict-fields",
         "--web-ui",
         "--no-web-ui",
@@ -92,6 +93,9 @@ def test_serve_flags_map_to_engine_and_server_settings():
         1000,
     )
     assert config.shutdown_timeout_s == 2.5
+    assert config.stream_keepalive_s == 15
+    keepalive = build_parser().parse_args(["serve", "--stream-keepalive", "5"])
+    assert server_config(keepalive, "/models/x.gguf").stream_keepalive_s == 5
     assert config.web_ui
     no_page = build_parser().parse_args(["serve", "--no-web-ui"])
     assert not server_config(no_page, "/models/x.gguf").web_ui
@@ -185,6 +189,7 @@ def test_unreadable_system_prompt_file_is_a_clean_error(tmp_path, capsys):
     [
         (["--shutdown-timeout", "nan"], "shutdown_timeout_s: must be a finite number in [0, 86400]"),
         (["--shutdown-timeout", "1e9"], "shutdown_timeout_s: must be a finite number in [0, 86400]"),
+        (["--stream-keepalive", "0"], "stream_keepalive_s: must be a finite number in (0, 86400]"),
         (["--ttft-slo-ms", "inf"], "ttft_slo_ms: must be a finite number in (0, 86400000]"),
         (["--ttft-slo-ms", "1e308"], "ttft_slo_ms: must be a finite number in (0, 86400000]"),
         (["--max-queue-wait-s", "inf"], "max_queue_wait_s: must be a finite number in (0, 86400]"),
