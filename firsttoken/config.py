@@ -15,6 +15,7 @@ import typing
 from typing import Any, Literal, Union
 
 from firsttoken.errors import InvalidInputError
+from firsttoken.limits import MAX_MILLISECONDS, MAX_SECONDS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -28,10 +29,6 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 # Process-group backends chosen by `distributed_backend=auto`; any other name passes through
 # to torch.distributed (an accelerator's own, such as hccl).
 DEFAULT_DISTRIBUTED_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
-# The longest wait any option may set, a day: past it a bound is no bound, and an infinite one
-# overflows the clocks and timers it is handed to. A request's ttft_slo_ms has the same cap.
-MAX_SECONDS = 86_400
-MAX_MILLISECONDS = MAX_SECONDS * 1000
 # A step with prefill tokens this many decode steps long already bounds nothing a client sees.
 MAX_STALL_FACTOR = 10_000
 # The engine's seed takes what a request's may (torch's generators read it as 64 bits).

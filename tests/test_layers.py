@@ -37,7 +37,7 @@ LAYERS: list[set[str]] = [
     {"ops"},
     {
         "arithmetic", "cache_lock", "config", "engine_args", "errors", "logprobs", "outputs", "progress",
-        "request", "sampling_params", "stage_observer", "tokenizer",
+        "limits", "request", "sampling_params", "stage_observer", "tokenizer",
     },
 ]
 RANK = {part: len(LAYERS) - index for index, parts in enumerate(LAYERS) for part in parts}
@@ -49,6 +49,7 @@ SERVER_MAY_IMPORT_MODULES = {
     "firsttoken",
     "firsttoken.arithmetic",
     "firsttoken.engine",
+    "firsttoken.limits",
     "firsttoken.outputs",
     "firsttoken.sampling_params",
 }

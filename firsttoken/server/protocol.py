@@ -22,6 +22,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from firsttoken.engine import CHAT_ROLES, InvalidInputError
+from firsttoken.limits import MAX_MILLISECONDS
 from firsttoken.sampling_params import StructuredOutput
 from firsttoken.server.schema_checks import checked_schema_text
 
@@ -291,7 +292,7 @@ class GenerationRequest(RequestBody):
     ttft_slo_ms: float | None = Field(
         None,
         gt=0,
-        le=86_400_000,
+        le=MAX_MILLISECONDS,
         description="firsttoken extension: this request's TTFT objective in ms (default: the server's)",
     )
     response_format: ResponseFormat | None = Field(

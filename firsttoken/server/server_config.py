@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from firsttoken.config import MAX_SECONDS
+from firsttoken.limits import MAX_SECONDS
 from firsttoken.engine import InvalidInputError
 
 
