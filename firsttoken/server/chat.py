@@ -116,7 +116,8 @@ class _ChatReply(Reply):
             parser = self._parsers.setdefault(choice.index, ToolCallParser(self.parallel_tool_calls))
             text, calls = parser.feed(delta.text)
             if delta.finished:
-                text += parser.finish(cut_off=delta.finish_reason == "length")
+                rest, last_calls = parser.finish(cut_off=delta.finish_reason == "length")
+                text, calls = text + rest, calls + last_calls
                 finish_reason = _finish_reason(delta.finish_reason, parser.num_calls)
             first_index = parser.num_calls - len(calls)
             tool_calls = [

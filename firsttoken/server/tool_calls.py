@@ -21,8 +21,9 @@ schema that does not say whether it allows more properties allows none (as OpenA
 function calling requires of every schema): otherwise the grammar could go on adding keys, and
 a call that cannot end is cut by max_tokens.
 
-Cut off. A call is never shown as text: one still open when the output ends (max_tokens cut it,
-or the model stopped), or one whose body is not a call, is dropped. An end tag inside a JSON
+Cut off. A call is never shown as text: one whose body is not a whole call is dropped, and one
+still open when the output ends (max_tokens cut it, or the model stopped before the end tag)
+counts only where its body is a whole call. An end tag inside a JSON
 string is the argument's text, not the call's end (a forced call's strings may hold anything).
 """
 
@@ -208,13 +209,21 @@ class ToolCallParser:
             self._buffer = self._buffer[len(self._buffer) - held :]
             return content, calls
 
-    def finish(self, cut_off: bool = False) -> str:
-        """The text still held back, at the end of the output. An unclosed call is dropped; so is
-        a held part of a start tag when max_tokens cut the output (`cut_off`): a call that never
-        completed. A model that ended on such a part wrote it as text."""
+    def finish(self, cut_off: bool = False) -> tuple[str, list[ParsedToolCall]]:
+        """(the text still held back, the call it completes) at the end of the output. A call the
+        output ends inside counts where its body is a whole call (a model may stop before the end
+        tag, as vLLM's Hermes parser allows), and is dropped otherwise; so is a held part of a
+        start tag when max_tokens cut the output (`cut_off`): a call that never began. A model
+        that ended on such a part wrote it as text."""
+        calls = []
+        if self._in_call:
+            call = self._parse(self._buffer)
+            if call is not None and (self.parallel or self.num_calls == 0):
+                self.num_calls += 1
+                calls.append(call)
         rest = "" if cut_off or self._in_call else self._buffer
         self._buffer, self._in_call = "", False
-        return rest
+        return rest, calls
 
     @staticmethod
     def _parse(body: str) -> ParsedToolCall | None:
@@ -274,5 +283,6 @@ def parse_tool_calls(
     """A whole output's own text (None when only calls) and its calls (see ToolCallParser)."""
     parser = ToolCallParser(parallel)
     content, calls = parser.feed(text)
-    content = (content + parser.finish(cut_off)).strip()
-    return (content or None), calls
+    rest, last_calls = parser.finish(cut_off)
+    content = (content + rest).strip()
+    return (content or None), calls + last_calls

@@ -50,7 +50,9 @@ def test_streamed_output_split_anywhere_gives_the_same_calls(piece_len):
         assert "<" not in piece_text, "a tag's start leaked out as text"
         text += piece_text
         calls += piece_calls
-    text += parser.finish()
+    rest, last_calls = parser.finish()
+    assert last_calls == []
+    text += rest
     assert text == "Let me check.\n"
     assert [call.name for call in calls] == ["get_weather", "get_time"]
     assert parser.num_calls == 2
@@ -60,12 +62,25 @@ def test_text_that_only_looks_like_a_tag_is_released():
     parser = ToolCallParser()
     assert parser.feed("a <tool") == ("a ", [])
     assert parser.feed("s> b") == ("<tools> b", [])
-    assert parser.finish() == ""
+    assert parser.finish() == ("", [])
 
 
-def test_malformed_and_unclosed_calls_are_dropped_not_shown():
+def test_malformed_and_unfinished_calls_are_dropped_not_shown():
     assert parse_tool_calls("Sure.<tool_call>\nnot json\n</tool_call>\nDone.") == ("Sure.Done.", [])
     assert parse_tool_calls('Sure. <tool_call>\n{"name": "f"') == ("Sure.", [])
+
+
+@pytest.mark.parametrize("piece_len", [1, 4, 100])
+def test_a_whole_call_the_model_ends_without_its_end_tag_counts(piece_len):
+    """As vLLM's Hermes parser takes it: the body is a whole call, only the tag is missing."""
+    output = 'Sure. <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n'
+    content, (call,) = parse_tool_calls(output)
+    assert content == "Sure." and call.name == "f" and json.loads(call.arguments) == {"a": 1}
+    parser = ToolCallParser(parallel=False)
+    pieces = range(0, len(output), piece_len)
+    shown = "".join(parser.feed(output[start : start + piece_len])[0] for start in pieces)
+    rest, (streamed,) = parser.finish()
+    assert (shown + rest).strip() == "Sure." and streamed.name == "f" and parser.num_calls == 1
 
 
 # A named call at temperature 1, cut by max_tokens 40: the end tag inside the argument's string.
@@ -79,7 +94,7 @@ def test_an_end_tag_inside_a_json_string_does_not_end_the_call(piece_len):
         parser = ToolCallParser(parallel=False)
         pieces = range(0, len(CUT_INSIDE_A_STRING), piece_len)
         shown = "".join(parser.feed(CUT_INSIDE_A_STRING[start : start + piece_len])[0] for start in pieces)
-        assert shown + parser.finish(cut_off=cut_off) == ""
+        assert (shown, *parser.finish(cut_off=cut_off)) == ("", "", [])
     whole = '<tool_call>\n{"name": "f", "arguments": {"a": "x</tool_call>\\"y"}}\n</tool_call>'
     content, (call,) = parse_tool_calls(whole)
     assert content is None and json.loads(call.arguments) == {"a": 'x</tool_call>"y'}
@@ -197,7 +212,7 @@ def test_a_call_cut_off_by_max_tokens_is_dropped_not_shown():
     assert parse_tool_calls(cut, cut_off=True) == ("Sure.", [])
     parser = ToolCallParser()
     assert parser.feed(cut) == ("Sure. ", [])
-    assert parser.finish(cut_off=True) == ""
+    assert parser.finish(cut_off=True) == ("", [])
     held = ToolCallParser()
     assert held.feed("Sure. <tool_") == ("Sure. ", [])
-    assert held.finish(cut_off=True) == ""
+    assert held.finish(cut_off=True) == ("", [])
