@@ -26,8 +26,15 @@ class ModelArch:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # Biases of the q/k/v projections; of o_proj (Llama's, Qwen3's, Gemma's attention_bias
+    # sets both, Qwen2 has only the first); of gate/up/down (Llama's mlp_bias).
     attention_bias: bool
+    attention_output_bias: bool = False
+    mlp_bias: bool = False
     rope_scaling: RopeScaling | None = None
+    # Partial rotary (Phi-3's partial_rotary_factor): only the first rotary_dim dims of each
+    # query and key head rotate; None: all head_dim.
+    rotary_dim: int | None = None
     sliding_window: int | None = None
     # The layers the window applies to (Qwen2/3 window only their upper layers); None: all.
     sliding_window_layers: tuple[int, ...] | None = None
@@ -61,6 +68,18 @@ class ModelArch:
             )
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(f"num_kv_heads: {self.num_kv_heads} must divide num_heads {self.num_heads}")
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0 == self.head_dim % 2
+        ):
+            raise ValueError(
+                f"rotary_dim: {self.rotary_dim} must be even and within 2..head_dim {self.head_dim} "
+                "(an even head_dim)"
+            )
+
+    @property
+    def rotated_dims(self) -> int:
+        """How many dims of each query and key head rotate."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def is_windowed(self, layer_index: int) -> bool:
         """Whether the layer has the sliding window (and, with Gemma 3, the local rotary base)."""

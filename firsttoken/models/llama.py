@@ -36,7 +36,7 @@ from firsttoken.ops.linear import (
     row_invariant_linear,
 )
 from firsttoken.ops.linear_choice import convert_linears, fastest_linear, head_linear
-from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, rotary_cos_sin
+from firsttoken.ops.rotary import cos_sin_table, inverse_frequencies, partial_rotary_order, rotary_cos_sin
 from firsttoken.ops.w8a8 import Int8Weight
 from firsttoken.ops.w8a8_linear import PendingNorm, W8A8Linear
 
@@ -69,7 +69,7 @@ class LlamaAttention(nn.Module):
         self.q_size = arch.q_size
         self.kv_size = arch.kv_size
         self.qkv_proj = Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, arch.attention_bias, dtype)
-        self.o_proj = Linear(arch.q_size, arch.hidden_size, False, dtype)
+        self.o_proj = Linear(arch.q_size, arch.hidden_size, arch.attention_output_bias, dtype)
         self.eps = arch.rms_norm_eps
         if arch.qk_norm:
             self.q_norm_weight = _empty(arch.head_dim, dtype=dtype)
@@ -86,7 +86,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = _rows_of(self.qkv_proj, qkv_rows(shard, arch))
         q_start, q_end = shard.head_range
         self.o_proj = RowParallelLinear(
-            _columns_of(self.o_proj, q_start * self.head_dim, q_end * self.head_dim), collectives
+            _columns_of(self.o_proj, q_start * self.head_dim, q_end * self.head_dim, shard.rank == 0),
+            collectives,
         )
 
     def forward(
@@ -154,14 +155,14 @@ class LlamaMLP(nn.Module):
         self.kernels = kernels
         self.silu_gated = arch.hidden_activation != "gelu_tanh"
         self.activation_and_mul = kernels.silu_and_mul if self.silu_gated else kernels.gelu_tanh_and_mul
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, False, dtype)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, False, dtype)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, arch.mlp_bias, dtype)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, dtype)
 
     def shard(self, shard: ModelShard, arch: ModelArch, collectives: Collectives) -> None:
         """Keep this rank's slice of the intermediate features."""
         self.gate_up_proj = _rows_of(self.gate_up_proj, gate_up_rows(shard, arch))
         self.down_proj = RowParallelLinear(
-            _columns_of(self.down_proj, *shard.intermediate_range), collectives
+            _columns_of(self.down_proj, *shard.intermediate_range, shard.rank == 0), collectives
         )
 
     def forward(self, hidden: torch.Tensor | PendingNorm) -> torch.Tensor:
@@ -291,12 +292,14 @@ class LlamaForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_weight
         inv_freq = inverse_frequencies(
-            arch.head_dim, arch.rope_theta, arch.rope_scaling, rope_frequency_divisors
+            arch.rotated_dims, arch.rope_theta, arch.rope_scaling, rope_frequency_divisors, max_positions
         )
-        self.register_buffer("rope_table", cos_sin_table(inv_freq, max_positions), persistent=False)
+        attention_factor = arch.rope_scaling.attention_factor if arch.rope_scaling is not None else 1.0
+        table = cos_sin_table(inv_freq, max_positions, arch.head_dim, attention_factor)
+        self.register_buffer("rope_table", table, persistent=False)
         if arch.local_rope_theta is not None:
-            local_inv_freq = inverse_frequencies(arch.head_dim, arch.local_rope_theta, None, None)
-            local_table = cos_sin_table(local_inv_freq, max_positions)
+            local_inv_freq = inverse_frequencies(arch.rotated_dims, arch.local_rope_theta, None, None)
+            local_table = cos_sin_table(local_inv_freq, max_positions, arch.head_dim)
             self.register_buffer("local_rope_table", local_table, persistent=False)
         else:
             self.local_rope_table = None
@@ -569,17 +572,21 @@ def _rows_of(linear: Linear, rows: torch.Tensor) -> Linear:
     return sliced
 
 
-def _columns_of(linear: Linear, start: int, end: int) -> Linear:
-    """A Linear over input features [start, end) of `linear` (row-parallel slice; no bias)."""
+def _columns_of(linear: Linear, start: int, end: int, keeps_bias: bool) -> Linear:
+    """A Linear over input features [start, end) of `linear` (row-parallel slice). The ranks'
+    products are summed: only the one that `keeps_bias` adds the bias."""
     weight = linear.weight.data
-    sliced = Linear(end - start, weight.shape[0], False, weight.dtype).to(weight.device)
+    with_bias = keeps_bias and linear.bias is not None
+    sliced = Linear(end - start, weight.shape[0], with_bias, weight.dtype).to(weight.device)
     sliced.weight.data = weight[:, start:end].contiguous()
+    if with_bias:
+        sliced.bias.data = linear.bias.data.clone()
     if linear.checkpoint_int8 is not None:
         sliced.checkpoint_int8 = linear.checkpoint_int8.columns(start, end)
     return sliced
 
 
-_FUSED_PARTS = {"qkv_proj.weight": 3, "qkv_proj.bias": 3, "gate_up_proj.weight": 2}
+_FUSED_PARTS = {"qkv_proj.weight": 3, "qkv_proj.bias": 3, "gate_up_proj.weight": 2, "gate_up_proj.bias": 2}
 
 
 def _part_of(
@@ -625,6 +632,30 @@ class WeightLoader:
         if missing:
             raise ValueError(f"model: checkpoint lacks weights for {missing[:5]}")
         self._dequantize_int8_weights()
+        if self.model.arch.rotated_dims < self.model.arch.head_dim:
+            self._reorder_partial_rotary_dims()
+
+    def _reorder_partial_rotary_dims(self) -> None:
+        """Each query and key head's dims in `partial_rotary_order`'s layout (its rows of
+        qkv_proj, and the head norms' weights), so the full-head rotary kernels rotate only the
+        first rotary_dim dims of the checkpoint's layout. Values keep theirs."""
+        arch = self.model.arch
+        order = partial_rotary_order(arch.head_dim, arch.rotated_dims)
+        heads = arch.num_heads + arch.num_kv_heads
+        query_key_rows = (torch.arange(heads)[:, None] * arch.head_dim + order).reshape(-1)
+        value_rows = torch.arange(heads * arch.head_dim, arch.q_size + 2 * arch.kv_size)
+        rows = torch.cat([query_key_rows, value_rows])
+        for layer in self.model.layers:
+            attention = layer.self_attn
+            projection = attention.qkv_proj
+            projection.weight.data = projection.weight.data[rows].contiguous()
+            if projection.bias is not None:
+                projection.bias.data = projection.bias.data[rows].contiguous()
+            if projection.checkpoint_int8 is not None:
+                projection.checkpoint_int8 = projection.checkpoint_int8.rows(rows)
+            for norm_weight in (attention.q_norm_weight, attention.k_norm_weight):
+                if norm_weight is not None:
+                    norm_weight.data = norm_weight.data[order].contiguous()
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
         if name.endswith(".weight_zero_point"):
@@ -721,9 +752,13 @@ class WeightLoader:
             "self_attn.k_proj.bias": ("self_attn.qkv_proj.bias", (q, q + kv)),
             "self_attn.v_proj.bias": ("self_attn.qkv_proj.bias", (q + kv, q + 2 * kv)),
             "self_attn.o_proj.weight": ("self_attn.o_proj.weight", None),
+            "self_attn.o_proj.bias": ("self_attn.o_proj.bias", None),
             "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", (0, inter)),
             "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", (inter, 2 * inter)),
             "mlp.down_proj.weight": ("mlp.down_proj.weight", None),
+            "mlp.gate_proj.bias": ("mlp.gate_up_proj.bias", (0, inter)),
+            "mlp.up_proj.bias": ("mlp.gate_up_proj.bias", (inter, 2 * inter)),
+            "mlp.down_proj.bias": ("mlp.down_proj.bias", None),
             "input_layernorm.weight": ("input_norm_weight", None),
             **(self._sandwich_norms if self.model.arch.sandwich_norms else self._pre_norms),
             # Qwen3
@@ -732,6 +767,7 @@ class WeightLoader:
             # Phi-3 checkpoints hold the fused projections, in the same q|k|v and gate|up order.
             "self_attn.qkv_proj.weight": ("self_attn.qkv_proj.weight", None),
             "mlp.gate_up_proj.weight": ("mlp.gate_up_proj.weight", None),
+            "mlp.gate_up_proj.bias": ("mlp.gate_up_proj.bias", None),
         }
         if local not in fused:
             return None, None

@@ -90,6 +90,11 @@ HF_VARIANTS = {
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen3-qk-norm": ("qwen3", dict(tie_word_embeddings=True, head_dim=32)),
     "phi3-fused": ("phi3", dict(tie_word_embeddings=False)),
+    "llama-attention-and-mlp-bias": (
+        "llama", dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
+    ),
+    # Phi-4-mini's three quarters of each head rotating.
+    "phi3-partial-rotary": ("phi3", dict(tie_word_embeddings=False, partial_rotary_factor=0.75)),
 }
 
 
@@ -109,6 +114,46 @@ def test_hf_folder_matches_transformers(variant, tmp_path):
         assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
         assert output.token_ids == expected_ids
     assert beside.token_ids == hf_greedy(hf_model, other_prompt, NUM_TOKENS)[0]
+
+
+def _phi3_longrope(original_max_position_embeddings: int) -> dict:
+    """Phi-4-mini's rotary in a tiny Phi-3: LongRoPE over three quarters of each head (16 dims,
+    12 rotating: 6 factors), its attention factor from 512 positions over the original ones."""
+    return dict(
+        tie_word_embeddings=False,
+        partial_rotary_factor=0.75,
+        original_max_position_embeddings=original_max_position_embeddings,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0],
+            "long_factor": [2.0, 4.0, 8.0, 16.0, 24.0, 32.0],
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    "original_positions, max_model_len",
+    [(128, 128), (32, None)],
+    ids=["short-factors-within-the-original-context", "long-factors-for-a-longer-prompt"],
+)
+def test_longrope_matches_transformers_where_its_factors_agree(original_positions, max_model_len, tmp_path):
+    """transformers picks the long factors per forward, when its last position passes the
+    original context; firsttoken once, when the longest sequence it serves may. They agree for
+    every sequence when neither passes it (an engine of 128 positions, prompt and reply within
+    them) and for a prompt longer than it (60 tokens over an original 32): each case fails with
+    the other factors."""
+    hf_model = tiny_hf_model("phi3", **_phi3_longrope(original_positions))
+    path = save_hf_folder(hf_model, str(tmp_path / "longrope"))
+    llm = LLM(
+        path, dtype="float32", kv_cache_memory_bytes=16 << 20, chunk_size=32, block_size=8,
+        max_model_len=max_model_len, **FIXED_THREADS,
+    )  # fmt: skip
+    (output,) = llm.generate(prompt_token_ids=[PROMPT_IDS], sampling_params=GREEDY)
+    expected_ids, expected_logprobs = hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)
+    assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
+    assert output.token_ids == expected_ids
 
 
 GGUF_VARIANTS = {
@@ -177,6 +222,42 @@ def test_gguf_of_qk_norm_and_fused_layouts_matches_transformers(model_type, over
     expected_ids, expected_logprobs = hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)
     assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
     assert output.token_ids == expected_ids
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [
+        ("phi3", _phi3_longrope(32)),
+        ("llama", dict(tie_word_embeddings=False, attention_bias=True, mlp_bias=True)),
+    ],
+    ids=["phi3-partial-longrope", "llama-attention-and-mlp-bias"],
+)
+def test_gguf_of_longrope_partial_rotary_and_biases_matches_transformers(model_type, overrides, tmp_path):
+    """llama.cpp's Phi-3 LongRoPE (rope_factors_long/short tensors, the original context and
+    attention factor as metadata) with rope.dimension_count under the head size; a Llama's
+    q/k/v/o and MLP biases (q and k's in the converter's permuted rows). float32 files."""
+    hf_model = tiny_hf_model(model_type, **overrides)
+    path = write_gguf(hf_model, str(tmp_path / f"{model_type}.gguf"), model_type, {})
+    output = _firsttoken_run(path)
+    expected_ids, expected_logprobs = hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)
+    assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
+    assert output.token_ids == expected_ids
+
+
+def test_gguf_partial_rotary_of_a_permuted_architecture_is_refused(tmp_path):
+    """llama.cpp's Llama converter interleaves each whole head's rows: which dims rotate in a
+    partial rotary file is not known."""
+    from gguf import GGUFReader
+
+    from firsttoken.models.loaders import gguf_file
+
+    path = write_gguf(tiny_hf_model("llama"), str(tmp_path / "llama.gguf"), "llama", {})
+    reader = GGUFReader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    fields["llama.rope.dimension_count"] = 8
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    with pytest.raises(ValueError, match="llama.rope.dimension_count 8 .* not supported"):
+        gguf_file._arch_from_fields(fields, "llama", tensors)
 
 
 def test_second_start_reads_the_conversion_cache(tmp_path):

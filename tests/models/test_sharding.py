@@ -88,21 +88,24 @@ def test_kv_shares_add_up_to_the_whole_cache():
     ]  # 96: not whole 64s
 
 
-def _mlp(world_size: int = 1, rank: int = 0) -> LlamaMLP:
+def _mlp(world_size: int = 1, rank: int = 0, arch: ModelArch = ARCH) -> LlamaMLP:
     torch.manual_seed(0)
-    mlp = LlamaMLP(ARCH, Kernels(fused=False), torch.float64)
+    mlp = LlamaMLP(arch, Kernels(fused=False), torch.float64)
     for parameter in mlp.parameters():
         parameter.data.normal_()
     if world_size > 1:
-        mlp.shard(shard_for_rank(ARCH, rank, world_size), ARCH, OneRank(rank, world_size))
+        mlp.shard(shard_for_rank(arch, rank, world_size), arch, OneRank(rank, world_size))
     return mlp
 
 
+@pytest.mark.parametrize("mlp_bias", [False, True], ids=["no-bias", "mlp-bias"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_column_then_row_parallel_mlp_slices_add_up_to_the_full_mlp(world_size):
+def test_column_then_row_parallel_mlp_slices_add_up_to_the_full_mlp(world_size, mlp_bias):
+    """down_proj's bias is added by one rank only: the sum holds it once."""
+    arch = dataclasses.replace(ARCH, mlp_bias=mlp_bias)
     x = torch.randn(5, ARCH.hidden_size, dtype=torch.float64)
-    partials = [_mlp(world_size, rank)(x) for rank in range(world_size)]
-    torch.testing.assert_close(sum(partials), _mlp()(x))
+    partials = [_mlp(world_size, rank, arch)(x) for rank in range(world_size)]
+    torch.testing.assert_close(sum(partials), _mlp(arch=arch)(x))
 
 
 def _mlp_of_int8_levels() -> LlamaMLP:

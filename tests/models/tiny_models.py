@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 
 from typing import TYPE_CHECKING
@@ -231,7 +232,9 @@ as 1 + weight with its window, local layers and soft-caps, quantized matrices.
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if rope.get("rope_type") == "longrope":
+        _add_longrope(writer, config, rope)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
@@ -268,6 +271,18 @@ as 1 + weight with its window, local layers and soft-caps, quantized matrices.
     writer.close()
     return path
 
+
+
+def _add_longrope(writer, config, rope: dict) -> None:
+    """As llama.cpp's Phi-3 converter writes LongRoPE: the factors as tensors, the original
+    context and the attention factor (from the context lengths' ratio) as metadata."""
+    original = rope["original_max_position_embeddings"]
+    scale = config.max_position_embeddings / original
+    writer.add_rope_scaling_orig_ctx_len(original)
+    attention_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    writer.add_rope_scaling_attn_factors(attention_factor)
+    writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
 
 
 def _add_gemma_fields(writer, config) -> None:

@@ -20,6 +20,7 @@ from firsttoken.ops.quantized_linear import (
     unpack_int4,
 )
 from firsttoken.ops.native_abi import DECODE_MAX_ROWS
+from firsttoken.ops.rotary import RopeScaling
 from firsttoken.worker.kv_cache import allocate_kv_caches
 from firsttoken.worker.whole_step_decode import build_whole_step_decode
 from firsttoken.worker.whole_step_layers import whole_step_unsupported_reason
@@ -100,6 +101,7 @@ def _arch(
     attention_bias: bool,
     qk_norm: bool = False,
     sliding_window: int | None = None,
+    **fields,
 ) -> ModelArch:
     return ModelArch(
         architecture="llama",
@@ -117,7 +119,24 @@ def _arch(
         attention_bias=attention_bias,
         qk_norm=qk_norm,
         sliding_window=sliding_window,
+        **fields,
     )
+
+
+# Phi-4-mini's and Llama's rarer layers: three quarters of each head rotating, LongRoPE (long
+# factors: the model's 256 positions pass the original 64) and biases on every projection.
+PARTIAL_LONGROPE_BIASED = dict(
+    attention_output_bias=True,
+    mlp_bias=True,
+    rotary_dim=48,
+    rope_scaling=RopeScaling(
+        "longrope",
+        original_max_position_embeddings=64,
+        short_factor=tuple(1.0 + index / 8 for index in range(24)),
+        long_factor=tuple(1.0 + index for index in range(24)),
+        attention_factor=1.2,
+    ),
+)
 
 
 BLOCK_SIZE = 4
@@ -176,6 +195,19 @@ def test_native_decode_step_matches_the_per_op_layers(
     int4_kernels, head_dim, num_heads, num_kv_heads, attention_bias, sequences
 ):
     model = _int4_model(_arch(head_dim, num_heads, num_kv_heads, attention_bias), int4_kernels)
+    _assert_bf16_step_matches_the_per_op_layers(model, sequences)
+
+
+@pytest.mark.parametrize("sequences", SEQUENCES.values(), ids=SEQUENCES.keys())
+@torch.inference_mode()
+def test_native_decode_step_of_partial_rotary_longrope_and_biases_matches_the_per_op_layers(
+    int4_kernels, sequences
+):
+    model = _int4_model(_arch(64, 6, 2, True, **PARTIAL_LONGROPE_BIASED), int4_kernels)
+    _assert_bf16_step_matches_the_per_op_layers(model, sequences)
+
+
+def _assert_bf16_step_matches_the_per_op_layers(model: LlamaForCausalLM, sequences) -> None:
     whole_step = build_whole_step_decode(model)
     assert whole_step is not None
     caches = [layer.self_attn.kv_cache for layer in model.layers]
@@ -272,6 +304,23 @@ def test_float32_decode_step_gives_the_per_op_bits(
     assert whole_step.takes(layout)
     native_hidden = whole_step.run(input_ids, positions, slot_mapping, layout)
     assert torch.equal(native_hidden, per_op_hidden)
+    for layer, per_op_cache in zip(model.layers, per_op_caches):
+        assert torch.equal(layer.self_attn.kv_cache, per_op_cache)
+
+
+@pytest.mark.parametrize("sequences", SEQUENCES.values(), ids=SEQUENCES.keys())
+@torch.inference_mode()
+def test_float32_decode_step_of_partial_rotary_longrope_and_biases_gives_the_per_op_bits(
+    portable_kernels, sequences
+):
+    """The rotary table carries partial rotary and LongRoPE, the projections their biases:
+    the whole step, on full-head rotary kernels, gives the per-op bits."""
+    arch = _arch(64, 6, 2, True, **PARTIAL_LONGROPE_BIASED)
+    model = _int4_model(arch, portable_kernels, dtype=torch.float32)
+    whole_step = build_whole_step_decode(model)
+    assert whole_step is not None
+    per_op_hidden, per_op_caches = _per_op_step(model, sequences)
+    assert torch.equal(whole_step.run(*_decode_inputs(sequences)), per_op_hidden)
     for layer, per_op_cache in zip(model.layers, per_op_caches):
         assert torch.equal(layer.self_attn.kv_cache, per_op_cache)
 

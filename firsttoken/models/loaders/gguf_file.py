@@ -78,6 +78,8 @@ _GEMMA3_LOCAL_ROPE_THETA = 10000.0
 _GEMMA_27B_BLOCKS = {"gemma2": 46, "gemma3": 62}
 # Phi-3 files hold gate and up fused in ffn_up (and no ffn_gate).
 _FUSED_GATE_UP = {"phi3"}
+# llama.cpp's Phi-3 LongRoPE factors (long, short), read into the arch, not the model's weights.
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -186,8 +188,12 @@ def _arch_from_fields(fields: dict[str, Any], gguf_arch: str, tensors: dict[str,
     num_heads = int(get("attention.head_count"))
     head_dim = int(fields.get(f"{gguf_arch}.attention.key_length", hidden_size // num_heads))
     rope_dim = int(fields.get(f"{gguf_arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise ValueError(f"model: partial rotary embedding ({rope_dim} of {head_dim}) is not supported")
+    if rope_dim != head_dim and gguf_arch in _PERMUTED_QK:
+        # Its converter interleaves whole heads' rows; which of them rotate is not recorded.
+        raise ValueError(
+            f"model: GGUF metadata {gguf_arch}.rope.dimension_count {rope_dim} (partial rotary of "
+            f"{head_dim} dims) is not supported for {gguf_arch} files"
+        )
     vocab_size = int(
         fields.get(f"{gguf_arch}.vocab_size", len(fields.get("tokenizer.ggml.tokens", [])))
     )
@@ -205,7 +211,10 @@ def _arch_from_fields(fields: dict[str, Any], gguf_arch: str, tensors: dict[str,
         max_position_embeddings=int(get("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
-        rope_scaling=_rope_scaling(fields, gguf_arch),
+        attention_output_bias="blk.0.attn_output.bias" in tensors,
+        mlp_bias="blk.0.ffn_down.bias" in tensors,
+        rope_scaling=_rope_scaling(fields, gguf_arch, tensors),
+        rotary_dim=rope_dim if rope_dim != head_dim else None,
         sliding_window=fields.get(f"{gguf_arch}.attention.sliding_window"),
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         **(_gemma_fields(fields, gguf_arch, num_heads, head_dim) if gguf_arch in _GEMMA else {}),
@@ -247,12 +256,36 @@ def gemma_local_layers(fields: dict[str, Any], gguf_arch: str, num_layers: int) 
     return tuple(index for index in range(num_layers) if every == 0 or index % every < every - 1)
 
 
-def _rope_scaling(fields: dict[str, Any], gguf_arch: str) -> RopeScaling | None:
+def _rope_scaling(fields: dict[str, Any], gguf_arch: str, tensors: dict[str, Any]) -> RopeScaling | None:
+    if _LONGROPE_TENSORS[0] in tensors or _LONGROPE_TENSORS[1] in tensors:
+        return _longrope_scaling(fields, gguf_arch, tensors)
     scaling_type = fields.get(f"{gguf_arch}.rope.scaling.type")
     if scaling_type in (None, "none"):
         return None
     factor = float(fields.get(f"{gguf_arch}.rope.scaling.factor", 1.0))
     return RopeScaling(rope_type=scaling_type, factor=factor)
+
+
+def _longrope_scaling(fields: dict[str, Any], gguf_arch: str, tensors: dict[str, Any]) -> RopeScaling:
+    """llama.cpp's Phi-3 LongRoPE: the factors as tensors, the original context length and the
+    attention factor (which its converter computed as transformers does) as metadata."""
+    missing = [name for name in _LONGROPE_TENSORS if name not in tensors]
+    original_key = f"{gguf_arch}.rope.scaling.original_context_length"
+    if missing or original_key not in fields:
+        raise ValueError(
+            f"model: LongRoPE in a GGUF file needs {', '.join(_LONGROPE_TENSORS)} and {original_key}; "
+            f"missing {', '.join(missing + ([original_key] if original_key not in fields else []))}"
+        )
+    long_factor, short_factor = (
+        _dequantized(tensors[name]).reshape(-1).tolist() for name in _LONGROPE_TENSORS
+    )
+    return RopeScaling(
+        rope_type="longrope",
+        original_max_position_embeddings=int(fields[original_key]),
+        short_factor=tuple(short_factor),
+        long_factor=tuple(long_factor),
+        attention_factor=float(fields.get(f"{gguf_arch}.rope.scaling.attn_factor", 1.0)),
+    )
 
 
 def _tokenizer_from_fields(fields: dict[str, Any]) -> Tokenizer:
@@ -310,7 +343,7 @@ def undo_rope_permutation(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def _iter_weights(tensors: dict[str, Any], arch: ModelArch, gguf_arch: str) -> NamedTensors:
     for name, tensor in tensors.items():
-        if name == "rope_freqs.weight":
+        if name == "rope_freqs.weight" or name in _LONGROPE_TENSORS:
             continue
         hf_name = _hf_name(name, gguf_arch)
         if hf_name is None:

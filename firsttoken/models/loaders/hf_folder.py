@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import math
 import os
 from typing import Any
 
@@ -129,12 +130,11 @@ def arch_from_config(config: dict[str, Any], path: str) -> ModelArch:
     rope = rope.get("full_attention", rope)
     rope_theta = float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
     scaling_source = config.get("rope_scaling") or rope
+    head_dim = int(config.get("head_dim") or hidden_size // num_heads)
     partial_rotary_factor = float(config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
-    if partial_rotary_factor != 1.0:
-        raise ValueError(
-            f"model: partial_rotary_factor {partial_rotary_factor} of {path} is not supported (only 1.0: "
-            "rotary over every dim of a head)"
-        )
+    if not 0.0 < partial_rotary_factor <= 1.0:
+        raise ValueError(f"model: partial_rotary_factor {partial_rotary_factor} of {path} must be in (0, 1]")
+    rotary_dim = int(head_dim * partial_rotary_factor)
     # Qwen2/3 configs say whether their window applies; Mistral's, Phi-3's and Gemma's always does.
     use_sliding_window = config.get(
         "use_sliding_window", model_type in ("mistral", "phi3", "gemma2", "gemma3_text")
@@ -147,13 +147,14 @@ def arch_from_config(config: dict[str, Any], path: str) -> ModelArch:
         num_layers=int(config["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-        head_dim=int(config.get("head_dim") or hidden_size // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-        rope_scaling=_rope_scaling(scaling_source),
+        **_bias_fields(config, model_type),
+        rope_scaling=_rope_scaling(scaling_source, config, model_type),
+        rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         sliding_window=config.get("sliding_window") if use_sliding_window else None,
         sliding_window_layers=_sliding_window_layers(config, model_type),
         qk_norm=model_type in ("qwen3", "gemma3_text"),
@@ -203,16 +204,62 @@ def _sliding_window_layers(config: dict[str, Any], model_type: str) -> tuple[int
     return None
 
 
-def _rope_scaling(source: dict[str, Any]) -> RopeScaling | None:
+def _bias_fields(config: dict[str, Any], model_type: str) -> dict[str, bool]:
+    """Which projections have biases, as transformers builds each family: Qwen2 always q/k/v's
+    alone; Llama, Qwen3 and Gemma q/k/v's and o_proj's with attention_bias; Llama the MLP's with
+    mlp_bias; Mistral and Phi-3 none."""
+    attention_bias = model_type in _ATTENTION_BIAS_FAMILIES and bool(config.get("attention_bias", False))
+    return dict(
+        attention_bias=model_type == "qwen2" or attention_bias,
+        attention_output_bias=attention_bias,
+        mlp_bias=model_type == "llama" and bool(config.get("mlp_bias", False)),
+    )
+
+
+_ATTENTION_BIAS_FAMILIES = ("llama", "qwen3", "gemma2", "gemma3_text")
+
+
+def _rope_scaling(source: dict[str, Any], config: dict[str, Any], model_type: str) -> RopeScaling | None:
     rope_type = source.get("rope_type", source.get("type"))
     if rope_type in (None, "default"):
         return None
+    # transformers reads Phi-3's older names for LongRoPE as it.
+    if model_type == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"
+    if rope_type == "longrope":
+        return _longrope_scaling(source, config)
     return RopeScaling(
         rope_type=rope_type,
         factor=float(source.get("factor", 1.0)),
         low_freq_factor=float(source.get("low_freq_factor", 1.0)),
         high_freq_factor=float(source.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(source.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _longrope_scaling(source: dict[str, Any], config: dict[str, Any]) -> RopeScaling:
+    """LongRoPE as transformers' `_compute_longrope_parameters` reads it: Phi-3's top-level
+    original_max_position_embeddings first; attention_factor, when the config has none,
+    sqrt(1 + ln(factor) / ln(original)), factor being max / original positions unless given."""
+    max_positions = int(config.get("max_position_embeddings", 4096))
+    original = int(
+        config.get("original_max_position_embeddings")
+        or source.get("original_max_position_embeddings")
+        or max_positions
+    )
+    factor = float(source.get("factor") or max_positions / original)
+    attention_factor = source.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    for name in ("short_factor", "long_factor"):
+        if not isinstance(source.get(name), list):
+            raise ValueError(f"model: rope_scaling.{name} of a longrope config must be a list of numbers")
+    return RopeScaling(
+        rope_type="longrope",
+        original_max_position_embeddings=original,
+        short_factor=tuple(source["short_factor"]),
+        long_factor=tuple(source["long_factor"]),
+        attention_factor=float(attention_factor),
     )
 
 
