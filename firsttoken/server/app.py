@@ -23,7 +23,7 @@ from firsttoken.server.completions import create_completion
 from firsttoken.server.server_config import ServerConfig
 from firsttoken.server.errors import APIError, install_error_handlers
 from firsttoken.server.json_body import checked_json_route
-from firsttoken.server.pins import list_pins, pin_system_prompt, unpin
+from firsttoken.server.pins import Pin, PinDeleted, PinList, PinRequest, list_pins, pin_system_prompt, unpin
 from firsttoken.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -34,10 +34,6 @@ from firsttoken.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
-    Pin,
-    PinDeleted,
-    PinList,
-    PinRequest,
     TokenizeRequest,
     TokenizeResponse,
 )

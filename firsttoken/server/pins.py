@@ -3,10 +3,48 @@ its prefill. Under /v1, so a server started with --api-key requires the key here
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
 from firsttoken.engine import EngineClient, InvalidInputError
 from firsttoken.outputs import PinnedPrefix
 from firsttoken.server.errors import APIError
-from firsttoken.server.protocol import Pin, PinDeleted, PinList, PinRequest
+
+
+class PinRequest(BaseModel):
+    """POST /v1/pins: a system prompt whose KV the server should keep resident."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    system_prompt: str = Field(
+        min_length=1,
+        description="the content of the conversations' first (system) message; its chat-template "
+        "rendering is computed once and its full KV blocks stay cached until unpinned",
+    )
+
+
+class Pin(BaseModel):
+    """A pinned system prompt."""
+
+    id: str = Field(description="named by the prompt's tokens: pinning the same prompt again gives it")
+    object: Literal["pin"] = "pin"
+    num_tokens: int = Field(description="prompt tokens kept resident (whole KV blocks)")
+
+
+class PinList(BaseModel):
+    """GET /v1/pins."""
+
+    object: Literal["list"] = "list"
+    data: list[Pin]
+
+
+class PinDeleted(BaseModel):
+    """DELETE /v1/pins/{pin_id}."""
+
+    id: str
+    object: Literal["pin"] = "pin"
+    deleted: Literal[True] = True
 
 
 async def pin_system_prompt(engine: EngineClient, body: PinRequest) -> Pin:

@@ -751,41 +751,6 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class PinRequest(_StrictModel):
-    """POST /v1/pins: a system prompt whose KV the server should keep resident."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    system_prompt: str = Field(
-        min_length=1,
-        description="the content of the conversations' first (system) message; its chat-template "
-        "rendering is computed once and its full KV blocks stay cached until unpinned",
-    )
-
-
-class Pin(BaseModel):
-    """A pinned system prompt."""
-
-    id: str = Field(description="named by the prompt's tokens: pinning the same prompt again gives it")
-    object: Literal["pin"] = "pin"
-    num_tokens: int = Field(description="prompt tokens kept resident (whole KV blocks)")
-
-
-class PinList(BaseModel):
-    """GET /v1/pins."""
-
-    object: Literal["list"] = "list"
-    data: list[Pin]
-
-
-class PinDeleted(BaseModel):
-    """DELETE /v1/pins/{pin_id}."""
-
-    id: str
-    object: Literal["pin"] = "pin"
-    deleted: Literal[True] = True
-
-
 class ErrorBody(BaseModel):
     """What went wrong: a message naming the field, OpenAI's type and code."""
 
