@@ -207,6 +207,16 @@ def test_the_loaders_gguf_reader_reads_the_librarys_fields_and_tensors(model_pat
         assert np.array_equal(ours.data, theirs.data)
 
 
+def _assert_gguf_gives_transformers_tokens(model_type: str, overrides: dict, tmp_path) -> None:
+    """A float32 GGUF file of the tiny transformers model gives its greedy tokens and log-probs."""
+    hf_model = tiny_hf_model(model_type, **overrides)
+    path = write_gguf(hf_model, str(tmp_path / f"{model_type}.gguf"), model_type, {})
+    output = _firsttoken_run(path)
+    expected_ids, expected_logprobs = hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)
+    assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
+    assert output.token_ids == expected_ids
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model_type, overrides",
@@ -216,12 +226,7 @@ def test_the_loaders_gguf_reader_reads_the_librarys_fields_and_tensors(model_pat
 def test_gguf_of_qk_norm_and_fused_layouts_matches_transformers(model_type, overrides, tmp_path):
     """llama.cpp's names for Qwen3's q/k norms and Phi-3's fused qkv and gate|up tensors, in
     float32 so the file holds the transformers model's own weights."""
-    hf_model = tiny_hf_model(model_type, **overrides)
-    path = write_gguf(hf_model, str(tmp_path / f"{model_type}.gguf"), model_type, {})
-    output = _firsttoken_run(path)
-    expected_ids, expected_logprobs = hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)
-    assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
-    assert output.token_ids == expected_ids
+    _assert_gguf_gives_transformers_tokens(model_type, overrides, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -236,12 +241,7 @@ def test_gguf_of_longrope_partial_rotary_and_biases_matches_transformers(model_t
     """llama.cpp's Phi-3 LongRoPE (rope_factors_long/short tensors, the original context and
     attention factor as metadata) with rope.dimension_count under the head size; a Llama's
     q/k/v/o and MLP biases (q and k's in the converter's permuted rows). float32 files."""
-    hf_model = tiny_hf_model(model_type, **overrides)
-    path = write_gguf(hf_model, str(tmp_path / f"{model_type}.gguf"), model_type, {})
-    output = _firsttoken_run(path)
-    expected_ids, expected_logprobs = hf_greedy(hf_model, PROMPT_IDS, NUM_TOKENS)
-    assert_logprobs_close(output.logprobs[0], expected_logprobs, TOLERANCE)
-    assert output.token_ids == expected_ids
+    _assert_gguf_gives_transformers_tokens(model_type, overrides, tmp_path)
 
 
 def test_gguf_partial_rotary_of_a_permuted_architecture_is_refused(tmp_path):

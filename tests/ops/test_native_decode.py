@@ -282,6 +282,18 @@ def _per_op_step(model: LlamaForCausalLM, sequences) -> tuple[torch.Tensor, list
     return hidden, written
 
 
+def _assert_whole_step_gives_the_per_op_bits(model: LlamaForCausalLM, sequences) -> None:
+    """The whole step's hidden states and new K/V equal the model's own forward's, bit for bit."""
+    whole_step = build_whole_step_decode(model)
+    assert whole_step is not None
+    per_op_hidden, per_op_caches = _per_op_step(model, sequences)
+    input_ids, positions, slot_mapping, layout = _decode_inputs(sequences)
+    assert whole_step.takes(layout)
+    assert torch.equal(whole_step.run(input_ids, positions, slot_mapping, layout), per_op_hidden)
+    for layer, per_op_cache in zip(model.layers, per_op_caches):
+        assert torch.equal(layer.self_attn.kv_cache, per_op_cache)
+
+
 @pytest.mark.parametrize(
     "head_dim, num_heads, num_kv_heads, attention_bias",
     [(32, 4, 2, False), (64, 6, 2, True), (128, 2, 1, False)],
@@ -297,15 +309,7 @@ def test_float32_decode_step_gives_the_per_op_bits(
     model = _int4_model(
         _arch(head_dim, num_heads, num_kv_heads, attention_bias), portable_kernels, dtype=torch.float32
     )
-    whole_step = build_whole_step_decode(model)
-    assert whole_step is not None
-    per_op_hidden, per_op_caches = _per_op_step(model, sequences)
-    input_ids, positions, slot_mapping, layout = _decode_inputs(sequences)
-    assert whole_step.takes(layout)
-    native_hidden = whole_step.run(input_ids, positions, slot_mapping, layout)
-    assert torch.equal(native_hidden, per_op_hidden)
-    for layer, per_op_cache in zip(model.layers, per_op_caches):
-        assert torch.equal(layer.self_attn.kv_cache, per_op_cache)
+    _assert_whole_step_gives_the_per_op_bits(model, sequences)
 
 
 @pytest.mark.parametrize("sequences", SEQUENCES.values(), ids=SEQUENCES.keys())
@@ -317,12 +321,7 @@ def test_float32_decode_step_of_partial_rotary_longrope_and_biases_gives_the_per
     the whole step, on full-head rotary kernels, gives the per-op bits."""
     arch = _arch(64, 6, 2, True, **PARTIAL_LONGROPE_BIASED)
     model = _int4_model(arch, portable_kernels, dtype=torch.float32)
-    whole_step = build_whole_step_decode(model)
-    assert whole_step is not None
-    per_op_hidden, per_op_caches = _per_op_step(model, sequences)
-    assert torch.equal(whole_step.run(*_decode_inputs(sequences)), per_op_hidden)
-    for layer, per_op_cache in zip(model.layers, per_op_caches):
-        assert torch.equal(layer.self_attn.kv_cache, per_op_cache)
+    _assert_whole_step_gives_the_per_op_bits(model, sequences)
 
 
 @pytest.mark.parametrize("sequences", SEQUENCES.values(), ids=SEQUENCES.keys())
@@ -333,10 +332,7 @@ def test_float32_decode_step_attends_within_each_layers_window_with_the_per_op_b
     """A window of 5 keys, shorter than most sequences here: the whole step reads what the per-op
     path's flash decode reads, to the bit."""
     model = _int4_model(_arch(32, 4, 2, False, sliding_window=5), portable_kernels, dtype=torch.float32)
-    whole_step = build_whole_step_decode(model)
-    assert whole_step is not None
-    per_op_hidden, _ = _per_op_step(model, sequences)
-    assert torch.equal(whole_step.run(*_decode_inputs(sequences)), per_op_hidden)
+    _assert_whole_step_gives_the_per_op_bits(model, sequences)
 
 
 @torch.inference_mode()
