@@ -31,6 +31,7 @@ NEEDS_A_PEER = {
 NEEDS_BF16_INSTRUCTIONS = {"chunk_attention.py"}
 TINY_ARGUMENTS = {
     "batch_invariance.py": "--input-lens 16 --decode-batches 1 --repeats 1",
+    "busy_machine.py": "--busy 1 --rounds 1 --runs 1 --input-len 16 --output-len 2 --skip-quiet",
     "chunk_attention.py": "--repeats 1 --shapes 128:32",
     "chunk_policy.py": "--loads 64/4 --fractions 1 --chunks 2048 --num-prompts 3",
     "compare_peers.py": "--input-lens 32 --output-len 4 --runs 1 --warmup-runs 0 --no-llama-cpp",
