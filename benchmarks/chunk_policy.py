@@ -198,10 +198,16 @@ def print_results(results: dict, fixed_labels: list[str]) -> None:
                 [
                     f"{fraction}x",
                     f"auto / {best}",
-                    *(auto[name] / settings[best][fraction][name] for name in names),
+                    *(_ratio(auto[name], settings[best][fraction][name]) for name in names),
                 ]
             )
         print_table(["rate", "setting", *names], rows)
+
+
+def _ratio(auto: float, best: float) -> float:
+    """auto's figure over the best fixed chunk's; nan where that is 0 (no request met every
+    objective: goodput 0, as a short run on a slow machine can give)."""
+    return auto / best if best else math.nan
 
 
 def _engine_args(text: str) -> argparse.Namespace:
