@@ -9,8 +9,6 @@ import statistics
 import time
 from typing import Callable
 
-from firsttoken.bench.results import write_json
-from firsttoken.bench.table import format_table
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench_results")
 
@@ -56,6 +54,9 @@ def timed(function: Callable[[], object]) -> float:
 
 def print_table(headers: list[str], rows: list[list[object]]) -> None:
     """`firsttoken bench`'s table, with a third decimal under 100 (the scripts' seconds and ratios)."""
+    # Imported here: the vLLM side's Python imports this module and has no firsttoken.
+    from firsttoken.bench.table import format_table
+
     print(format_table(headers, [[_format(value) for value in row] for row in rows]))
 
 
@@ -72,4 +73,6 @@ def engine_dtype_name(llm) -> str:
 
 def save_result(name: str, payload: dict) -> str:
     os.makedirs(RESULTS_DIR, exist_ok=True)
+    from firsttoken.bench.results import write_json
+
     return write_json(os.path.join(RESULTS_DIR, f"{name}.json"), payload)
