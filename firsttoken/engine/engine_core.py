@@ -250,8 +250,11 @@ class EngineCore:
         # behind chunk_size="auto" sees both.
         self.scheduler.observe_step_time(scheduler_output, (executed - scheduled) + (proposed - updated))
         logger.debug(
-            "step %d: schedule %.3f ms, execute %.3f ms, update %.3f ms, propose %.3f ms",
+            "step %d (%d tokens in %d chunks): schedule %.3f ms, execute %.3f ms, update %.3f ms, "
+            "propose %.3f ms",
             self.scheduler.step_index,
+            scheduler_output.num_tokens,
+            len(scheduler_output.chunks),
             (scheduled - started) * 1e3,
             (executed - scheduled) * 1e3,
             (updated - executed) * 1e3,
