@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from firsttoken.bench.serve_client import arrival_offsets
 from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
 from firsttoken.core.batch import ModelOutput
-from firsttoken.core.cost_model import StepCostModel, StepTimeTracker, attention_pairs
+from firsttoken.core.cost_model import StepCostModel, StepTimeTracker
 from firsttoken.core.hashing import root_hash
 from firsttoken.core.kv_cache_manager import KVCacheManager
 from firsttoken.core.scheduler import Scheduler
@@ -168,8 +168,7 @@ def simulate(
                 raise RuntimeError("the scheduler holds requests but schedules none")
             clock.now = arrivals[next_arrival].arrival_s
             continue
-        pairs = sum(attention_pairs(chunk.start_position, chunk.num_tokens) for chunk in output.chunks)
-        clock.now += cost_model.predict(output.num_tokens, pairs)
+        clock.now += cost_model.predict_chunks(output.chunks)
         sampled = {chunk.req_id: SampledToken(_EOS + 1) for chunk in output.chunks if chunk.sample}
         scheduler.update(output, ModelOutput(sampled))
         num_steps += 1

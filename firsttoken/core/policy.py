@@ -170,8 +170,8 @@ def plan_prefill(
     while computed < prompt_tokens:
         load = StepLoad(num_decodes, decode_pairs, computed, prompt_tokens - computed)
         chunk = min(adaptive_prefill_budget(load, cost_model, targets), prompt_tokens - computed)
-        pairs = decode_pairs + attention_pairs(computed, chunk)
         chunks.append(chunk)
-        seconds.append(cost_model.predict(num_decodes + chunk, pairs))
+        prefill_pairs = attention_pairs(computed, chunk)
+        seconds.append(cost_model.predict(chunk, prefill_pairs, num_decodes, decode_pairs))
         computed += chunk
     return PrefillPlan(chunks, seconds)

@@ -39,7 +39,7 @@ from firsttoken.core.batch import (
     SchedulerOutput,
     TrackedRequest,
 )
-from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
+from firsttoken.core.cost_model import StepTimeTracker
 from firsttoken.core.hashing import BlockHash, extend_block_hashes
 from firsttoken.core.kv_cache_manager import KVCacheManager
 from firsttoken.core.policy import StepSharing
@@ -378,8 +378,7 @@ class Scheduler:
     def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
         """Feed a finished step's duration to the cost model's online correction."""
         if self.step_times is not None and not output.is_empty:
-            pairs = sum(attention_pairs(chunk.start_position, chunk.num_tokens) for chunk in output.chunks)
-            self.step_times.observe(output.num_tokens, pairs, seconds)
+            self.step_times.observe(output.chunks, seconds)
 
     def _prefill_candidates(self) -> list[Request]:
         return [request for request, _ in self._ordered_candidates()]

@@ -64,7 +64,7 @@ def queue_finish_seconds(
     the items run in order, `budget` tokens a step: its step also holds the tokens after it that
     fit, so it ends when that whole step does."""
     budget = max(1, budget)
-    step_seconds = cost_model.predict(decodes.num_decodes, decodes.attention_pairs)
+    step_seconds = cost_model.predict(0, 0, decodes.num_decodes, decodes.attention_pairs)
     total_tokens = sum(item.num_new_tokens for item in work)
     finish = []
     num_tokens = 0
@@ -186,7 +186,7 @@ def rush_prefill_budget(
             break
     else:
         return max_budget
-    step_seconds = cost_model.predict(decodes.num_decodes + num_tokens, decodes.attention_pairs + pairs)
+    step_seconds = cost_model.predict(num_tokens, pairs, decodes.num_decodes, decodes.attention_pairs)
     spare_seconds = item.due - now - step_seconds
     if spare_seconds <= 0 or cost_model.seconds_per_token <= 0:
         return max(1, num_tokens)

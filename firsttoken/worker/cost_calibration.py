@@ -20,18 +20,20 @@ import numpy as np
 
 from firsttoken.arithmetic import ceil_div
 from firsttoken.core.batch import ModelOutput, SampleSpec, ScheduledChunk, SchedulerOutput
-from firsttoken.core.cost_model import StepCostModel, attention_pairs
+from firsttoken.core.cost_model import StepCostModel, step_work
 from firsttoken.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 # A cached model whose prediction of the probe step is off by more than this factor is refitted.
 PROBE_TOLERANCE = 2.0
 # A step of at least this many tokens is timed once: its one-time costs (a new shape's kernel
 # set-up, fresh pages) are a small part of it, and the largest steps are most of a calibration.
 SINGLE_RUN_TOKENS = 512
 _GREEDY_ONE = SamplingParams(temperature=0, max_tokens=1)
+# Rows of the calibration's decode batches: a batch as a served load runs.
+DECODE_ROWS = 16
 
 
 class StepRunner(Protocol):
@@ -57,6 +59,14 @@ class CalibrationLimits:
 
 
 @dataclass(frozen=True)
+class ChunkAt:
+    """One sequence's part of a synthetic step."""
+
+    start_position: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class StepShape:
     """A synthetic step: (start position, token count) of each of its sequences."""
 
@@ -67,8 +77,9 @@ class StepShape:
         return sum(count for _, count in self.chunks)
 
     @property
-    def attention_pairs(self) -> int:
-        return sum(attention_pairs(start, count) for start, count in self.chunks)
+    def work(self) -> tuple[int, int, int, int]:
+        """Its prefill tokens and pairs, its decode rows and their pairs (cost_model.step_work)."""
+        return step_work(ChunkAt(start, count) for start, count in self.chunks)
 
 
 def calibration_shapes(limits: CalibrationLimits) -> list[StepShape]:
@@ -81,9 +92,16 @@ def calibration_shapes(limits: CalibrationLimits) -> list[StepShape]:
     context = min(1024, capacity_tokens // 2 - 256, limits.max_model_len - 256)
     if context > 0 and limit >= 256:
         shapes.append(StepShape(((context, 256),)))
-    decode_context = min(256, capacity_tokens // 16, limits.max_model_len - 1)
-    if decode_context > 0:
-        shapes.append(StepShape(tuple((decode_context, 1) for _ in range(8))))
+    # Decode batches of two sizes at one context and of one size at two: what sets a decode
+    # row's price and its price per pair.
+    longest_decode_context = min(capacity_tokens // (2 * DECODE_ROWS), limits.max_model_len - 1)
+    short_context = min(256, longest_decode_context)
+    long_context = min(2048, longest_decode_context)
+    if short_context > 0:
+        for num_rows, decode_context in sorted(
+            {(4, short_context), (DECODE_ROWS, short_context), (DECODE_ROWS, long_context)}
+        ):
+            shapes.append(StepShape(tuple((decode_context, 1) for _ in range(num_rows))))
     return shapes
 
 
@@ -118,10 +136,16 @@ def measure(runner: StepRunner, shape: StepShape, limits: CalibrationLimits, rep
 
 
 def fit(shapes: list[StepShape], seconds: list[float]) -> StepCostModel:
-    """Least squares on [1, tokens, attention pairs]; a negative coefficient is dropped."""
-    features = np.array([[1.0, s.num_tokens, s.attention_pairs] for s in shapes])
+    """Least squares on [1, tokens, prefill pairs, decode rows, decode pairs] (a decode row is a
+    token too); a negative coefficient is dropped."""
+    features = np.array(
+        [
+            [1.0, tokens + decodes, prefill_pairs, decodes, decode_pairs]
+            for tokens, prefill_pairs, decodes, decode_pairs in (s.work for s in shapes)
+        ]
+    )
     targets = np.array(seconds)
-    active = [0, 1, 2]
+    active = [0, 1, 2, 3, 4]
     while True:
         solution, *_ = np.linalg.lstsq(features[:, active], targets, rcond=None)
         coefficients = dict(zip(active, solution))
@@ -133,6 +157,8 @@ def fit(shapes: list[StepShape], seconds: list[float]) -> StepCostModel:
         seconds_fixed=max(0.0, float(coefficients.get(0, 0.0))),
         seconds_per_token=max(1e-9, float(coefficients.get(1, 0.0))),
         seconds_per_attention_pair=max(0.0, float(coefficients.get(2, 0.0))),
+        seconds_per_decode_row=max(0.0, float(coefficients.get(3, 0.0))),
+        seconds_per_decode_pair=max(0.0, float(coefficients.get(4, 0.0))),
     )
 
 
@@ -164,7 +190,7 @@ def probe_shape(limits: CalibrationLimits) -> StepShape:
 
 
 def predicts_probe(model: StepCostModel, measured_seconds: float, shape: StepShape) -> bool:
-    predicted = model.predict(shape.num_tokens, shape.attention_pairs)
+    predicted = model.predict(*shape.work)
     if predicted <= 0 or measured_seconds <= 0:
         return False
     return 1 / PROBE_TOLERANCE <= measured_seconds / predicted <= PROBE_TOLERANCE

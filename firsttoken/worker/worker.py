@@ -17,7 +17,7 @@ import torch
 
 from firsttoken.config import EngineConfig
 from firsttoken.core.batch import ModelOutput, SchedulerOutput
-from firsttoken.core.cost_model import StepCostModel, attention_pairs
+from firsttoken.core.cost_model import StepCostModel
 from firsttoken.models.loaders.conversion_cache import default_cache_dir
 from firsttoken.models.registry import open_checkpoint, resolve_model_path
 from firsttoken.ops.cpu_info import physical_core_count
@@ -276,10 +276,7 @@ class Worker:
 
     def _predicted_seconds(self, scheduler_output: SchedulerOutput) -> float:
         assert self._step_cost is not None
-        pairs = sum(
-            attention_pairs(chunk.start_position, chunk.num_tokens) for chunk in scheduler_output.chunks
-        )
-        return self._step_cost.predict(scheduler_output.num_tokens, pairs)
+        return self._step_cost.predict_chunks(scheduler_output.chunks)
 
     def release_requests(self, req_ids: list[str]) -> None:
         """Free the sampler's token state of finished tracked requests."""

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 
-from firsttoken.core.cost_model import StepCostModel, StepTimeTracker, attention_pairs
+from firsttoken.core.cost_model import StepCostModel, StepTimeTracker, attention_pairs, step_work
 from firsttoken.core.arrival_rate import ArrivalRate
 from firsttoken.core.policy import (
     LatencyTargets,
@@ -155,13 +156,35 @@ def test_arrival_rate_counts_recent_arrivals_and_their_sizes():
 
 def test_online_correction_follows_the_observed_speed():
     tracker = StepTimeTracker(COST, smoothing=0.5)
+    prefill = [ChunkAt(0, 100)]
     for _ in range(20):
-        tracker.observe(100, attention_pairs(0, 100), 2 * COST.predict(100, attention_pairs(0, 100)))
+        tracker.observe(prefill, 2 * COST.predict(100, attention_pairs(0, 100)))
     assert tracker.correction == pytest.approx(2.0, rel=1e-3)
     assert tracker.model.predict(10, 0) == pytest.approx(2 * COST.predict(10, 0))
     for _ in range(50):
-        tracker.observe(100, 0, 1000.0)
+        tracker.observe(prefill, 1000.0)
     assert tracker.correction == pytest.approx(StepTimeTracker.MAX_CORRECTION, rel=1e-3)
+
+
+@dataclass(frozen=True)
+class ChunkAt:
+    start_position: int
+    num_tokens: int
+
+
+def test_a_decode_row_and_its_pairs_have_their_own_price():
+    """One-token chunks pay a token's price, a decode row's and the decode price per pair;
+    longer chunks a token's and the prefill's price per pair."""
+    model = StepCostModel(0.01, 1e-4, 1e-7, seconds_per_decode_row=1e-3, seconds_per_decode_pair=1e-6)
+    step = [ChunkAt(0, 64), ChunkAt(500, 1), ChunkAt(300, 1)]
+    assert step_work(step) == (64, attention_pairs(0, 64), 2, 501 + 301)
+    expected = 0.01 + 66 * 1e-4 + attention_pairs(0, 64) * 1e-7 + 2 * 1e-3 + 802 * 1e-6
+    assert model.predict_chunks(step) == pytest.approx(expected)
+    assert model.decode_step(2, 802) == pytest.approx(0.01 + 2e-4 + 2e-3 + 802e-6)
+    unmeasured = StepCostModel(seconds_fixed=0.01, seconds_per_token=1e-4, seconds_per_attention_pair=1e-7)
+    assert unmeasured.predict(0, 0, 1, 1000) == unmeasured.predict(1, 1000)
+    assert model.scaled(2.0).seconds_per_decode_pair == pytest.approx(2e-6)
+    assert model.scaled(2.0).seconds_per_decode_row == pytest.approx(2e-3)
 
 
 def test_attention_pairs_counts_every_query_key_pair():

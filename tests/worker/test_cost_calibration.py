@@ -29,7 +29,7 @@ def machine(monkeypatch):
     calls = {"calibrate": 0}
 
     def measure(runner, shape, limits, repeats=2):
-        return MACHINE_NOW.predict(shape.num_tokens, shape.attention_pairs)
+        return MACHINE_NOW.predict(*shape.work)
 
     def calibrate(runner, limits):
         calls["calibrate"] += 1
@@ -122,13 +122,30 @@ def test_engines_whose_steps_differ_keep_their_own_step_costs():
 
 
 def test_calibration_times_each_step_twice_but_a_long_prefill_once():
-    executed_tokens = []
+    executed_prefills = []
     runner = SimpleNamespace(
-        execute=lambda output: executed_tokens.append(sum(len(chunk.token_ids) for chunk in output.chunks))
+        execute=lambda output: executed_prefills.extend(
+            len(chunk.token_ids) for chunk in output.chunks if len(output.chunks) == 1
+        )
     )
     cost_calibration.calibrate(runner, _limits(2048, 65536))
-    assert executed_tokens.count(1024) == 1
-    assert [executed_tokens.count(size) for size in (16, 64)] == [2, 2]
+    assert executed_prefills.count(1024) == 1
+    assert [executed_prefills.count(size) for size in (16, 64)] == [2, 2]
+
+
+def test_calibration_prices_decode_rows_and_their_pairs_apart_from_a_prefills():
+    """Steps that take a fixed cost, prices per token and per prefill pair, and a decode row's
+    own price and ten times the pair's: the fit finds each, from decode batches of two sizes
+    and two contexts."""
+    truth = StepCostModel(0.02, 2e-4, 1e-7, seconds_per_decode_row=1e-3, seconds_per_decode_pair=1e-6)
+    shapes = calibration_shapes(_limits(2048, 65536))
+    decode_batches = {(len(shape.chunks), shape.chunks[0][0]) for shape in shapes if shape.work[2]}
+    assert len(decode_batches) == 3
+    fitted = cost_calibration.fit(shapes, [truth.predict(*shape.work) for shape in shapes])
+    for name in ("seconds_fixed", "seconds_per_token", "seconds_per_attention_pair"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    assert fitted.seconds_per_decode_row == pytest.approx(1e-3, rel=1e-6)
+    assert fitted.seconds_per_decode_pair == pytest.approx(1e-6, rel=1e-6)
 
 
 def test_calibration_measures_a_lone_decode_apart_from_the_fit():
