@@ -30,6 +30,11 @@ class ArrivalRate:
         span_s = max(now, times[-1]) - times[0]
         return num_gaps / span_s if num_gaps and span_s > 0 else 0.0
 
+    def mean_prompt_tokens(self, now: float) -> float:
+        """The recent arrivals' mean prompt length; 0 without any."""
+        recent = self._recent(now)
+        return sum(size for _, size in recent) / len(recent) if recent else 0.0
+
     def share_shorter_than(self, now: float, num_tokens: int) -> float:
         """The share of the recent arrivals whose prompt was shorter than `num_tokens`."""
         recent = self._recent(now)

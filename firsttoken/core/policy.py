@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from firsttoken.core.cost_model import StepCostModel, attention_pairs
 
+# The most times the line's own wait that auto counts a step's delay as lasting (a utilization of 0.9).
+MAX_BUSY_PERIOD_FACTOR = 10.0
+
 
 @dataclass(frozen=True)
 class StepLoad:
@@ -106,19 +109,30 @@ def joins_step(
     return num_prompts_in_step * compute_s < decode_step_s * num_sparing
 
 
+def busy_period_factor(utilization: float) -> float:
+    """How many times the line's own wait a step's delay lasts: a step added now delays every
+    prompt until the engine catches up with its arrivals, and under utilization rho that busy
+    period is 1 / (1 - rho) times the work in hand (M/G/1). Held to `MAX_BUSY_PERIOD_FACTOR`:
+    the utilization is an estimate."""
+    return min(MAX_BUSY_PERIOD_FACTOR, 1 / max(1e-9, 1 - utilization))
+
+
 @dataclass(frozen=True)
 class StepSharing:
     """Auto's rule for the prompts after the first in a step (joins_step), beside decodes whose
-    own step takes `decode_step_s`, with `num_arriving` prompts expected to queue behind."""
+    own step takes `decode_step_s`, with `num_arriving` prompts expected to queue behind and a
+    step's delay lasting `busy_factor` times the line's wait (busy_period_factor)."""
 
     decode_step_s: float
     num_arriving: float
     cost_model: StepCostModel
+    busy_factor: float = 1.0
 
     def joins(self, num_prompts_in_step: int, context_tokens: int, num_tokens: int, num_in_line: int) -> bool:
         """Whether a prompt not started yet, `num_in_line` from the end of the line, completes
-        its prefill in this step beside the `num_prompts_in_step` prompts in it."""
-        num_sparing = num_in_line + self.num_arriving
+        its prefill in this step beside the `num_prompts_in_step` prompts in it: each prompt a
+        step saved spares one decode step, for as long as the busy period lasts."""
+        num_sparing = (num_in_line + self.num_arriving) * self.busy_factor
         return joins_step(
             num_prompts_in_step, context_tokens, num_tokens, num_sparing, self.decode_step_s, self.cost_model
         )
@@ -126,7 +140,8 @@ class StepSharing:
     def max_started_tokens(self, num_prompts_in_step: int, context_tokens: int, num_in_line: int) -> int:
         """Tokens a prompt already started may add to the step: as many as delay the step's
         prompts by no more than the steps its progress spares the line; a long prompt then
-        moves on (if slowly) while shorter ones keep overtaking it."""
+        moves on (if slowly) while shorter ones keep overtaking it. Not stretched by the busy
+        period: a long prompt that took the step whole would hold every short one behind it."""
         num_sparing = num_in_line + self.num_arriving
         delay_s = self.decode_step_s * num_sparing / num_prompts_in_step
         return self.cost_model.max_prefill_tokens(

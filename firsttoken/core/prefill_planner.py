@@ -19,12 +19,13 @@ from typing import Callable
 
 from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
 from firsttoken.core.arrival_rate import ArrivalRate
-from firsttoken.core.cost_model import StepTimeTracker
+from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
 from firsttoken.core.policy import (
     LatencyTargets,
     StepLoad,
     StepSharing,
     adaptive_prefill_budget,
+    busy_period_factor,
     decode_step_seconds,
     overtaking_size,
     step_limit_seconds,
@@ -232,9 +233,25 @@ class PrefillPlanner:
         if any(request.ttft_slo_s is not None for request in candidates):
             return None
         cost_model = self.step_times.model
-        load = StepLoad(decodes.num_decodes, decodes.attention_pairs, 0, 0)
+        decode_step_s = decode_step_seconds(
+            StepLoad(decodes.num_decodes, decodes.attention_pairs, 0, 0), cost_model
+        )
         num_arriving = self._arrivals_behind(candidates, decodes)
-        return StepSharing(decode_step_seconds(load, cost_model), num_arriving, cost_model)
+        busy_factor = busy_period_factor(self._prefill_utilization(decode_step_s))
+        return StepSharing(decode_step_s, num_arriving, cost_model, busy_factor)
+
+    def _prefill_utilization(self, decode_step_s: float) -> float:
+        """The share of the engine's time the recent arrivals' prefills take when each takes a
+        step of its own: the arrival rate times a mean prompt's compute and a decode step. It
+        leaves out their decodes, so it errs low, toward fewer shared steps."""
+        assert self.step_times is not None
+        now = self.clock()
+        cost_model = self.step_times.model
+        mean_tokens = round(self.arrival_rate.mean_prompt_tokens(now))
+        prompt_s = cost_model.seconds_per_token * mean_tokens + (
+            cost_model.seconds_per_attention_pair * attention_pairs(0, mean_tokens)
+        )
+        return self.arrival_rate.per_second(now) * (prompt_s + decode_step_s)
 
     def _arrivals_behind(self, candidates: list[Request], decodes: DecodeLoad) -> float:
         """Prompts expected to arrive, at the recent rate, while the line's prefills run in steps

@@ -14,6 +14,9 @@ from firsttoken.core.policy import (
     StepLoad,
     adaptive_prefill_budget,
     decode_step_seconds,
+    MAX_BUSY_PERIOD_FACTOR,
+    StepSharing,
+    busy_period_factor,
     joins_step,
     overtaking_size,
     step_limit_seconds,
@@ -131,6 +134,21 @@ def test_a_short_prompt_joins_a_step_and_a_long_one_takes_its_own():
     assert joins_step(1, 0, 500, 11, decode_step_s, COST)
     # Each prompt already in the step is delayed.
     assert not joins_step(11, 0, 500, 11, decode_step_s, COST)
+
+
+def test_a_busy_engine_shares_steps_it_would_not_share_idle():
+    """A step added while arrivals keep the engine busy delays every prompt until it catches up:
+    at a utilization of 0.8 that lasts five times the line's own wait, so a second 500-token
+    prompt joins the step where, with the engine idle behind the line, it takes its own."""
+    assert busy_period_factor(0.0) == 1.0
+    assert busy_period_factor(0.8) == pytest.approx(5.0)
+    assert busy_period_factor(1.5) == MAX_BUSY_PERIOD_FACTOR  # past saturation: held
+    idle = StepSharing(decode_step_s=0.03, num_arriving=0.5, cost_model=COST)
+    busy = StepSharing(0.03, num_arriving=0.5, cost_model=COST, busy_factor=busy_period_factor(0.8))
+    assert not idle.joins(1, 0, 500, 1)
+    assert busy.joins(1, 0, 500, 1)
+    # A started prompt's share of the step is not stretched: it would hold short ones behind it.
+    assert busy.max_started_tokens(1, 0, 1) == idle.max_started_tokens(1, 0, 1)
 
 
 def test_only_a_much_shorter_prompt_counts_as_overtaking():
