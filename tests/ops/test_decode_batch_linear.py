@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from firsttoken.ops import decode_batch_linear
 from firsttoken.ops.decode_batch_linear import DecodeBatchLinear, NativeRows, native_rows_from
 from firsttoken.ops.linear import Linear, NativeRowInvariantLinear
+from firsttoken.worker import model_loading
+from firsttoken.worker.shared_weights import SharedWeightsRegistry
 from tests.conftest import FIXED_THREADS, TEST_KV_CACHE_BYTES
 
 # A float32 sum of up to 576 products in another order than torch's.
@@ -56,6 +58,8 @@ def _greedy_batch(model_path: str, native_rows: NativeRows | None, monkeypatch) 
     monkeypatch.setattr(
         decode_batch_linear, "_measured_native_rows", lambda *shape: asked.append(shape) or native_rows
     )
+    # Its own prepared weights: an engine alive in this process would lend it its projections.
+    monkeypatch.setattr(model_loading, "SHARED_WEIGHTS", SharedWeightsRegistry())
     llm = LLM(
         model_path, dtype="float32", batch_invariant=False, chunk_size=512,
         kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, **FIXED_THREADS,
