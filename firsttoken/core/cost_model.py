@@ -71,6 +71,13 @@ class StepCostModel:
             + self.decode_pair_seconds * num_decode_pairs
         )
 
+    def prompt_seconds(self, num_tokens: int, context_tokens: int = 0) -> float:
+        """A prompt chunk's own compute (its tokens and their attention pairs), the step's
+        fixed cost aside."""
+        return self.seconds_per_token * num_tokens + self.seconds_per_attention_pair * attention_pairs(
+            context_tokens, num_tokens
+        )
+
     def predict_chunks(self, chunks: Iterable[ChunkShape]) -> float:
         """A step of these chunks (each a start position and a token count)."""
         return self.predict(*step_work(chunks))

@@ -103,9 +103,7 @@ def joins_step(
     after another (a CPU) short prompts fill a step while long ones take steps of their own, the
     first of them answering a whole prefill sooner, until a long queue makes the steps saved
     worth more than the first tokens delayed."""
-    compute_s = cost_model.seconds_per_token * num_tokens + (
-        cost_model.seconds_per_attention_pair * attention_pairs(context_tokens, num_tokens)
-    )
+    compute_s = cost_model.prompt_seconds(num_tokens, context_tokens)
     return num_prompts_in_step * compute_s < decode_step_s * num_sparing
 
 

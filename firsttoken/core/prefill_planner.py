@@ -19,7 +19,7 @@ from typing import Callable
 
 from firsttoken.config import ChunkedPrefillConfig, SchedulerConfig
 from firsttoken.core.arrival_rate import ArrivalRate
-from firsttoken.core.cost_model import StepTimeTracker, attention_pairs
+from firsttoken.core.cost_model import StepTimeTracker
 from firsttoken.core.policy import (
     LatencyTargets,
     StepLoad,
@@ -247,10 +247,7 @@ class PrefillPlanner:
         assert self.step_times is not None
         now = self.clock()
         cost_model = self.step_times.model
-        mean_tokens = round(self.arrival_rate.mean_prompt_tokens(now))
-        prompt_s = cost_model.seconds_per_token * mean_tokens + (
-            cost_model.seconds_per_attention_pair * attention_pairs(0, mean_tokens)
-        )
+        prompt_s = cost_model.prompt_seconds(round(self.arrival_rate.mean_prompt_tokens(now)))
         return self.arrival_rate.per_second(now) * (prompt_s + decode_step_s)
 
     def _arrivals_behind(self, candidates: list[Request], decodes: DecodeLoad) -> float:
