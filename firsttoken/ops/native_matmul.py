@@ -74,7 +74,7 @@ class MatmulKernels:
 
     def find_levels(self, weight: torch.Tensor) -> WeightLevels | None:
         """The levels form (ops/weight_levels.py) of a float32 CPU weight [out, in] whose every
-        value it rebuilds bit for bit: 4-bit levels with offsets (Q4_0, Q4_1), else 8-bit ones
+        value it rebuilds bit for bit: 4-bit levels with offsets (Q4_0, Q4_1, Q4_K), else 8-bit ones
         (Q8_0); None for any other. The first rows go first: a weight of another form fails on
         them at a small share of the cost."""
         if (

@@ -19,6 +19,7 @@ from firsttoken.ops.weight_levels import pack_levels
 LEVEL_BITS = {GGMLQuantizationType.Q4_0: 4, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
 # (out, in): SmolLM2-135M's fused QKV and down projections; a partial panel on every ISA.
 SHAPES = [(960, 576), (576, 1536), (50, 64)]
+Q4_K_BLOCK = 256
 
 
 def gguf_weight(
@@ -29,6 +30,31 @@ def gguf_weight(
     return torch.from_numpy(
         dequantize(quantize(values * in_features**-0.5, blocks), blocks).astype(np.float32)
     )
+
+
+def q4_k_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """Random Q4_K blocks (fp16 d and dmin, 6-bit scales and mins per group of 32) whose groups
+    hold levels as llama.cpp's quantizer leaves them: the least value at level 0, the most at 15
+    or a level or two below; dequantized by gguf-py. gguf-py has no Q4_K quantizer."""
+    rng = np.random.default_rng(seed)
+    num_blocks = out_features * in_features // Q4_K_BLOCK
+    halves = rng.uniform(1e-4, 2e-3, (num_blocks, 2)).astype(np.float16)  # d, dmin
+    scales_and_mins = rng.integers(0, 256, (num_blocks, 12), dtype=np.uint8)
+    levels = rng.integers(0, 16, (num_blocks, 8, 32), dtype=np.uint8)
+    levels[:, :, 0] = 0
+    levels[:, :, 1] = rng.integers(13, 16, (num_blocks, 8))
+    # Bytes of each 32 hold group 2j in their low nibbles and group 2j + 1 in their high ones.
+    packed = levels[:, 0::2] | (levels[:, 1::2] << 4)
+    blocks = np.concatenate([halves.view(np.uint8), scales_and_mins, packed.reshape(num_blocks, -1)], axis=1)
+    dequantized = dequantize(blocks.reshape(out_features, -1), GGMLQuantizationType.Q4_K)
+    return torch.from_numpy(dequantized.astype(np.float32))
+
+
+def test_q4_k_groups_are_4_bit_levels_with_their_17_bit_scales_and_offsets(kernels):
+    weight = q4_k_weight(64, 512)
+    levels = kernels.matmul.find_levels(weight)
+    assert levels is not None and levels.bits == 4
+    assert torch.equal(levels.dequantized().view(torch.int32), weight.view(torch.int32))
 
 
 @pytest.mark.parametrize("blocks", list(LEVEL_BITS), ids=lambda blocks: blocks.name)
@@ -74,16 +100,9 @@ def test_one_value_off_the_grid_leaves_the_weight_without_levels(kernels):
     assert kernels.matmul.find_levels(weight) is None
 
 
-@pytest.mark.parametrize(
-    "blocks", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0], ids=lambda b: b.name
-)
-@pytest.mark.parametrize("out_features,in_features", SHAPES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_a_step_on_the_levels_is_the_bits_of_the_float32_matmul(
-    kernels, threads, blocks, out_features, in_features, bias
-):
+def assert_levels_steps_give_float32_bits(kernels, weight: torch.Tensor, bias: bool) -> None:
     """Every row count the levels take, on one thread and two."""
-    weight = gguf_weight(blocks, out_features, in_features)
+    out_features, in_features = weight.shape
     bias_values = torch.randn(out_features) if bias else None
     packed_float = kernels.matmul.pack_matmul_weight(weight)
     packed_levels = pack_levels(kernels.matmul.find_levels(weight), kernels.matmul.matmul_panel_width)
@@ -96,6 +115,22 @@ def test_a_step_on_the_levels_is_the_bits_of_the_float32_matmul(
                 x[:rows], packed_levels, bias_values, out_features
             )
             assert torch.equal(result, expected), (num_threads, rows)
+
+
+@pytest.mark.parametrize(
+    "blocks", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0], ids=lambda b: b.name
+)
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_step_on_the_levels_is_the_bits_of_the_float32_matmul(
+    kernels, threads, blocks, out_features, in_features, bias
+):
+    assert_levels_steps_give_float32_bits(kernels, gguf_weight(blocks, out_features, in_features), bias)
+
+
+@pytest.mark.parametrize("out_features", [960, 50])
+def test_a_step_on_q4_k_levels_is_the_bits_of_the_float32_matmul(kernels, threads, out_features):
+    assert_levels_steps_give_float32_bits(kernels, q4_k_weight(out_features, 2 * Q4_K_BLOCK), bias=True)
 
 
 def test_a_step_of_more_rows_than_the_levels_take_is_an_error_naming_the_limit(kernels):

@@ -6,6 +6,12 @@
  * 4-bit levels: Q4_1's least value is the offset (its level is 0) and the scale an fp16 step
  * or two from (max - min) / 15; Q4_0's offset is its value of largest magnitude, -8 times the
  * scale. 8-bit (Q8_0): no offset, the scale near max |w| / 127.
+ *
+ * Q4_K's groups (its 256-value blocks' sub-blocks of 32) are 4-bit levels too, w = q * d * sc -
+ * dmin * m: scale and offset are fp16 values times 6-bit integers, 17 significant bits, and exact
+ * in float32. Its quantizer maps a group's least value to level 0 (or, where every value is
+ * positive, keeps m = 0) and its most to level 15 or a level or two below; so the scale is
+ * (max - min) / span for a span of 15 down to 13, to 17 bits.
  */
 #pragma GCC optimize("fp-contract=fast") /* the levels matmul's FMA: see isa.h */
 #include "common.h"
@@ -62,6 +68,39 @@ static int try_scale(const float *values, float scale, float offset, int level_b
     return rebuilt;
 }
 
+/* `x` rounded to nearest even at 17 significant bits (Q4_K's scales and offsets). */
+static float k_quant_rounded(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits = (bits + 0x3fu + ((bits >> 7) & 1u)) & ~0x7fu;
+    float rounded;
+    memcpy(&rounded, &bits, sizeof rounded);
+    return rounded;
+}
+
+/* Whether a Q4_K scale (17 bits) a step from `estimate` gives levels that rebuild the group. */
+static int try_k_quant(const float *values, float estimate, float offset, uint8_t *levels, float *scale) {
+    static const int steps[] = {0, 1, -1};
+    uint32_t center;
+    float rounded = k_quant_rounded(estimate);
+    memcpy(&center, &rounded, sizeof center);
+    if (rounded == 0.0f) { /* a constant group: d * sc of 0 */
+        *scale = 0.0f;
+        return try_scale(values, 0.0f, offset, 4, levels);
+    }
+    if (!(rounded > 0.0f) || !isfinite(rounded)) {
+        return 0;
+    }
+    for (size_t s = 0; s < sizeof steps / sizeof steps[0]; s++) {
+        uint32_t bits = center + (uint32_t)(steps[s] * 0x80);
+        memcpy(scale, &bits, sizeof *scale);
+        if (try_scale(values, *scale, offset, 4, levels)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* Whether some fp16 scale an fp16 step or two from `estimate` gives levels that rebuild the group. */
 static int try_near(const float *values, float estimate, float offset, int level_bits, uint8_t *levels,
                     float *scale) {
@@ -106,6 +145,16 @@ static int find_group(const float *values, int level_bits, uint8_t *levels, floa
         *offset = offsets[c];
         if (try_near(values, estimates[c], offsets[c], 4, levels, scale)) {
             return 1;
+        }
+    }
+    /* Q4_K: level 0 at the least value (or at zero, m = 0, where all are positive). */
+    const float k_offsets[2] = {least, 0.0f};
+    for (int c = 0; c < (least > 0.0f ? 2 : 1); c++) {
+        for (int span = 15; span >= 13; span--) {
+            *offset = k_offsets[c];
+            if (try_k_quant(values, (most - k_offsets[c]) / (float)span, k_offsets[c], levels, scale)) {
+                return 1;
+            }
         }
     }
     return 0;
