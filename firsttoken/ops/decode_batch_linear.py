@@ -12,7 +12,6 @@ the GGUF levels where the weight came from them).
 
 from __future__ import annotations
 
-import functools
 import logging
 import statistics
 import time
@@ -32,6 +31,8 @@ PROBE_ROWS = (1, 2, 4, 8, 16, 32)
 # The native kernel takes a row count only where it is faster than torch's by more than this.
 MIN_GAIN = 0.10
 _REPEATS = 5
+_MIN_REPEATS = 2
+_TIMING_BUDGET_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,13 @@ class DecodeBatchLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def _median_seconds(function, repeats: int = _REPEATS) -> float:
+def _median_seconds(function) -> float:
+    """The median of up to `_REPEATS` timed calls after a first one, as many as fit in
+    `_TIMING_BUDGET_S` (a 1B model's LM head takes tens of ms a call; its noise is small)."""
+    start = time.perf_counter()
     function()
+    first = time.perf_counter() - start
+    repeats = max(_MIN_REPEATS, min(_REPEATS, int(_TIMING_BUDGET_S / max(first, 1e-9))))
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -92,36 +98,38 @@ def _median_seconds(function, repeats: int = _REPEATS) -> float:
     return statistics.median(samples)
 
 
-@functools.lru_cache(maxsize=64)
-def _measured_native_rows(
-    in_features: int, out_features: int, kernels: native.NativeKernels, num_threads: int
-) -> NativeRows | None:
-    """Time torch's matmul and the native row matmul on a random weight of this shape (the
-    threads are part of the key: both kernels' speed depends on them)."""
+def _timed_native_rows(weight: torch.Tensor, native_linear: NativeRowInvariantLinear) -> NativeRows | None:
+    """Time torch's matmul and the native row matmul on this weight at each probed row count."""
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=generator)
-    native_linear = NativeRowInvariantLinear(weight, None, kernels)
     timings = {}
     for rows in PROBE_ROWS:
-        x = torch.randn(rows, in_features, generator=generator)
+        x = torch.randn(rows, weight.shape[1], generator=generator)
         torch_s = _median_seconds(lambda: F.linear(x, weight))
         native_s = _median_seconds(lambda: native_linear(x))
         timings[rows] = (torch_s, native_s)
     return native_rows_from(timings)
 
 
-def measured_native_rows(linear: Linear, kernels: native.NativeKernels) -> NativeRows | None:
-    """The step sizes at which this projection's shape runs faster on the native row matmul."""
-    out_features, in_features = linear.weight.shape
-    return _measured_native_rows(in_features, out_features, kernels, torch.get_num_threads())
+# Each projection shape's step sizes, per kernels and thread count (both kernels' speed depends
+# on them): the first weight of a shape is timed, the others of that shape take its answer.
+_measured_rows: dict[tuple[int, int, native.NativeKernels, int], NativeRows | None] = {}
 
 
 def decode_batch_linear(linear: Linear, kernels: native.NativeKernels) -> nn.Module:
-    """`linear` as a DecodeBatchLinear where the native matmul wins some step sizes, else as is."""
-    native_rows = measured_native_rows(linear, kernels)
+    """`linear` as a DecodeBatchLinear where the native matmul wins some step sizes, else as is.
+    The timing runs on the projection's own weight (a GGUF weight's levels included) and its
+    packed copy, which serves it where the native matmul wins."""
+    out_features, in_features = linear.weight.shape
+    key = (in_features, out_features, kernels, torch.get_num_threads())
+    native_linear = None
+    if key not in _measured_rows:
+        native_linear = NativeRowInvariantLinear(linear.weight.data, bias_of(linear), kernels)
+        _measured_rows[key] = _timed_native_rows(linear.weight.data, native_linear)
+    native_rows = _measured_rows[key]
     if native_rows is None:
         return linear
-    native_linear = NativeRowInvariantLinear(linear.weight.data, bias_of(linear), kernels)
+    if native_linear is None:
+        native_linear = NativeRowInvariantLinear(linear.weight.data, bias_of(linear), kernels)
     return DecodeBatchLinear(linear, native_linear, native_rows)
 
 

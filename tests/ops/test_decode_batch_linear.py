@@ -55,8 +55,9 @@ def _greedy_batch(model_path: str, native_rows: NativeRows | None, monkeypatch) 
     from firsttoken import LLM, SamplingParams
 
     asked = []
+    monkeypatch.setattr(decode_batch_linear, "_measured_rows", {})
     monkeypatch.setattr(
-        decode_batch_linear, "_measured_native_rows", lambda *shape: asked.append(shape) or native_rows
+        decode_batch_linear, "_timed_native_rows", lambda *weights: asked.append(weights) or native_rows
     )
     # Its own prepared weights: an engine alive in this process would lend it its projections.
     monkeypatch.setattr(model_loading, "SHARED_WEIGHTS", SharedWeightsRegistry())
@@ -78,3 +79,23 @@ def test_decode_batches_on_the_native_kernel_keep_the_greedy_tokens(model_path, 
     on_native = _greedy_batch(model_path, NativeRows(1, 32), monkeypatch)
     on_torch = _greedy_batch(model_path, None, monkeypatch)
     assert on_native == on_torch
+
+
+def test_a_shape_is_timed_once_on_its_first_weight_and_each_weight_routes_to_its_own(kernels, monkeypatch):
+    timed = []
+    monkeypatch.setattr(decode_batch_linear, "_measured_rows", {})
+    monkeypatch.setattr(
+        decode_batch_linear,
+        "_timed_native_rows",
+        lambda weight, native_linear: timed.append(weight.data_ptr()) or NativeRows(1, 8),
+    )
+    generator = torch.Generator().manual_seed(0)
+    linears = [Linear(64, 96, False, torch.float32) for _ in range(2)]
+    for linear in linears:
+        linear.weight.data = torch.randn(96, 64, generator=generator)
+    routed = [decode_batch_linear.decode_batch_linear(linear, kernels) for linear in linears]
+    assert timed == [linears[0].weight.data_ptr()]
+    x = torch.randn(2, 64, generator=generator)
+    for linear, module in zip(linears, routed, strict=True):
+        assert isinstance(module, DecodeBatchLinear)
+        torch.testing.assert_close(module(x), F.linear(x, linear.weight), **TOLERANCE)
