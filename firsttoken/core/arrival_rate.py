@@ -9,20 +9,27 @@ BURST_S = 0.01
 
 
 class ArrivalRate:
-    """Owns the arrival times and prompt sizes of the latest requests: their rate, over at most
-    `window` of them and `horizon_s` seconds."""
+    """Owns the arrival times and prompt sizes of the latest requests, and whether each found
+    the engine idle: their rate, over at most `window` of them and `horizon_s` seconds."""
 
     def __init__(self, window: int = 32, horizon_s: float = 60.0) -> None:
         self.horizon_s = horizon_s
         self._arrivals: deque[tuple[float, int]] = deque(maxlen=window)
+        self._found_idle: deque[bool] = deque(maxlen=window)
 
-    def record(self, arrival: float, num_prompt_tokens: int) -> None:
+    def record(self, arrival: float, num_prompt_tokens: int, found_idle: bool) -> None:
         self._arrivals.append((arrival, num_prompt_tokens))
+        self._found_idle.append(found_idle)
 
     def per_second(self, now: float) -> float:
-        """Arrival events per second lately, the gap since the last one counted; 0 with fewer
-        than two in the horizon. Arrivals within `BURST_S` of the one before are one event: a
-        batch sent at once is already in line, not a rate that goes on."""
+        """Arrival events per second lately, the gap since the last one counted, at which
+        prompts come while the engine works; 0 with fewer than two in the horizon. Arrivals
+        within `BURST_S` of the one before are one event: a batch sent at once is already in
+        line, not a rate that goes on. Where every recent arrival found the engine idle, none
+        came while it worked: a client that sends each request after the last one finished
+        (`LLM.generate` in a loop), or a load too light to meet a prompt in flight; so 0."""
+        if all(self._found_idle):
+            return 0.0
         times = sorted(arrival for arrival, _ in self._recent(now))
         if not times:
             return 0.0

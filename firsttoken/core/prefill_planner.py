@@ -79,9 +79,10 @@ class PrefillPlanner:
         self.clock = clock
         self.arrival_rate = ArrivalRate()
 
-    def record_arrival(self, request: Request) -> None:
-        """Count an admitted request among the arrivals auto weighs."""
-        self.arrival_rate.record(request.timestamps.arrival, request.num_prompt_tokens)
+    def record_arrival(self, request: Request, found_idle: bool) -> None:
+        """Count an admitted request among the arrivals auto weighs; `found_idle`: no other
+        request was in the engine when it came."""
+        self.arrival_rate.record(request.timestamps.arrival, request.num_prompt_tokens, found_idle)
 
     # -- TTFT objectives -------------------------------------------------------------------
 

@@ -156,9 +156,10 @@ class Scheduler:
         except (InvalidInputError, SloUnattainableError):
             request.block_hashes.clear()
             raise
+        found_idle = not self.requests
         self.requests[request.req_id] = request
         self.waiting.append(request)
-        self.prefill_planner.record_arrival(request)
+        self.prefill_planner.record_arrival(request, found_idle)
 
     def validate_capacity(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise InvalidInputError if a request of this size could never run, whatever the load."""

@@ -156,9 +156,9 @@ def test_only_a_much_shorter_prompt_counts_as_overtaking():
     worth a cut: its own prefill delays the head by about what it gains."""
     rate = ArrivalRate()
     for index, size in enumerate((510, 514, 511, 509)):
-        rate.record(float(index), size)
+        rate.record(float(index), size, found_idle=False)
     assert rate.share_shorter_than(4.0, overtaking_size(512)) == 0.0
-    rate.record(4.0, 64)
+    rate.record(4.0, 64, found_idle=False)
     assert rate.share_shorter_than(4.0, overtaking_size(512)) == pytest.approx(1 / 5)
 
 
@@ -166,10 +166,32 @@ def test_arrival_rate_counts_recent_arrivals_and_their_sizes():
     rate = ArrivalRate(window=8, horizon_s=10.0)
     assert rate.per_second(0.0) == 0.0
     for index in range(5):
-        rate.record(index * 0.5, 100 if index % 2 else 1000)
+        rate.record(index * 0.5, 100 if index % 2 else 1000, found_idle=False)
     assert rate.per_second(2.0) == pytest.approx(4 / 2.0)
     assert rate.share_shorter_than(2.0, 500) == pytest.approx(2 / 5)
     assert rate.per_second(100.0) == 0.0  # all past the horizon
+
+
+def test_arrivals_that_found_work_in_flight_give_their_rate():
+    rate = ArrivalRate()
+    for second in range(5):
+        rate.record(float(second), 128, found_idle=second == 0)
+    assert rate.per_second(4.0) == pytest.approx(1.0)
+
+
+def test_arrivals_that_all_found_the_engine_idle_come_at_no_rate_while_it_works():
+    rate = ArrivalRate()
+    for second in range(5):
+        rate.record(float(second), 128, found_idle=True)
+    assert rate.per_second(4.0) == 0.0
+    # One that finds a prompt in flight: the rate is the arrivals' again.
+    rate.record(5.0, 128, found_idle=False)
+    assert rate.per_second(5.0) == pytest.approx(1.0)
+    # Until the window holds only idle finds again.
+    window = ArrivalRate(window=3)
+    for second, idle in enumerate([False, True, True, True]):
+        window.record(float(second), 128, found_idle=idle)
+    assert window.per_second(3.0) == 0.0
 
 
 def test_online_correction_follows_the_observed_speed():
@@ -227,9 +249,9 @@ def test_a_burst_is_one_arrival_event_not_a_rate():
     """A batch sent at once is in line already: it says nothing of prompts still to come."""
     rate = ArrivalRate()
     for _ in range(32):
-        rate.record(0.0, 512)
+        rate.record(0.0, 512, found_idle=False)
     assert rate.per_second(0.001) == 0.0 and rate.per_second(6.0) == 0.0
-    rate.record(2.0, 512)
+    rate.record(2.0, 512, found_idle=False)
     assert rate.per_second(4.0) == pytest.approx(1 / 4.0)
 
 
