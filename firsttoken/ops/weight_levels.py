@@ -3,11 +3,11 @@
 A weight dequantized from Q4_0, Q4_1, Q4_K or Q8_0 holds, per output and group of 32 inputs, at
 most 16 (or 256) values on a grid: w = level * scale (+ offset), with scale and offset fp16 values
 (Q4_K: fp16 values times 6-bit integers) and the float32 multiply-then-add of the dequantization
-(exact: level * scale has at most 17 + 8 significant bits). `MatmulKernels.find_levels` (csrc/weight_levels.c) recovers levels, scales
-and offsets from the float32 values alone, whatever fused, permuted or cached them on the way,
-and keeps them only where every weight rebuilds to its own bits; so a projection on the levels
-computes with exactly the weights of its float32 form while a decode step reads a fifth of the
-bytes (4-bit levels).
+(exact: level * scale has at most 17 + 8 significant bits). `MatmulKernels.find_levels`
+(csrc/weight_levels.c) recovers levels, scales and offsets from the float32 values alone,
+whatever fused, permuted or cached them on the way, and keeps them only where every weight
+rebuilds to its own bits; so a projection on the levels computes with exactly the weights of its
+float32 form while a decode step reads a fifth of the bytes (4-bit levels).
 """
 
 from __future__ import annotations
