@@ -204,31 +204,6 @@ def _save_tokenizer(folder: str) -> None:
         shutil.copy(os.path.join(converted, name), folder)
 
 
-def gguf_name(hf_name: str, family: str) -> str:
-    """llama.cpp's name of a transformers weight."""
-    fixed = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if hf_name in fixed:
-        return fixed[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    parts = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{parts[module]}.{kind}"
-
-
 def rope_permuted(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """llama.cpp's converter's order of a Llama q or k projection's rows: each head's rotary pairs
     interleaved instead of split in halves."""
@@ -274,6 +249,7 @@ def write_gguf_bf16(shape: Shape, seed: int, path: str) -> None:
     """The checkpoint as llama.cpp's converter writes a bf16 GGUF, a tensor at a time."""
     import gguf
 
+    from firsttoken.models.loaders.gguf_file import gguf_tensor_name
     from firsttoken.models.registry import default_model_path
 
     writer = gguf.GGUFWriter(path + ".tmp", shape.family)
@@ -281,7 +257,7 @@ def write_gguf_bf16(shape: Shape, seed: int, path: str) -> None:
     _add_tokenizer_fields(writer, gguf.GGUFReader(default_model_path()), shape.vocab_size)
     names = list(hf_tensors(shape))
     for hf_name, dims in names:
-        name = gguf_name(hf_name, shape.family)
+        name = gguf_tensor_name(hf_name, shape.family)
         if len(dims) == 1:
             writer.add_tensor_info(name, dims, np.dtype(np.float32), math.prod(dims) * 4)
         else:

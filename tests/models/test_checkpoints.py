@@ -296,3 +296,16 @@ def test_damaged_conversion_cache_is_rebuilt(tmp_path):
         with open(folder / entry / name, "wb") as handle:
             handle.write(b"\x00garbage")
     assert _firsttoken_run(path).token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("gguf_arch", ["llama", "qwen2", "gemma2"])
+def test_the_converters_names_are_the_loaders_own_read_backwards(gguf_arch):
+    from firsttoken.models.loaders.gguf_file import _hf_name, gguf_tensor_name
+
+    parts = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+    if gguf_arch == "gemma2":
+        parts += ["post_attention_norm", "ffn_norm", "post_ffw_norm"]
+    names = ["token_embd.weight", "output_norm.weight", "output.weight"]
+    names += [f"blk.7.{part}.weight" for part in parts] + ["blk.7.attn_q.bias"]
+    for name in names:
+        assert gguf_tensor_name(_hf_name(name, gguf_arch), gguf_arch) == name

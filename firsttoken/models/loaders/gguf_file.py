@@ -356,6 +356,19 @@ def _iter_weights(tensors: dict[str, Any], arch: ModelArch, gguf_arch: str) -> N
         yield hf_name, weight
 
 
+def gguf_tensor_name(hf_name: str, gguf_arch: str) -> str:
+    """llama.cpp's name of a Hugging Face weight, as its converter writes it (`_hf_name`'s
+    inverse; a KeyError for a weight it has no name for)."""
+    by_hf_name = {hf: gguf for gguf, hf in _GLOBAL_NAMES.items()}
+    if hf_name in by_hf_name:
+        return by_hf_name[hf_name]
+    layer_names = _LAYER_NAMES | _SANDWICH_NORM_NAMES if gguf_arch in _GEMMA else _LAYER_NAMES
+    by_local_name = {local: part for part, local in layer_names.items()}
+    _, _, layer, rest = hf_name.split(".", 3)
+    local, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{by_local_name[local]}.{kind}"
+
+
 def _hf_name(gguf_name: str, gguf_arch: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
