@@ -277,6 +277,8 @@ def main() -> None:
     shape = SHAPES[args.model]
     runs = []
     paths = make(args.model, args.formats, args.seed, args.cache_dir, args.llama_cpp_python)
+    # Files just written are still being written back: that would slow the first engine's run.
+    os.sync()
     for file_format, path in paths.items():
         runs.append(("firsttoken", file_format, "auto", sys.executable, path))
         if file_format == "hf" and args.vllm_python:
