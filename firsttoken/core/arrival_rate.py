@@ -14,12 +14,10 @@ class ArrivalRate:
 
     def __init__(self, window: int = 32, horizon_s: float = 60.0) -> None:
         self.horizon_s = horizon_s
-        self._arrivals: deque[tuple[float, int]] = deque(maxlen=window)
-        self._found_idle: deque[bool] = deque(maxlen=window)
+        self._arrivals: deque[tuple[float, int, bool]] = deque(maxlen=window)
 
     def record(self, arrival: float, num_prompt_tokens: int, found_idle: bool) -> None:
-        self._arrivals.append((arrival, num_prompt_tokens))
-        self._found_idle.append(found_idle)
+        self._arrivals.append((arrival, num_prompt_tokens, found_idle))
 
     def per_second(self, now: float) -> float:
         """Arrival events per second lately, the gap since the last one counted, at which
@@ -28,11 +26,10 @@ class ArrivalRate:
         line, not a rate that goes on. Where every recent arrival found the engine idle, none
         came while it worked: a client that sends each request after the last one finished
         (`LLM.generate` in a loop), or a load too light to meet a prompt in flight; so 0."""
-        if all(self._found_idle):
+        recent = self._recent(now)
+        if all(found_idle for _, _, found_idle in recent):
             return 0.0
-        times = sorted(arrival for arrival, _ in self._recent(now))
-        if not times:
-            return 0.0
+        times = sorted(arrival for arrival, _, _ in recent)
         num_gaps = sum(1 for earlier, later in zip(times, times[1:]) if later - earlier > BURST_S)
         span_s = max(now, times[-1]) - times[0]
         return num_gaps / span_s if num_gaps and span_s > 0 else 0.0
@@ -40,14 +37,14 @@ class ArrivalRate:
     def mean_prompt_tokens(self, now: float) -> float:
         """The recent arrivals' mean prompt length; 0 without any."""
         recent = self._recent(now)
-        return sum(size for _, size in recent) / len(recent) if recent else 0.0
+        return sum(size for _, size, _ in recent) / len(recent) if recent else 0.0
 
     def share_shorter_than(self, now: float, num_tokens: int) -> float:
         """The share of the recent arrivals whose prompt was shorter than `num_tokens`."""
         recent = self._recent(now)
         if not recent:
             return 0.0
-        return sum(1 for _, size in recent if size < num_tokens) / len(recent)
+        return sum(1 for _, size, _ in recent if size < num_tokens) / len(recent)
 
-    def _recent(self, now: float) -> list[tuple[float, int]]:
-        return [(arrival, size) for arrival, size in self._arrivals if arrival >= now - self.horizon_s]
+    def _recent(self, now: float) -> list[tuple[float, int, bool]]:
+        return [entry for entry in self._arrivals if entry[0] >= now - self.horizon_s]

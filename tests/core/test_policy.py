@@ -192,6 +192,11 @@ def test_arrivals_that_all_found_the_engine_idle_come_at_no_rate_while_it_works(
     for second, idle in enumerate([False, True, True, True]):
         window.record(float(second), 128, found_idle=idle)
     assert window.per_second(3.0) == 0.0
+    # Or the horizon holds only idle finds.
+    horizon = ArrivalRate(horizon_s=10.0)
+    for second, idle in ((0.0, False), (20.0, True), (21.0, True), (22.0, True)):
+        horizon.record(second, 128, found_idle=idle)
+    assert horizon.per_second(22.0) == 0.0
 
 
 def test_online_correction_follows_the_observed_speed():
