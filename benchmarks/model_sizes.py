@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import random
 import resource
 import statistics
 import subprocess
@@ -42,6 +41,9 @@ from typing import TYPE_CHECKING
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table, save_result  # noqa: E402
 
+# Its token ids are of the embedded tokenizer's range, which every checkpoint's vocabulary covers.
+from vs_vllm_cpu import decode_ms_per_token, token_ids, vllm_environment  # noqa: E402
+
 if TYPE_CHECKING:
     from make_checkpoint import Shape
 
@@ -51,15 +53,8 @@ DECODE_AFTER = 128
 DECODE_TOKENS = 32
 REPEATS = 3
 MAX_MODEL_LEN = 4096
-# Token ids of the embedded tokenizer's range, which every checkpoint's vocabulary covers.
-TOKEN_LOW, TOKEN_HIGH = 100, 49000
 # generate(ids, max_tokens) runs one request to completion.
 Generate = Callable[[list[int], int], None]
-
-
-def token_ids(num_tokens: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(num_tokens)]
 
 
 def measure(generate: Generate, launched_at: float, lengths: list[int]) -> dict[str, float]:
@@ -74,15 +69,7 @@ def measure(generate: Generate, launched_at: float, lengths: list[int]) -> dict[
             generate(token_ids(length, 100 + length + index), 1)
             times.append(time.perf_counter() - start)
         figures[f"TTFT {length} (ms)"] = statistics.median(times) * 1e3
-    per_token = []
-    for index in range(REPEATS):
-        start = time.perf_counter()
-        generate(token_ids(DECODE_AFTER, 900 + index), 1)
-        prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        generate(token_ids(DECODE_AFTER, 950 + index), DECODE_TOKENS + 1)
-        per_token.append((time.perf_counter() - start - prefill) / DECODE_TOKENS)
-    figures["decode (ms/token)"] = statistics.median(per_token) * 1e3
+    figures["decode (ms/token)"] = decode_ms_per_token(generate, DECODE_AFTER, DECODE_TOKENS)
     figures["peak RSS (GiB)"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return figures
 
@@ -154,8 +141,6 @@ def run_engine(python: str, engine: str, path: str, dtype: str, lengths: list[in
         drop_page_cache(path)
     environment = dict(os.environ)
     if engine == "vllm":
-        from vs_vllm_cpu import vllm_environment
-
         # In-process, so that its engine's memory is this process's peak RSS.
         environment = {**vllm_environment(python), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     command = [

@@ -99,15 +99,19 @@ def warm_prefix_ms(generate: Generate) -> float:
     return statistics.median(times) * 1e3
 
 
-def decode_ms_per_token(generate: Generate) -> float:
+def decode_ms_per_token(
+    generate: Generate, prompt_tokens: int = DECODE_AFTER, new_tokens: int = DECODE_TOKENS
+) -> float:
+    """Batch-1 decode after a prompt of `prompt_tokens`: a request of `new_tokens` more tokens
+    less the prefill of another of that length, the median of 3."""
     per_token = []
     for index in range(3):
         start = time.perf_counter()
-        generate(token_ids(DECODE_AFTER, 900 + index), 1)
+        generate(token_ids(prompt_tokens, 900 + index), 1)
         prefill = time.perf_counter() - start
         start = time.perf_counter()
-        generate(token_ids(DECODE_AFTER, 950 + index), DECODE_TOKENS + 1)
-        per_token.append((time.perf_counter() - start - prefill) / DECODE_TOKENS)
+        generate(token_ids(prompt_tokens, 950 + index), new_tokens + 1)
+        per_token.append((time.perf_counter() - start - prefill) / new_tokens)
     return statistics.median(per_token) * 1e3
 
 
