@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from firsttoken.ops.cpu_info import cpu_flags, cpu_model_name
+from firsttoken.worker.cpu_contention import measured_for_cache
 
 logger = logging.getLogger(__name__)
 
@@ -223,9 +224,11 @@ def load_or_choose(
     key: ChoiceKey,
     request: ComputeRequest,
     measure: Callable[[], tuple[list[FormTiming], int]],
+    read_stat: Callable[[], str | None] | None = None,
 ) -> tuple[ComputeChoice, bool]:
     """The cached choice for `key`, else one made from `measure()` (the timings and the prefill
-    length they were taken at) and cached; and whether it came from the cache."""
+    length they were taken at) and cached unless other work disturbed the timings (`read_stat`:
+    the machine's CPU times); and whether it came from the cache."""
     path = os.path.join(cache_folder, key.file_name())
     cached = read_cached(path, key)
     if cached is not None:
@@ -233,9 +236,11 @@ def load_or_choose(
             return ComputeChoice.from_json(cached), True
         except (KeyError, TypeError, ValueError) as error:
             logger.warning("ignoring the cached compute choice %s (%s); measuring again", path, error)
-    timings, prefill_tokens = measure()
+    measured, cacheable = measured_for_cache("the compute forms' timings", measure, key.threads, read_stat)
+    timings, prefill_tokens = measured
     choice = choose_form(request, timings, prefill_tokens)
-    write_cached(path, key, choice.to_json())
+    if cacheable:
+        write_cached(path, key, choice.to_json())
     return choice, False
 
 

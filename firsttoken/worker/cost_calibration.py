@@ -22,6 +22,7 @@ from firsttoken.arithmetic import ceil_div
 from firsttoken.core.batch import ModelOutput, SampleSpec, ScheduledChunk, SchedulerOutput
 from firsttoken.core.cost_model import StepCostModel, step_work
 from firsttoken.sampling_params import SamplingParams
+from firsttoken.worker.cpu_contention import measured_for_cache
 
 logger = logging.getLogger(__name__)
 
@@ -196,17 +197,20 @@ def predicts_probe(model: StepCostModel, measured_seconds: float, shape: StepSha
     return 1 / PROBE_TOLERANCE <= measured_seconds / predicted <= PROBE_TOLERANCE
 
 
-def load_or_calibrate(runner: StepRunner, limits: CalibrationLimits, cache_file: str) -> StepCostModel:
+def load_or_calibrate(
+    runner: StepRunner, limits: CalibrationLimits, cache_file: str, threads: int
+) -> StepCostModel:
     """The cached model for this engine's identity if it still predicts a probe step, or a fresh
-    measurement (then cached)."""
+    measurement on `threads` threads (then cached, unless other work disturbed it)."""
     cached = _load(cache_file)
     if cached is not None:
         shape = probe_shape(limits)
         if predicts_probe(cached, measure(runner, shape, limits), shape):
             return cached
         logger.info("cached step cost model %s mispredicts this machine now; measuring again", cache_file)
-    model = calibrate(runner, limits)
-    _save(model, cache_file)
+    model, cacheable = measured_for_cache("the step cost model", lambda: calibrate(runner, limits), threads)
+    if cacheable:
+        _save(model, cache_file)
     return model
 
 

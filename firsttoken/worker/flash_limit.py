@@ -21,6 +21,7 @@ import torch
 
 from firsttoken.attention.sdpa import causal_self_attention
 from firsttoken.ops.native import NativeKernels
+from firsttoken.worker.cpu_contention import measured_for_cache
 from firsttoken.worker.compute_choice import ChoiceKey, ComputeRequest, choice_key, read_cached, write_cached
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,13 @@ def load_or_measure_limit(
         except (KeyError, TypeError, ValueError) as error:
             logger.warning("ignoring the cached flash limit %s (%s); measuring again", path, error)
     started = time.perf_counter()
-    limit = decide_limit(measure_lengths(native_kernels, shape, num_threads))
+    timings, cacheable = measured_for_cache(
+        "the prefill attention's timings",
+        lambda: measure_lengths(native_kernels, shape, num_threads),
+        num_threads,
+    )
+    limit = decide_limit(timings)
     logger.info("measured the native and SDPA prefill attention in %.2f s", time.perf_counter() - started)
-    write_cached(path, key, limit.to_json())
+    if cacheable:
+        write_cached(path, key, limit.to_json())
     return limit

@@ -62,7 +62,7 @@ def measure_step_cost(steps: StepRunner, worker: Worker) -> StepCostModel:
     """This device's step cost, measured on scratch blocks (or cached from an earlier
     measurement that still holds)."""
     cache_file = os.path.join(worker.cache_dir, "step_costs", step_cost_cache_name(worker))
-    return load_or_calibrate(steps, scratch_limits(worker), cache_file)
+    return load_or_calibrate(steps, scratch_limits(worker), cache_file, worker.num_threads)
 
 
 def step_cost_cache_name(worker: Worker) -> str:

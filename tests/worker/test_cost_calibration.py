@@ -54,21 +54,21 @@ def test_a_cached_model_that_still_predicts_the_probe_is_used(tmp_path, machine)
     cache_file = tmp_path / "costs.json"
     close = MACHINE_NOW.scaled(1.5)
     _store(cache_file, close)
-    assert load_or_calibrate(None, _limits(2048, 65536), str(cache_file)) == close
+    assert load_or_calibrate(None, _limits(2048, 65536), str(cache_file), 2) == close
     assert machine["calibrate"] == 0
 
 
 def test_a_cached_model_from_a_busy_machine_is_measured_again(tmp_path, machine):
     cache_file = tmp_path / "costs.json"
     _store(cache_file, MACHINE_NOW.scaled(60))  # calibrated while something else ran
-    assert load_or_calibrate(None, _limits(2048, 65536), str(cache_file)) == REFITTED
+    assert load_or_calibrate(None, _limits(2048, 65536), str(cache_file), 2) == REFITTED
     assert machine["calibrate"] == 1
     assert json.loads(cache_file.read_text())["seconds_fixed"] == REFITTED.seconds_fixed
 
 
 def test_without_a_cache_the_model_is_measured_and_saved(tmp_path, machine):
     cache_file = tmp_path / "sub" / "costs.json"
-    assert load_or_calibrate(None, _limits(2048, 65536), str(cache_file)) == REFITTED
+    assert load_or_calibrate(None, _limits(2048, 65536), str(cache_file), 2) == REFITTED
     assert cache_file.exists()
 
 
