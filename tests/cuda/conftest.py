@@ -26,3 +26,29 @@ elif not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# Interpreted on a CPU, each test's first parametrization stands for its kernel in the default
+# run, and these engine-level checks (5-16 s each there) run only in the slow tier; on a GPU
+# every case runs by default.
+INTERPRETED_IN_SLOW_TIER = {
+    "test_a_decode_row_is_the_bits_of_the_same_token_recomputed_as_a_prefill_row",
+    "test_in_chunks_the_logits_are_the_same_bits",
+    "test_windowed_and_soft_capped_layers_give_the_cpu_paths_greedy_tokens",
+}
+_CUDA_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.hookimpl(tryfirst=True)  # before the tiers are marked and `-m 'not slow'` deselects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    seen_functions: set[tuple[str, str]] = set()
+    for item in items:
+        if not str(item.path).startswith(_CUDA_TESTS + os.sep):
+            continue
+        name = getattr(item, "originalname", item.name)
+        function = (str(item.path), name)
+        if function in seen_functions or name in INTERPRETED_IN_SLOW_TIER:
+            item.add_marker(pytest.mark.slow)
+        seen_functions.add(function)
