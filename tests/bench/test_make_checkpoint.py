@@ -64,7 +64,12 @@ def test_shards_keep_the_file_order_and_hold_at_most_their_size(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "model", ["tiny-llama3", pytest.param("tiny-qwen2", marks=pytest.mark.slow), "tiny-llama-untied"]
+    "model",
+    [
+        "tiny-llama3",
+        pytest.param("tiny-qwen2", marks=pytest.mark.slow),
+        pytest.param("tiny-llama-untied", marks=pytest.mark.slow),
+    ],
 )
 def test_the_gguf_file_and_the_folder_give_transformers_logprobs(checkpoint_cache, model):
     paths = make(model, ["hf", "gguf-bf16"], seed=3, cache=checkpoint_cache)

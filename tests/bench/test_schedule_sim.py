@@ -27,6 +27,8 @@ from firsttoken.core.cost_model import StepCostModel
 #   (160 / 568 / 3724 ms).
 # - First-generation Zen (AVX2), float32: fitted to its TTFT at 128 / 512 / 2048 tokens (541 / 2070
 #   / 11415 ms).
+# - Zen 3 (AVX2), float32 with invariance (its measured default): the start-up calibration's fit
+#   (a 512-token prefill ~0.98 s, a one-row decode step 21 ms).
 XEON_AMX_BF16 = StepCostModel(
     0.0215, 1.60e-4, 1.04e-7, 0.0284, seconds_per_decode_row=4.5e-4, seconds_per_decode_pair=6.1e-7
 )
@@ -34,6 +36,10 @@ CPU_CLASSES = {
     "zen4-bf16": StepCostModel(0.0269, 0.000580, 2.27e-7),
     "xeon-no-amx-float32": pytest.param(StepCostModel(0.058, 0.000731, 1.03e-6), marks=pytest.mark.slow),
     "zen1-avx2-float32": pytest.param(StepCostModel(0.103, 0.00328, 2.19e-6), marks=pytest.mark.slow),
+    "zen3-avx2-float32": pytest.param(
+        StepCostModel(0.0547, 0.00161, 5.79e-7, seconds_one_decode=0.0206, seconds_per_decode_pair=4.40e-6),
+        marks=pytest.mark.slow,
+    ),
     # Decode rows and their pairs priced apart (a 2-core Xeon with AMX, the embedded model in bf16).
     "xeon-amx-bf16": pytest.param(XEON_AMX_BF16, marks=pytest.mark.slow),
 }
