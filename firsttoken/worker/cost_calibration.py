@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
@@ -198,19 +199,29 @@ def predicts_probe(model: StepCostModel, measured_seconds: float, shape: StepSha
 
 
 def load_or_calibrate(
-    runner: StepRunner, limits: CalibrationLimits, cache_file: str, threads: int
+    runner: StepRunner,
+    limits: CalibrationLimits,
+    cache_file: str,
+    threads: int,
+    read_stat: Callable[[], str | None] | None = None,
 ) -> StepCostModel:
     """The cached model for this engine's identity if it still predicts a probe step, or a fresh
-    measurement on `threads` threads (then cached, unless other work disturbed it)."""
+    measurement on `threads` threads (then cached, unless other work disturbed it: then a cached
+    model, measured quietly, is kept instead). `read_stat`: the machine's CPU times."""
     cached = _load(cache_file)
     if cached is not None:
         shape = probe_shape(limits)
         if predicts_probe(cached, measure(runner, shape, limits), shape):
             return cached
         logger.info("cached step cost model %s mispredicts this machine now; measuring again", cache_file)
-    model, cacheable = measured_for_cache("the step cost model", lambda: calibrate(runner, limits), threads)
+    model, cacheable = measured_for_cache(
+        "the step cost model", lambda: calibrate(runner, limits), threads, read_stat
+    )
     if cacheable:
         _save(model, cache_file)
+    elif cached is not None:
+        logger.warning("keeping the cached step cost model %s, measured on a quiet machine", cache_file)
+        return cached
     return model
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from firsttoken.worker.cost_calibration import (
     load_or_calibrate,
     probe_shape,
 )
+from firsttoken.worker.cpu_contention import MIN_WATCHED_S
 from firsttoken.worker.startup import step_cost_cache_name
 
 MACHINE_NOW = StepCostModel(seconds_fixed=0.02, seconds_per_token=2e-4, seconds_per_attention_pair=1e-7)
@@ -157,3 +159,37 @@ def test_calibration_measures_a_lone_decode_apart_from_the_fit():
     assert executed_rows.count([1]) == 3  # the lone decode, fastest of three
     assert model.seconds_one_decode > 0
     assert cost_calibration.one_decode_shape(_limits(2048, 100, max_model_len=64)).chunks == ((63, 1),)
+
+
+def _disturbed_calibration(monkeypatch, machine):
+    """Calibrating takes long enough to be judged, while other work takes every CPU."""
+    busy_ticks = iter(range(5000, 10**9, 10_000))
+
+    def busy_stat():
+        per_cpu = "cpu0 1 0 1 1 0 0 0 0 0 0\ncpu1 1 0 1 1 0 0 0 0 0 0\n"
+        return f"cpu  {next(busy_ticks)} 0 0 1000 0 0 0 0 0 0\n{per_cpu}"
+
+    def slow_calibrate(runner, limits):
+        machine["calibrate"] += 1
+        time.sleep(MIN_WATCHED_S + 0.05)
+        return REFITTED
+
+    monkeypatch.setattr(cost_calibration, "calibrate", slow_calibrate)
+    return busy_stat
+
+
+def test_a_disturbed_calibration_keeps_the_quietly_measured_cache(tmp_path, machine, monkeypatch):
+    cache_file = tmp_path / "costs.json"
+    quiet = MACHINE_NOW.scaled(60)  # mispredicts the probe: measured again
+    _store(cache_file, quiet)
+    busy_stat = _disturbed_calibration(monkeypatch, machine)
+    assert load_or_calibrate(None, _limits(2048, 65536), str(cache_file), 2, busy_stat) == quiet
+    assert machine["calibrate"] == 1
+    assert json.loads(cache_file.read_text())["seconds_fixed"] == quiet.seconds_fixed
+
+
+def test_without_a_cache_a_disturbed_calibration_is_used_but_not_saved(tmp_path, machine, monkeypatch):
+    cache_file = tmp_path / "costs.json"
+    busy_stat = _disturbed_calibration(monkeypatch, machine)
+    assert load_or_calibrate(None, _limits(2048, 65536), str(cache_file), 2, busy_stat) == REFITTED
+    assert not cache_file.exists()
